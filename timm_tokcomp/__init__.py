@@ -1,0 +1,69 @@
+"""timm_tokcomp: training-free token reduction (ToMe, EViT) for timm Vision Transformers.
+
+    import timm, timm_tokcomp
+    model = timm.create_model("deit_small.tome_r16")          # registered names
+    timm_tokcomp.apply(plain_model, method="tome", r=16)        # or patch a model you have
+    timm_tokcomp.set_params(model, r=8)                         # change r on the live model
+    timm_tokcomp.remove(model)                                  # back to the plain timm model
+"""
+from typing import Any, Optional
+
+from torch import nn
+
+from . import patch as _patch
+from .methods import METHODS, make_reducer
+from .methods.base import TokenReducer
+from .registry import register_all as _register_all
+from .state import ReductionStats
+
+__version__ = "0.1.0"
+__all__ = ["apply", "remove", "set_params", "get_reducer", "last_stats", "is_reduced", "METHODS", "ReductionStats"]
+
+
+def apply(model: nn.Module, method: str = "tome", **params: Any) -> nn.Module:
+    """Make a timm ViT reduce tokens inside its blocks (in place; returns the model).
+
+    method: one of METHODS ('tome', 'evit'). params: r (int, per-block list, or (r, inflection)
+    tuple), flops_ratio (> 1, solves a decreasing r schedule), prop_attn, trace_source.
+    Applying to an already reduced model replaces its method. Raises TypeError for unsupported
+    models and ValueError for bad parameters, leaving the model untouched.
+    """
+    _patch.patch(model, make_reducer(method, **params))
+    return model
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Restore the plain timm model (same classes, same weights); returns it."""
+    _patch.unpatch(model)
+    return model
+
+
+def set_params(model: nn.Module, **params: Any) -> nn.Module:
+    """Change the current method's parameters on a reduced model, e.g. set_params(model, r=8).
+    Parameters not given keep their values; giving flops_ratio clears r and vice versa."""
+    reducer = _patch.reducer_of(model)
+    merged = dict(reducer.params)
+    if "r" in params:
+        merged["flops_ratio"] = None
+    if params.get("flops_ratio") is not None:
+        merged["r"] = 0
+    merged.update(params)
+    _patch.patch(model, make_reducer(reducer.name, **merged))
+    return model
+
+
+def get_reducer(model: nn.Module) -> TokenReducer:
+    """The method instance of a reduced model."""
+    return _patch.reducer_of(model)
+
+
+def is_reduced(model: nn.Module) -> bool:
+    return _patch.is_patched(model)
+
+
+def last_stats(model: nn.Module) -> Optional[ReductionStats]:
+    """Token counts per block, final sizes and source map of the model's last forward (None before one)."""
+    return _patch.stats_of(model)
+
+
+_register_all()

@@ -1,0 +1,27 @@
+"""EViT (Liang et al.) as ToCom uses it: each block removes r tokens by keeping the patch tokens the
+class token attends to most and fusing the r + 1 least attended ones into one token."""
+from typing import Optional
+
+import torch
+
+from ..matching import PrunePlan, attentive_pruning
+from .base import TokenReducer
+
+
+class EViT(TokenReducer):
+    """Metric: the class token's attention row, softmaxed and averaged over heads (computed next to
+    SDPA at O(N) cost). The fused token is the attention-weighted mean of the pruned tokens and is
+    an ordinary token in later blocks. Proportional attention is off unless asked."""
+
+    name = "evit"
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        scores = (q[:, :, :1] * scale) @ k.transpose(-2, -1)  # (B, H, 1, N)
+        if attn_bias is not None:
+            scores = scores + attn_bias
+        return scores.softmax(dim=-1).mean(dim=1)[:, 0]
+
+    def plan(self, metric: torch.Tensor, r: int, num_prefix: int) -> Optional[PrunePlan]:
+        if r <= 0 or metric.shape[1] - num_prefix < 2:
+            return None
+        return attentive_pruning(metric, r, num_prefix)

@@ -1,0 +1,24 @@
+"""ToMe (Bolya et al.): merge the r most similar token pairs of each block by bipartite soft matching."""
+from typing import Optional
+
+import torch
+
+from ..matching import MergePlan, bipartite_soft_matching
+from .base import TokenReducer
+
+
+class ToMe(TokenReducer):
+    """Metric: keys averaged over heads (cosine similarity). Merge: size-weighted mean.
+    Proportional attention is on by default, off for avg-pooled (MAE-style) models."""
+
+    name = "tome"
+
+    def default_prop_attn(self, global_pool: str) -> bool:
+        return global_pool != "avg"
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        return k.mean(dim=1)
+
+    def plan(self, metric: torch.Tensor, r: int, num_prefix: int) -> Optional[MergePlan]:
+        plan = bipartite_soft_matching(metric, r, num_prefix)
+        return plan if plan.r > 0 else None

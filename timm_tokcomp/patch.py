@@ -1,0 +1,240 @@
+"""The only module that knows timm's internals: swaps a VisionTransformer's classes (model, Block,
+Attention) for static subclasses that reduce tokens, and back. Parameters and buffers are never
+touched, so state_dict keys and weights stay exactly those of the timm model."""
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention
+from timm.models.deit import VisionTransformerDistilled
+from timm.models.vision_transformer import Block, VisionTransformer
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .methods.base import TokenReducer
+from .ops import apply_plan
+from .schedules import BlockCost
+from .state import ReductionStats
+
+
+class ReducingAttention(Attention):
+    """timm Attention that also returns the reducer's metric and takes an additive score bias."""
+
+    def forward_reduce(
+        self, x: torch.Tensor, attn_bias: Optional[torch.Tensor], reducer: Optional[TokenReducer]
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x: (B, N, C); attn_bias: (B, 1, 1, N) or None. Returns (out (B, N, C_out), metric or None)."""
+        B, N, C = x.shape
+        attn_dim = getattr(self, "attn_dim", C)
+        gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if attn_bias is not None:
+            attn_bias = attn_bias.to(q.dtype)
+        metric = reducer.metric(q, k, attn_bias, self.scale) if reducer is not None else None
+
+        if self.fused_attn:
+            x = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_bias, dropout_p=self.attn_drop.p if self.training else 0.0
+            )
+        else:
+            q = q * self.scale
+            attn = q @ k.transpose(-2, -1)
+            if attn_bias is not None:
+                attn = attn + attn_bias
+            attn = attn.softmax(dim=-1)
+            attn = self.attn_drop(attn)
+            x = attn @ v
+
+        x = x.transpose(1, 2).reshape(B, N, attn_dim)
+        x = self.norm(x)
+        if gate is not None:
+            x = x * gate
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x, metric
+
+
+class ReducingBlock(Block):
+    """timm Block that reduces tokens between attention and MLP. Run only by the patched model."""
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        raise RuntimeError(
+            "this Block is patched by timm_tokcomp and changes the token count; run it through the model's "
+            "forward / forward_features, or call timm_tokcomp.remove(model) first"
+        )
+
+    def forward_reduce(
+        self,
+        x: torch.Tensor,
+        size: Optional[torch.Tensor],
+        source: Optional[torch.Tensor],
+        r: int,
+        reducer: TokenReducer,
+        prop_attn: bool,
+        num_prefix: int,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """x: (B, N, C), size: (B, N, 1) or None, source: (B, N, N0) or None -> the same, N' <= N tokens."""
+        attn_bias = size.log().transpose(1, 2).unsqueeze(1) if prop_attn and size is not None else None
+        h, metric = self.attn.forward_reduce(self.norm1(x), attn_bias, reducer if r > 0 else None)
+        x = x + self.drop_path1(self.ls1(h))
+        if metric is not None:
+            plan = reducer.plan(metric, r, num_prefix)
+            if plan is not None:
+                x, size, source = apply_plan(plan, x, size, source)
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return x, size, source
+
+
+class _ReducingViT:
+    """Mixin over timm's VisionTransformer (and its distilled variant) running the reducing blocks."""
+
+    _tokcomp_reducer: TokenReducer
+    _tokcomp_prop_attn: bool
+    _tokcomp_stats: Optional[ReductionStats]
+
+    def forward_features(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+        """x: (B, 3, H, W) -> (B, N', C) with N' <= N tokens (prefix tokens first)."""
+        if attn_mask is not None or is_causal:
+            raise ValueError("attn_mask / is_causal are not supported while tokens are reduced (token count changes)")
+        x = self.patch_embed(x)
+        x = self._pos_embed(x)
+        x = self.patch_drop(x)
+        x = self.norm_pre(x)
+        x = self._reduce_blocks(x)
+        return self.norm(x)
+
+    def _reduce_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        reducer, num_prefix = self._tokcomp_reducer, self.num_prefix_tokens
+        budgets = reducer.budgets(len(self.blocks), x.shape[1], num_prefix, _block_cost(self.blocks[0]))
+        size = None
+        source = None
+        if reducer.trace_source:
+            source = torch.eye(x.shape[1], device=x.device, dtype=x.dtype).expand(x.shape[0], -1, -1)
+        stats = ReductionStats(num_prefix=num_prefix)
+        use_checkpoint = self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting()
+        for blk, r in zip(self.blocks, budgets):
+            stats.tokens_per_block.append(x.shape[1])
+            args = (x, size, source, r, reducer, self._tokcomp_prop_attn, num_prefix)
+            if use_checkpoint:
+                x, size, source = checkpoint(blk.forward_reduce, *args, use_reentrant=False)
+            else:
+                x, size, source = blk.forward_reduce(*args)
+        stats.size = None if size is None else size.detach()
+        stats.source = None if source is None else source.detach()
+        self._tokcomp_stats = stats
+        return x
+
+    def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
+        """Like timm's pool, but 'avg' / 'avgmax' weight each token by its size."""
+        pool_type = self.global_pool if pool_type is None else pool_type
+        stats = self._tokcomp_stats
+        size = stats.size if stats is not None else None
+        if pool_type not in ("avg", "avgmax") or size is None:
+            return super().pool(x, pool_type)
+        if size.shape[:2] != x.shape[:2]:
+            raise RuntimeError(
+                f"pool got tokens {tuple(x.shape[:2])} that do not come from the last forward_features "
+                f"{tuple(size.shape[:2])}; call forward_head on forward_features' output"
+            )
+        start = 0 if getattr(self, "pool_include_prefix", False) else self.num_prefix_tokens
+        xs, s = x[:, start:], size[:, start:].to(x.dtype)
+        mean = (xs * s).sum(dim=1) / s.sum(dim=1)
+        return mean if pool_type == "avg" else 0.5 * (xs.amax(dim=1) + mean)
+
+    def forward_intermediates(self, *args, **kwargs):
+        raise NotImplementedError(
+            "forward_intermediates is not available on a token-reduced model (intermediate token counts "
+            "differ per block); call timm_tokcomp.remove(model) first"
+        )
+
+
+class ReducingVisionTransformer(_ReducingViT, VisionTransformer):
+    pass
+
+
+class ReducingVisionTransformerDistilled(_ReducingViT, VisionTransformerDistilled):
+    pass
+
+
+_MODEL_CLASSES: Dict[type, type] = {
+    VisionTransformer: ReducingVisionTransformer,
+    VisionTransformerDistilled: ReducingVisionTransformerDistilled,
+}
+_ORIGINAL = {patched: plain for plain, patched in _MODEL_CLASSES.items()}
+_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_stats")
+
+
+def _linear_macs(module: nn.Module) -> int:
+    return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def _block_cost(block: Block) -> BlockCost:
+    return BlockCost(
+        attn_linear=_linear_macs(block.attn),
+        attn_dim=block.attn.qkv.out_features // 3,
+        mlp_linear=_linear_macs(block.mlp),
+    )
+
+
+def is_patched(model: nn.Module) -> bool:
+    return type(model) in _ORIGINAL
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise TypeError / ValueError explaining why the model cannot be reduced; return if it can."""
+    if type(model) not in _MODEL_CLASSES and not is_patched(model):
+        raise TypeError(
+            f"timm_tokcomp supports timm VisionTransformer and VisionTransformerDistilled models, got "
+            f"{type(model).__name__} (features_only wrappers and other architectures are not supported)"
+        )
+    for i, blk in enumerate(model.blocks):
+        if type(blk) not in (Block, ReducingBlock):
+            raise TypeError(f"blocks[{i}] is a {type(blk).__name__}; only timm's plain Block is supported")
+        if type(blk.attn) not in (Attention, ReducingAttention):
+            raise TypeError(
+                f"blocks[{i}].attn is a {type(blk.attn).__name__}; only timm.layers.Attention is supported "
+                "(RoPE and other attention variants are not)"
+            )
+    if getattr(model, "attn_pool", None) is not None:
+        raise TypeError("attention-pooling heads (global_pool='map') are not supported with token reduction")
+
+
+def patch(model: nn.Module, reducer: TokenReducer) -> None:
+    """Make `model` reduce tokens with `reducer` (or switch the reducer of a patched model)."""
+    check_supported(model)
+    if reducer.name == "evit" and getattr(model, "cls_token", None) is None:
+        raise ValueError("EViT ranks tokens by class-token attention and needs a model with a class token")
+    prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
+    if not is_patched(model):
+        for blk in model.blocks:
+            blk.__class__ = ReducingBlock
+            blk.attn.__class__ = ReducingAttention
+        model.__class__ = _MODEL_CLASSES[type(model)]
+    model._tokcomp_reducer = reducer
+    model._tokcomp_prop_attn = prop_attn
+    model._tokcomp_stats = None
+
+
+def unpatch(model: nn.Module) -> None:
+    """Restore the plain timm classes. Raises ValueError if the model is not patched."""
+    if not is_patched(model):
+        raise ValueError("model is not patched by timm_tokcomp")
+    for blk in model.blocks:
+        blk.__class__ = Block
+        blk.attn.__class__ = Attention
+    model.__class__ = _ORIGINAL[type(model)]
+    for name in _ATTRS:
+        model.__dict__.pop(name, None)
+
+
+def reducer_of(model: nn.Module) -> TokenReducer:
+    if not is_patched(model):
+        raise ValueError("model is not patched by timm_tokcomp; call timm_tokcomp.apply first")
+    return model._tokcomp_reducer
+
+
+def stats_of(model: nn.Module) -> Optional[ReductionStats]:
+    reducer_of(model)  # raises if not patched
+    return model._tokcomp_stats

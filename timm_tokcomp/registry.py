@@ -1,0 +1,153 @@
+"""timm name hooks: `<arch>[.<pretrained tag>].<method>_r<k>` on the supported ViT / DeiT entry
+points, and the short architectures deit_tiny / deit_small / deit_base.
+
+The method tag is parsed by the wrapped entry point, which builds the plain model through timm (so
+`pretrained=True` loads the usual weights) and then applies the method. The listed pretrained cfgs of
+the tagged names are unchanged copies of the base cfgs: no compression parameter lives in them.
+"""
+import functools
+from collections import deque
+from dataclasses import replace
+from typing import Any, Callable, Optional, Tuple
+
+from timm.models import _registry as treg
+from timm.models._pretrained import DefaultCfg
+
+from .methods import TAG_FORMS, is_method_tag, parse_method_tag
+
+_MODULES = ("vision_transformer", "deit")
+SHORT_NAMES = {
+    "deit_tiny": "deit_tiny_patch16_224",
+    "deit_small": "deit_small_patch16_224",
+    "deit_base": "deit_base_patch16_224",
+}
+LISTED_TAGS = ("tome_r8", "tome_r16", "evit_r8", "evit_r16")
+# Architectures of those modules whose blocks / attention / head the engine refuses (checked by
+# tests/test_registry.py against timm by building each on the meta device).
+UNSUPPORTED_ARCHS = frozenset({
+    "test_vit3", "vit_base_patch16_18x2_224", "vit_small_patch16_18x2_224", "vit_base_patch16_rpn_224",
+    "vit_base_patch16_xp_224", "vit_large_patch14_xp_224", "vit_huge_patch14_xp_224",
+    "vit_base_patch16_siglip_224", "vit_base_patch16_siglip_256", "vit_base_patch16_siglip_384",
+    "vit_base_patch16_siglip_512", "vit_base_patch32_siglip_256", "vit_large_patch16_siglip_256",
+    "vit_large_patch16_siglip_384", "vit_large_patch16_siglip_512", "vit_giantopt_patch16_siglip_256",
+    "vit_giantopt_patch16_siglip_384", "vit_so400m_patch14_siglip_224", "vit_so400m_patch14_siglip_378",
+    "vit_so400m_patch14_siglip_384", "vit_so400m_patch16_siglip_256", "vit_so400m_patch16_siglip_384",
+    "vit_so400m_patch16_siglip_512", "vit_so150m_patch16_reg4_map_256", "vit_dlittle_patch16_reg1_gap_256",
+    "vit_dpwee_patch16_reg1_gap_256", "vit_dwee_patch16_reg1_gap_256", "vit_pwee_patch16_reg1_gap_256",
+})
+
+
+def _pretrained_tags(arch: str) -> Tuple[str, ...]:
+    """The plain pretrained tags registered for an architecture ('' for the untagged default)."""
+    tags = []
+    for name in treg._model_with_tags.get(arch, ()):
+        tag = treg.split_model_name_tag(name)[1]
+        if not any(is_method_tag(part) for part in tag.split(".")):
+            tags.append(tag)
+    return tuple(tags)
+
+
+def split_method_tag(arch: str, tag: str) -> Tuple[str, Optional[str]]:
+    """'fb_in1k.tome_r8' -> ('fb_in1k', 'tome_r8'); 'tome_r8' -> ('', 'tome_r8'); 'fb_in1k' -> ('fb_in1k', None).
+
+    Raises ValueError listing the valid forms for a tag that is neither a pretrained tag of `arch`
+    nor ends in a method tag."""
+    base, _, last = tag.rpartition(".")
+    if is_method_tag(last):
+        method_tag = last
+    elif not base and last in _pretrained_tags(arch):
+        return last, None
+    else:
+        base, method_tag = tag, None
+    known = _pretrained_tags(arch)
+    if base and base not in known:
+        shown = ", ".join(t for t in known if t) or "(none)"
+        raise ValueError(
+            f"unknown tag {tag!r} for {arch}; valid forms: {arch}, {arch}.<pretrained tag>, "
+            f"{arch}[.<pretrained tag>].<method tag> with method tag one of {', '.join(TAG_FORMS)}; "
+            f"pretrained tags of {arch}: {shown}"
+        )
+    return base, method_tag
+
+
+def _wrap_entrypoint(arch: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def entrypoint(pretrained: bool = False, pretrained_cfg: Any = None, **kwargs: Any):
+        method_tag = None
+        if isinstance(pretrained_cfg, str):
+            base, method_tag = split_method_tag(arch, pretrained_cfg)
+            pretrained_cfg = base or None
+        model = fn(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
+        if method_tag:
+            from . import apply
+
+            method, params = parse_method_tag(method_tag)
+            apply(model, method, **params)
+        return model
+
+    entrypoint._tokcomp_original = fn
+    return entrypoint
+
+
+def _make_short_entrypoint(short: str, arch: str) -> Callable[..., Any]:
+    def entrypoint(pretrained: bool = False, **kwargs: Any):
+        return treg.model_entrypoint(arch)(pretrained=pretrained, **kwargs)
+
+    entrypoint.__name__ = entrypoint.__qualname__ = short
+    entrypoint.__module__ = __name__
+    entrypoint.__doc__ = f"{arch} under the short name {short} (takes the same method tags)."
+    entrypoint._tokcomp_short = arch
+    return entrypoint
+
+
+# register_model reads `default_cfgs[name]` from the entry point's module: the short names reuse
+# their architecture's resolved pretrained cfgs (hub ids already complete).
+default_cfgs = {}
+
+
+def _register_short_names() -> None:
+    for short, arch in SHORT_NAMES.items():
+        if getattr(treg._model_entrypoints.get(short), "_tokcomp_short", None) == arch:
+            continue
+        tags = _pretrained_tags(arch)
+        cfgs = {tag: treg._model_pretrained_cfgs[f"{arch}.{tag}" if tag else arch] for tag in tags}
+        default_cfgs[short] = DefaultCfg(tags=deque(tags), cfgs=cfgs)
+        treg.register_model(_make_short_entrypoint(short, arch))
+
+
+def _list_method_names(arch: str) -> None:
+    for tag in _pretrained_tags(arch):
+        base_name = f"{arch}.{tag}" if tag else arch
+        if base_name not in treg._model_has_pretrained:
+            continue
+        cfg = treg._model_pretrained_cfgs[base_name]
+        for method_tag in LISTED_TAGS:
+            name = f"{base_name}.{method_tag}"
+            if name in treg._model_pretrained_cfgs:
+                continue
+            treg._model_pretrained_cfgs[name] = replace(cfg)
+            treg._model_has_pretrained.add(name)
+            treg._model_with_tags[arch].append(name)
+
+
+def supported_archs() -> Tuple[str, ...]:
+    """Architectures whose names take method tags (deprecated aliases excluded)."""
+    deprecated = set(treg._deprecated_models)
+    archs = set()
+    for module in _MODULES:
+        archs |= treg._module_to_models.get(module, set())
+    archs = sorted(a for a in archs - deprecated if a not in UNSUPPORTED_ARCHS)
+    return tuple(archs) + tuple(SHORT_NAMES)
+
+
+def register_all() -> None:
+    """Wrap the supported entry points, register the short names, list the tagged names. Idempotent."""
+    for arch in supported_archs():
+        if arch in SHORT_NAMES:
+            continue
+        fn = treg._model_entrypoints[arch]
+        if not hasattr(fn, "_tokcomp_original"):
+            treg._model_entrypoints[arch] = _wrap_entrypoint(arch, fn)
+    _register_short_names()
+    for arch in supported_archs():
+        _list_method_names(arch)

@@ -1,0 +1,115 @@
+"""Per-block reduction budgets (how many tokens each block removes).
+
+A schedule is resolved once per forward from the block count and the patch-token count, then each
+block clamps its budget to what its tokens allow (never an error at run time).
+"""
+import math
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple, Union
+
+RSpec = Union[int, List[int], Tuple[int, float]]
+
+
+def _check_int(name: str, value, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def constant_schedule(r: int, num_blocks: int) -> List[int]:
+    """r tokens per block: [r] * L."""
+    return [r] * num_blocks
+
+
+def inflection_schedule(r: int, inflection: float, num_blocks: int) -> List[int]:
+    """Linear schedule with mean about r: inflection -1 starts at 2r and decreases to 0,
+    0 is constant r, +1 starts at 0 and increases to 2r."""
+    if num_blocks == 1:
+        return [r]
+    start = r * (1.0 - inflection)
+    step = 2 * r * inflection / (num_blocks - 1)
+    return [int(start + step * i) for i in range(num_blocks)]
+
+
+def decreasing_schedule(num_blocks: int, num_patch: int, tokens_left: int, flops_ratio: float) -> List[int]:
+    """r_l = floor((g(l-1) - g(l)) * (T - t)), g(x) = (1 - x / L) ** (F/f - 1), for l = 1..L.
+
+    T = num_patch, t = tokens_left, F/f = flops_ratio. Front-loads merging more as F/f grows.
+    """
+    L = num_blocks
+    g = [(1.0 - x / L) ** (flops_ratio - 1.0) for x in range(L + 1)]
+    total = num_patch - tokens_left
+    return [int(math.floor((g[l - 1] - g[l]) * total + 1e-9)) for l in range(1, L + 1)]
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """MACs of one block as a function of its token counts (used only to solve FLOPs targets;
+    reported MACs are always counted from the run)."""
+
+    attn_linear: int  # MACs per token of the attention's linear layers (qkv, proj, ...)
+    attn_dim: int  # heads * head_dim
+    mlp_linear: int  # MACs per token of the MLP's linear layers
+
+    def macs(self, n_attn: int, n_mlp: int) -> float:
+        """n_attn tokens through attention, n_mlp tokens through the MLP."""
+        return n_attn * self.attn_linear + 2 * n_attn * n_attn * self.attn_dim + n_mlp * self.mlp_linear
+
+
+def schedule_macs(schedule: Sequence[int], num_tokens: int, num_prefix: int, cost: BlockCost) -> float:
+    """Block-stack MACs of a schedule, with ToMe's per-block clamp."""
+    total, n = 0.0, num_tokens
+    for r in schedule:
+        r = min(r, (n - num_prefix) // 2)
+        total += cost.macs(n, n - r)
+        n -= r
+    return total
+
+
+def solve_flops_schedule(
+    flops_ratio: float, num_blocks: int, num_patch: int, num_prefix: int, cost: BlockCost
+) -> List[int]:
+    """The decreasing schedule with the most tokens left whose block MACs are at most 1 / flops_ratio
+    of the unreduced blocks'. Raises ValueError when even merging down to one token cannot reach it."""
+    n = num_patch + num_prefix
+    budget = schedule_macs([0] * num_blocks, n, num_prefix, cost) / flops_ratio
+    for tokens_left in range(num_patch, -1, -1):
+        sched = decreasing_schedule(num_blocks, num_patch, tokens_left, flops_ratio)
+        if schedule_macs(sched, n, num_prefix, cost) <= budget:
+            return sched
+    best = schedule_macs([0] * num_blocks, n, num_prefix, cost) / schedule_macs(
+        decreasing_schedule(num_blocks, num_patch, 0, flops_ratio), n, num_prefix, cost
+    )
+    raise ValueError(f"flops_ratio={flops_ratio} is out of reach for this model; the most this schedule "
+                     f"family reaches is about {best:.2f}")
+
+
+def resolve_r(r: RSpec, num_blocks: int) -> List[int]:
+    """Turn an r spec (int, per-block list, or (r, inflection) tuple) into a per-block list."""
+    if isinstance(r, tuple):
+        return inflection_schedule(r[0], float(r[1]), num_blocks)
+    if isinstance(r, list):
+        if len(r) != num_blocks:
+            raise ValueError(f"r as a per-block list needs one entry per block ({num_blocks}), got {len(r)}")
+        return [_check_int(f"r[{i}]", v) for i, v in enumerate(r)]
+    return constant_schedule(_check_int("r", r), num_blocks)
+
+
+def validate_r(r: RSpec) -> RSpec:
+    """Check an r spec's form without knowing the block count (a list's length is checked per forward).
+
+    int: the same r in every block; list: one r per block; tuple (r, inflection): linear schedule.
+    """
+    if isinstance(r, tuple):
+        if len(r) != 2 or isinstance(r[1], bool) or not isinstance(r[1], (int, float)):
+            raise ValueError(f"r as a tuple must be (r, inflection) with inflection in [-1, 1], got {r!r}")
+        _check_int("r", r[0])
+        if not -1.0 <= r[1] <= 1.0:
+            raise ValueError(f"r inflection must be in [-1, 1], got {r[1]}")
+        return r
+    if isinstance(r, list):
+        for i, v in enumerate(r):
+            _check_int(f"r[{i}]", v)
+        return list(r)
+    _check_int("r", r)
+    return r
