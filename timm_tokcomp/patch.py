@@ -204,6 +204,7 @@ def check_supported(model: nn.Module) -> None:
 def patch(model: nn.Module, reducer: TokenReducer) -> None:
     """Make `model` reduce tokens with `reducer` (or switch the reducer of a patched model)."""
     check_supported(model)
+    reducer.check_depth(len(model.blocks))
     if reducer.name == "evit" and getattr(model, "cls_token", None) is None:
         raise ValueError("EViT ranks tokens by class-token attention and needs a model with a class token")
     prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)

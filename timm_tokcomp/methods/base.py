@@ -55,6 +55,11 @@ class TokenReducer(ABC):
         """Proportional attention default for a model with this global pool."""
         return False
 
+    def check_depth(self, num_blocks: int) -> None:
+        """Raise ValueError if a per-block r list does not match the model's depth."""
+        if isinstance(self.r, list) and len(self.r) != num_blocks:
+            raise ValueError(f"r as a per-block list needs one entry per block ({num_blocks}), got {len(self.r)}")
+
     def budgets(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[int]:
         """Tokens each block should remove (before the per-block clamp)."""
         key = (num_blocks, num_tokens, num_prefix, cost)

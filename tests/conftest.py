@@ -1,0 +1,49 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from timm.layers import Attention
+from timm.models.deit import VisionTransformerDistilled
+from timm.models.vision_transformer import VisionTransformer
+
+DATA = Path(os.environ.get("TOKCOMP_DATA", Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
+
+SMALL = dict(img_size=32, patch_size=4, embed_dim=48, depth=4, num_heads=3, num_classes=10)
+
+# name -> constructor of a small randomly initialised model covering one feature of timm's ViT
+VARIANTS = {
+    "cls": lambda: VisionTransformer(**SMALL),
+    "distilled": lambda: VisionTransformerDistilled(**SMALL),
+    "registers": lambda: VisionTransformer(reg_tokens=3, **SMALL),
+    "layerscale_qknorm": lambda: VisionTransformer(init_values=0.1, qk_norm=True, **SMALL),
+    "avgpool_noclass": lambda: VisionTransformer(class_token=False, global_pool="avg", **SMALL),
+    "attn_dim": lambda: _with_attn_dim(VisionTransformer(**SMALL), head_dim=8),
+}
+
+
+def _with_attn_dim(model, head_dim):
+    """Give every block an Attention whose heads * head_dim differs from the embedding dim."""
+    for blk in model.blocks:
+        blk.attn = Attention(SMALL["embed_dim"], num_heads=SMALL["num_heads"], attn_head_dim=head_dim, qkv_bias=True)
+    return model
+
+
+def make_model(variant: str, fused: bool = True, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = VARIANTS[variant]().eval()
+    for blk in model.blocks:
+        blk.attn.fused_attn = fused
+    return model
+
+
+@pytest.fixture
+def images():
+    torch.manual_seed(1)
+    return torch.randn(3, 3, 32, 32)
+
+
+def require_data():
+    if not (DATA / "deit_tiny_patch16_224.safetensors").is_file():
+        pytest.skip(f"real data not found at {DATA} (set TOKCOMP_DATA)")
+    return DATA

@@ -1,0 +1,217 @@
+"""The engine on timm's VisionTransformer: equivalence at r=0, token counts, features kept, refusals."""
+import copy
+
+import pytest
+import timm
+import torch
+from timm.models.vision_transformer import Block, ResPostBlock, VisionTransformer
+
+import timm_tokcomp
+from timm_tokcomp.measure import count_macs
+from conftest import SMALL, VARIANTS, make_model
+
+N_PATCH = (SMALL["img_size"] // SMALL["patch_size"]) ** 2
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["sdpa", "manual"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("method", ["tome", "evit"])
+def test_r0_is_bit_identical_to_timm(variant, fused, method, images):
+    if method == "evit" and variant == "avgpool_noclass":
+        pytest.skip("EViT needs a class token")
+    model = make_model(variant, fused)
+    with torch.no_grad():
+        expected = model(images)
+        timm_tokcomp.apply(model, method, r=0)
+        got = model(images)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_remove_restores_plain_model(variant, images):
+    model = make_model(variant)
+    keys = list(model.state_dict())
+    with torch.no_grad():
+        expected = model(images)
+        timm_tokcomp.apply(model, "tome", r=5)
+        assert list(model.state_dict()) == keys
+        reduced = model(images)
+        timm_tokcomp.remove(model)
+        got = model(images)
+    assert not torch.equal(reduced, expected)
+    assert torch.equal(got, expected)
+    assert type(model) is type(make_model(variant))
+    assert all(type(b) is Block for b in model.blocks)
+    assert not timm_tokcomp.is_reduced(model)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("method", ["tome", "evit"])
+def test_token_counts_follow_constant_r(variant, method, images):
+    if method == "evit" and variant == "avgpool_noclass":
+        pytest.skip("EViT needs a class token")
+    model = timm_tokcomp.apply(make_model(variant), method, r=6)
+    with torch.no_grad():
+        model(images)
+    stats = timm_tokcomp.last_stats(model)
+    n0 = N_PATCH + model.num_prefix_tokens
+    assert stats.tokens_per_block == [n0 - 6 * i for i in range(SMALL["depth"])]
+    assert stats.tokens_out == n0 - 6 * SMALL["depth"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_prefix_tokens_never_reduced(variant, images):
+    model = timm_tokcomp.apply(make_model(variant), "tome", r=20, trace_source=True)
+    with torch.no_grad():
+        model(images)
+    stats = timm_tokcomp.last_stats(model)
+    p = model.num_prefix_tokens
+    eye = torch.eye(stats.source.shape[-1])[:p]
+    assert torch.equal(stats.source[:, :p], eye.expand(len(images), -1, -1))
+    assert torch.equal(stats.size[:, :p], torch.ones(len(images), p, 1))
+    # every original patch is held by exactly one token, and sizes count them
+    assert torch.equal(stats.source.sum(1), torch.ones(len(images), stats.source.shape[-1]))
+    assert torch.equal(stats.size[..., 0], stats.source.sum(-1))
+
+
+def test_r_is_clamped_never_an_error(images):
+    model = timm_tokcomp.apply(make_model("distilled"), "tome", r=1000)
+    with torch.no_grad():
+        model(images)
+    counts = timm_tokcomp.last_stats(model).tokens_per_block
+    assert counts[0] == N_PATCH + 2 and counts[1] == 2 + N_PATCH // 2
+    assert timm_tokcomp.last_stats(model).tokens_out >= 3
+
+
+def test_schedules_per_block_list_and_inflection(images):
+    model = timm_tokcomp.apply(make_model("cls"), "tome", r=[0, 10, 3, 1])
+    with torch.no_grad():
+        model(images)
+    assert timm_tokcomp.last_stats(model).tokens_per_block == [65, 65, 55, 52]
+    timm_tokcomp.set_params(model, r=(8, -1.0))  # decreasing: 16, 10, 5, 0
+    with torch.no_grad():
+        model(images)
+    assert timm_tokcomp.last_stats(model).tokens_per_block == [65, 49, 39, 34]
+
+
+def test_flops_ratio_schedule_reaches_target(images):
+    model = make_model("cls")
+    macs = {}
+    for ratio in (None, 2.0):
+        m = copy.deepcopy(model)
+        if ratio:
+            timm_tokcomp.apply(m, "tome", flops_ratio=ratio)
+        blocks_only = torch.nn.Sequential()  # count the whole model; blocks dominate
+        macs[ratio] = timm_tokcomp.measure.count_macs(m, images)
+    counts = timm_tokcomp.last_stats(m).tokens_per_block
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1]
+    assert 1.6 < macs[None] / macs[2.0] < 2.4
+
+
+def test_set_params_matches_fresh_apply(images):
+    model = timm_tokcomp.apply(make_model("cls"), "tome", r=2)
+    timm_tokcomp.set_params(model, r=7)
+    fresh = timm_tokcomp.apply(make_model("cls"), "tome", r=7)
+    with torch.no_grad():
+        assert torch.equal(model(images), fresh(images))
+    assert timm_tokcomp.get_reducer(model).r == 7
+
+
+def test_deterministic(images):
+    model = timm_tokcomp.apply(make_model("registers"), "tome", r=9)
+    with torch.no_grad():
+        assert torch.equal(model(images), model(images))
+
+
+def test_forward_features_direct_call(images):
+    model = timm_tokcomp.apply(make_model("cls"), "tome", r=4)
+    with torch.no_grad():
+        feats = model.forward_features(images)
+        assert feats.shape == (3, 65 - 16, SMALL["embed_dim"])
+        assert torch.equal(model.forward_head(feats), model(images))
+
+
+def test_avg_pool_is_size_weighted(images):
+    model = timm_tokcomp.apply(make_model("avgpool_noclass"), "tome", r=7)
+    assert model._tokcomp_prop_attn is False  # MAE-style default
+    with torch.no_grad():
+        feats = model.forward_features(images)
+        size = timm_tokcomp.last_stats(model).size
+        expected = (feats * size).sum(1) / size.sum(1)
+        assert torch.allclose(model.pool(feats), expected)
+        assert not torch.allclose(expected, feats.mean(1))
+
+
+def test_backward_through_merges_and_grad_checkpointing(images):
+    model = timm_tokcomp.apply(make_model("layerscale_qknorm"), "tome", r=6).train()
+    grads = []
+    for ckpt in (False, True):
+        model.set_grad_checkpointing(ckpt)
+        model.zero_grad()
+        model(images).logsumexp(-1).sum().backward()
+        g = model.blocks[0].attn.qkv.weight.grad
+        assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+        grads.append(g.clone())
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["tome", "evit"])
+def test_autocast_bf16(method, images):
+    model = timm_tokcomp.apply(make_model("cls"), method, r=5, prop_attn=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(images)
+    assert torch.isfinite(out.float()).all()
+    assert timm_tokcomp.last_stats(model).tokens_out == 65 - 20
+
+
+def test_patched_block_refuses_direct_calls(images):
+    model = timm_tokcomp.apply(make_model("cls"), "tome", r=2)
+    with pytest.raises(RuntimeError, match="forward_features"):
+        model.blocks[0](torch.randn(1, 65, SMALL["embed_dim"]))
+    with pytest.raises(NotImplementedError, match="remove"):
+        model.forward_intermediates(images)
+    with pytest.raises(ValueError, match="attn_mask"):
+        model.forward_features(images, attn_mask=torch.zeros(65, 65))
+
+
+def test_unsupported_models_refused_and_left_untouched(images):
+    respost = VisionTransformer(block_fn=ResPostBlock, **SMALL)
+    with pytest.raises(TypeError, match="ResPostBlock"):
+        timm_tokcomp.apply(respost, "tome", r=2)
+    assert type(respost) is VisionTransformer and not timm_tokcomp.is_reduced(respost)
+    with pytest.raises(TypeError, match="features_only"):
+        timm_tokcomp.apply(timm.create_model("deit_tiny_patch16_224", features_only=True), "tome", r=2)
+    with pytest.raises(TypeError, match="ResNet"):
+        timm_tokcomp.apply(timm.create_model("resnet18"), "tome", r=2)
+    with pytest.raises(TypeError, match="got Eva"):
+        timm_tokcomp.apply(timm.create_model("vit_base_patch16_rope_reg1_gap_256", img_size=32, depth=1), "tome", r=2)
+    with pytest.raises(ValueError, match="class token"):
+        timm_tokcomp.apply(make_model("avgpool_noclass"), "evit", r=2)
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        (dict(r=-1), "r must be an int >= 0"),
+        (dict(r="8"), "r must be an int"),
+        (dict(r=[1, 2]), r"per-block list needs one entry per block \(4\)"),
+        (dict(r=(8, 2.0)), r"inflection must be in \[-1, 1\]"),
+        (dict(flops_ratio=0.5), "flops_ratio must be a number > 1"),
+        (dict(r=4, flops_ratio=2.0), "either r or flops_ratio"),
+        (dict(prop_attn="yes"), "prop_attn must be True or False"),
+    ],
+)
+def test_bad_parameters_raise_clear_errors(params, match):
+    model = make_model("cls")
+    with pytest.raises(ValueError, match=match):
+        timm_tokcomp.apply(model, "tome", **params)
+    assert not timm_tokcomp.is_reduced(model)
+
+
+def test_bad_method_and_unknown_parameter():
+    with pytest.raises(ValueError, match="method must be one of"):
+        timm_tokcomp.apply(make_model("cls"), "tomee", r=2)
+    with pytest.raises(TypeError, match="unknown parameter"):
+        timm_tokcomp.apply(make_model("cls"), "tome", ratio=2)
+    with pytest.raises(ValueError, match="not patched"):
+        timm_tokcomp.set_params(make_model("cls"), r=2)

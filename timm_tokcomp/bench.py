@@ -1,0 +1,191 @@
+"""`tokcomp bench`: GMACs, throughput, speedup, top-1 and agreement of several methods, side by side."""
+import copy
+import csv
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import timm
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from . import apply, is_reduced, last_stats
+from .data import open_dataset
+from .measure import count_macs, time_side_by_side
+from .methods import TAG_FORMS, parse_method_tag
+
+BASELINE = "none"
+
+
+@dataclass
+class BenchRow:
+    """One method's figures. top1 / agreement are percentages, None without data."""
+
+    method: str
+    gmacs: float
+    img_per_s: float
+    speedup: float
+    top1: Optional[float]
+    agreement: Optional[float]
+    tokens_out: int
+
+
+def parse_methods(spec: str) -> List[str]:
+    """'none,tome_r8' -> ['none', 'tome_r8'] (validated; 'none' is put first if missing)."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    for name in names:
+        if name != BASELINE:
+            try:
+                parse_method_tag(name)
+            except ValueError as e:
+                raise ValueError(f"--methods: {e}; or '{BASELINE}'") from None
+    if BASELINE in names:
+        names.remove(BASELINE)
+    return [BASELINE] + list(dict.fromkeys(names))
+
+
+def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: bool, device: str) -> nn.Module:
+    """The unmodified timm model, with weights from checkpoint (safetensors / torch file) or timm."""
+    model = timm.create_model(model_name, pretrained=pretrained and not checkpoint)
+    if is_reduced(model):
+        raise ValueError(f"MODEL {model_name!r} already carries a method tag; give the plain architecture "
+                         f"and list methods with --methods")
+    if checkpoint:
+        timm.models.load_checkpoint(model, checkpoint, strict=True)
+    return model.to(device).eval()
+
+
+def build_method_models(base: nn.Module, methods: Sequence[str]) -> Dict[str, nn.Module]:
+    models = {}
+    for name in methods:
+        if name == BASELINE:
+            models[name] = base
+        else:
+            method, params = parse_method_tag(name)
+            models[name] = apply(copy.deepcopy(base), method, **params)
+    return models
+
+
+def _tokens_out(model: nn.Module, num_tokens: int) -> int:
+    """Tokens leaving the last block in the model's last forward (num_tokens when unreduced)."""
+    stats = last_stats(model) if is_reduced(model) else None
+    return num_tokens if stats is None or stats.tokens_out is None else stats.tokens_out
+
+
+@torch.inference_mode()
+def evaluate(models: Dict[str, nn.Module], loader: Iterable, device: str, show_progress: bool):
+    """Top-1, agreement with the baseline, and MACs per image counted on every batch."""
+    correct = {k: 0 for k in models}
+    agree = {k: 0 for k in models}
+    macs = {k: 0.0 for k in models}
+    seen = 0
+    for x, y in tqdm(loader, desc="evaluate", disable=not show_progress, file=sys.stderr):
+        x, y = x.to(device), y.to(device)
+        reference = None
+        for name, model in models.items():
+            macs[name] += count_macs(model, x)
+            pred = model(x).argmax(dim=-1)
+            reference = pred if reference is None else reference
+            correct[name] += (pred == y).sum().item()
+            agree[name] += (pred == reference).sum().item()
+        seen += len(y)
+    if seen == 0:
+        raise ValueError("--data: the dataset holds no images")
+    return ({k: 100.0 * v / seen for k, v in correct.items()}, {k: 100.0 * v / seen for k, v in agree.items()},
+            {k: v / seen for k, v in macs.items()})
+
+
+def run_bench(
+    model_name: str,
+    methods: Sequence[str] = (BASELINE, "tome_r8", "tome_r16"),
+    checkpoint: Optional[str] = None,
+    pretrained: bool = False,
+    data: Optional[str] = None,
+    batch_size: int = 64,
+    device: str = "cpu",
+    timing_rounds: int = 5,
+    limit: Optional[int] = None,
+    num_workers: int = 2,
+    show_progress: bool = True,
+) -> List[BenchRow]:
+    """Benchmark methods against the unmodified model in one run. Without data, MACs and timing use
+    one random batch and top1 / agreement are None."""
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if timing_rounds < 1:
+        raise ValueError(f"--timing-rounds must be >= 1, got {timing_rounds}")
+    methods = parse_methods(",".join(methods))
+    base = build_base_model(model_name, checkpoint, pretrained, device)
+    models = build_method_models(base, methods)
+    cfg = timm.data.resolve_model_data_config(base)
+
+    top1 = agreement = None
+    if data:
+        dataset = open_dataset(data, timm.data.create_transform(**cfg))
+        if limit is not None:
+            dataset = torch.utils.data.Subset(dataset, range(min(limit, len(dataset))))
+        loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
+        top1, agreement, macs = evaluate(models, loader, device, show_progress)
+        batch = next(iter(loader))[0].to(device)
+    else:
+        batch = torch.randn(batch_size, *cfg["input_size"], device=device)
+        macs = {k: count_macs(m, batch[:1]) for k, m in models.items()}
+
+    total = len(models) * (timing_rounds + 1)
+    with tqdm(total=total, desc="timing", disable=not show_progress, file=sys.stderr) as bar:
+        seconds = time_side_by_side(models, batch, rounds=timing_rounds, progress=bar.update)
+    num_tokens = base.patch_embed.num_patches + base.num_prefix_tokens
+    return [
+        BenchRow(
+            method=name,
+            gmacs=macs[name] / 1e9,
+            img_per_s=len(batch) / seconds[name],
+            speedup=seconds[BASELINE] / seconds[name],
+            top1=None if top1 is None else top1[name],
+            agreement=None if agreement is None else agreement[name],
+            tokens_out=_tokens_out(model, num_tokens),
+        )
+        for name, model in models.items()
+    ]
+
+
+def format_table(rows: Sequence[BenchRow]) -> str:
+    header = f"{'method':<12}{'GMACs':>9}{'img/s':>10}{'speedup':>9}{'top-1 %':>9}{'agree %':>9}{'tokens':>8}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        acc = "-" if r.top1 is None else f"{r.top1:.2f}"
+        agr = "-" if r.agreement is None else f"{r.agreement:.2f}"
+        lines.append(f"{r.method:<12}{r.gmacs:>9.4f}{r.img_per_s:>10.1f}{r.speedup:>8.2f}x{acc:>9}{agr:>9}{r.tokens_out:>8}")
+    return "\n".join(lines)
+
+
+def write_csv(rows: Sequence[BenchRow], path: str, model_name: str) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["model"] + [fl.name for fl in fields(BenchRow)])
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({"model": model_name, **asdict(r)})
+
+
+def plot_pareto(rows: Sequence[BenchRow], path: str, model_name: str) -> None:
+    """GMACs against top-1 (or throughput without data), one labelled point per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    use_acc = rows[0].top1 is not None
+    ys = [r.top1 if use_acc else r.img_per_s for r in rows]
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.plot([r.gmacs for r in rows], ys, "o")
+    for r, y in zip(rows, ys):
+        ax.annotate(r.method, (r.gmacs, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("GMACs per image")
+    ax.set_ylabel("top-1 (%)" if use_acc else "images / s")
+    ax.set_title(model_name)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(Path(path))
+    plt.close(fig)

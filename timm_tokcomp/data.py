@@ -1,0 +1,43 @@
+"""Image datasets for evaluation: an ImageFolder tree, or a folder with labels.csv (`file,label`)."""
+import csv
+from pathlib import Path
+from typing import Callable, List, Tuple, Union
+
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision.datasets import ImageFolder
+
+
+class LabeledImages(Dataset):
+    """Images listed in `root/labels.csv` (header `file,label`, 0-based class indices); files are
+    looked up in `root/images/` if that folder exists, else in `root`."""
+
+    def __init__(self, root: Union[str, Path], transform: Callable) -> None:
+        root = Path(root)
+        self.image_dir = root / "images" if (root / "images").is_dir() else root
+        with open(root / "labels.csv", newline="") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames is None or not {"file", "label"} <= set(reader.fieldnames):
+                raise ValueError(f"{root / 'labels.csv'} must have a header with columns 'file' and 'label'")
+            self.samples: List[Tuple[str, int]] = [(row["file"], int(row["label"])) for row in reader]
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        name, label = self.samples[i]
+        with Image.open(self.image_dir / name) as img:
+            return self.transform(img.convert("RGB")), label
+
+
+def open_dataset(path: Union[str, Path], transform: Callable) -> Dataset:
+    """A labelled image dataset from a labels.csv folder or an ImageFolder tree (class subfolders)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--data: {path} is not a folder")
+    if (path / "labels.csv").is_file():
+        return LabeledImages(path, transform)
+    if not any(p.is_dir() for p in path.iterdir()):
+        raise ValueError(f"--data: {path} has neither labels.csv nor class subfolders (ImageFolder layout)")
+    return ImageFolder(str(path), transform=transform)
