@@ -1,0 +1,73 @@
+"""`tokcomp bench` end to end on tiny inputs: table, CSV, plot, both dataset layouts, errors."""
+import csv
+
+import pytest
+import torch
+from PIL import Image
+
+from timm_tokcomp.bench import parse_methods
+from timm_tokcomp.cli import main
+
+FAST = ["--batch-size", "4", "--timing-rounds", "1", "--num-workers", "0", "--no-progress"]
+
+
+def _write_images(folder, n, seed=0):
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    names = []
+    for i in range(n):
+        arr = (torch.rand(40, 48, 3, generator=g) * 255).to(torch.uint8).numpy()
+        Image.fromarray(arr).save(folder / f"img{i}.png")
+        names.append(f"img{i}.png")
+    return names
+
+
+def test_bench_without_data_prints_table_csv_and_plot(tmp_path, capsys):
+    out, plot = tmp_path / "r.csv", tmp_path / "p.png"
+    assert main(["bench", "deit_tiny", "--methods", "tome_r8,evit_r4", "--out", str(out), "--plot", str(plot)] + FAST) == 0
+    table = capsys.readouterr().out
+    assert "tome_r8" in table and "evit_r4" in table and "none" in table
+    rows = list(csv.DictReader(open(out)))
+    assert [r["method"] for r in rows] == ["none", "tome_r8", "evit_r4"]
+    gmacs = [float(r["gmacs"]) for r in rows]
+    assert abs(gmacs[0] - 1.2537) < 1e-3 and gmacs[1] < gmacs[2] < gmacs[0]
+    assert [int(r["tokens_out"]) for r in rows] == [197, 101, 149]
+    assert rows[0]["top1"] == "" and float(rows[0]["speedup"]) == 1.0
+    assert plot.stat().st_size > 1000
+
+
+def test_bench_with_labels_csv_folder(tmp_path, capsys):
+    names = _write_images(tmp_path / "val" / "images", 5)
+    with open(tmp_path / "val" / "labels.csv", "w") as f:
+        f.write("file,label\n" + "".join(f"{n},{i % 3}\n" for i, n in enumerate(names)))
+    out = tmp_path / "r.csv"
+    assert main(["bench", "deit_tiny", "--data", str(tmp_path / "val"), "--methods", "none,tome_r0",
+                 "--out", str(out)] + FAST) == 0
+    rows = list(csv.DictReader(open(out)))
+    assert float(rows[1]["agreement"]) == 100.0  # r=0 equals the plain model
+    assert float(rows[1]["top1"]) == float(rows[0]["top1"])
+
+
+def test_bench_with_imagefolder_tree(tmp_path):
+    for cls in ("a", "b"):
+        _write_images(tmp_path / "tree" / cls, 2, seed=ord(cls))
+    out = tmp_path / "r.csv"
+    assert main(["bench", "deit_tiny", "--data", str(tmp_path / "tree"), "--methods", "tome_r4", "--limit", "3",
+                 "--out", str(out)] + FAST) == 0
+    rows = list(csv.DictReader(open(out)))
+    assert 0.0 <= float(rows[1]["top1"]) <= 100.0
+
+
+def test_bench_errors_are_clear(tmp_path, capsys):
+    assert main(["bench", "deit_tiny", "--methods", "tome_x"] + FAST) == 2
+    assert "valid forms" in capsys.readouterr().err
+    assert main(["bench", "deit_tiny", "--data", str(tmp_path / "missing")] + FAST) == 2
+    assert "not a folder" in capsys.readouterr().err
+    assert main(["bench", "deit_tiny.tome_r8"] + FAST) == 2
+    assert "method tag" in capsys.readouterr().err
+
+
+def test_parse_methods_puts_baseline_first():
+    assert parse_methods("tome_r8, none,evit_r2,tome_r8") == ["none", "tome_r8", "evit_r2"]
+    with pytest.raises(ValueError, match="--methods"):
+        parse_methods("tome")

@@ -1,0 +1,45 @@
+"""Real DeiT-Tiny weights and 1,300 real ImageNet images (../shared/data/README.md facts)."""
+import pytest
+import timm
+import torch
+from safetensors.torch import load_file
+
+import timm_tokcomp
+from timm_tokcomp.bench import run_bench
+from conftest import require_data
+
+pytestmark = pytest.mark.realdata
+
+
+def test_tome_reproduces_reference_figures():
+    data = require_data()
+    rows = run_bench(
+        "deit_tiny_patch16_224",
+        methods=["none", "tome_r8", "tome_r16"],
+        checkpoint=str(data / "deit_tiny_patch16_224.safetensors"),
+        data=str(data / "imagenet-val-1300"),
+        batch_size=100,
+        timing_rounds=1,
+        show_progress=False,
+    )
+    by = {r.method: r for r in rows}
+    assert by["none"].top1 == pytest.approx(81.54, abs=0.01)
+    assert by["none"].gmacs == pytest.approx(1.2537, abs=1e-3)
+    assert by["tome_r8"].top1 == pytest.approx(81.15, abs=0.4)
+    assert by["tome_r8"].agreement == pytest.approx(96.54, abs=0.7)
+    assert by["tome_r8"].gmacs == pytest.approx(0.924, abs=0.01)
+    assert by["tome_r16"].top1 == pytest.approx(79.00, abs=0.6)
+    assert by["tome_r16"].agreement == pytest.approx(90.23, abs=1.0)
+    assert by["tome_r16"].gmacs == pytest.approx(0.621, abs=0.01)
+
+
+def test_pretrained_tagged_name_loads_weights_then_applies():
+    data = require_data()
+    file = str(data / "deit_tiny_patch16_224.safetensors")
+    model = timm.create_model("deit_tiny.tome_r8", pretrained=True, pretrained_cfg_overlay=dict(file=file)).eval()
+    plain = timm.create_model("deit_tiny_patch16_224").eval()
+    plain.load_state_dict(load_file(file))
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        expected = timm_tokcomp.apply(plain, "tome", r=8)(x)
+        assert torch.equal(model(x), expected)

@@ -1,0 +1,93 @@
+"""timm names: tags on existing architectures, short names, listing, errors, idempotent import."""
+import importlib
+import warnings
+
+import pytest
+import timm
+import torch
+from timm.layers import Attention
+from timm.models.vision_transformer import Block
+
+import timm_tokcomp
+from timm_tokcomp import registry
+from timm_tokcomp.patch import ReducingVisionTransformer, ReducingVisionTransformerDistilled
+
+
+@pytest.mark.parametrize(
+    "name, method, r",
+    [
+        ("deit_base_patch16_224.tome_r16", "tome", 16),
+        ("deit_small.tome_r8", "tome", 8),
+        ("deit_tiny_patch16_224.fb_in1k.tome_r8", "tome", 8),
+        ("deit_base.evit_r8", "evit", 8),
+        ("deit_tiny_distilled_patch16_224.tome_r4", "tome", 4),
+        ("vit_small_patch16_224.augreg_in21k_ft_in1k.evit_r3", "evit", 3),
+    ],
+)
+def test_tagged_names_create_reduced_models(name, method, r):
+    with torch.device("meta"):
+        model = timm.create_model(name)
+    reducer = timm_tokcomp.get_reducer(model)
+    assert (reducer.name, reducer.r) == (method, r)
+
+
+def test_short_name_is_the_patch16_224_model():
+    a, b = timm.create_model("deit_tiny"), timm.create_model("deit_tiny_patch16_224")
+    assert [(k, v.shape) for k, v in a.state_dict().items()] == [(k, v.shape) for k, v in b.state_dict().items()]
+    assert not timm_tokcomp.is_reduced(a)
+
+
+def test_plain_names_are_untouched():
+    model = timm.create_model("deit_tiny_patch16_224.fb_in1k")
+    assert not timm_tokcomp.is_reduced(model)
+
+
+def test_tagged_names_are_listed_as_pretrained():
+    listed = set(timm.list_models("deit*", pretrained=True))
+    for name in ("deit_base_patch16_224.fb_in1k.tome_r16", "deit_small.fb_in1k.tome_r8",
+                 "deit_base.fb_in1k.evit_r8", "deit_tiny_patch16_224.fb_in1k"):
+        assert name in listed
+    assert "deit_tiny" in timm.list_models("deit_tiny")
+
+
+@pytest.mark.parametrize("name", ["deit_base.tome_x", "deit_base.fb_in1k.bogus", "deit_base.nope", "deit_base.foo_r8"])
+def test_unknown_tag_lists_valid_forms(name):
+    with pytest.raises(ValueError, match=r"valid forms: .*tome_r<k>.*evit_r<k>.*pretrained tags of .*fb_in1k"):
+        timm.create_model(name)
+
+
+def test_reimport_is_harmless():
+    before = (len(timm.list_models(pretrained=True)), timm.models.model_entrypoint("deit_small_patch16_224"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        importlib.reload(registry)
+        registry.register_all()
+        importlib.reload(timm_tokcomp)
+    after = (len(timm.list_models(pretrained=True)), timm.models.model_entrypoint("deit_small_patch16_224"))
+    assert before == after
+    assert timm_tokcomp.get_reducer(timm.create_model("deit_tiny.tome_r2")).r == 2
+
+
+def test_every_listed_architecture_is_supported():
+    """Build each architecture that takes method tags on the meta device and check the engine accepts it."""
+    refused = []
+    for arch in registry.supported_archs():
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = timm.create_model(arch)
+        try:
+            timm_tokcomp.apply(model, "tome", r=1)
+        except TypeError as e:
+            refused.append((arch, str(e)))
+    assert refused == []
+    assert type(timm.create_model("deit_tiny_distilled_patch16_224.tome_r1")) is ReducingVisionTransformerDistilled
+    assert type(timm.create_model("deit_tiny.tome_r1")) is ReducingVisionTransformer
+
+
+def test_unsupported_list_is_really_unsupported():
+    for arch in sorted(registry.UNSUPPORTED_ARCHS):
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = timm.create_model(arch)
+        with pytest.raises(TypeError):
+            timm_tokcomp.apply(model, "tome", r=1)
