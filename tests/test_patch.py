@@ -155,10 +155,11 @@ def test_backward_through_merges_and_grad_checkpointing(images):
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("method", ["tome", "evit"])
-def test_autocast_bf16(method, images):
+def test_autocast(method, dtype, images):
     model = timm_tokcomp.apply(make_model("cls"), method, r=5, prop_attn=True)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
         out = model(images)
     assert torch.isfinite(out.float()).all()
     assert timm_tokcomp.last_stats(model).tokens_out == 65 - 20

@@ -48,7 +48,7 @@ def parse_methods(spec: str) -> List[str]:
 
 def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: bool, device: str) -> nn.Module:
     """The unmodified timm model, with weights from checkpoint (safetensors / torch file) or timm."""
-    model = timm.create_model(model_name, pretrained=pretrained and not checkpoint)
+    model = timm.create_model(model_name, pretrained=pretrained)
     if is_reduced(model):
         raise ValueError(f"MODEL {model_name!r} already carries a method tag; give the plain architecture "
                          f"and list methods with --methods")
@@ -116,6 +116,8 @@ def run_bench(
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     if timing_rounds < 1:
         raise ValueError(f"--timing-rounds must be >= 1, got {timing_rounds}")
+    if checkpoint and pretrained:
+        raise ValueError("give --checkpoint or --pretrained, not both")
     methods = parse_methods(",".join(methods))
     base = build_base_model(model_name, checkpoint, pretrained, device)
     models = build_method_models(base, methods)

@@ -22,16 +22,19 @@ def count_macs(model: nn.Module, x: torch.Tensor) -> float:
 def time_side_by_side(models: Dict[str, nn.Module], x: torch.Tensor, rounds: int = 5, warmup: int = 1,
                       progress: Callable[[int], None] = lambda n: None) -> Dict[str, float]:
     """Median seconds per forward of x for each model, interleaving the models round by round so
-    that machine noise hits them alike."""
+    that machine noise hits them alike (CUDA work is synchronised around each forward)."""
     for model in models.values():
         for _ in range(warmup):
             model(x)
             progress(1)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     times: Dict[str, List[float]] = {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
+            sync()
             start = time.perf_counter()
             model(x)
+            sync()
             times[name].append(time.perf_counter() - start)
             progress(1)
     return {name: statistics.median(t) for name, t in times.items()}
