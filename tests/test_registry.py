@@ -5,8 +5,6 @@ import warnings
 import pytest
 import timm
 import torch
-from timm.layers import Attention
-from timm.models.vision_transformer import Block
 
 import timm_tokcomp
 from timm_tokcomp import registry

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from . import apply, is_reduced, last_stats
 from .data import open_dataset
 from .measure import count_macs, time_side_by_side
-from .methods import TAG_FORMS, parse_method_tag
+from .methods import parse_method_tag
 
 BASELINE = "none"
 
