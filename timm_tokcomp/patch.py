@@ -93,6 +93,7 @@ class _ReducingViT:
     _tokcomp_reducer: TokenReducer
     _tokcomp_prop_attn: bool
     _tokcomp_stats: Optional[ReductionStats]
+    _tokcomp_block_cost: BlockCost
 
     def forward_features(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
         """x: (B, 3, H, W) -> (B, N', C) with N' <= N tokens (prefix tokens first)."""
@@ -107,7 +108,7 @@ class _ReducingViT:
 
     def _reduce_blocks(self, x: torch.Tensor) -> torch.Tensor:
         reducer, num_prefix = self._tokcomp_reducer, self.num_prefix_tokens
-        budgets = reducer.budgets(len(self.blocks), x.shape[1], num_prefix, _block_cost(self.blocks[0]))
+        budgets = reducer.budgets(len(self.blocks), x.shape[1], num_prefix, self._tokcomp_block_cost)
         size = None
         source = None
         if reducer.trace_source:
@@ -163,7 +164,7 @@ _MODEL_CLASSES: Dict[type, type] = {
     VisionTransformerDistilled: ReducingVisionTransformerDistilled,
 }
 _ORIGINAL = {patched: plain for plain, patched in _MODEL_CLASSES.items()}
-_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_stats")
+_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_stats", "_tokcomp_block_cost")
 
 
 def _linear_macs(module: nn.Module) -> int:
@@ -215,6 +216,7 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
         model.__class__ = _MODEL_CLASSES[type(model)]
     model._tokcomp_reducer = reducer
     model._tokcomp_prop_attn = prop_attn
+    model._tokcomp_block_cost = _block_cost(model.blocks[0])
     model._tokcomp_stats = None
 
 
