@@ -1,7 +1,7 @@
-"""timm_tokcomp: training-free token reduction (ToMe, EViT) for timm Vision Transformers.
+"""timm_tokcomp: training-free token reduction (ToMe, EViT, ATM) for timm Vision Transformers.
 
     import timm, timm_tokcomp
-    model = timm.create_model("deit_small.tome_r16")          # registered names
+    model = timm.create_model("deit_small.tome_r16")          # registered names (also "deit_small.atm")
     timm_tokcomp.apply(plain_model, method="tome", r=16)        # or patch a model you have
     timm_tokcomp.set_params(model, r=8)                         # change r on the live model
     timm_tokcomp.remove(model)                                  # back to the plain timm model
@@ -11,7 +11,7 @@ from typing import Any, Optional
 from torch import nn
 
 from . import patch as _patch
-from .methods import METHODS, make_reducer
+from .methods import METHODS, make_reducer, method_class
 from .methods.base import TokenReducer
 from .registry import register_all as _register_all
 from .state import ReductionStats
@@ -23,11 +23,15 @@ __all__ = ["apply", "remove", "set_params", "get_reducer", "last_stats", "is_red
 def apply(model: nn.Module, method: str = "tome", **params: Any) -> nn.Module:
     """Make a timm ViT reduce tokens inside its blocks (in place; returns the model).
 
-    method: one of METHODS ('tome', 'evit'). params: r (int, per-block list, or (r, inflection)
-    tuple), flops_ratio (> 1, solves a decreasing r schedule), prop_attn, trace_source.
-    Applying to an already reduced model replaces its method. Raises TypeError for unsupported
-    models and ValueError for bad parameters, leaving the model untouched.
+    method: one of METHODS ('tome', 'evit', 'atm'). params of tome / evit: r (int, per-block list,
+    or (r, inflection) tuple) or flops_ratio (> 1, solves a decreasing r schedule); of atm: alpha,
+    beta, theta_min, split_layer, preset (fills the thresholds not given). All methods: prop_attn,
+    trace_source, prefix_only_last_block. Applying to an already reduced model replaces its method.
+    Raises TypeError for unsupported models and ValueError for bad parameters, leaving the model
+    untouched.
     """
+    _patch.check_supported(model)
+    params = method_class(method).resolve_params(model, params)
     _patch.patch(model, make_reducer(method, **params))
     return model
 
@@ -40,14 +44,11 @@ def remove(model: nn.Module) -> nn.Module:
 
 def set_params(model: nn.Module, **params: Any) -> nn.Module:
     """Change the current method's parameters on a reduced model, e.g. set_params(model, r=8).
-    Parameters not given keep their values; giving flops_ratio clears r and vice versa."""
+    Parameters not given keep their values; giving flops_ratio clears r and vice versa, giving an
+    ATM preset replaces the thresholds not given."""
     reducer = _patch.reducer_of(model)
-    merged = dict(reducer.params)
-    if "r" in params:
-        merged["flops_ratio"] = None
-    if params.get("flops_ratio") is not None:
-        merged["r"] = 0
-    merged.update(params)
+    cls = type(reducer)
+    merged = cls.resolve_params(model, cls.update_params(reducer.params, params))
     _patch.patch(model, make_reducer(reducer.name, **merged))
     return model
 

@@ -3,10 +3,12 @@
 Index conventions: prefix tokens (class / distillation / register) are split off first and never take
 part in matching. The remaining tokens are split alternately by their absolute position: set A holds
 the even positions, set B the odd ones (the class token of a plain ViT would be position 0, so A is
-the same set as in the ToMe reference). Indices in the plans below index into A / B / the non-prefix
-tokens, per batch row.
+the same set as in the ToMe reference). ATM's size-distinctive split instead puts the smaller-sized
+half of the tokens in A and the larger half in B. Indices in the plans below index into A / B / the
+non-prefix tokens, per batch row.
 """
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
@@ -20,6 +22,8 @@ class MergePlan:
     unm_idx: (B, Na - r) A tokens kept, ascending (original order).
     src_idx: (B, r) A tokens merged away.
     dst_idx: (B, r) index in B each source merges into.
+    a_idx, b_idx: (B, Na), (B, Nb) non-prefix positions of A and B, ascending, for a split other than
+        the alternate one (None: A and B are the alternate positions given by a_start).
     Output order: prefix tokens, kept A tokens, all B tokens.
     """
 
@@ -28,6 +32,8 @@ class MergePlan:
     unm_idx: torch.Tensor
     src_idx: torch.Tensor
     dst_idx: torch.Tensor
+    a_idx: Optional[torch.Tensor] = None
+    b_idx: Optional[torch.Tensor] = None
 
     @property
     def r(self) -> int:
@@ -55,27 +61,95 @@ def max_merges(num_tokens: int, num_prefix: int) -> int:
     return max(num_tokens - num_prefix, 0) // 2
 
 
+def size_distinctive_split(size: torch.Tensor, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """ATM's split for late layers: the smaller-sized half of the non-prefix tokens forms A (sources),
+    the larger half B (destinations), so two tokens of the larger half are never merged together.
+
+    size: (B, N, 1) tokens' merging sizes. Tokens are ordered by (size, parity of the absolute
+    position, position); A takes as many tokens as the alternate split would, so with equal sizes
+    the split is exactly the alternate one. Returns a_idx (B, Na), b_idx (B, Nb), each ascending.
+    """
+    n = size.shape[1] - num_prefix
+    a_start = num_prefix % 2
+    num_a = len(range(a_start, n, 2))
+    with torch.no_grad():
+        parity = (torch.arange(n, device=size.device) + a_start) % 2  # 0 on A's positions
+        by_parity = parity.argsort(stable=True).expand(size.shape[0], -1)
+        s = size[:, num_prefix:, 0].gather(1, by_parity)
+        order = by_parity.gather(1, s.argsort(dim=-1, stable=True))
+        a_idx = order[:, :num_a].sort(dim=-1).values
+        b_idx = order[:, num_a:].sort(dim=-1).values
+    return a_idx, b_idx
+
+
+def best_matches(
+    metric: torch.Tensor,
+    num_prefix: int,
+    split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Cosine similarity of every A token to its most similar B token.
+
+    metric: (B, N, C); split: (a_idx, b_idx) from size_distinctive_split, or None for the alternate
+    split. Returns node_max (B, Na) best similarity and node_idx (B, Na) its index in B (the lowest
+    index on ties).
+    """
+    a_start = num_prefix % 2
+    with torch.no_grad():
+        m = metric[:, num_prefix:]
+        m = m / m.norm(dim=-1, keepdim=True)
+        if split is None:
+            a, b = m[:, a_start::2], m[:, 1 - a_start::2]
+        else:
+            a, b = gather_tokens(m, split[0]), gather_tokens(m, split[1])
+        return (a @ b.transpose(-1, -2)).max(dim=-1)
+
+
+def gather_tokens(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t: (B, N, C), idx: (B, K) -> (B, K, C)."""
+    return t.gather(1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+
+
+def merge_top_r(
+    node_max: torch.Tensor,
+    node_idx: torch.Tensor,
+    r: int,
+    num_prefix: int,
+    split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> MergePlan:
+    """The plan merging the r A tokens with the highest best-match similarity (ties: lower index first).
+
+    node_max, node_idx: (B, Na) from best_matches; r: clamped to [0, Na]; split as in best_matches.
+    """
+    r = max(min(r, node_max.shape[1]), 0)
+    with torch.no_grad():
+        edge_idx = node_max.argsort(dim=-1, descending=True, stable=True)
+        src_idx = edge_idx[:, :r]
+        unm_idx = edge_idx[:, r:].sort(dim=-1).values
+        dst_idx = node_idx.gather(1, src_idx)
+    a_idx, b_idx = split if split is not None else (None, None)
+    return MergePlan(num_prefix, num_prefix % 2, unm_idx, src_idx, dst_idx, a_idx, b_idx)
+
+
 def bipartite_soft_matching(metric: torch.Tensor, r: int, num_prefix: int) -> MergePlan:
-    """ToMe's bipartite soft matching.
+    """ToMe's bipartite soft matching on the alternate split.
 
     metric: (B, N, C) per-token features (e.g. keys averaged over heads); cosine similarity is used.
     r: merges wanted; clamped to max_merges(N, num_prefix).
     Ties are broken towards the lower index (stable sort), so the plan is deterministic.
     """
-    B, N, _ = metric.shape
-    r = min(r, max_merges(N, num_prefix))
-    a_start = num_prefix % 2
-    with torch.no_grad():
-        m = metric[:, num_prefix:]
-        m = m / m.norm(dim=-1, keepdim=True)
-        a, b = m[:, a_start::2], m[:, 1 - a_start::2]
-        scores = a @ b.transpose(-1, -2)
-        node_max, node_idx = scores.max(dim=-1)
-        edge_idx = node_max.argsort(dim=-1, descending=True, stable=True)
-        src_idx = edge_idx[:, :r]
-        unm_idx = edge_idx[:, r:].sort(dim=-1).values
-        dst_idx = node_idx.gather(1, src_idx)
-    return MergePlan(num_prefix, a_start, unm_idx, src_idx, dst_idx)
+    r = min(r, max_merges(metric.shape[1], num_prefix))
+    node_max, node_idx = best_matches(metric, num_prefix)
+    return merge_top_r(node_max, node_idx, r, num_prefix)
+
+
+def count_above(node_max: torch.Tensor, threshold: float) -> torch.Tensor:
+    """(B, Na) best-match similarities -> (B,) number of A tokens whose similarity exceeds threshold."""
+    return (node_max > threshold).sum(dim=-1)
+
+
+def batch_adaptive_r(counts: torch.Tensor) -> int:
+    """ATM's batch-adaptive merge count: the mean of the per-image counts (B,), rounded half up."""
+    return int(torch.floor(counts.double().mean() + 0.5).item())
 
 
 def attentive_pruning(cls_attn: torch.Tensor, r: int, num_prefix: int) -> PrunePlan:

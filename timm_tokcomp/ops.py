@@ -7,17 +7,15 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .matching import MergePlan, PrunePlan
+from .matching import gather_tokens as _gather
 
 
 def _split(t: torch.Tensor, plan: MergePlan):
     p = plan.num_prefix
     rest = t[:, p:]
+    if plan.a_idx is not None:
+        return t[:, :p], _gather(rest, plan.a_idx), _gather(rest, plan.b_idx)
     return t[:, :p], rest[:, plan.a_start::2], rest[:, 1 - plan.a_start::2]
-
-
-def _gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """t: (B, N, C), idx: (B, K) -> (B, K, C)."""
-    return t.gather(1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
 
 
 def merge_sum(t: torch.Tensor, plan: MergePlan) -> torch.Tensor:

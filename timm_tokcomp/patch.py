@@ -1,7 +1,7 @@
 """The only module that knows timm's internals: swaps a VisionTransformer's classes (model, Block,
 Attention) for static subclasses that reduce tokens, and back. Parameters and buffers are never
 touched, so state_dict keys and weights stay exactly those of the timm model."""
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -70,21 +70,45 @@ class ReducingBlock(Block):
         x: torch.Tensor,
         size: Optional[torch.Tensor],
         source: Optional[torch.Tensor],
-        r: int,
+        setting: Any,
         reducer: TokenReducer,
         prop_attn: bool,
         num_prefix: int,
+        prefix_only: bool = False,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """x: (B, N, C), size: (B, N, 1) or None, source: (B, N, N0) or None -> the same, N' <= N tokens."""
+        """x: (B, N, C), size: (B, N, 1) or None, source: (B, N, N0) or None -> the same, N' <= N tokens.
+
+        setting: the reducer's setting for this block (None: no reduction); prefix_only: keep only
+        the num_prefix leading tokens after attention (the last block of a class-token head)."""
         attn_bias = size.log().transpose(1, 2).unsqueeze(1) if prop_attn and size is not None else None
-        h, metric = self.attn.forward_reduce(self.norm1(x), attn_bias, reducer if r > 0 else None)
+        active = setting is not None and not prefix_only
+        h, metric = self.attn.forward_reduce(self.norm1(x), attn_bias, reducer if active else None)
         x = x + self.drop_path1(self.ls1(h))
-        if metric is not None:
-            plan = reducer.plan(metric, r, num_prefix)
+        if prefix_only:
+            x = x[:, :num_prefix]
+            size = None if size is None else size[:, :num_prefix]
+            source = None if source is None else source[:, :num_prefix]
+        elif metric is not None:
+            plan = reducer.plan(metric, setting, num_prefix, size)
             if plan is not None:
                 x, size, source = apply_plan(plan, x, size, source)
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x, size, source
+
+
+def _prefix_only_last(model: nn.Module, reducer: TokenReducer) -> bool:
+    """Whether the last block keeps only the prefix tokens (see TokenReducer.prefix_only_last_block).
+    Checked at every forward: the head may have been reset since the method was applied."""
+    exact = model.global_pool == "token" and model.num_prefix_tokens > 0
+    if reducer.prefix_only_last_block is None:
+        return exact and reducer.default_prefix_only_last_block
+    if reducer.prefix_only_last_block and not exact:
+        raise ValueError(
+            "prefix_only_last_block=True needs a head that reads only the class token (global_pool='token' "
+            f"and a class token); this model has global_pool={model.global_pool!r} and "
+            f"{model.num_prefix_tokens} prefix tokens"
+        )
+    return reducer.prefix_only_last_block
 
 
 class _ReducingViT:
@@ -108,20 +132,23 @@ class _ReducingViT:
 
     def _reduce_blocks(self, x: torch.Tensor) -> torch.Tensor:
         reducer, num_prefix = self._tokcomp_reducer, self.num_prefix_tokens
-        budgets = reducer.budgets(len(self.blocks), x.shape[1], num_prefix, self._tokcomp_block_cost)
+        settings = reducer.block_settings(len(self.blocks), x.shape[1], num_prefix, self._tokcomp_block_cost)
+        prefix_only_last = _prefix_only_last(self, reducer)
         size = None
         source = None
         if reducer.trace_source:
             source = torch.eye(x.shape[1], device=x.device, dtype=x.dtype).expand(x.shape[0], -1, -1)
         stats = ReductionStats(num_prefix=num_prefix)
         use_checkpoint = self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting()
-        for blk, r in zip(self.blocks, budgets):
+        last = len(self.blocks) - 1
+        for i, (blk, setting) in enumerate(zip(self.blocks, settings)):
             stats.tokens_per_block.append(x.shape[1])
-            args = (x, size, source, r, reducer, self._tokcomp_prop_attn, num_prefix)
+            args = (x, size, source, setting, reducer, self._tokcomp_prop_attn, num_prefix, prefix_only_last and i == last)
             if use_checkpoint:
                 x, size, source = checkpoint(blk.forward_reduce, *args, use_reentrant=False)
             else:
                 x, size, source = blk.forward_reduce(*args)
+        stats.tokens_out = x.shape[1]
         stats.size = None if size is None else size.detach()
         stats.source = None if source is None else source.detach()
         self._tokcomp_stats = stats
@@ -208,6 +235,7 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     reducer.check_depth(len(model.blocks))
     if reducer.name == "evit" and getattr(model, "cls_token", None) is None:
         raise ValueError("EViT ranks tokens by class-token attention and needs a model with a class token")
+    _prefix_only_last(model, reducer)  # raises if asked for where it is not exact
     prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
     if not is_patched(model):
         for blk in model.blocks:

@@ -10,19 +10,14 @@ class ReductionStats:
     """What one forward of a patched model did.
 
     tokens_per_block: tokens entering each block (prefix tokens included), length L.
+    tokens_out: tokens leaving the last block.
     size: (B, N, 1) original tokens each output token stands for; None when nothing was reduced.
     source: (B, N, N0) 0/1 map of the original tokens each output token holds; only when tracing.
     num_prefix: class / distillation / register tokens at the front, never reduced.
     """
 
     tokens_per_block: List[int] = field(default_factory=list)
+    tokens_out: int = 0
     size: Optional[torch.Tensor] = None
     source: Optional[torch.Tensor] = None
     num_prefix: int = 0
-
-    @property
-    def tokens_out(self) -> Optional[int]:
-        """Tokens leaving the last block (None before any block ran)."""
-        if self.size is not None:
-            return self.size.shape[1]
-        return self.tokens_per_block[-1] if self.tokens_per_block else None

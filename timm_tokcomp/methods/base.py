@@ -1,9 +1,17 @@
-"""Base class of the token-reduction methods: parameters, per-block budgets, and the two hooks a
-method implements (what metric it reads inside attention, and how it turns it into a plan)."""
+"""Base classes of the token-reduction methods: common parameters, the per-block settings, and the
+two hooks a method implements (what metric it reads inside attention, and how it turns it into a plan).
+
+A method is driven by the patched model in three steps per forward:
+  settings = reducer.block_settings(L, N, num_prefix, cost)   # once: what each block does (None: nothing)
+  metric = reducer.metric(q, k, ...)                           # inside attention of an active block
+  plan = reducer.plan(metric, settings[l], num_prefix, size)   # after attention; None: no reduction
+"""
+import inspect
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 
 import torch
+from torch import nn
 
 from ..matching import MergePlan, PrunePlan
 from ..schedules import BlockCost, RSpec, resolve_r, solve_flops_schedule, validate_r
@@ -11,41 +19,73 @@ from ..schedules import BlockCost, RSpec, resolve_r, solve_flops_schedule, valid
 Plan = Union[MergePlan, PrunePlan]
 
 
+def _check_bool(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 class TokenReducer(ABC):
-    """A method with an r schedule: r tokens removed per block (int, per-block list, or
-    (r, inflection) tuple), or a schedule solved from flops_ratio (unreduced MACs / target MACs).
+    """Parameters every method takes.
 
     prop_attn: add log(token size) to the attention scores; None picks the method's default.
     trace_source: keep a (B, N, N0) map of the original patches each token holds.
+    prefix_only_last_block: in the last block keep only the prefix tokens after attention, so its MLP
+        runs on those alone. Exact when the head reads only the class (and distillation) token
+        (global_pool='token'); refused otherwise. None picks the method's default, which applies it
+        only where it is exact.
     """
 
     name: ClassVar[str]
+    default_prefix_only_last_block: ClassVar[bool] = False
 
     def __init__(
         self,
-        r: RSpec = 0,
-        flops_ratio: Optional[float] = None,
         prop_attn: Optional[bool] = None,
         trace_source: bool = False,
+        prefix_only_last_block: Optional[bool] = None,
     ) -> None:
-        if flops_ratio is not None:
-            if isinstance(flops_ratio, bool) or not isinstance(flops_ratio, (int, float)) or flops_ratio <= 1.0:
-                raise ValueError(f"flops_ratio must be a number > 1 (unreduced MACs / target MACs), got {flops_ratio!r}")
-            if r != 0:
-                raise ValueError("give either r or flops_ratio, not both")
-        for name, value in (("prop_attn", prop_attn), ("trace_source", trace_source)):
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
-        self.r = validate_r(r)
-        self.flops_ratio = None if flops_ratio is None else float(flops_ratio)
+        _check_bool("prop_attn", prop_attn)
+        _check_bool("trace_source", trace_source)
+        _check_bool("prefix_only_last_block", prefix_only_last_block)
         self.prop_attn = prop_attn
         self.trace_source = trace_source
-        self._budget_cache: Dict[Tuple[int, int, int, BlockCost], List[int]] = {}
+        self.prefix_only_last_block = prefix_only_last_block
+
+    @classmethod
+    def param_names(cls) -> Tuple[str, ...]:
+        """Names of the constructor's parameters (what apply / set_params accept)."""
+        names = []
+        for klass in cls.__mro__:
+            if "__init__" in vars(klass):
+                for p in inspect.signature(klass.__init__).parameters.values():
+                    if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in names:
+                        names.append(p.name)
+        return tuple(names)
+
+    @classmethod
+    def resolve_params(cls, model: nn.Module, params: Dict[str, Any]) -> Dict[str, Any]:
+        """Fill model-dependent defaults into params before construction (e.g. ATM's per-model preset)."""
+        return params
+
+    @classmethod
+    def update_params(cls, current: Dict[str, Any], new: Dict[str, Any]) -> Dict[str, Any]:
+        """The parameters after set_params(**new) on a reducer with `current` parameters."""
+        return {**current, **new}
+
+    @classmethod
+    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
+        """The parameters a name tag stands for, or None if the tag is not this method's."""
+        return None
+
+    @classmethod
+    def tag_forms(cls) -> Tuple[str, ...]:
+        """The tag forms parse_tag accepts, for error messages and help."""
+        return ()
 
     @property
     def params(self) -> Dict[str, Any]:
         """The constructor arguments, for set_params and display."""
-        return dict(r=self.r, flops_ratio=self.flops_ratio, prop_attn=self.prop_attn, trace_source=self.trace_source)
+        return {name: getattr(self, name) for name in self.param_names()}
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None)
@@ -56,20 +96,12 @@ class TokenReducer(ABC):
         return False
 
     def check_depth(self, num_blocks: int) -> None:
-        """Raise ValueError if a per-block r list does not match the model's depth."""
-        if isinstance(self.r, list) and len(self.r) != num_blocks:
-            raise ValueError(f"r as a per-block list needs one entry per block ({num_blocks}), got {len(self.r)}")
+        """Raise ValueError if per-block parameters do not match the model's depth."""
 
-    def budgets(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[int]:
-        """Tokens each block should remove (before the per-block clamp)."""
-        key = (num_blocks, num_tokens, num_prefix, cost)
-        if key not in self._budget_cache:
-            if self.flops_ratio is not None:
-                sched = solve_flops_schedule(self.flops_ratio, num_blocks, num_tokens - num_prefix, num_prefix, cost)
-            else:
-                sched = resolve_r(self.r, num_blocks)
-            self._budget_cache[key] = sched
-        return self._budget_cache[key]
+    @abstractmethod
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Any]:
+        """What each block does, one entry per block, passed to plan(); None: the block reduces nothing
+        (and its metric is not computed)."""
 
     @abstractmethod
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
@@ -77,5 +109,67 @@ class TokenReducer(ABC):
         attn_bias: (B, 1, 1, N) or None."""
 
     @abstractmethod
-    def plan(self, metric: torch.Tensor, r: int, num_prefix: int) -> Optional[Plan]:
-        """The reduction of one block from its metric, or None for no reduction."""
+    def plan(self, metric: torch.Tensor, setting: Any, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[Plan]:
+        """The reduction of one block from its metric and setting, or None for no reduction.
+        size: (B, N, 1) merging sizes, None while every token has size 1."""
+
+
+class ScheduledReducer(TokenReducer):
+    """A method with an r schedule: r tokens removed per block (int, per-block list, or (r, inflection)
+    tuple), or a schedule solved from flops_ratio (unreduced MACs / target MACs). Block settings are
+    the per-block r."""
+
+    def __init__(
+        self,
+        r: RSpec = 0,
+        flops_ratio: Optional[float] = None,
+        prop_attn: Optional[bool] = None,
+        trace_source: bool = False,
+        prefix_only_last_block: Optional[bool] = None,
+    ) -> None:
+        super().__init__(prop_attn, trace_source, prefix_only_last_block)
+        if flops_ratio is not None:
+            if isinstance(flops_ratio, bool) or not isinstance(flops_ratio, (int, float)) or flops_ratio <= 1.0:
+                raise ValueError(f"flops_ratio must be a number > 1 (unreduced MACs / target MACs), got {flops_ratio!r}")
+            if r != 0:
+                raise ValueError("give either r or flops_ratio, not both")
+        self.r = validate_r(r)
+        self.flops_ratio = None if flops_ratio is None else float(flops_ratio)
+        self._settings_cache: Dict[Tuple[int, int, int, BlockCost], List[Optional[int]]] = {}
+
+    @classmethod
+    def update_params(cls, current: Dict[str, Any], new: Dict[str, Any]) -> Dict[str, Any]:
+        """Giving flops_ratio clears r and vice versa."""
+        merged = dict(current)
+        if "r" in new:
+            merged["flops_ratio"] = None
+        if new.get("flops_ratio") is not None:
+            merged["r"] = 0
+        merged.update(new)
+        return merged
+
+    @classmethod
+    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
+        prefix = f"{cls.name}_r"
+        if tag.startswith(prefix) and tag[len(prefix):].isdigit() and tag[len(prefix):].isascii():
+            return {"r": int(tag[len(prefix):])}
+        return None
+
+    @classmethod
+    def tag_forms(cls) -> Tuple[str, ...]:
+        return (f"{cls.name}_r<k>",)
+
+    def check_depth(self, num_blocks: int) -> None:
+        if isinstance(self.r, list) and len(self.r) != num_blocks:
+            raise ValueError(f"r as a per-block list needs one entry per block ({num_blocks}), got {len(self.r)}")
+
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[int]]:
+        """Tokens each block should remove (before the per-block clamp); None where 0."""
+        key = (num_blocks, num_tokens, num_prefix, cost)
+        if key not in self._settings_cache:
+            if self.flops_ratio is not None:
+                sched = solve_flops_schedule(self.flops_ratio, num_blocks, num_tokens - num_prefix, num_prefix, cost)
+            else:
+                sched = resolve_r(self.r, num_blocks)
+            self._settings_cache[key] = [r if r > 0 else None for r in sched]
+        return self._settings_cache[key]

@@ -5,10 +5,10 @@ from typing import Optional
 import torch
 
 from ..matching import PrunePlan, attentive_pruning
-from .base import TokenReducer
+from .base import ScheduledReducer
 
 
-class EViT(TokenReducer):
+class EViT(ScheduledReducer):
     """Metric: the class token's attention row, softmaxed and averaged over heads (computed next to
     SDPA at O(N) cost). The fused token is the attention-weighted mean of the pruned tokens and is
     an ordinary token in later blocks. Proportional attention is off unless asked."""
@@ -21,7 +21,7 @@ class EViT(TokenReducer):
             scores = scores + attn_bias
         return scores.softmax(dim=-1).mean(dim=1)[:, 0]
 
-    def plan(self, metric: torch.Tensor, r: int, num_prefix: int) -> Optional[PrunePlan]:
+    def plan(self, metric: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[PrunePlan]:
         if r <= 0 or metric.shape[1] - num_prefix < 2:
             return None
         return attentive_pruning(metric, r, num_prefix)

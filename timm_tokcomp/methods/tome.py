@@ -3,11 +3,11 @@ from typing import Optional
 
 import torch
 
-from ..matching import MergePlan, bipartite_soft_matching
-from .base import TokenReducer
+from ..matching import MergePlan, bipartite_soft_matching, max_merges
+from .base import ScheduledReducer
 
 
-class ToMe(TokenReducer):
+class ToMe(ScheduledReducer):
     """Metric: keys averaged over heads (cosine similarity). Merge: size-weighted mean.
     Proportional attention is on by default, off for avg-pooled (MAE-style) models."""
 
@@ -19,6 +19,8 @@ class ToMe(TokenReducer):
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k.mean(dim=1)
 
-    def plan(self, metric: torch.Tensor, r: int, num_prefix: int) -> Optional[MergePlan]:
+    def plan(self, metric: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[MergePlan]:
+        if max_merges(metric.shape[1], num_prefix) == 0:
+            return None
         plan = bipartite_soft_matching(metric, r, num_prefix)
         return plan if plan.r > 0 else None

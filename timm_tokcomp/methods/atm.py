@@ -1,0 +1,184 @@
+"""ATM (Lee & Choi, "Lossless Token Merging Even Without Fine-Tuning in Vision Transformers"):
+merge the token pairs whose similarity exceeds a layer-dependent threshold, with size-distinctive
+matching in the late layers and one merge count per batch.
+
+- Threshold of block l = 1..L: theta_l = max(alpha - (exp(beta * (l - 1)) - 1), theta_min).
+  Blocks with theta_l >= 1 merge nothing (cosine similarity cannot exceed 1) and skip matching.
+- Matching: ToMe's bipartite matching on the keys averaged over heads (cosine similarity). For
+  l > split_layer, A / B are the smaller / larger halves of the tokens by merging size instead of
+  the alternate positions, so two large tokens are never merged together.
+- Batch-adaptive count: r = mean over the batch of the per-image number of A tokens whose best
+  similarity exceeds theta_l, rounded half up (r.5 -> r + 1); every image merges its r most
+  similar pairs, so tensors stay rectangular. A single image merges exactly its own count.
+- In the last block only the prefix tokens are kept after attention when the head reads only them
+  (prefix_only_last_block, on by default where exact, as in the paper).
+"""
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..matching import MergePlan, batch_adaptive_r, best_matches, count_above, max_merges, merge_top_r, size_distinctive_split
+from ..schedules import BlockCost
+from .base import TokenReducer
+
+
+@dataclass(frozen=True)
+class ATMPreset:
+    """(alpha, beta, theta_min) and where the setting comes from."""
+
+    alpha: float
+    beta: float
+    theta_min: float
+    source: str
+
+
+# intent -> model family -> preset. The families are matched by embedding width (see model_family).
+PRESETS: Dict[str, Dict[str, ATMPreset]] = {
+    "lossless": {
+        "tiny": ATMPreset(1.0, 0.035, 0.88, "paper Table A2, DeiT-T without training: 0.90 GFLOPs, 72.04% top-1"),
+        "small": ATMPreset(0.99, 0.04, 0.88, "paper Table A2, DeiT-S without training: 3.26 GFLOPs, 79.80% top-1"),
+        "base": ATMPreset(1.0, 0.025, 0.89, "paper Table A2, DeiT-B without training: 13.89 GFLOPs, 81.76% top-1"),
+    },
+}
+DEFAULT_PRESET = "lossless"
+FAMILY_WIDTHS = {"tiny": 192, "small": 384, "base": 768}
+
+
+def model_family(width: int) -> str:
+    """The preset family for an embedding width: the family of the nearest DeiT width (192 / 384 / 768)."""
+    return min(FAMILY_WIDTHS, key=lambda f: (abs(FAMILY_WIDTHS[f] - width), FAMILY_WIDTHS[f]))
+
+
+def get_preset(name: str, width: int) -> ATMPreset:
+    """The preset `name` for a model of this embedding width. Raises ValueError naming what exists."""
+    if name not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
+    family = model_family(width)
+    if family not in PRESETS[name]:
+        have = sorted(p for p, fams in PRESETS.items() if family in fams)
+        raise ValueError(
+            f"preset {name!r} exists for the {sorted(PRESETS[name])} families only; a width-{width} model is "
+            f"in the {family!r} family, whose presets are {have}; find your own with `tokcomp calibrate`"
+        )
+    return PRESETS[name][family]
+
+
+def threshold_schedule(alpha: float, beta: float, theta_min: float, num_blocks: int) -> List[float]:
+    """theta_l = max(alpha - (exp(beta * (l - 1)) - 1), theta_min) for l = 1..num_blocks."""
+    return [max(alpha - (math.exp(beta * (l - 1)) - 1.0), theta_min) for l in range(1, num_blocks + 1)]
+
+
+@dataclass(frozen=True)
+class ATMStep:
+    """What one active block does: merge pairs above `threshold`, on the size-distinctive split or not."""
+
+    threshold: float
+    size_split: bool
+
+
+def _check_real(name: str, value: Any, low: Optional[float] = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+    return float(value)
+
+
+class ATM(TokenReducer):
+    """alpha: initial threshold; beta: decay rate (>= 0); theta_min: threshold floor; split_layer:
+    blocks l > split_layer (1-based) use size-distinctive matching (default round(0.75 * depth), 9 of
+    12; 0 = all blocks, depth = none). Metric and proportional attention as in ToMe.
+
+    Through apply() / set_params(), `preset` (one of PRESETS, default 'lossless', chosen per model by
+    embedding width) fills in whichever of alpha, beta, theta_min is not given.
+    """
+
+    name = "atm"
+    default_prefix_only_last_block = True
+
+    def __init__(
+        self,
+        alpha: float,
+        beta: float,
+        theta_min: float,
+        split_layer: Optional[int] = None,
+        prop_attn: Optional[bool] = None,
+        trace_source: bool = False,
+        prefix_only_last_block: Optional[bool] = None,
+    ) -> None:
+        super().__init__(prop_attn, trace_source, prefix_only_last_block)
+        self.alpha = _check_real("alpha", alpha)
+        self.beta = _check_real("beta", beta, low=0.0)
+        self.theta_min = _check_real("theta_min", theta_min)
+        if split_layer is not None and (isinstance(split_layer, bool) or not isinstance(split_layer, int) or split_layer < 0):
+            raise ValueError(f"split_layer must be None or an int >= 0 (blocks after it use size-distinctive "
+                             f"matching), got {split_layer!r}")
+        self.split_layer = split_layer
+        self._settings_cache: Dict[int, List[Optional[ATMStep]]] = {}
+
+    @classmethod
+    def resolve_params(cls, model: nn.Module, params: Dict[str, Any]) -> Dict[str, Any]:
+        params = dict(params)
+        preset = params.pop("preset", None)
+        missing = [k for k in ("alpha", "beta", "theta_min") if params.get(k) is None]
+        if missing or preset is not None:
+            chosen = get_preset(DEFAULT_PRESET if preset is None else preset, model.embed_dim)
+            for k in missing:
+                params[k] = getattr(chosen, k)
+        return params
+
+    @classmethod
+    def update_params(cls, current: Dict[str, Any], new: Dict[str, Any]) -> Dict[str, Any]:
+        merged = dict(current)
+        if "preset" in new:  # a new preset replaces the thresholds not given explicitly
+            for k in ("alpha", "beta", "theta_min"):
+                merged.pop(k, None)
+        merged.update(new)
+        return merged
+
+    @classmethod
+    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
+        if tag == cls.name:
+            return {}
+        head, _, preset = tag.partition("_")
+        return {"preset": preset} if head == cls.name and preset in PRESETS else None
+
+    @classmethod
+    def tag_forms(cls) -> Tuple[str, ...]:
+        return (cls.name,) + tuple(f"{cls.name}_{p}" for p in PRESETS)
+
+    def default_prop_attn(self, global_pool: str) -> bool:
+        return global_pool != "avg"
+
+    def check_depth(self, num_blocks: int) -> None:
+        if self.split_layer is not None and self.split_layer > num_blocks:
+            raise ValueError(f"split_layer must be in [0, {num_blocks}] for a {num_blocks}-block model, "
+                             f"got {self.split_layer}")
+
+    def thresholds(self, num_blocks: int) -> List[float]:
+        return threshold_schedule(self.alpha, self.beta, self.theta_min, num_blocks)
+
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[ATMStep]]:
+        if num_blocks not in self._settings_cache:
+            split = round(0.75 * num_blocks) if self.split_layer is None else self.split_layer
+            self._settings_cache[num_blocks] = [
+                ATMStep(theta, size_split=l > split) if theta < 1.0 else None
+                for l, theta in enumerate(self.thresholds(num_blocks), start=1)
+            ]
+        return self._settings_cache[num_blocks]
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        return k.mean(dim=1)
+
+    def plan(self, metric: torch.Tensor, step: ATMStep, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[MergePlan]:
+        cap = max_merges(metric.shape[1], num_prefix)
+        if cap == 0:
+            return None
+        # with every size still 1 the size-distinctive split is the alternate one
+        split = size_distinctive_split(size, num_prefix) if step.size_split and size is not None else None
+        node_max, node_idx = best_matches(metric, num_prefix, split)
+        r = min(batch_adaptive_r(count_above(node_max, step.threshold)), cap)
+        return merge_top_r(node_max, node_idx, r, num_prefix, split) if r > 0 else None
