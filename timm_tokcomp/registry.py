@@ -21,7 +21,7 @@ SHORT_NAMES = {
     "deit_small": "deit_small_patch16_224",
     "deit_base": "deit_base_patch16_224",
 }
-LISTED_TAGS = ("tome_r8", "tome_r16", "evit_r8", "evit_r16")
+LISTED_TAGS = ("tome_r8", "tome_r16", "evit_r8", "evit_r16", "atm")
 # Architectures of those modules whose blocks / attention / head the engine refuses (checked by
 # tests/test_registry.py against timm by building each on the meta device).
 UNSUPPORTED_ARCHS = frozenset({
