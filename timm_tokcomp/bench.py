@@ -1,6 +1,7 @@
 """`tokcomp bench`: GMACs, throughput, speedup, top-1 and agreement of several methods, side by side."""
 import copy
 import csv
+import statistics
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -13,7 +14,8 @@ from tqdm import tqdm
 
 from . import apply, is_reduced, last_stats
 from .data import open_dataset
-from .measure import count_macs, time_side_by_side
+from .calibrate import load_preset
+from .measure import count_macs, forward_counting, time_side_by_side
 from .methods import parse_method_tag
 
 BASELINE = "none"
@@ -21,26 +23,32 @@ BASELINE = "none"
 
 @dataclass
 class BenchRow:
-    """One method's figures. top1 / agreement are percentages, None without data."""
+    """One method's figures. gmacs: mean per image actually executed; gmacs_std: its spread (standard
+    deviation) across batches, None without data; top1 / agreement: percentages, None without data;
+    tokens_last_block: tokens entering the last block in the timing batch."""
 
     method: str
     gmacs: float
+    gmacs_std: Optional[float]
     img_per_s: float
     speedup: float
     top1: Optional[float]
     agreement: Optional[float]
-    tokens_out: int
+    tokens_last_block: int
 
 
 def parse_methods(spec: str) -> List[str]:
-    """'none,tome_r8' -> ['none', 'tome_r8'] (validated; 'none' is put first if missing)."""
+    """'none,tome_r8,my_preset.json' -> ['none', 'tome_r8', 'my_preset.json'] (validated; 'none' is
+    put first if missing). A .json item is a preset saved by `tokcomp calibrate`."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     for name in names:
-        if name != BASELINE:
+        if name.endswith(".json"):
+            load_preset(name)
+        elif name != BASELINE:
             try:
                 parse_method_tag(name)
             except ValueError as e:
-                raise ValueError(f"--methods: {e}; or '{BASELINE}'") from None
+                raise ValueError(f"--methods: {e}; or '{BASELINE}', or a preset .json file") from None
     if BASELINE in names:
         names.remove(BASELINE)
     return [BASELINE] + list(dict.fromkeys(names))
@@ -63,38 +71,54 @@ def build_method_models(base: nn.Module, methods: Sequence[str]) -> Dict[str, nn
         if name == BASELINE:
             models[name] = base
         else:
-            method, params = parse_method_tag(name)
+            method, params = load_preset(name) if name.endswith(".json") else parse_method_tag(name)
             models[name] = apply(copy.deepcopy(base), method, **params)
     return models
 
 
-def _tokens_out(model: nn.Module, num_tokens: int) -> int:
-    """Tokens leaving the last block in the model's last forward (num_tokens when unreduced)."""
+def _tokens_last_block(model: nn.Module, num_tokens: int) -> int:
+    """Tokens entering the last block in the model's last forward (num_tokens when unreduced)."""
     stats = last_stats(model) if is_reduced(model) else None
-    return num_tokens if stats is None or stats.tokens_out is None else stats.tokens_out
+    return num_tokens if stats is None or not stats.tokens_per_block else stats.tokens_per_block[-1]
+
+
+@dataclass
+class Evaluation:
+    """Per method: top-1 and agreement with the baseline (percent), MACs per image (mean over all
+    images, and the standard deviation of the per-batch means)."""
+
+    top1: Dict[str, float]
+    agreement: Dict[str, float]
+    macs: Dict[str, float]
+    macs_std: Dict[str, float]
 
 
 @torch.inference_mode()
-def evaluate(models: Dict[str, nn.Module], loader: Iterable, device: str, show_progress: bool):
-    """Top-1, agreement with the baseline, and MACs per image counted on every batch."""
+def evaluate(models: Dict[str, nn.Module], loader: Iterable, device: str, show_progress: bool) -> Evaluation:
+    """Top-1, agreement with the first model, and MACs per image counted on every batch, in one
+    forward per model and batch."""
     correct = {k: 0 for k in models}
     agree = {k: 0 for k in models}
-    macs = {k: 0.0 for k in models}
-    seen = 0
+    batch_macs: Dict[str, List[float]] = {k: [] for k in models}
+    sizes: List[int] = []
     for x, y in tqdm(loader, desc="evaluate", disable=not show_progress, file=sys.stderr):
         x, y = x.to(device), y.to(device)
         reference = None
         for name, model in models.items():
-            macs[name] += count_macs(model, x)
-            pred = model(x).argmax(dim=-1)
+            out, macs = forward_counting(model, x)
+            batch_macs[name].append(macs / len(y))
+            pred = out.argmax(dim=-1)
             reference = pred if reference is None else reference
             correct[name] += (pred == y).sum().item()
             agree[name] += (pred == reference).sum().item()
-        seen += len(y)
+        sizes.append(len(y))
+    seen = sum(sizes)
     if seen == 0:
         raise ValueError("--data: the dataset holds no images")
-    return ({k: 100.0 * v / seen for k, v in correct.items()}, {k: 100.0 * v / seen for k, v in agree.items()},
-            {k: v / seen for k, v in macs.items()})
+    mean = {k: sum(m * n for m, n in zip(v, sizes)) / seen for k, v in batch_macs.items()}
+    std = {k: statistics.pstdev(v) for k, v in batch_macs.items()}
+    return Evaluation({k: 100.0 * v / seen for k, v in correct.items()},
+                      {k: 100.0 * v / seen for k, v in agree.items()}, mean, std)
 
 
 def run_bench(
@@ -123,13 +147,14 @@ def run_bench(
     models = build_method_models(base, methods)
     cfg = timm.data.resolve_model_data_config(base)
 
-    top1 = agreement = None
+    evaluation = None
     if data:
         dataset = open_dataset(data, timm.data.create_transform(**cfg))
         if limit is not None:
             dataset = torch.utils.data.Subset(dataset, range(min(limit, len(dataset))))
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
-        top1, agreement, macs = evaluate(models, loader, device, show_progress)
+        evaluation = evaluate(models, loader, device, show_progress)
+        macs = evaluation.macs
         batch = next(iter(loader))[0].to(device)
     else:
         batch = torch.randn(batch_size, *cfg["input_size"], device=device)
@@ -143,23 +168,29 @@ def run_bench(
         BenchRow(
             method=name,
             gmacs=macs[name] / 1e9,
+            gmacs_std=None if evaluation is None else evaluation.macs_std[name] / 1e9,
             img_per_s=len(batch) / seconds[name],
             speedup=seconds[BASELINE] / seconds[name],
-            top1=None if top1 is None else top1[name],
-            agreement=None if agreement is None else agreement[name],
-            tokens_out=_tokens_out(model, num_tokens),
+            top1=None if evaluation is None else evaluation.top1[name],
+            agreement=None if evaluation is None else evaluation.agreement[name],
+            tokens_last_block=_tokens_last_block(model, num_tokens),
         )
         for name, model in models.items()
     ]
 
 
 def format_table(rows: Sequence[BenchRow]) -> str:
-    header = f"{'method':<12}{'GMACs':>9}{'img/s':>10}{'speedup':>9}{'top-1 %':>9}{'agree %':>9}{'tokens':>8}"
+    """GMACs +- its spread across batches (adaptive methods vary per batch), tokens entering the last block."""
+    width = max(12, max(len(r.method) for r in rows) + 2)
+    header = (f"{'method':<{width}}{'GMACs':>9}{'+-batch':>9}{'img/s':>10}{'speedup':>9}{'top-1 %':>9}"
+              f"{'agree %':>9}{'tokens':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
+        std = "-" if r.gmacs_std is None else f"{r.gmacs_std:.4f}"
         acc = "-" if r.top1 is None else f"{r.top1:.2f}"
         agr = "-" if r.agreement is None else f"{r.agreement:.2f}"
-        lines.append(f"{r.method:<12}{r.gmacs:>9.4f}{r.img_per_s:>10.1f}{r.speedup:>8.2f}x{acc:>9}{agr:>9}{r.tokens_out:>8}")
+        lines.append(f"{r.method:<{width}}{r.gmacs:>9.4f}{std:>9}{r.img_per_s:>10.1f}{r.speedup:>8.2f}x{acc:>9}"
+                     f"{agr:>9}{r.tokens_last_block:>8}")
     return "\n".join(lines)
 
 

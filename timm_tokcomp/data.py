@@ -1,4 +1,5 @@
-"""Image datasets for evaluation: an ImageFolder tree, or a folder with labels.csv (`file,label`)."""
+"""Image datasets: an ImageFolder tree, a folder with labels.csv (`file,label`), or (for label-free
+work such as calibration) a plain folder of images."""
 import csv
 from pathlib import Path
 from typing import Callable, List, Tuple, Union
@@ -29,6 +30,36 @@ class LabeledImages(Dataset):
         name, label = self.samples[i]
         with Image.open(self.image_dir / name) as img:
             return self.transform(img.convert("RGB")), label
+
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+
+
+class UnlabeledImages(Dataset):
+    """Every image file directly in `root`, sorted by name; the label is -1."""
+
+    def __init__(self, root: Union[str, Path], transform: Callable) -> None:
+        self.files = sorted(p for p in Path(root).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int):
+        with Image.open(self.files[i]) as img:
+            return self.transform(img.convert("RGB")), -1
+
+
+def open_images(path: Union[str, Path], transform: Callable) -> Dataset:
+    """Images whose labels are not needed: a labelled dataset as open_dataset reads it, or a plain
+    folder of image files."""
+    path = Path(path)
+    if path.is_dir() and not (path / "labels.csv").is_file() and not any(p.is_dir() for p in path.iterdir()):
+        dataset = UnlabeledImages(path, transform)
+        if len(dataset) == 0:
+            raise ValueError(f"--data: {path} holds no image files ({', '.join(IMAGE_SUFFIXES)})")
+        return dataset
+    return open_dataset(path, transform)
 
 
 def open_dataset(path: Union[str, Path], transform: Callable) -> Dataset:

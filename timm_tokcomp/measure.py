@@ -1,7 +1,7 @@
 """Measurements from the run itself: MACs counted by torch's FlopCounterMode, and timing."""
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -9,13 +9,18 @@ from torch.utils.flop_counter import FlopCounterMode
 
 
 @torch.no_grad()
-def count_macs(model: nn.Module, x: torch.Tensor) -> float:
-    """Multiply-accumulates executed by one forward of x: (B, 3, H, W), for the whole batch
-    (FLOPs / 2, as counted by torch.utils.flop_counter from the ops actually run)."""
+def forward_counting(model: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, float]:
+    """One forward of x: (B, 3, H, W) -> (output, multiply-accumulates it executed for the whole batch),
+    FLOPs / 2 as counted by torch.utils.flop_counter from the ops actually run."""
     counter = FlopCounterMode(display=False)
     with counter:
-        model(x)
-    return counter.get_total_flops() / 2
+        out = model(x)
+    return out, counter.get_total_flops() / 2
+
+
+def count_macs(model: nn.Module, x: torch.Tensor) -> float:
+    """Multiply-accumulates executed by one forward of x: (B, 3, H, W), for the whole batch."""
+    return forward_counting(model, x)[1]
 
 
 @torch.inference_mode()

@@ -1,0 +1,186 @@
+"""`tokcomp calibrate`: ATM thresholds (alpha, beta, theta_min) that hit a GMACs budget on given images
+(labels not needed) while agreeing most with the unmodified model; presets saved as JSON.
+
+Search: alpha is fixed (1.0 by default: the first block never merges, as in the paper's presets).
+For each decay rate beta of a grid, theta_min is bisected between the last block's unfloored
+threshold (lower floors change nothing) and alpha (the executed GMACs do not decrease as theta_min
+rises) until the GMACs per image are within the tolerance of the target; of the settings that hit
+it, the one with the highest agreement wins (ties: the closest to the target).
+"""
+import copy
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .measure import forward_counting
+from .methods.atm import threshold_schedule
+
+PRESET_FORMAT = 1
+DEFAULT_BETAS = (0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15)
+
+
+@dataclass
+class CalibrationResult:
+    """A calibrated ATM setting and what it measured on the calibration images (GMACs per image,
+    agreement in percent)."""
+
+    model: str
+    params: Dict[str, Any]
+    gmacs: float
+    agreement: float
+    target_gmacs: float
+    baseline_gmacs: float
+    images: int
+    evaluations: int
+    method: str = "atm"
+
+
+def save_preset(result: CalibrationResult, path: str) -> None:
+    """Write the preset as JSON: {"format", "method", "params", "calibration": {...}}."""
+    calibration = {k: v for k, v in asdict(result).items() if k not in ("method", "params")}
+    doc = {"format": PRESET_FORMAT, "method": result.method, "params": result.params, "calibration": calibration}
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def load_preset(path: str) -> Tuple[str, Dict[str, Any]]:
+    """(method, params) of a preset file written by save_preset, for timm_tokcomp.apply(model, method, **params)."""
+    from .methods import method_class
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"preset file {path} not found") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"preset file {path} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != PRESET_FORMAT or not isinstance(doc.get("params"), dict):
+        raise ValueError(f"preset file {path} is not a tokcomp preset (format {PRESET_FORMAT} with 'method' and 'params')")
+    method_class(doc.get("method"))  # raises for an unknown method
+    return doc["method"], doc["params"]
+
+
+class _Probe:
+    """Runs ATM settings over cached batches: (GMACs per image, agreement % with the unmodified model)."""
+
+    def __init__(self, base: nn.Module, batches: Sequence[torch.Tensor], split_layer: Optional[int]) -> None:
+        from . import apply
+
+        self.batches = batches
+        self.images = sum(len(x) for x in batches)
+        self.reference, macs = self._run(base)
+        self.baseline_gmacs = macs
+        self.model = apply(copy.deepcopy(base), "atm", alpha=1.0, beta=0.0, theta_min=1.0, split_layer=split_layer)
+        self.evaluations = 0
+
+    @torch.inference_mode()
+    def _run(self, model: nn.Module) -> Tuple[List[torch.Tensor], float]:
+        preds, total = [], 0.0
+        for x in self.batches:
+            out, macs = forward_counting(model, x)
+            preds.append(out.argmax(dim=-1))
+            total += macs
+        return preds, total / self.images / 1e9
+
+    def __call__(self, alpha: float, beta: float, theta_min: float) -> Tuple[float, float]:
+        from . import set_params
+
+        set_params(self.model, alpha=alpha, beta=beta, theta_min=theta_min)
+        preds, gmacs = self._run(self.model)
+        agree = sum((p == r).sum().item() for p, r in zip(preds, self.reference))
+        self.evaluations += 1
+        return gmacs, 100.0 * agree / self.images
+
+
+def calibrate(
+    base: nn.Module,
+    batches: Sequence[torch.Tensor],
+    model_name: str,
+    target_gmacs: Optional[float] = None,
+    target_ratio: Optional[float] = None,
+    tolerance: float = 0.02,
+    alpha: float = 1.0,
+    betas: Sequence[float] = DEFAULT_BETAS,
+    split_layer: Optional[int] = None,
+    max_bisections: int = 12,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> CalibrationResult:
+    """Find (alpha, beta, theta_min) for `base` (an unmodified timm ViT in eval mode) whose GMACs per
+    image on `batches` (list of (B, 3, H, W)) are within `tolerance` (relative) of the target, giving
+    target_gmacs or target_ratio (fraction of the unmodified model's GMACs, in (0, 1)).
+
+    Raises ValueError when the target cannot be reached, naming the reachable range.
+    progress(msg) is called after every evaluation.
+    """
+    if (target_gmacs is None) == (target_ratio is None):
+        raise ValueError("give exactly one of --target-gmacs and --target-ratio")
+    if target_ratio is not None and not 0.0 < target_ratio < 1.0:
+        raise ValueError(f"--target-ratio must be in (0, 1) (a fraction of the unmodified GMACs), got {target_ratio}")
+    if target_gmacs is not None and not target_gmacs > 0:
+        raise ValueError(f"--target-gmacs must be > 0, got {target_gmacs}")
+    if not 0.0 < tolerance < 0.5:
+        raise ValueError(f"--tolerance must be in (0, 0.5), got {tolerance}")
+    if not betas or any(b < 0 for b in betas):
+        raise ValueError(f"betas must be a non-empty list of numbers >= 0, got {list(betas)}")
+    if not batches:
+        raise ValueError("--data: no calibration images")
+
+    probe = _Probe(base, batches, split_layer)
+    target = target_gmacs if target_gmacs is not None else target_ratio * probe.baseline_gmacs
+    low, high = target * (1 - tolerance), target * (1 + tolerance)
+
+    def run(beta: float, theta_min: float) -> Tuple[float, float]:
+        gmacs, agreement = probe(alpha, beta, theta_min)
+        progress(f"beta={beta:g} theta_min={theta_min:.4f}: {gmacs:.4f} GMACs, agreement {agreement:.2f}%")
+        return gmacs, agreement
+
+    least, _ = run(max(betas), alpha)  # thresholds stay at alpha: the least merging of the search
+    most, _ = run(max(betas), -1.0)  # fastest decay to the lowest floor: the most merging
+    if low > least or high < most:
+        raise ValueError(
+            f"target {target:.4f} GMACs per image ({target / probe.baseline_gmacs:.3f}x of {probe.baseline_gmacs:.4f}) "
+            f"is out of reach: ATM with alpha={alpha} spans {most:.4f} to {least:.4f} GMACs "
+            f"({most / probe.baseline_gmacs:.3f}x to {least / probe.baseline_gmacs:.3f}x) on these images"
+        )
+
+    hits: List[Tuple[float, float, float, float, float]] = []  # (agreement, -distance, beta, theta_min, gmacs)
+    closest = (math.inf, 0.0, 0.0)  # (distance, beta, theta_min)
+
+    def consider(beta: float, theta_min: float) -> float:
+        nonlocal closest
+        gmacs, agreement = run(beta, theta_min)
+        distance = abs(gmacs - target)
+        closest = min(closest, (distance, beta, theta_min))
+        if low <= gmacs <= high:
+            hits.append((agreement, -distance, beta, theta_min, gmacs))
+        return gmacs
+
+    depth = len(base.blocks)
+    for beta in sorted(betas):
+        # floors below the last block's unfloored threshold change nothing: bisect above it
+        lo, hi = max(-1.0, threshold_schedule(alpha, beta, -math.inf, depth)[-1]), alpha
+        if consider(beta, lo) >= low:
+            continue  # a hit already, or this decay rate cannot merge enough
+        for _ in range(max_bisections):
+            theta_min = (lo + hi) / 2
+            gmacs = consider(beta, theta_min)
+            if low <= gmacs <= high:
+                break
+            if gmacs > high:
+                hi = theta_min  # too expensive: lower the floor
+            else:
+                lo = theta_min
+    if not hits:
+        raise ValueError(
+            f"no setting came within {tolerance:.0%} of {target:.4f} GMACs (closest: beta={closest[1]:g}, "
+            f"theta_min={closest[2]:.4f}, {closest[0]:.4f} GMACs away); try a larger --tolerance or more images"
+        )
+    agreement, _, beta, theta_min, gmacs = max(hits)
+    params = dict(alpha=alpha, beta=beta, theta_min=theta_min, split_layer=split_layer)
+    return CalibrationResult(
+        model=model_name, params=params, gmacs=gmacs, agreement=agreement, target_gmacs=target,
+        baseline_gmacs=probe.baseline_gmacs, images=probe.images, evaluations=probe.evaluations,
+    )
