@@ -6,6 +6,7 @@ import torch
 from PIL import Image
 
 from timm_tokcomp.bench import parse_methods
+from timm_tokcomp.calibrate import CalibrationResult, save_preset
 from timm_tokcomp.cli import main
 
 FAST = ["--batch-size", "4", "--timing-rounds", "1", "--num-workers", "0", "--no-progress"]
@@ -31,7 +32,8 @@ def test_bench_without_data_prints_table_csv_and_plot(tmp_path, capsys):
     assert [r["method"] for r in rows] == ["none", "tome_r8", "evit_r4"]
     gmacs = [float(r["gmacs"]) for r in rows]
     assert abs(gmacs[0] - 1.2537) < 1e-3 and gmacs[1] < gmacs[2] < gmacs[0]
-    assert [int(r["tokens_out"]) for r in rows] == [197, 101, 149]
+    assert [int(r["tokens_last_block"]) for r in rows] == [197, 109, 153]
+    assert rows[0]["gmacs_std"] == ""  # no spread without data
     assert rows[0]["top1"] == "" and float(rows[0]["speedup"]) == 1.0
     assert plot.stat().st_size > 1000
 
@@ -46,6 +48,27 @@ def test_bench_with_labels_csv_folder(tmp_path, capsys):
     rows = list(csv.DictReader(open(out)))
     assert float(rows[1]["agreement"]) == 100.0  # r=0 equals the plain model
     assert float(rows[1]["top1"]) == float(rows[0]["top1"])
+
+
+def test_bench_reports_adaptive_gmacs_and_its_spread_across_batches(tmp_path):
+    """ATM's cost depends on the images: a flat batch merges more than a noisy one."""
+    folder = tmp_path / "imgs"
+    _write_images(folder, 4)
+    for i in range(4):
+        Image.new("RGB", (48, 40), (120, 80, 40)).save(folder / f"flat{i}.png")
+    preset = tmp_path / "p.json"
+    save_preset(CalibrationResult("deit_tiny", dict(alpha=0.9, beta=0.05, theta_min=0.2, split_layer=None),
+                                  0.5, 90.0, 0.5, 1.25, 8, 3), str(preset))
+    out = tmp_path / "r.csv"
+    assert main(["bench", "deit_tiny", "--data", str(folder), "--methods", f"atm,{preset}", "--out", str(out)]
+                + FAST) == 2  # a plain folder has no labels: bench needs labelled data
+    (folder / "labels.csv").write_text("file,label\n" + "".join(f"{p.name},0\n" for p in sorted(folder.glob("*.png"))))
+    assert main(["bench", "deit_tiny", "--data", str(folder), "--methods", f"atm,{preset}", "--out", str(out)]
+                + FAST) == 0
+    rows = {r["method"]: r for r in csv.DictReader(open(out))}
+    assert float(rows["none"]["gmacs_std"]) == 0.0
+    assert float(rows[str(preset)]["gmacs_std"]) > 0.0
+    assert float(rows[str(preset)]["gmacs"]) < float(rows["none"]["gmacs"])
 
 
 def test_bench_with_imagefolder_tree(tmp_path):
@@ -68,6 +91,8 @@ def test_bench_errors_are_clear(tmp_path, capsys):
 
 
 def test_parse_methods_puts_baseline_first():
-    assert parse_methods("tome_r8, none,evit_r2,tome_r8") == ["none", "tome_r8", "evit_r2"]
+    assert parse_methods("tome_r8, none,evit_r2,tome_r8,atm_lossless") == ["none", "tome_r8", "evit_r2", "atm_lossless"]
     with pytest.raises(ValueError, match="--methods"):
         parse_methods("tome")
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        parse_methods("none,missing.json")
