@@ -170,5 +170,8 @@ def test_atm_names_in_timm():
     assert timm_tokcomp.get_reducer(base).beta == 0.025
     assert timm_tokcomp.get_reducer(timm.create_model("deit_tiny_patch16_224.atm")).beta == 0.035
     assert "deit_small_patch16_224.fb_in1k.atm" in timm.list_models("deit_small*", pretrained=True)
-    with pytest.raises(ValueError, match="atm_<preset>|atm_lossless"):
+    with pytest.raises(ValueError, match="atm_lossless"):
         timm.create_model("deit_small.atm_turbo")
+    with pytest.raises(ValueError, match=r"preset 'fast' exists for the \['tiny'\] families only.*calibrate"):
+        timm.create_model("deit_small.atm_fast")
+    assert timm_tokcomp.get_reducer(timm.create_model("deit_tiny.atm_fast")).theta_min == PRESETS["fast"]["tiny"].theta_min

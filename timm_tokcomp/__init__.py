@@ -11,13 +11,15 @@ from typing import Any, Optional
 from torch import nn
 
 from . import patch as _patch
+from .calibrate import load_preset
 from .methods import METHODS, make_reducer, method_class
 from .methods.base import TokenReducer
 from .registry import register_all as _register_all
 from .state import ReductionStats
 
 __version__ = "0.1.0"
-__all__ = ["apply", "remove", "set_params", "get_reducer", "last_stats", "is_reduced", "METHODS", "ReductionStats"]
+__all__ = ["apply", "remove", "set_params", "get_reducer", "last_stats", "is_reduced", "load_preset", "METHODS",
+           "ReductionStats"]
 
 
 def apply(model: nn.Module, method: str = "tome", **params: Any) -> nn.Module:

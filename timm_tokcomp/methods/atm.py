@@ -42,6 +42,10 @@ PRESETS: Dict[str, Dict[str, ATMPreset]] = {
         "small": ATMPreset(0.99, 0.04, 0.88, "paper Table A2, DeiT-S without training: 3.26 GFLOPs, 79.80% top-1"),
         "base": ATMPreset(1.0, 0.025, 0.89, "paper Table A2, DeiT-B without training: 13.89 GFLOPs, 81.76% top-1"),
     },
+    # found here with `tokcomp calibrate deit_tiny_patch16_224 --target-ratio R --data unlabeled-64px`
+    # (512 unlabeled images, none of the evaluation images), theta_min rounded to 3 decimals
+    "balanced": {"tiny": ATMPreset(1.0, 0.035, 0.868, "tokcomp calibrate --target-ratio 0.70 on DeiT-Tiny")},
+    "fast": {"tiny": ATMPreset(1.0, 0.035, 0.824, "tokcomp calibrate --target-ratio 0.62 on DeiT-Tiny")},
 }
 DEFAULT_PRESET = "lossless"
 FAMILY_WIDTHS = {"tiny": 192, "small": 384, "base": 768}
