@@ -116,7 +116,7 @@ def test_atm_is_deterministic_and_merges_adaptively(images):
         a = model(images)
         counts = timm_tokcomp.last_stats(model).tokens_per_block
         b = model(images)
-        smooth = model(images.mean(dim=(2, 3), keepdim=True).expand_as(images) + 0.01 * images)
+        model(images.mean(dim=(2, 3), keepdim=True).expand_as(images) + 0.01 * images)
     assert torch.equal(a, b)
     assert timm_tokcomp.last_stats(model).tokens_per_block[-1] < counts[-1]  # flat images merge more
 
