@@ -77,3 +77,48 @@ def apply_plan(
     if source is not None:
         source = reduce_sum(source, plan)
     return x, size, source
+
+
+def group_index(plan: MergePlan, num_tokens: int) -> Tuple[torch.Tensor, int]:
+    """Which merged token each of the num_tokens input tokens belongs to, in merge_mean's output order.
+
+    Returns group: (B, N) int64 with values in [0, M), and M = N - plan.r. unmerge(y, group) gives
+    every input token the output of its group.
+    """
+    p, r = plan.num_prefix, plan.r
+    B, device = plan.unm_idx.shape[0], plan.unm_idx.device
+    n = num_tokens - p
+    if plan.a_idx is not None:
+        a_pos, b_pos = plan.a_idx, plan.b_idx
+    else:
+        a_pos = torch.arange(plan.a_start, n, 2, device=device).expand(B, -1)
+        b_pos = torch.arange(1 - plan.a_start, n, 2, device=device).expand(B, -1)
+    num_kept = plan.unm_idx.shape[1]
+    group = torch.empty(B, n, dtype=torch.long, device=device)
+    group.scatter_(1, a_pos.gather(1, plan.unm_idx), p + torch.arange(num_kept, device=device).expand(B, -1))
+    group.scatter_(1, b_pos, p + num_kept + torch.arange(b_pos.shape[1], device=device).expand(B, -1))
+    group.scatter_(1, a_pos.gather(1, plan.src_idx), p + num_kept + plan.dst_idx)
+    prefix = torch.arange(p, device=device).expand(B, -1)
+    return torch.cat([prefix, group], dim=1), num_tokens - r
+
+
+def group_mean(x: torch.Tensor, group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Mean of the tokens of every group (reference of the merge kernel): x (B, N, C), group (B, N)
+    -> (B, M, C), accumulated in fp32, returned in x's dtype."""
+    acc = x.new_zeros(x.shape[0], num_groups, x.shape[2], dtype=torch.float32)
+    acc.scatter_add_(1, group.unsqueeze(-1).expand(-1, -1, x.shape[2]), x.float())
+    count = torch.zeros(x.shape[0], num_groups, 1, dtype=torch.float32, device=x.device)
+    count.scatter_add_(1, group.unsqueeze(-1), torch.ones_like(group, dtype=torch.float32).unsqueeze(-1))
+    return (acc / count).to(x.dtype)
+
+
+def unmerge(y: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Every input token receives its group's row: y (B, M, C), group (B, N) -> (B, N, C)."""
+    return _gather(y, group)
+
+
+def unmerge_add(x: torch.Tensor, y: torch.Tensor, group: torch.Tensor, gamma: Optional[torch.Tensor]) -> torch.Tensor:
+    """Residual add of the unmerged branch (reference of the unmerge kernel):
+    x + gamma * unmerge(y, group); x (B, N, C), y (B, M, C), gamma (C,) or None."""
+    h = unmerge(y, group)
+    return x + (h if gamma is None else h * gamma)

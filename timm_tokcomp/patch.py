@@ -5,14 +5,15 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from timm.layers import Attention
+from timm.layers import Attention, LayerScale
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import kernels
 from .methods.base import TokenReducer
-from .ops import apply_plan
+from .ops import apply_plan, group_index, unmerge
 from .schedules import BlockCost
 from .state import ReductionStats
 
@@ -94,6 +95,49 @@ class ReducingBlock(Block):
                 x, size, source = apply_plan(plan, x, size, source)
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x, size, source
+
+
+class DenseBlock(Block):
+    """timm Block for dense prediction: attention on all tokens, then k tokens merged before the MLP and
+    unmerged after it, so the output has the input's shape (runs inside the unmodified model forward)."""
+
+    _tokcomp_reducer: TokenReducer
+    _tokcomp_setting: Any  # this block's reducer setting (None: plain block)
+    _tokcomp_num_prefix: int
+
+    def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+        """x: (B, N, C) -> (B, N, C)."""
+        if attn_mask is not None or is_causal:
+            raise ValueError("attn_mask / is_causal are not supported by the dense token-merging blocks")
+        reducer, setting, num_prefix = self._tokcomp_reducer, self._tokcomp_setting, self._tokcomp_num_prefix
+        h, metric = self.attn.forward_reduce(self.norm1(x), None, reducer if setting is not None else None)
+        x = x + self.drop_path1(self.ls1(h))
+        plan = reducer.plan(metric, setting, num_prefix, None) if metric is not None else None
+        if plan is None:
+            return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        group, num_groups = group_index(plan, x.shape[1])
+        backend = kernels.resolve_backend(reducer.kernel, x)
+        y = self.mlp(kernels.merge_normed(x, self.norm2, group, num_groups, backend))
+        fusable_scale = isinstance(self.ls2, nn.Identity) or (isinstance(self.ls2, LayerScale) and not self.ls2.inplace)
+        if fusable_scale and (isinstance(self.drop_path2, nn.Identity) or not self.training):
+            gamma = self.ls2.gamma if isinstance(self.ls2, LayerScale) else None
+            return kernels.unmerge_add(x, y, group, gamma, backend)
+        return x + self.drop_path2(self.ls2(unmerge(y, group)))
+
+
+class _DenseViT:
+    """Marks a model whose blocks are DenseBlocks; the timm forward (features, intermediates, any
+    input size) is unchanged."""
+
+    _tokcomp_reducer: TokenReducer
+
+
+class DenseVisionTransformer(_DenseViT, VisionTransformer):
+    pass
+
+
+class DenseVisionTransformerDistilled(_DenseViT, VisionTransformerDistilled):
+    pass
 
 
 def _prefix_only_last(model: nn.Module, reducer: TokenReducer) -> bool:
@@ -190,8 +234,13 @@ _MODEL_CLASSES: Dict[type, type] = {
     VisionTransformer: ReducingVisionTransformer,
     VisionTransformerDistilled: ReducingVisionTransformerDistilled,
 }
-_ORIGINAL = {patched: plain for plain, patched in _MODEL_CLASSES.items()}
+_DENSE_CLASSES: Dict[type, type] = {
+    VisionTransformer: DenseVisionTransformer,
+    VisionTransformerDistilled: DenseVisionTransformerDistilled,
+}
+_ORIGINAL = {patched: plain for classes in (_MODEL_CLASSES, _DENSE_CLASSES) for plain, patched in classes.items()}
 _ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_stats", "_tokcomp_block_cost")
+_BLOCK_ATTRS = ("_tokcomp_reducer", "_tokcomp_setting", "_tokcomp_num_prefix")
 
 
 def _linear_macs(module: nn.Module) -> int:
@@ -218,7 +267,7 @@ def check_supported(model: nn.Module) -> None:
             f"{type(model).__name__} (features_only wrappers and other architectures are not supported)"
         )
     for i, blk in enumerate(model.blocks):
-        if type(blk) not in (Block, ReducingBlock):
+        if type(blk) not in (Block, ReducingBlock, DenseBlock):
             raise TypeError(f"blocks[{i}] is a {type(blk).__name__}; only timm's plain Block is supported")
         if type(blk.attn) not in (Attention, ReducingAttention):
             raise TypeError(
@@ -233,10 +282,15 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     """Make `model` reduce tokens with `reducer` (or switch the reducer of a patched model)."""
     check_supported(model)
     reducer.check_depth(len(model.blocks))
+    if reducer.dense:
+        _patch_dense(model, reducer)
+        return
     if reducer.name == "evit" and getattr(model, "cls_token", None) is None:
         raise ValueError("EViT ranks tokens by class-token attention and needs a model with a class token")
     _prefix_only_last(model, reducer)  # raises if asked for where it is not exact
     prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
+    if isinstance(model, _DenseViT):
+        unpatch(model)
     if not is_patched(model):
         for blk in model.blocks:
             blk.__class__ = ReducingBlock
@@ -248,6 +302,26 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     model._tokcomp_stats = None
 
 
+def _patch_dense(model: nn.Module, reducer: TokenReducer) -> None:
+    if is_patched(model) and not isinstance(model, _DenseViT):
+        unpatch(model)
+    if not is_patched(model):
+        for blk in model.blocks:
+            blk.__class__ = DenseBlock
+            blk.attn.__class__ = ReducingAttention
+        model.__class__ = _DENSE_CLASSES[type(model)]
+    # a dense method's settings may not depend on the token count: any input size runs the same blocks
+    num_prefix = model.num_prefix_tokens
+    settings = reducer.block_settings(len(model.blocks), model.patch_embed.num_patches + num_prefix, num_prefix,
+                                      _block_cost(model.blocks[0]))
+    for blk, setting in zip(model.blocks, settings):
+        blk._tokcomp_reducer = reducer
+        blk._tokcomp_setting = setting
+        blk._tokcomp_num_prefix = num_prefix
+    model._tokcomp_reducer = reducer
+    model._tokcomp_stats = None
+
+
 def unpatch(model: nn.Module) -> None:
     """Restore the plain timm classes. Raises ValueError if the model is not patched."""
     if not is_patched(model):
@@ -255,6 +329,8 @@ def unpatch(model: nn.Module) -> None:
     for blk in model.blocks:
         blk.__class__ = Block
         blk.attn.__class__ = Attention
+        for name in _BLOCK_ATTRS:
+            blk.__dict__.pop(name, None)
     model.__class__ = _ORIGINAL[type(model)]
     for name in _ATTRS:
         model.__dict__.pop(name, None)

@@ -1,12 +1,14 @@
-"""Token-reduction methods by name, and their name tags (`tome_r16`, `evit_r8`, `atm`, `atm_<preset>`)."""
+"""Token-reduction methods by name, and their name tags (`tome_r16`, `evit_r8`, `atm`, `atm_<preset>`,
+`dense_tome_r8`)."""
 from typing import Any, Dict, Tuple, Type
 
 from .atm import ATM
 from .base import TokenReducer
+from .dense_tome import DenseToMe
 from .evit import EViT
 from .tome import ToMe
 
-METHODS: Dict[str, Type[TokenReducer]] = {cls.name: cls for cls in (ToMe, EViT, ATM)}
+METHODS: Dict[str, Type[TokenReducer]] = {cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe)}
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

@@ -37,6 +37,7 @@ class TokenReducer(ABC):
 
     name: ClassVar[str]
     default_prefix_only_last_block: ClassVar[bool] = False
+    dense: ClassVar[bool] = False  # True: keeps every token (merge before the MLP, unmerge after)
 
     def __init__(
         self,
@@ -54,13 +55,8 @@ class TokenReducer(ABC):
     @classmethod
     def param_names(cls) -> Tuple[str, ...]:
         """Names of the constructor's parameters (what apply / set_params accept)."""
-        names = []
-        for klass in cls.__mro__:
-            if "__init__" in vars(klass):
-                for p in inspect.signature(klass.__init__).parameters.values():
-                    if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in names:
-                        names.append(p.name)
-        return tuple(names)
+        params = inspect.signature(cls.__init__).parameters.values()
+        return tuple(p.name for p in params if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)
 
     @classmethod
     def resolve_params(cls, model: nn.Module, params: Dict[str, Any]) -> Dict[str, Any]:

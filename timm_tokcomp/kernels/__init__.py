@@ -1,0 +1,53 @@
+"""Backends of the dense variant's merge (LayerNorm + group mean) and unmerge (+ LayerScale + residual):
+the torch reference in `ops` and the fused Triton kernels in `triton_dense` (imported on first use).
+
+backend 'auto' picks Triton for CUDA tensors when no gradient is needed, torch otherwise; 'triton'
+forces the kernels (CUDA, or any device under TRITON_INTERPRET=1), 'torch' the reference.
+"""
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import ops
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(kernel: str, x: torch.Tensor) -> str:
+    """'torch' or 'triton' for a tensor x. Raises ValueError when 'triton' is forced where it cannot run."""
+    if kernel not in BACKENDS:
+        raise ValueError(f"kernel must be one of {BACKENDS}, got {kernel!r}")
+    needs_grad = torch.is_grad_enabled() and x.requires_grad
+    if kernel == "auto":
+        return "triton" if x.is_cuda and not needs_grad else "torch"
+    if kernel == "triton":
+        if needs_grad:
+            raise ValueError("kernel='triton' is inference-only (no backward); use kernel='auto' or 'torch' to train")
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"kernel='triton' needs CUDA tensors (got {x.device}) or TRITON_INTERPRET=1 set "
+                             "before timm_tokcomp is imported")
+    return kernel
+
+
+def merge_normed(x: torch.Tensor, norm: nn.Module, group: torch.Tensor, num_groups: int, backend: str) -> torch.Tensor:
+    """Group means of norm(x): x (B, N, C), group (B, N) -> (B, M, C). The Triton path fuses an affine
+    nn.LayerNorm into the merge; other norms run first in torch."""
+    if backend == "torch":
+        return ops.group_mean(norm(x), group, num_groups)
+    from . import triton_dense
+
+    if isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and norm.bias is not None:
+        return triton_dense.merge(x, group, num_groups, norm.weight, norm.bias, norm.eps)
+    return triton_dense.merge(norm(x), group, num_groups)
+
+
+def unmerge_add(x: torch.Tensor, y: torch.Tensor, group: torch.Tensor, gamma: Optional[torch.Tensor],
+                backend: str) -> torch.Tensor:
+    """x + gamma * y[group]: x (B, N, C), y (B, M, C), gamma (C,) or None -> (B, N, C)."""
+    if backend == "torch":
+        return ops.unmerge_add(x, y, group, gamma)
+    from . import triton_dense
+
+    return triton_dense.unmerge_add(x, y, group, gamma)

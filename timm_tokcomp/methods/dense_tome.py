@@ -1,0 +1,58 @@
+"""Dense-prediction ToMe (as in the ToCom paper's segmentation experiments): attention sees every token;
+k tokens are merged (bipartite soft matching on the keys) before each block's MLP and unmerged after
+it, so every block keeps its input shape. k = 32 r by default."""
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..kernels import BACKENDS
+from ..matching import MergePlan, bipartite_soft_matching, max_merges
+from ..schedules import BlockCost
+from .base import TokenReducer
+
+MERGES_PER_R = 32
+
+
+class DenseToMe(TokenReducer):
+    """r: the paper's compression degree, k = 32 r merges per block; k: merges per block, overriding r
+    (both clamped per block to half the non-prefix tokens); kernel: 'auto' (Triton on CUDA when no
+    gradient is needed, torch otherwise), 'triton' or 'torch'."""
+
+    name = "dense_tome"
+    dense = True
+
+    def __init__(self, r: int = 0, k: Optional[int] = None, kernel: str = "auto") -> None:
+        super().__init__()
+        for label, value in (("r", r), ("k", k)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{label} must be an int >= 0, got {value!r}")
+        if kernel not in BACKENDS:
+            raise ValueError(f"kernel must be one of {BACKENDS}, got {kernel!r}")
+        self.r, self.k, self.kernel = r, k, kernel
+
+    @property
+    def merges(self) -> int:
+        """Tokens merged before each MLP (before the per-block clamp)."""
+        return self.k if self.k is not None else MERGES_PER_R * self.r
+
+    @classmethod
+    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
+        prefix = f"{cls.name}_r"
+        digits = tag[len(prefix):]
+        return {"r": int(digits)} if tag.startswith(prefix) and digits.isdigit() and digits.isascii() else None
+
+    @classmethod
+    def tag_forms(cls) -> Tuple[str, ...]:
+        return (f"{cls.name}_r<k>",)
+
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[int]]:
+        return [self.merges if self.merges > 0 else None] * num_blocks
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        return k.mean(dim=1)
+
+    def plan(self, metric: torch.Tensor, k: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[MergePlan]:
+        if max_merges(metric.shape[1], num_prefix) == 0:
+            return None
+        plan = bipartite_soft_matching(metric, k, num_prefix)
+        return plan if plan.r > 0 else None
