@@ -123,8 +123,8 @@ def main(argv: List[str]) -> None:
         ideal = 1.0 / (1.0 - f_mlp * k / num_tokens)
         for backend in backends:
             t_v = seconds[f"r={r} {backend}"]
-            eta = (t_u - t_v) / (t_u - t_u / ideal)
-            print(f"{f'r={r} {backend}':<16}{k:>6}{1000 * t_v:>10.1f}{t_u / t_v:>8.2f}x{ideal:>7.2f}x{eta:>7.2f}")
+            eta = f"{(t_u - t_v) / (t_u - t_u / ideal):.2f}" if k > 0 else "-"  # no ideal saving at k = 0
+            print(f"{f'r={r} {backend}':<16}{k:>6}{1000 * t_v:>10.1f}{t_u / t_v:>8.2f}x{ideal:>7.2f}x{eta:>7}")
 
     block_parts(base, x, rs, backends, args.rounds, name)
 
