@@ -1,0 +1,88 @@
+"""ToCom compensator math and runtime switching."""
+import pytest
+import torch
+
+import timm_tokcomp
+from timm_tokcomp.tocom import Compensator, attach, detach, set_compression
+from conftest import SMALL, make_model
+
+
+def _random_compensator(depth=SMALL["depth"], dim=SMALL["embed_dim"], attn_dim=SMALL["embed_dim"], steps=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return Compensator(torch.randn(steps, depth, 2, 2, dim, generator=g),
+                       torch.randn(steps, depth, 2, attn_dim, 2, generator=g), scale=0.1)
+
+
+def test_delta_is_the_signed_scaled_sum_of_the_steps_between():
+    comp = _random_compensator()
+    expected = torch.zeros(SMALL["depth"], 2, SMALL["embed_dim"], SMALL["embed_dim"])
+    for i in range(3, 7):
+        expected += comp.lora_b[i] @ comp.lora_a[i]
+    torch.testing.assert_close(comp.delta(3, 7), 0.1 * expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comp.delta(7, 3), -0.1 * expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comp.delta(3, 7, scale=0.05), 0.05 * expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(comp.delta(5, 5), torch.zeros_like(expected))
+    # composition: (0 -> 16) = (0 -> 8) + (8 -> 16)
+    torch.testing.assert_close(comp.delta(0, 16), comp.delta(0, 8) + comp.delta(8, 16), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_switching_is_exact_and_reversible(dtype):
+    model = make_model("cls").to(dtype)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    attach(model, _random_compensator(), source_r=4)
+    at = {}
+    for r in (16, 0, 8, 16, 4, 8, 0, 16):
+        set_compression(model, r=r)
+        assert timm_tokcomp.get_reducer(model).r == r
+        weight = model.blocks[1].attn.qkv.weight.detach().clone()
+        if r in at:
+            assert torch.equal(weight, at[r])  # bit-identical every time
+        at[r] = weight
+        d = SMALL["embed_dim"]
+        assert torch.equal(weight[d:2 * d], original["blocks.1.attn.qkv.weight"][d:2 * d])  # keys untouched
+    set_compression(model, r=4)
+    assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
+    set_compression(model, r=12)
+    detach(model)
+    assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
+
+
+def test_compensated_weights_equal_the_formula():
+    model = make_model("attn_dim")  # attn_dim = 3 heads * 8 != embed_dim
+    w0 = model.blocks[2].attn.qkv.weight.detach().clone()
+    comp = _random_compensator(attn_dim=24)
+    attach(model, comp, source_r=2)
+    set_compression(model, r=9)
+    delta = comp.delta(2, 9)[2]
+    w = model.blocks[2].attn.qkv.weight
+    torch.testing.assert_close(w[:24], w0[:24] + delta[0])
+    torch.testing.assert_close(w[48:], w0[48:] + delta[1])
+    assert torch.equal(w[24:48], w0[24:48])
+
+
+def test_works_with_evit_and_applies_tome_to_a_plain_model(images):
+    model = timm_tokcomp.apply(make_model("cls"), "evit", r=2)
+    attach(model, _random_compensator())
+    set_compression(model, r=5)
+    assert timm_tokcomp.get_reducer(model).name == "evit" and timm_tokcomp.get_reducer(model).r == 5
+    plain = attach(make_model("cls"), _random_compensator())
+    set_compression(plain, r=3)
+    assert timm_tokcomp.get_reducer(plain).name == "tome"
+    with torch.no_grad():
+        assert plain(images).shape == (3, SMALL["num_classes"])
+
+
+def test_misfits_and_bad_degrees_are_named():
+    with pytest.raises(ValueError, match="depth 3 does not match the model's 4 blocks"):
+        attach(make_model("cls"), _random_compensator(depth=3))
+    with pytest.raises(ValueError, match="width 32"):
+        attach(make_model("cls"), _random_compensator(dim=32))
+    model = attach(make_model("cls"), _random_compensator(steps=8))
+    with pytest.raises(ValueError, match=r"r must be an int in \[0, 8\]"):
+        set_compression(model, r=9)
+    with pytest.raises(ValueError, match="no compensator"):
+        set_compression(make_model("cls"), r=1)
+    with pytest.raises(ValueError, match="lora_a must be"):
+        Compensator(torch.zeros(16, 4, 2, 2, 48), torch.zeros(16, 4, 2, 48, 3))
+

@@ -1,0 +1,176 @@
+"""ToCom (Jie et al., ECCV 2024) compensator math and runtime switching, in pure torch.
+
+A compensator holds plugins P_{i->i+1}, i = 0..S-1 (S = 16: ToMe r = 0..16). Plugin i is, in every
+block, a rank-h LoRA on the query and on the value projection of timm's fused qkv (rows [0, attn_dim)
+and [2 attn_dim, 3 attn_dim); the key rows are never touched, so the merge metric does not change).
+Running a model trained at degree m at degree n uses
+    W_q/v(n) = W_q/v + s * sign(n - m) * sum_{i in [min(m, n), max(m, n))} B_i A_i.
+
+Switching rewrites the q / v rows from a pristine copy of the source weights (never by adding and
+subtracting), in fp32, so any sequence of switches returns bit-identical weights for the same n.
+"""
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+QUERY, VALUE = 0, 1  # index of the projection in the plugin tensors
+
+
+@dataclass
+class Compensator:
+    """lora_a: (S, L, 2, h, D) and lora_b: (S, L, 2, attn_dim, h) for [query, value] of every block;
+    scale: s."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scale: float = 0.1
+
+    def __post_init__(self) -> None:
+        a, b = self.lora_a, self.lora_b
+        if a.dim() != 5 or b.dim() != 5 or a.shape[:3] != b.shape[:3] or a.shape[2] != 2 or a.shape[3] != b.shape[4]:
+            raise ValueError(f"lora_a must be (S, L, 2, h, D) and lora_b (S, L, 2, attn_dim, h) with matching S, L, h; "
+                             f"got {tuple(a.shape)} and {tuple(b.shape)}")
+
+    @classmethod
+    def init(cls, steps: int, depth: int, dim: int, attn_dim: int, rank: int = 2, scale: float = 0.1,
+             generator: Optional[torch.Generator] = None) -> "Compensator":
+        """Fresh plugins for training: A as nn.Linear's default (Kaiming uniform), B zero."""
+        bound = 1.0 / dim ** 0.5
+        a = (torch.rand(steps, depth, 2, rank, dim, generator=generator) * 2 - 1) * bound
+        return cls(a, torch.zeros(steps, depth, 2, attn_dim, rank), scale)
+
+    @property
+    def steps(self) -> int:
+        return self.lora_a.shape[0]
+
+    @property
+    def depth(self) -> int:
+        return self.lora_a.shape[1]
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[3]
+
+    @property
+    def dim(self) -> int:
+        return self.lora_a.shape[4]
+
+    @property
+    def attn_dim(self) -> int:
+        return self.lora_b.shape[3]
+
+    def check_degree(self, name: str, r: int) -> None:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= self.steps:
+            raise ValueError(f"{name} must be an int in [0, {self.steps}] (the compensator has {self.steps} steps), got {r!r}")
+
+    def delta(self, source_r: int, target_r: int, scale: Optional[float] = None) -> torch.Tensor:
+        """s * sign(n - m) * sum of B_i A_i between m = source_r and n = target_r, in fp32:
+        (L, 2, attn_dim, D) for [query, value] of every block; zeros when n == m."""
+        self.check_degree("source_r", source_r)
+        self.check_degree("target_r", target_r)
+        s = self.scale if scale is None else scale
+        lo, hi = sorted((source_r, target_r))
+        sign = 1.0 if target_r > source_r else -1.0
+        a = self.lora_a[lo:hi].float()  # (k, L, 2, h, D)
+        b = self.lora_b[lo:hi].float()  # (k, L, 2, attn_dim, h)
+        # one GEMM per block and projection: concatenate the k steps along the rank
+        b_cat = b.permute(1, 2, 3, 0, 4).reshape(self.depth, 2, self.attn_dim, -1)
+        a_cat = a.permute(1, 2, 0, 3, 4).reshape(self.depth, 2, -1, self.dim)
+        return (s * sign) * (b_cat @ a_cat)
+
+
+def _qkv_layers(model: nn.Module) -> List[nn.Linear]:
+    return [blk.attn.qkv for blk in model.blocks]
+
+
+def qv_rows(weight: torch.Tensor, attn_dim: int) -> List[slice]:
+    """Row slices of the query and value projections in a fused (3 attn_dim, D) qkv weight."""
+    if weight.shape[0] != 3 * attn_dim:
+        raise ValueError(f"qkv weight has {weight.shape[0]} rows, expected 3 * attn_dim = {3 * attn_dim}")
+    return [slice(0, attn_dim), slice(2 * attn_dim, 3 * attn_dim)]
+
+
+@dataclass
+class _Attached:
+    compensator: Compensator
+    source_r: int
+    pristine: List[torch.Tensor]  # per block: (2, attn_dim, D) query / value rows of the source weights
+    target_r: int
+    scale: float
+
+
+def check_fits(model: nn.Module, compensator: Compensator) -> None:
+    """Raise ValueError naming what differs when the plugins do not fit the model's blocks."""
+    layers = _qkv_layers(model)
+    if len(layers) != compensator.depth:
+        raise ValueError(f"compensator depth {compensator.depth} does not match the model's {len(layers)} blocks")
+    qkv = layers[0]
+    if qkv.in_features != compensator.dim or qkv.out_features != 3 * compensator.attn_dim:
+        raise ValueError(f"compensator width {compensator.dim} (attn_dim {compensator.attn_dim}) does not match the "
+                         f"model's qkv ({qkv.in_features} -> {qkv.out_features})")
+
+
+@torch.no_grad()
+def attach(model: nn.Module, compensator: Compensator, source_r: int = 0, scale: Optional[float] = None) -> nn.Module:
+    """Give a model trained at ToMe degree source_r the compensator; it keeps a pristine copy of its
+    query / value rows. Weights are unchanged until set_compression. Re-attaching restores first."""
+    check_fits(model, compensator)
+    compensator.check_degree("source_r", source_r)
+    if getattr(model, "_tocom", None) is not None:
+        detach(model)
+    pristine = []
+    for qkv in _qkv_layers(model):
+        rows = qv_rows(qkv.weight, compensator.attn_dim)
+        pristine.append(torch.stack([qkv.weight[s].detach().clone() for s in rows]))
+    model._tocom = _Attached(compensator, source_r, pristine, source_r, compensator.scale if scale is None else scale)
+    return model
+
+
+def _attached(model: nn.Module) -> _Attached:
+    state = getattr(model, "_tocom", None)
+    if state is None:
+        raise ValueError("model has no compensator; call timm_tokcomp.tocom.attach(model, compensator) first")
+    return state
+
+
+@torch.no_grad()
+def compensate(model: nn.Module, target_r: int, scale: Optional[float] = None) -> None:
+    """Rewrite the query / value rows for running at degree target_r: pristine + delta(source_r, target_r),
+    computed in fp32 and cast once to the weight's dtype."""
+    state = _attached(model)
+    state.scale = state.scale if scale is None else float(scale)
+    delta = state.compensator.delta(state.source_r, target_r, state.scale)
+    for qkv, pristine, d in zip(_qkv_layers(model), state.pristine, delta):
+        pristine, d = pristine.to(qkv.weight.device), d.to(qkv.weight.device)
+        for j, rows in enumerate(qv_rows(qkv.weight, state.compensator.attn_dim)):
+            qkv.weight[rows] = pristine[j] if target_r == state.source_r else (pristine[j].float() + d[j]).to(qkv.weight.dtype)
+    state.target_r = target_r
+
+
+def set_compression(model: nn.Module, r: int, scale: Optional[float] = None) -> nn.Module:
+    """Run the model at ToMe / EViT degree r with the compensator for (source_r -> r): sets the
+    method's r (timm_tokcomp.set_params; a model without a method gets ToMe) and rewrites the query /
+    value rows. Reversible and exact."""
+    from .. import apply, is_reduced, set_params
+
+    state = _attached(model)
+    state.compensator.check_degree("r", r)
+    if is_reduced(model):
+        set_params(model, r=r)
+    else:
+        apply(model, "tome", r=r)
+    compensate(model, r, scale)
+    return model
+
+
+@torch.no_grad()
+def detach(model: nn.Module) -> nn.Module:
+    """Restore the source weights and drop the compensator."""
+    state = _attached(model)
+    for qkv, pristine in zip(_qkv_layers(model), state.pristine):
+        for j, rows in enumerate(qv_rows(qkv.weight, state.compensator.attn_dim)):
+            qkv.weight[rows] = pristine[j].to(qkv.weight.device)
+    del model._tocom
+    return model
