@@ -1,0 +1,122 @@
+"""ToCom compensators as standard peft LoRA adapters: one subfolder per plugin P_{i->i+1} (`step_XX`,
+rank 2h on `blocks.*.attn.qkv`: A = [A_q; A_v], B with B_q in the query rows, B_v in the value rows,
+exact zeros in the key rows, lora_alpha = s * 2h so that peft's scaling is s), plus `tocom_config.json`
+and a model card. Loaded from a local folder or the Hugging Face Hub (huggingface_hub's
+snapshot_download, which honours the HF cache and HF_HUB_OFFLINE)."""
+import json
+import string
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .compensator import Compensator
+
+FORMAT_VERSION = 1
+CONFIG_NAME = "tocom_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+SIGN_CONVENTION = "W(n) = W(m) + s * sign(n - m) * sum_{i in [min(m, n), max(m, n))} B_i A_i"
+CARD_TEMPLATE = Path(__file__).resolve().parents[2] / "hub_cards" / "tocom_card_template.md"
+
+
+def step_folder(i: int) -> str:
+    return f"step_{i:02d}"
+
+
+def _key(block: int, part: str) -> str:
+    return f"base_model.model.blocks.{block}.attn.qkv.lora_{part}.weight"
+
+
+def save(compensator: Compensator, folder: str, base_model: str, method: str = "tome",
+         method_settings: Optional[Dict[str, Any]] = None, training: str = "", results: str = "",
+         repo_id: str = "") -> None:
+    """Write the adapter repository layout to `folder` (created if needed)."""
+    from peft import LoraConfig
+
+    root = Path(folder)
+    comp = compensator
+    h, attn_dim, dim = comp.rank, comp.attn_dim, comp.dim
+    for i in range(comp.steps):
+        sub = root / step_folder(i)
+        sub.mkdir(parents=True, exist_ok=True)
+        LoraConfig(r=2 * h, lora_alpha=comp.scale * 2 * h, target_modules=["qkv"], lora_dropout=0.0,
+                   base_model_name_or_path=base_model, inference_mode=True).save_pretrained(str(sub))
+        tensors = {}
+        for block in range(comp.depth):
+            a = comp.lora_a[i, block].reshape(2 * h, dim)  # [A_q; A_v]
+            b = torch.zeros(3 * attn_dim, 2 * h)
+            b[:attn_dim, :h] = comp.lora_b[i, block, 0]
+            b[2 * attn_dim:, h:] = comp.lora_b[i, block, 1]
+            tensors[_key(block, "A")] = a.float().contiguous()
+            tensors[_key(block, "B")] = b
+        save_file(tensors, str(sub / ADAPTER_WEIGHTS))
+    config = {
+        "format_version": FORMAT_VERSION, "base_model": base_model, "depth": comp.depth, "width": dim,
+        "attn_dim": attn_dim, "groups": comp.steps, "rank_per_projection": h, "lora_rank": 2 * h,
+        "scale": comp.scale, "method": method, "method_settings": method_settings or {},
+        "sign_convention": SIGN_CONVENTION, "target_modules": "blocks.*.attn.qkv",
+        "subfolders": [step_folder(i) for i in range(comp.steps)],
+    }
+    (root / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    card = string.Template(CARD_TEMPLATE.read_text()).safe_substitute(
+        base_model=base_model, groups=comp.steps, last_group=comp.steps - 1, last_step=f"{comp.steps - 1:02d}",
+        method=method, lora_rank=2 * h, rank=h, scale=comp.scale, repo_id=repo_id or "path/to/this/folder",
+        training=training or "Not recorded.", results=results or "Not measured.")
+    (root / "README.md").write_text(card)
+
+
+def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
+    config_path = root / CONFIG_NAME
+    if not config_path.is_file():
+        raise ValueError(f"{root} has no {CONFIG_NAME}: not a ToCom compensator repository")
+    config = json.loads(config_path.read_text())
+    if config.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{config_path}: format_version {config.get('format_version')!r} is not supported "
+                         f"(this version reads {FORMAT_VERSION})")
+    L, D, attn_dim = config["depth"], config["width"], config["attn_dim"]
+    h, steps = config["rank_per_projection"], config["groups"]
+    lora_a = torch.empty(steps, L, 2, h, D)
+    lora_b = torch.empty(steps, L, 2, attn_dim, h)
+    for i, name in enumerate(config["subfolders"]):
+        tensors = load_file(str(root / name / ADAPTER_WEIGHTS))
+        for block in range(L):
+            a, b = tensors[_key(block, "A")], tensors[_key(block, "B")]
+            if a.shape != (2 * h, D) or b.shape != (3 * attn_dim, 2 * h):
+                raise ValueError(f"{root / name}: block {block} has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, "
+                                 f"expected {(2 * h, D)} / {(3 * attn_dim, 2 * h)} from {CONFIG_NAME}")
+            if b[attn_dim:2 * attn_dim].any() or b[:attn_dim, h:].any() or b[2 * attn_dim:, :h].any():
+                raise ValueError(f"{root / name}: block {block} lora_B is not block-structured (key rows or "
+                                 "cross terms are not zero)")
+            lora_a[i, block] = a.reshape(2, h, D)
+            lora_b[i, block, 0] = b[:attn_dim, :h]
+            lora_b[i, block, 1] = b[2 * attn_dim:, h:]
+    return Compensator(lora_a, lora_b, float(config["scale"])), config
+
+
+def load(repo_id_or_path: str, revision: Optional[str] = None, cache_dir: Optional[str] = None,
+         token: Optional[str] = None) -> Tuple[Compensator, Dict[str, Any]]:
+    """(compensator, tocom_config) from a local folder or a Hub repository (snapshot_download: uses
+    the HF cache, honours HF_HUB_OFFLINE). Check it fits a model with tocom.check_fits / attach."""
+    path = Path(repo_id_or_path)
+    if path.is_dir():
+        return _read_folder(path)
+    from huggingface_hub import snapshot_download
+
+    folder = snapshot_download(repo_id_or_path, revision=revision, cache_dir=cache_dir, token=token,
+                               allow_patterns=[CONFIG_NAME, "README.md", "step_*/*"])
+    return _read_folder(Path(folder))
+
+
+def push_to_hub(compensator: Compensator, repo_id: str, base_model: str, private: bool = False,
+                token: Optional[str] = None, **save_kwargs: Any) -> str:
+    """Save the layout to a temporary folder and upload it as the repository's content; returns the commit URL."""
+    import tempfile
+
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        save(compensator, tmp, base_model, repo_id=repo_id, **save_kwargs)
+        return str(api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message="ToCom compensator"))
