@@ -289,27 +289,27 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
         raise ValueError("EViT ranks tokens by class-token attention and needs a model with a class token")
     _prefix_only_last(model, reducer)  # raises if asked for where it is not exact
     prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
-    if isinstance(model, _DenseViT):
-        unpatch(model)
-    if not is_patched(model):
-        for blk in model.blocks:
-            blk.__class__ = ReducingBlock
-            blk.attn.__class__ = ReducingAttention
-        model.__class__ = _MODEL_CLASSES[type(model)]
+    _swap_classes(model, ReducingBlock, _MODEL_CLASSES)
     model._tokcomp_reducer = reducer
     model._tokcomp_prop_attn = prop_attn
     model._tokcomp_block_cost = _block_cost(model.blocks[0])
     model._tokcomp_stats = None
 
 
-def _patch_dense(model: nn.Module, reducer: TokenReducer) -> None:
-    if is_patched(model) and not isinstance(model, _DenseViT):
+def _swap_classes(model: nn.Module, block_class: type, model_classes: Dict[type, type]) -> None:
+    """Give the model, its blocks and their attention the patched classes of one kind (token-reducing
+    or dense), first restoring the plain classes if it is patched with the other kind."""
+    if is_patched(model) and type(model) not in model_classes.values():
         unpatch(model)
     if not is_patched(model):
         for blk in model.blocks:
-            blk.__class__ = DenseBlock
+            blk.__class__ = block_class
             blk.attn.__class__ = ReducingAttention
-        model.__class__ = _DENSE_CLASSES[type(model)]
+        model.__class__ = model_classes[type(model)]
+
+
+def _patch_dense(model: nn.Module, reducer: TokenReducer) -> None:
+    _swap_classes(model, DenseBlock, _DENSE_CLASSES)
     # a dense method's settings may not depend on the token count: any input size runs the same blocks
     num_prefix = model.num_prefix_tokens
     settings = reducer.block_settings(len(model.blocks), model.patch_embed.num_patches + num_prefix, num_prefix,

@@ -6,9 +6,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..kernels import BACKENDS
-from ..matching import MergePlan, bipartite_soft_matching, max_merges
+from ..matching import MergePlan
 from ..schedules import BlockCost
 from .base import TokenReducer
+from .tome import ToMe, tome_plan
 
 MERGES_PER_R = 32
 
@@ -48,11 +49,7 @@ class DenseToMe(TokenReducer):
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[int]]:
         return [self.merges if self.merges > 0 else None] * num_blocks
 
-    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-        return k.mean(dim=1)
+    metric = ToMe.metric
 
     def plan(self, metric: torch.Tensor, k: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[MergePlan]:
-        if max_merges(metric.shape[1], num_prefix) == 0:
-            return None
-        plan = bipartite_soft_matching(metric, k, num_prefix)
-        return plan if plan.r > 0 else None
+        return tome_plan(metric, k, num_prefix)

@@ -20,7 +20,12 @@ class ToMe(ScheduledReducer):
         return k.mean(dim=1)
 
     def plan(self, metric: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[MergePlan]:
-        if max_merges(metric.shape[1], num_prefix) == 0:
-            return None
-        plan = bipartite_soft_matching(metric, r, num_prefix)
-        return plan if plan.r > 0 else None
+        return tome_plan(metric, r, num_prefix)
+
+
+def tome_plan(metric: torch.Tensor, r: int, num_prefix: int) -> Optional[MergePlan]:
+    """Bipartite soft matching of r merges on metric (B, N, C), or None when nothing merges."""
+    if max_merges(metric.shape[1], num_prefix) == 0:
+        return None
+    plan = bipartite_soft_matching(metric, r, num_prefix)
+    return plan if plan.r > 0 else None
