@@ -93,15 +93,18 @@ def best_matches(
     split. Returns node_max (B, Na) best similarity and node_idx (B, Na) its index in B (the lowest
     index on ties).
     """
-    a_start = num_prefix % 2
     with torch.no_grad():
         m = metric[:, num_prefix:]
-        m = m / m.norm(dim=-1, keepdim=True)
-        if split is None:
-            a, b = m[:, a_start::2], m[:, 1 - a_start::2]
-        else:
-            a, b = gather_tokens(m, split[0]), gather_tokens(m, split[1])
+        a, b = split_tokens(m / m.norm(dim=-1, keepdim=True), num_prefix % 2, split)
         return (a @ b.transpose(-1, -2)).max(dim=-1)
+
+
+def split_tokens(rest: torch.Tensor, a_start: int, split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
+    """The A and B tokens of rest (B, n, C), the non-prefix tokens: the alternate positions starting
+    at a_start, or the (a_idx, b_idx) positions of split."""
+    if split is None:
+        return rest[:, a_start::2], rest[:, 1 - a_start::2]
+    return gather_tokens(rest, split[0]), gather_tokens(rest, split[1])
 
 
 def gather_tokens(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -8,14 +8,13 @@ import torch
 
 from .matching import MergePlan, PrunePlan
 from .matching import gather_tokens as _gather
+from .matching import split_tokens
 
 
 def _split(t: torch.Tensor, plan: MergePlan):
     p = plan.num_prefix
-    rest = t[:, p:]
-    if plan.a_idx is not None:
-        return t[:, :p], _gather(rest, plan.a_idx), _gather(rest, plan.b_idx)
-    return t[:, :p], rest[:, plan.a_start::2], rest[:, 1 - plan.a_start::2]
+    split = None if plan.a_idx is None else (plan.a_idx, plan.b_idx)
+    return (t[:, :p], *split_tokens(t[:, p:], plan.a_start, split))
 
 
 def merge_sum(t: torch.Tensor, plan: MergePlan) -> torch.Tensor:

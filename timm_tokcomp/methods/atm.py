@@ -23,6 +23,7 @@ from torch import nn
 from ..matching import MergePlan, batch_adaptive_r, best_matches, count_above, max_merges, merge_top_r, size_distinctive_split
 from ..schedules import BlockCost
 from .base import TokenReducer
+from .tome import ToMe
 
 
 @dataclass(frozen=True)
@@ -154,8 +155,8 @@ class ATM(TokenReducer):
     def tag_forms(cls) -> Tuple[str, ...]:
         return (cls.name,) + tuple(f"{cls.name}_{p}" for p in PRESETS)
 
-    def default_prop_attn(self, global_pool: str) -> bool:
-        return global_pool != "avg"
+    default_prop_attn = ToMe.default_prop_attn
+    metric = ToMe.metric
 
     def check_depth(self, num_blocks: int) -> None:
         if self.split_layer is not None and self.split_layer > num_blocks:
@@ -173,9 +174,6 @@ class ATM(TokenReducer):
                 for l, theta in enumerate(self.thresholds(num_blocks), start=1)
             ]
         return self._settings_cache[num_blocks]
-
-    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-        return k.mean(dim=1)
 
     def plan(self, metric: torch.Tensor, step: ATMStep, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[MergePlan]:
         cap = max_merges(metric.shape[1], num_prefix)

@@ -19,6 +19,14 @@ from ..schedules import BlockCost, RSpec, resolve_r, solve_flops_schedule, valid
 Plan = Union[MergePlan, PrunePlan]
 
 
+def parse_r_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
+    """'<name>_r<k>' -> {'r': k}; None for any other tag."""
+    digits = tag[len(name) + 2:]
+    if tag.startswith(f"{name}_r") and digits.isdigit() and digits.isascii():
+        return {"r": int(digits)}
+    return None
+
+
 def _check_bool(name: str, value: Any) -> None:
     if value is not None and not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
@@ -146,10 +154,7 @@ class ScheduledReducer(TokenReducer):
 
     @classmethod
     def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        prefix = f"{cls.name}_r"
-        if tag.startswith(prefix) and tag[len(prefix):].isdigit() and tag[len(prefix):].isascii():
-            return {"r": int(tag[len(prefix):])}
-        return None
+        return parse_r_tag(cls.name, tag)
 
     @classmethod
     def tag_forms(cls) -> Tuple[str, ...]:

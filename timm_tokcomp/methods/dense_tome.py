@@ -8,7 +8,7 @@ import torch
 from ..kernels import BACKENDS
 from ..matching import MergePlan
 from ..schedules import BlockCost
-from .base import TokenReducer
+from .base import TokenReducer, parse_r_tag
 from .tome import ToMe, tome_plan
 
 MERGES_PER_R = 32
@@ -38,9 +38,7 @@ class DenseToMe(TokenReducer):
 
     @classmethod
     def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        prefix = f"{cls.name}_r"
-        digits = tag[len(prefix):]
-        return {"r": int(digits)} if tag.startswith(prefix) and digits.isdigit() and digits.isascii() else None
+        return parse_r_tag(cls.name, tag)
 
     @classmethod
     def tag_forms(cls) -> Tuple[str, ...]:
