@@ -70,6 +70,51 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_tocom(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from .bench import build_base_model
+    from .tocom.train import TrainConfig, train_tocom
+
+    config = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps, temperature=args.temperature, scale=args.scale, rank=args.rank,
+        groups=args.groups, method=args.method, crop_scale=(args.crop_min, 1.0), holdout=args.holdout,
+        scale_grid=tuple(float(s) for s in args.scale_grid.split(",")),
+        scale_targets=tuple(int(t) for t in args.scale_targets.split(",")),
+        checkpoint_every=args.checkpoint_every, seed=args.seed, amp=args.amp)
+    config.validate()
+    device = args.device
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # launched by torchrun
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if device.startswith("cuda"):
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    try:
+        if not args.checkpoint and not args.pretrained and int(os.environ.get("RANK", "0")) == 0:
+            print("note: no --checkpoint or --pretrained: training plugins for random weights", file=sys.stderr)
+        torch.manual_seed(args.seed)  # the same random weights in every process when there is no checkpoint
+        model = build_base_model(args.model, args.checkpoint, args.pretrained, "cpu")
+        _, report = train_tocom(model, args.data, args.out, args.model, config, resume=args.resume, device=device,
+                                show_progress=not args.no_progress, num_workers=args.num_workers,
+                                stop_after=args.stop_after)
+        if args.stop_after is not None and args.stop_after < config.steps:
+            print(f"stopped after step {args.stop_after} of {config.steps}; continue with --resume")
+        elif report is not None:
+            print(f"saved {args.out}; held-out distillation loss, source r = 0, scale {report.chosen_scale:g}:")
+            for (m, n), plain in report.loss.items():
+                comp = report.loss_compensated[report.chosen_scale][(m, n)]
+                print(f"  -> r = {n:2d}: {plain:.4f} without ToCom, {comp:.4f} with ({100 * (comp - plain) / plain:+.1f}%)")
+    finally:
+        if world > 1:
+            torch.distributed.destroy_process_group()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokcomp", description="Token compression for timm ViTs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +155,41 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", default="atm_preset.json", help="where to save the preset (default %(default)s)")
     cal.add_argument("--no-progress", action="store_true", help="hide progress bars")
     cal.set_defaults(func=_calibrate)
+
+    tr = sub.add_parser("train-tocom", help="train ToCom compensator plugins by self-distillation (no labels); "
+                                            "runs under torchrun --nproc_per_node=N too")
+    tr.add_argument("--model", required=True, help="timm architecture, e.g. deit_tiny_patch16_224")
+    tr.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
+    tr.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
+    tr.add_argument("--data", required=True, help="folder of images (plain, labels.csv or ImageFolder; labels unused)")
+    tr.add_argument("--out", required=True, help="adapter repository folder to write (training state in OUT/training)")
+    tr.add_argument("--steps", type=int, default=600, help="optimizer steps (default %(default)s)")
+    tr.add_argument("--batch-size", type=int, default=64, help="images per step and process (default %(default)s)")
+    tr.add_argument("--lr", type=float, default=2e-3, help="AdamW lr per 256 images, scaled by the global batch "
+                                                           "(default %(default)s)")
+    tr.add_argument("--weight-decay", type=float, default=0.01)
+    tr.add_argument("--warmup-steps", type=int, help="linear warmup before the cosine decay (default 5%% of steps)")
+    tr.add_argument("--temperature", type=float, default=1.0, help="KL softmax temperature (default %(default)s)")
+    tr.add_argument("--scale", type=float, default=0.1, help="plugin scale s during training (default %(default)s)")
+    tr.add_argument("--rank", type=int, default=2, help="LoRA rank h per projection and step (default %(default)s)")
+    tr.add_argument("--groups", type=int, default=16, help="plugins, i.e. the largest r (default %(default)s)")
+    tr.add_argument("--method", choices=["tome", "evit"], default="tome", help="token reduction trained with")
+    tr.add_argument("--crop-min", type=float, default=0.25, help="smallest random-crop area (default %(default)s)")
+    tr.add_argument("--holdout", type=int, default=500, help="last N images: never trained on; held-out loss and "
+                                                             "the choice of the scale (default %(default)s)")
+    tr.add_argument("--scale-grid", default="0.05,0.075,0.1,0.125,0.15", help="scales tried on the held-out images")
+    tr.add_argument("--scale-targets", default="4,8,12,16", help="targets r (source 0) whose mean held-out loss "
+                                                                 "chooses the scale (default %(default)s)")
+    tr.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default %(default)s)")
+    tr.add_argument("--resume", action="store_true", help="continue from OUT/training/checkpoint.pt")
+    tr.add_argument("--stop-after", type=int, help="leave after this step with a checkpoint (for time-sliced jobs)")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: one GPU per process)")
+    tr.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
+                    help="bf16 autocast (default: on for CUDA, off on CPU)")
+    tr.add_argument("--num-workers", type=int, default=2, help="data loading workers per process")
+    tr.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    tr.set_defaults(func=_train_tocom)
     return parser
 
 

@@ -1,0 +1,180 @@
+"""ToCom self-distillation trainer: plugin forward, pair sampling, schedule, loss, end-to-end runs,
+resume, and a 2-process torchrun run on CPU."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+import timm_tokcomp
+from timm_tokcomp.tocom import attach, compensate, load
+from timm_tokcomp.tocom.train import (
+    Plugins, TrainConfig, distill_loss, draw_pair, epoch_batches, lr_at, train_tocom)
+from conftest import make_model
+from test_tocom import _random_compensator
+
+TINY = dict(steps=4, batch_size=4, holdout=4, checkpoint_every=2, scale_grid=(0.05, 0.1), scale_targets=(8, 16))
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("images")
+    g = torch.Generator().manual_seed(0)
+    for i in range(20):
+        pixels = (torch.rand(48, 48, 3, generator=g) * 255).to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(folder / f"img_{i:03d}.jpg")
+    return folder
+
+
+def _test_vit():
+    torch.manual_seed(0)
+    return timm.create_model("test_vit")
+
+
+@pytest.mark.parametrize("pair", [(0, 16), (9, 3), (4, 5)])
+def test_unmerged_plugins_equal_the_merged_weights(pair, images):
+    """The training forward (x A^T B^T added to q / v) equals the compensated weights of switching."""
+    m, n = pair
+    comp = _random_compensator(seed=3)
+    model = make_model("cls")
+    timm_tokcomp.apply(model, "tome", r=1)
+    plugins = Plugins(comp)
+    plugins.install(model)
+    with torch.no_grad(), plugins.active(m, n, 0.1):
+        unmerged = model(images)
+    with torch.no_grad():
+        plain = model(images)
+    plugins.remove()
+    attach(model, comp, source_r=m)
+    compensate(model, n)
+    with torch.no_grad():
+        merged = model(images)
+    torch.testing.assert_close(unmerged, merged, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(unmerged, plain, atol=1e-3)
+
+
+def test_pairs_are_uniform_over_unequal_pairs_and_reproducible():
+    pairs = [draw_pair(step, seed=0, groups=16) for step in range(20000)]
+    assert all(m != n and 0 <= m <= 16 and 0 <= n <= 16 for m, n in pairs)
+    counts = {p: pairs.count(p) for p in set(pairs)}
+    assert len(counts) == 17 * 16
+    assert min(counts.values()) > 0.5 * 20000 / 272 and max(counts.values()) < 1.5 * 20000 / 272
+    assert pairs[:50] == [draw_pair(step, seed=0, groups=16) for step in range(50)]
+    assert pairs[:50] != [draw_pair(step, seed=1, groups=16) for step in range(50)]
+
+
+def test_lr_warms_up_then_decays_to_zero():
+    config = TrainConfig(steps=100, warmup_steps=10)
+    lrs = [lr_at(s, config, 1.0) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and lrs[10] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[-1] < 0.001
+
+
+def test_epoch_batches_split_global_batches_between_ranks():
+    one = epoch_batches(22, epoch=3, seed=0, batch_size=8, rank=0, world=1)
+    two = [epoch_batches(22, epoch=3, seed=0, batch_size=4, rank=r, world=2) for r in range(2)]
+    assert len(one) == 2 and all(len(b) == 8 for b in one)  # the incomplete last batch is dropped
+    assert [a + b for a, b in zip(*two)] == one
+    assert epoch_batches(22, epoch=4, seed=0, batch_size=8, rank=0, world=1) != one
+
+
+def test_distill_loss_is_kl_times_t_squared_or_l1():
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(5, 10, generator=g), torch.randn(5, 10, generator=g)
+    assert distill_loss(t, t, 1.0, True).item() == pytest.approx(0.0, abs=1e-6)
+    p = F.softmax(t / 2, -1)
+    expected = (p * (p.log() - F.log_softmax(s / 2, -1))).sum(-1).mean() * 4
+    assert distill_loss(s, t, 2.0, True).item() == pytest.approx(expected.item(), rel=1e-5)
+    assert distill_loss(s, t, 1.0, False).item() == pytest.approx((s - t).abs().mean().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [dict(steps=0), dict(lr=0), dict(crop_scale=(0.5, 0.2)), dict(method="atm"),
+                                 dict(scale_targets=(17,)), dict(warmup_steps=600), dict(holdout=-1)])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        TrainConfig(**bad).validate()
+
+
+def test_training_writes_a_loadable_repository_and_leaves_the_model_untouched(image_folder, tmp_path):
+    model = _test_vit()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    comp, report = train_tocom(model, str(image_folder), str(tmp_path / "out"), "test_vit",
+                               TrainConfig(**TINY), show_progress=False, num_workers=0)
+    assert not timm_tokcomp.is_reduced(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert comp.lora_b.abs().sum() > 0  # B left zero-init: the plugins learned something
+    loaded, config = load(str(tmp_path / "out"))
+    assert torch.equal(loaded.lora_a, comp.lora_a) and torch.equal(loaded.lora_b, comp.lora_b)
+    assert config["scale"] == report.chosen_scale in (0.05, 0.1)
+    log = (tmp_path / "out" / "training" / "loss_log.csv").read_text().splitlines()
+    assert log[0] == "step,r_src,r_tgt,loss,lr,seconds" and len(log) == 5
+    assert set(report.loss) == {(0, 8), (0, 16)} and report.images == 4
+    assert "Distillation loss on 4 held-out images" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_headless_models_train_on_feature_l1(image_folder, tmp_path):
+    model = _test_vit()
+    model.reset_classifier(0)
+    comp, report = train_tocom(model, str(image_folder), str(tmp_path / "out"), "test_vit",
+                               TrainConfig(**TINY), show_progress=False, num_workers=0)
+    assert comp.lora_b.abs().sum() > 0 and report.loss[(0, 16)] > 0
+
+
+def test_resume_continues_to_the_same_plugins(image_folder, tmp_path):
+    config = TrainConfig(**TINY)
+    straight, _ = train_tocom(_test_vit(), str(image_folder), str(tmp_path / "a"), "test_vit", config,
+                              show_progress=False, num_workers=0)
+    _, report = train_tocom(_test_vit(), str(image_folder), str(tmp_path / "b"), "test_vit", config,
+                            show_progress=False, num_workers=0, stop_after=3)
+    assert report is None and not (tmp_path / "b" / "tocom_config.json").exists()
+    resumed, _ = train_tocom(_test_vit(), str(image_folder), str(tmp_path / "b"), "test_vit", config, resume=True,
+                             show_progress=False, num_workers=0)
+    assert torch.equal(resumed.lora_b, straight.lora_b) and torch.equal(resumed.lora_a, straight.lora_a)
+    log = (tmp_path / "b" / "training" / "loss_log.csv").read_text().splitlines()
+    assert [line.split(",")[0] for line in log[1:]] == ["1", "2", "3", "4"]
+    with pytest.raises(ValueError, match="other settings"):
+        train_tocom(_test_vit(), str(image_folder), str(tmp_path / "b"), "test_vit", TrainConfig(**{**TINY, "lr": 1.0}),
+                    resume=True, show_progress=False, num_workers=0)
+
+
+def test_torchrun_two_processes_match_one_process(image_folder, tmp_path):
+    """DDP on gloo: 2 processes x 4 images train the same plugins as 1 process x 8 images."""
+    args = ["train-tocom", "--model", "test_vit", "--data", str(image_folder), "--steps", "3", "--holdout", "4",
+            "--scale-grid", "0.1", "--scale-targets", "16", "--no-progress", "--num-workers", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
+                          "-m", "timm_tokcomp.cli", *args, "--batch-size", "4", "--out", str(tmp_path / "two")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run([sys.executable, "-m", "timm_tokcomp.cli", *args, "--batch-size", "8",
+                          "--out", str(tmp_path / "one")], env=env, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    def layout(root: Path):
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "training" not in p.parts)
+
+    assert layout(tmp_path / "two") == layout(tmp_path / "one")
+    comp_two, config_two = load(str(tmp_path / "two"))
+    comp_one, _ = load(str(tmp_path / "one"))
+    assert comp_two.lora_b.abs().sum() > 0
+    torch.testing.assert_close(comp_two.lora_b, comp_one.lora_b, rtol=1e-3, atol=1e-6)
+    assert config_two["base_model"] == "test_vit"
+    assert "2 processes" in (tmp_path / "two" / "README.md").read_text()
+
+
+def test_cli_refuses_bad_arguments(image_folder, tmp_path, capsys):
+    from timm_tokcomp.cli import main
+
+    assert main(["train-tocom", "--model", "test_vit", "--data", str(image_folder), "--out", str(tmp_path),
+                 "--steps", "0"]) == 2
+    assert "steps must be >= 1" in capsys.readouterr().err
+    assert main(["train-tocom", "--model", "test_vit", "--data", str(image_folder), "--out", str(tmp_path),
+                 "--holdout", "18", "--batch-size", "4", "--no-progress"]) == 2
+    assert "fewer than one global batch" in capsys.readouterr().err
+

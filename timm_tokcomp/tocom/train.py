@@ -1,0 +1,433 @@
+"""ToCom self-distillation trainer (labels never needed). Runs in one process or under
+`torchrun --nproc_per_node=N` (DDP; gloo on CPU, nccl on GPU).
+
+Each step draws (m, n) from {0..S}^2, m != n, the same on every rank. Teacher: the frozen model, no
+plugins, method r = m. Student: the frozen model plus s * sign(n - m) * sum of plugins i in
+[min(m, n), max(m, n)), method r = n, the plugins running un-merged (x A^T B^T added to the q / v
+outputs of every block's qkv). Loss: KL(teacher || student) on softmax(logits / T) times T^2, or L1 on
+the pooled features of a model without a head.
+"""
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from .. import apply, remove, set_params
+from .compensator import Compensator, check_fits
+
+CHECKPOINT = "checkpoint.pt"
+LOSS_LOG = "loss_log.csv"
+
+
+@dataclass
+class TrainConfig:
+    """Hyper-parameters. lr is per 256 images (scaled by the global batch size); warmup_steps None =
+    5% of steps; holdout: the last images of the folder, never trained on, for the held-out loss and
+    for choosing the inference scale among scale_grid."""
+
+    steps: int = 600
+    batch_size: int = 64
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    warmup_steps: Optional[int] = None
+    temperature: float = 1.0
+    scale: float = 0.1
+    rank: int = 2
+    groups: int = 16
+    method: str = "tome"
+    crop_scale: Tuple[float, float] = (0.25, 1.0)
+    holdout: int = 500
+    scale_grid: Tuple[float, ...] = (0.05, 0.075, 0.1, 0.125, 0.15)
+    scale_targets: Tuple[int, ...] = (4, 8, 12, 16)
+    checkpoint_every: int = 50
+    seed: int = 0
+    amp: Optional[bool] = None  # None: on for CUDA (bf16), off on CPU
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "rank", "groups", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "temperature", "scale"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.weight_decay < 0 or self.holdout < 0:
+            raise ValueError(f"weight_decay and holdout must be >= 0, got {self.weight_decay}, {self.holdout}")
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
+        lo, hi = self.crop_scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"crop_scale must be (lo, hi) with 0 < lo <= hi <= 1, got {self.crop_scale}")
+        if self.method not in ("tome", "evit"):
+            raise ValueError(f"method must be 'tome' or 'evit', got {self.method!r}")
+        if not self.scale_grid or min(self.scale_grid) <= 0:
+            raise ValueError(f"scale_grid must hold scales > 0, got {self.scale_grid}")
+        if not self.scale_targets or not all(0 < t <= self.groups for t in self.scale_targets):
+            raise ValueError(f"scale_targets must be in [1, groups={self.groups}], got {self.scale_targets}")
+
+
+class Plugins(nn.Module):
+    """Trainable plugins lora_a (S, L, 2, h, D), lora_b (S, L, 2, attn_dim, h) for [query, value],
+    added un-merged to the output of every block's qkv while a pair is active."""
+
+    def __init__(self, compensator: Compensator) -> None:
+        super().__init__()
+        self.lora_a = nn.Parameter(compensator.lora_a.clone().float())
+        self.lora_b = nn.Parameter(compensator.lora_b.clone().float())
+        self._active: Optional[Tuple[int, int, float]] = None
+        self._handles: List = []
+
+    def install(self, model: nn.Module) -> None:
+        """Hook every block's attn.qkv; the hooks do nothing until a pair is active."""
+        check_fits(model, self.to_compensator(1.0))
+        for block, blk in enumerate(model.blocks):
+            self._handles.append(blk.attn.qkv.register_forward_hook(self._hook(block)))
+
+    def _hook(self, block: int) -> Callable:
+        def add_plugins(module: nn.Module, inputs: Tuple[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+            if self._active is None:
+                return out
+            lo, hi, coef = self._active
+            x = inputs[0]  # (B, N, D)
+            k, h, D = hi - lo, self.lora_a.shape[3], self.lora_a.shape[4]
+            a = self.lora_a[lo:hi, block].transpose(0, 1).reshape(2, k * h, D)  # (2, k h, D)
+            b = self.lora_b[lo:hi, block].permute(1, 2, 0, 3).reshape(2, -1, k * h)  # (2, attn_dim, k h)
+            dq = (x @ a[0].t().to(x.dtype)) @ b[0].t().to(x.dtype)
+            dv = (x @ a[1].t().to(x.dtype)) @ b[1].t().to(x.dtype)
+            return out + coef * torch.cat([dq, torch.zeros_like(dq), dv], dim=-1).to(out.dtype)
+
+        return add_plugins
+
+    @contextlib.contextmanager
+    def active(self, source_r: int, target_r: int, scale: float) -> Iterator[None]:
+        """Within the block, the hooks add s * sign(n - m) * sum of plugins [min, max) (m = source_r)."""
+        lo, hi = sorted((source_r, target_r))
+        self._active = None if lo == hi else (lo, hi, scale * (1.0 if target_r > source_r else -1.0))
+        try:
+            yield
+        finally:
+            self._active = None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def to_compensator(self, scale: float) -> Compensator:
+        return Compensator(self.lora_a.detach().cpu().clone(), self.lora_b.detach().cpu().clone(), scale)
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float, has_head: bool) -> torch.Tensor:
+    """student / teacher: (B, classes) logits, or (B, D) features when has_head is False (L1)."""
+    if not has_head:
+        return F.l1_loss(student.float(), teacher.float())
+    t = temperature
+    return F.kl_div(F.log_softmax(student.float() / t, -1), F.log_softmax(teacher.float() / t, -1),
+                    reduction="batchmean", log_target=True) * t * t
+
+
+def draw_pair(step: int, seed: int, groups: int) -> Tuple[int, int]:
+    """(r_src, r_tgt), uniform over {0..groups}^2 with r_src != r_tgt; a function of (seed, step) only,
+    so every rank and a resumed run draw the same pairs."""
+    rng = random.Random(seed * 1_000_003 + step)
+    m = rng.randint(0, groups)
+    n = rng.randint(0, groups - 1)
+    return m, n + (n >= m)
+
+
+def lr_at(step: int, config: TrainConfig, base_lr: float) -> float:
+    """Linear warmup then cosine decay to 0 (step counts from 0)."""
+    warmup = config.warmup_steps if config.warmup_steps is not None else config.steps // 20
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, config.steps - warmup)
+    return base_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def train_transform(model: nn.Module, crop_scale: Tuple[float, float]) -> Callable:
+    """Random resized crop to the model's input size (bicubic) and flip; the model's normalisation."""
+    import timm
+    from torchvision import transforms
+
+    cfg = timm.data.resolve_model_data_config(model)
+    return transforms.Compose([
+        transforms.RandomResizedCrop(cfg["input_size"][-2:], scale=crop_scale,
+                                     interpolation=transforms.InterpolationMode.BICUBIC),
+        transforms.RandomHorizontalFlip(),
+        transforms.ToTensor(),
+        transforms.Normalize(cfg["mean"], cfg["std"]),
+    ])
+
+
+def epoch_batches(num_images: int, epoch: int, seed: int, batch_size: int, rank: int, world: int) -> List[List[int]]:
+    """This rank's batches of one epoch: a (seed, epoch) permutation, split in global batches of
+    batch_size * world images, each rank taking its slice; the incomplete last batch is dropped."""
+    order = torch.randperm(num_images, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
+    per_step = batch_size * world
+    return [order[i + rank * batch_size:i + (rank + 1) * batch_size]
+            for i in range(0, num_images - per_step + 1, per_step)]
+
+
+class _Student(nn.Module):
+    """What DDP wraps: the frozen model with its hooked plugins (the only trainable parameters)."""
+
+    def __init__(self, model: nn.Module, plugins: Plugins) -> None:
+        super().__init__()
+        self.model = model
+        self.plugins = plugins
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+@dataclass
+class HeldoutReport:
+    """Mean held-out distillation losses: loss[(m, n)] uncompensated, loss_compensated[s][(m, n)];
+    chosen_scale: the scale with the lowest mean loss."""
+
+    images: int
+    loss: Dict[Tuple[int, int], float]
+    loss_compensated: Dict[float, Dict[Tuple[int, int], float]] = field(default_factory=dict)
+    chosen_scale: Optional[float] = None
+
+    def objective(self, scale: float, pairs: Sequence[Tuple[int, int]]) -> float:
+        return sum(self.loss_compensated[scale][p] for p in pairs) / len(pairs)
+
+
+@torch.no_grad()
+def heldout_losses(model: nn.Module, plugins: Plugins, batches: Sequence[torch.Tensor], pairs: Sequence[Tuple[int, int]],
+                   scales: Sequence[float], config: TrainConfig, has_head: bool, autocast: Callable,
+                   progress: Optional[Callable[[], None]] = None) -> HeldoutReport:
+    """Distillation loss per pair, without plugins and with them at every scale, averaged over images."""
+    totals: Dict = {}
+    count = 0
+    for x in batches:
+        for m in sorted({p[0] for p in pairs}):
+            set_params(model, r=m)
+            with autocast():
+                teacher = model(x)
+            for p in (p for p in pairs if p[0] == m):
+                set_params(model, r=p[1])
+                for s in [None, *scales]:
+                    with autocast(), (plugins.active(*p, s) if s is not None else contextlib.nullcontext()):
+                        loss = distill_loss(model(x), teacher, config.temperature, has_head)
+                    totals[(s, p)] = totals.get((s, p), 0.0) + loss.item() * len(x)
+                    if progress:
+                        progress()
+        count += len(x)
+    report = HeldoutReport(count, {p: totals[(None, p)] / count for p in pairs})
+    report.loss_compensated = {s: {p: totals[(s, p)] / count for p in pairs} for s in scales}
+    return report
+
+
+def _is_distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _save_checkpoint(path: Path, step: int, plugins: Plugins, optimizer: torch.optim.Optimizer, config: TrainConfig,
+                     world: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"step": step, "plugins": plugins.state_dict(), "optimizer": optimizer.state_dict(),
+                "config": asdict(config), "world_size": world}, tmp)
+    os.replace(tmp, path)
+
+
+class SeededAugment(torch.utils.data.Dataset):
+    """Random augmentations seeded by (seed, epoch, index): the same crops whatever the number of
+    processes or the step a run resumed from. Set `epoch` before each pass."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, seed: int) -> None:
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_033 + i)
+            return self.dataset[i]
+
+
+def split_images(data: str, model: nn.Module, config: TrainConfig) -> Tuple[SeededAugment, torch.utils.data.Dataset]:
+    """(training images with random crops, the last `holdout` images with the model's eval transform)."""
+    import timm
+
+    from ..data import open_images
+
+    train = open_images(data, train_transform(model, config.crop_scale))
+    evaluation = open_images(data, timm.data.create_transform(**timm.data.resolve_model_data_config(model)))
+    cut = len(train) - config.holdout
+    return (SeededAugment(torch.utils.data.Subset(train, range(cut)), config.seed),
+            torch.utils.data.Subset(evaluation, range(cut, len(train))))
+
+
+def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: TrainConfig = TrainConfig(),
+                resume: bool = False, device: str = "cpu", show_progress: bool = True, num_workers: int = 2,
+                stop_after: Optional[int] = None) -> Tuple[Compensator, Optional[HeldoutReport]]:
+    """Train plugins for `model` (frozen, any timm ViT) on the images in `data` (labels ignored; the
+    last config.holdout are held out) and save the adapter repository to `out` (plus out/training/:
+    checkpoint, loss log, held-out report). Under torch.distributed every rank calls this with the same
+    arguments; rank 0 writes. Returns the compensator (at the chosen scale) and the held-out report.
+    stop_after: leave after that step with a checkpoint and nothing else written (resume continues);
+    the report is then None."""
+    config.validate()
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if _is_distributed() else (0, 1)
+    train_set, heldout_set = split_images(data, model, config)
+    if len(train_set) < config.batch_size * world:
+        raise ValueError(f"--data has {len(train_set) + len(heldout_set)} images; with --holdout {config.holdout} that "
+                         f"leaves fewer than one global batch ({config.batch_size} x {world} processes)")
+    work = Path(out) / "training"
+    if rank == 0:
+        work.mkdir(parents=True, exist_ok=True)
+    model = model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    has_head = getattr(model, "num_classes", 0) > 0
+    apply(model, config.method, r=0)
+    blk = model.blocks[0].attn
+    attn_dim = blk.qkv.out_features // 3
+    init = Compensator.init(config.groups, len(model.blocks), blk.qkv.in_features, attn_dim, config.rank, config.scale,
+                            generator=torch.Generator().manual_seed(config.seed))
+    plugins = Plugins(init).to(device)
+    plugins.install(model)
+    student = _Student(model, plugins)
+    if world > 1:
+        student = nn.parallel.DistributedDataParallel(student, device_ids=[device] if device.startswith("cuda") else None)
+    base_lr = config.lr * config.batch_size * world / 256
+    optimizer = torch.optim.AdamW(plugins.parameters(), lr=base_lr, weight_decay=config.weight_decay)
+    use_amp = device.startswith("cuda") if config.amp is None else config.amp
+    autocast = (lambda: torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)) if use_amp \
+        else contextlib.nullcontext
+
+    start = 0
+    checkpoint = work / CHECKPOINT
+    if resume and checkpoint.is_file():
+        state = torch.load(checkpoint, map_location=device, weights_only=False)
+        saved = state["config"]
+        if saved != asdict(config) or state["world_size"] != world:
+            raise ValueError(f"--resume: {checkpoint} was written with other settings ({saved}, {state['world_size']} "
+                             f"processes); give the same ones or a new --out")
+        plugins.load_state_dict(state["plugins"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"]
+
+    per_epoch = len(train_set) // (config.batch_size * world)
+    log_path = work / LOSS_LOG
+    if rank == 0:
+        kept = log_path.read_text().splitlines()[1:start + 1] if start and log_path.is_file() else []
+        log_path.write_text("\n".join(["step,r_src,r_tgt,loss,lr,seconds", *kept]) + "\n")
+    began = time.time()
+    bar = tqdm(total=config.steps, initial=start, desc="train ToCom", disable=not show_progress or rank != 0,
+               file=sys.stderr)
+    step, ema = start, None
+    last = config.steps if stop_after is None else min(stop_after, config.steps)
+    while step < last:
+        epoch, skip = divmod(step, per_epoch)
+        batches = epoch_batches(len(train_set), epoch, config.seed, config.batch_size, rank, world)[skip:]
+        train_set.epoch = epoch
+        loader = torch.utils.data.DataLoader(train_set, batch_sampler=batches[:last - step],
+                                             num_workers=num_workers, persistent_workers=False)
+        for x, _ in loader:
+            x = x.to(device, non_blocking=True)
+            m, n = draw_pair(step, config.seed, config.groups)
+            lr = lr_at(step, config, base_lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            with torch.no_grad(), autocast():
+                set_params(model, r=m)
+                teacher = model(x)
+            set_params(model, r=n)
+            with autocast(), plugins.active(m, n, config.scale):
+                loss = distill_loss(student(x), teacher, config.temperature, has_head)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            value = loss.item()
+            ema = value if ema is None else 0.98 * ema + 0.02 * value
+            if rank == 0:
+                with open(log_path, "a") as f:
+                    f.write(f"{step},{m},{n},{value:.6f},{lr:.6g},{time.time() - began:.1f}\n")
+                bar.set_postfix_str(f"loss {ema:.4f} pair {m}->{n}", refresh=False)
+                bar.update(1)
+                if step % config.checkpoint_every == 0 or step == last:
+                    _save_checkpoint(checkpoint, step, plugins, optimizer, config, world)
+    bar.close()
+
+    report = None
+    if step < config.steps:
+        compensator = plugins.to_compensator(config.scale)
+    elif rank == 0:
+        report, chosen = _choose_scale(model, plugins, heldout_set, config, has_head, autocast, device, show_progress)
+        compensator = plugins.to_compensator(chosen)
+        _write_report(work, report, config, chosen)
+        from .hub import save
+
+        save(compensator, out, base_model, method=config.method, method_settings={"r": list(range(config.groups + 1))},
+             training=_training_summary(config, world, len(train_set)), results=_results_summary(report, config, chosen))
+    else:
+        compensator = plugins.to_compensator(config.scale)
+    plugins.remove()
+    remove(model)
+    if world > 1:
+        torch.distributed.barrier()
+    return compensator, report
+
+
+def _choose_scale(model, plugins, heldout_set, config, has_head, autocast, device, show_progress):
+    """Held-out losses and the scale among scale_grid with the lowest mean loss over (0 -> t), t in
+    scale_targets. Without held-out images, the training scale."""
+    if len(heldout_set) == 0:
+        return None, config.scale
+    loader = torch.utils.data.DataLoader(heldout_set, batch_size=config.batch_size)
+    batches = [x.to(device) for x, _ in loader]
+    pairs = [(0, t) for t in config.scale_targets]
+    scales = sorted(set(config.scale_grid) | {config.scale})
+    with tqdm(total=len(batches) * len(pairs) * (len(scales) + 1), desc="held-out loss", file=sys.stderr,
+              disable=not show_progress) as bar:
+        report = heldout_losses(model, plugins, batches, pairs, scales, config, has_head, autocast, bar.update)
+    report.chosen_scale = min(scales, key=lambda s: report.objective(s, pairs))
+    return report, report.chosen_scale
+
+
+def _write_report(work: Path, report: Optional[HeldoutReport], config: TrainConfig, chosen: float) -> None:
+    data = {"chosen_scale": chosen, "train_scale": config.scale}
+    if report is not None:
+        data["heldout_images"] = report.images
+        data["uncompensated"] = {f"{m}->{n}": v for (m, n), v in report.loss.items()}
+        data["compensated"] = {str(s): {f"{m}->{n}": v for (m, n), v in per.items()}
+                               for s, per in report.loss_compensated.items()}
+    (work / "heldout.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _training_summary(config: TrainConfig, world: int, images: int) -> str:
+    return (f"Self-distillation (labels never used) on {images} images, {config.steps} steps of "
+            f"{config.batch_size * world} images ({world} process{'es' if world > 1 else ''}); pairs (m, n) uniform over "
+            f"{{0..{config.groups}}}^2, m != n; teacher = frozen model at {config.method} r = m, student = frozen "
+            f"model + plugins at r = n; KL on softmax(logits / {config.temperature:g}); AdamW, lr "
+            f"{config.lr:g} per 256 images, cosine schedule, weight decay {config.weight_decay:g}; training scale "
+            f"s = {config.scale:g}; random resized crops (scale {config.crop_scale[0]:g}-{config.crop_scale[1]:g}) "
+            f"and flips.")
+
+
+def _results_summary(report: Optional[HeldoutReport], config: TrainConfig, chosen: float) -> str:
+    if report is None:
+        return "No held-out images (holdout = 0): nothing measured; the scale is the training scale."
+    lines = [f"Distillation loss on {report.images} held-out images (never trained on), source r = 0:", "",
+             "| target r | without ToCom | with ToCom (s = %g) | change |" % chosen, "|---|---|---|---|"]
+    for (m, n), plain in report.loss.items():
+        comp = report.loss_compensated[chosen][(m, n)]
+        lines.append(f"| {n} | {plain:.4f} | {comp:.4f} | {100 * (comp - plain) / plain:+.1f}% |")
+    lines += ["", f"The scale s = {chosen:g} was chosen among {', '.join(f'{s:g}' for s in sorted(report.loss_compensated))} "
+              f"as the lowest mean held-out loss over these targets."]
+    return "\n".join(lines)
