@@ -96,3 +96,26 @@ def test_parse_methods_puts_baseline_first():
         parse_methods("tome")
     with pytest.raises(FileNotFoundError, match="missing.json"):
         parse_methods("none,missing.json")
+
+
+def test_bench_adds_tocom_rows_after_tome_and_evit_rows(tmp_path, capsys):
+    from timm_tokcomp.tocom import Compensator, save
+
+    names = _write_images(tmp_path / "val" / "images", 4)
+    with open(tmp_path / "val" / "labels.csv", "w") as f:
+        f.write("file,label\n" + "".join(f"{n},{i % 3}\n" for i, n in enumerate(names)))
+    save(Compensator.init(16, 12, 192, 192), str(tmp_path / "tocom"), "deit_tiny_patch16_224")  # B = 0: no change
+    out = tmp_path / "r.csv"
+    assert main(["bench", "deit_tiny", "--data", str(tmp_path / "val"), "--methods", "tome_r8,evit_r4,atm",
+                 "--tocom", str(tmp_path / "tocom"), "--out", str(out)] + FAST) == 0
+    assert "no +ToCom row for atm" in capsys.readouterr().err
+    rows = {r["method"]: r for r in csv.DictReader(open(out))}
+    assert list(rows) == ["none", "tome_r8", "tome_r8+ToCom", "evit_r4", "evit_r4+ToCom", "atm"]
+    for name in ("tome_r8", "evit_r4"):
+        for col in ("gmacs", "agreement", "top1"):
+            assert rows[name + "+ToCom"][col] == rows[name][col]
+    assert main(["bench", "deit_tiny", "--methods", "tome_r8", "--tocom", str(tmp_path / "tocom"),
+                 "--source-r", "17"] + FAST) == 2
+    assert "--source-r must be an int in [0, 16]" in capsys.readouterr().err
+    assert main(["bench", "deit_small", "--methods", "tome_r8", "--tocom", str(tmp_path / "tocom")] + FAST) == 2
+    assert "does not match" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from .measure import count_macs, forward_counting, time_side_by_side
 from .methods import parse_method_tag
 
 BASELINE = "none"
+TOCOM_SUFFIX = "+ToCom"
 
 
 @dataclass
@@ -74,6 +75,31 @@ def build_method_models(base: nn.Module, methods: Sequence[str]) -> Dict[str, nn
             method, params = load_preset(name) if name.endswith(".json") else parse_method_tag(name)
             models[name] = apply(copy.deepcopy(base), method, **params)
     return models
+
+
+def add_tocom_models(models: Dict[str, nn.Module], tocom: str, source_r: int,
+                     scale: Optional[float]) -> Dict[str, nn.Module]:
+    """After every ToMe / EViT row with an integer r, a '<tag>+ToCom' row: the model with the
+    compensator for (source_r -> r) from `tocom` (local folder or Hub repo). Other rows get none."""
+    from .tocom import attach, compensate, load
+
+    compensator, _ = load(tocom)
+    compensator.check_degree("--source-r", source_r)
+    out: Dict[str, nn.Module] = {}
+    for name, model in models.items():
+        out[name] = model
+        if name == BASELINE or name.endswith(".json"):
+            continue
+        method, params = parse_method_tag(name)
+        r = params.get("r")
+        if method not in ("tome", "evit") or not isinstance(r, int) or r > compensator.steps:
+            print(f"note: no +ToCom row for {name} (compensators serve tome / evit with one r in "
+                  f"[0, {compensator.steps}])", file=sys.stderr)
+            continue
+        compensated = attach(copy.deepcopy(model), compensator, source_r=source_r, scale=scale)
+        compensate(compensated, r)
+        out[name + TOCOM_SUFFIX] = compensated
+    return out
 
 
 def _tokens_last_block(model: nn.Module, num_tokens: int) -> int:
@@ -133,9 +159,14 @@ def run_bench(
     limit: Optional[int] = None,
     num_workers: int = 2,
     show_progress: bool = True,
+    tocom: Optional[str] = None,
+    source_r: int = 0,
+    tocom_scale: Optional[float] = None,
 ) -> List[BenchRow]:
     """Benchmark methods against the unmodified model in one run. Without data, MACs and timing use
-    one random batch and top1 / agreement are None."""
+    one random batch and top1 / agreement are None. tocom: a compensator (folder or Hub repo) for a
+    model trained at ToMe r = source_r; adds a '+ToCom' row after each ToMe / EViT row (its scale, or
+    tocom_scale)."""
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     if timing_rounds < 1:
@@ -145,6 +176,8 @@ def run_bench(
     methods = parse_methods(",".join(methods))
     base = build_base_model(model_name, checkpoint, pretrained, device)
     models = build_method_models(base, methods)
+    if tocom:
+        models = add_tocom_models(models, tocom, source_r, tocom_scale)
     cfg = timm.data.resolve_model_data_config(base)
 
     evaluation = None

@@ -24,6 +24,9 @@ def _bench(args: argparse.Namespace) -> int:
         limit=args.limit,
         num_workers=args.num_workers,
         show_progress=not args.no_progress,
+        tocom=args.tocom,
+        source_r=args.source_r,
+        tocom_scale=args.tocom_scale,
     )
     print(format_table(rows))
     if args.out:
@@ -133,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-workers", type=int, default=2, help="data loading workers")
     bench.add_argument("--out", help="write the table as CSV")
     bench.add_argument("--plot", help="write a GMACs-vs-accuracy Pareto plot (PNG)")
+    bench.add_argument("--tocom", help="ToCom compensator (folder or Hub repo): adds a '+ToCom' row after each "
+                                       "tome / evit row")
+    bench.add_argument("--source-r", type=int, default=0, help="ToMe r the model was trained at (default %(default)s)")
+    bench.add_argument("--tocom-scale", type=float, help="compensator scale s (default: the one in its config)")
     bench.add_argument("--no-progress", action="store_true", help="hide progress bars")
     bench.set_defaults(func=_bench)
 
