@@ -86,3 +86,11 @@ def test_misfits_and_bad_degrees_are_named():
     with pytest.raises(ValueError, match="lora_a must be"):
         Compensator(torch.zeros(16, 4, 2, 2, 48), torch.zeros(16, 4, 2, 48, 3))
 
+
+
+def test_set_compression_refuses_a_method_without_r():
+    model = make_model("cls")
+    timm_tokcomp.apply(model, "atm")
+    attach(model, _random_compensator())
+    with pytest.raises(ValueError, match="runs 'atm'"):
+        set_compression(model, r=8)

@@ -170,9 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
     tr.add_argument("--data", required=True, help="folder of images (plain, labels.csv or ImageFolder; labels unused)")
     tr.add_argument("--out", required=True, help="adapter repository folder to write (training state in OUT/training)")
-    tr.add_argument("--steps", type=int, default=600, help="optimizer steps (default %(default)s)")
-    tr.add_argument("--batch-size", type=int, default=64, help="images per step and process (default %(default)s)")
-    tr.add_argument("--lr", type=float, default=2e-3, help="AdamW lr per 256 images, scaled by the global batch "
+    tr.add_argument("--steps", type=int, default=1100, help="optimizer steps (default %(default)s)")
+    tr.add_argument("--batch-size", type=int, default=32, help="images per step and process (default %(default)s)")
+    tr.add_argument("--lr", type=float, default=0.03, help="AdamW lr per 256 images, scaled by the global batch "
                                                            "(default %(default)s)")
     tr.add_argument("--weight-decay", type=float, default=0.01)
     tr.add_argument("--warmup-steps", type=int, help="linear warmup before the cosine decay (default 5%% of steps)")

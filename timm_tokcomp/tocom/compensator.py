@@ -153,11 +153,15 @@ def set_compression(model: nn.Module, r: int, scale: Optional[float] = None) -> 
     """Run the model at ToMe / EViT degree r with the compensator for (source_r -> r): sets the
     method's r (timm_tokcomp.set_params; a model without a method gets ToMe) and rewrites the query /
     value rows. Reversible and exact."""
-    from .. import apply, is_reduced, set_params
+    from .. import apply, get_reducer, is_reduced, set_params
 
     state = _attached(model)
     state.compensator.check_degree("r", r)
     if is_reduced(model):
+        reducer = get_reducer(model)
+        if "r" not in reducer.param_names():
+            raise ValueError(f"set_compression sets an integer degree r; this model runs {reducer.name!r}, which has "
+                             f"none (use tome, evit or dense_tome, or timm_tokcomp.apply(model, 'tome', r=...))")
         set_params(model, r=r)
     else:
         apply(model, "tome", r=r)

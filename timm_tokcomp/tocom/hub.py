@@ -17,7 +17,7 @@ FORMAT_VERSION = 1
 CONFIG_NAME = "tocom_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 SIGN_CONVENTION = "W(n) = W(m) + s * sign(n - m) * sum_{i in [min(m, n), max(m, n))} B_i A_i"
-CARD_TEMPLATE = Path(__file__).resolve().parents[2] / "hub_cards" / "tocom_card_template.md"
+CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "assets" / "tocom_card_template.md"  # -> hub_cards/
 
 
 def step_folder(i: int) -> str:

@@ -36,9 +36,9 @@ class TrainConfig:
     5% of steps; holdout: the last images of the folder, never trained on, for the held-out loss and
     for choosing the inference scale among scale_grid."""
 
-    steps: int = 600
-    batch_size: int = 64
-    lr: float = 2e-3
+    steps: int = 1100
+    batch_size: int = 32
+    lr: float = 0.03
     weight_decay: float = 0.01
     warmup_steps: Optional[int] = None
     temperature: float = 1.0
