@@ -34,3 +34,10 @@ def test_dense_benchmark_runs_on_a_small_model(capsys):
                                "--rounds", "1", "--rs", "0,1"])
     out = capsys.readouterr().out
     assert "f_mlp" in out and "r=1 torch" in out and "eta" in out
+
+
+def test_tocom_deployment_example_switches_and_restores(capsys):
+    _load("tocom_deploy").main(["--limit", "2", "--batch-size", "2", "--loads", "0.4,1.6"])
+    out = capsys.readouterr().out
+    assert "with ToCom" in out and "without ToCom" in out
+    assert "bit-identical to the original" in out

@@ -1,4 +1,6 @@
 """Real DeiT-Tiny weights and 1,300 real ImageNet images (../shared/data/README.md facts)."""
+from pathlib import Path
+
 import pytest
 import timm
 import torch
@@ -11,18 +13,29 @@ from conftest import require_data
 pytestmark = pytest.mark.realdata
 
 
-def test_tome_reproduces_reference_figures():
+SHIPPED_TOCOM = Path(__file__).resolve().parents[1] / "hub_cards" / "deit_tiny_patch16_224-tocom"
+
+
+@pytest.fixture(scope="module")
+def tome_rows():
+    """ToMe r = 4..16 and the shipped compensator's (0 -> r) rows, one bench run on the 1,300 images."""
     data = require_data()
     rows = run_bench(
         "deit_tiny_patch16_224",
-        methods=["none", "tome_r8", "tome_r16"],
+        methods=["none", "tome_r4", "tome_r8", "tome_r12", "tome_r16"],
         checkpoint=str(data / "deit_tiny_patch16_224.safetensors"),
         data=str(data / "imagenet-val-1300"),
         batch_size=100,
         timing_rounds=1,
         show_progress=False,
+        tocom=str(SHIPPED_TOCOM),
+        source_r=0,
     )
-    by = {r.method: r for r in rows}
+    return {r.method: r for r in rows}
+
+
+def test_tome_reproduces_reference_figures(tome_rows):
+    by = tome_rows
     assert by["none"].top1 == pytest.approx(81.54, abs=0.01)
     assert by["none"].gmacs == pytest.approx(1.2537, abs=1e-3)
     assert by["tome_r8"].top1 == pytest.approx(81.15, abs=0.4)
@@ -31,6 +44,18 @@ def test_tome_reproduces_reference_figures():
     assert by["tome_r16"].top1 == pytest.approx(79.00, abs=0.6)
     assert by["tome_r16"].agreement == pytest.approx(90.23, abs=1.0)
     assert by["tome_r16"].gmacs == pytest.approx(0.621, abs=0.01)
+
+
+def test_shipped_tocom_compensates_deit_tiny(tome_rows):
+    """Issue 5 acceptance: 0 -> 16 agreement >= plain ToMe + 1.5 with top-1 not below it; 0 -> 4 / 8 / 12
+    agreement at most 0.2 below plain ToMe; the same GMACs as the plain rows."""
+    by = tome_rows
+    assert by["tome_r16+ToCom"].agreement >= by["tome_r16"].agreement + 1.5
+    assert by["tome_r16+ToCom"].top1 >= by["tome_r16"].top1
+    for r in (4, 8, 12):
+        assert by[f"tome_r{r}+ToCom"].agreement >= by[f"tome_r{r}"].agreement - 0.2
+    for r in (4, 8, 12, 16):
+        assert by[f"tome_r{r}+ToCom"].gmacs == pytest.approx(by[f"tome_r{r}"].gmacs, rel=1e-6)
 
 
 def test_pretrained_tagged_name_loads_weights_then_applies():

@@ -14,7 +14,7 @@ from PIL import Image
 import timm_tokcomp
 from timm_tokcomp.tocom import attach, compensate, load
 from timm_tokcomp.tocom.train import (
-    Plugins, TrainConfig, distill_loss, draw_pair, epoch_batches, lr_at, train_tocom)
+    Mosaic, Plugins, SeededAugment, TrainConfig, distill_loss, draw_pair, epoch_batches, lr_at, train_tocom)
 from conftest import make_model
 from test_tocom import _random_compensator
 
@@ -84,6 +84,26 @@ def test_epoch_batches_split_global_batches_between_ranks():
     assert epoch_batches(22, epoch=4, seed=0, batch_size=8, rank=0, world=1) != one
 
 
+def test_mosaic_tiles_image_i_first_then_random_images():
+    colours = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (0, 255, 255)]
+    images = [(Image.new("RGB", (40, 40), c), -1) for c in colours]
+    model = _test_vit()  # 160 x 160 inputs
+    mosaic = SeededAugment(Mosaic(images, model, grids=(2,), crop_scale=(0.5, 1.0)), seed=0)
+    mean = torch.tensor(model.pretrained_cfg["mean"]).view(3, 1, 1)
+    std = torch.tensor(model.pretrained_cfg["std"]).view(3, 1, 1)
+    for i in range(5):
+        x, label = mosaic[i]
+        assert x.shape == (3, 160, 160) and label == -1
+        rgb = ((x * std + mean) * 255).round()
+        tiles = [rgb[:, r:r + 80, c:c + 80] for r in (0, 80) for c in (0, 80)]
+        for t in tiles:  # each tile is one whole image: one colour
+            assert (t - t[:, :1, :1]).abs().max() <= 1
+        assert tuple(tiles[0][:, 0, 0].tolist()) == colours[i]
+        assert torch.equal(x, mosaic[i][0])  # seeded: the same mosaic every time in an epoch
+    mosaic.epoch = 1
+    assert any(not torch.equal(mosaic[i][0], SeededAugment(mosaic.dataset, 0)[i][0]) for i in range(5))
+
+
 def test_distill_loss_is_kl_times_t_squared_or_l1():
     g = torch.Generator().manual_seed(0)
     s, t = torch.randn(5, 10, generator=g), torch.randn(5, 10, generator=g)
@@ -95,7 +115,8 @@ def test_distill_loss_is_kl_times_t_squared_or_l1():
 
 
 @pytest.mark.parametrize("bad", [dict(steps=0), dict(lr=0), dict(crop_scale=(0.5, 0.2)), dict(method="atm"),
-                                 dict(scale_targets=(17,)), dict(warmup_steps=600), dict(holdout=-1)])
+                                 dict(mosaic=(0,)),
+                                 dict(scale_targets=(17,)), dict(warmup_steps=5000), dict(holdout=-1)])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         TrainConfig(**bad).validate()

@@ -84,7 +84,8 @@ def _train_tocom(args: argparse.Namespace) -> int:
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, temperature=args.temperature, scale=args.scale, rank=args.rank,
-        groups=args.groups, method=args.method, crop_scale=(args.crop_min, 1.0), holdout=args.holdout,
+        groups=args.groups, method=args.method, crop_scale=(args.crop_min, 1.0),
+        mosaic=tuple(int(g) for g in args.mosaic.split(",")), holdout=args.holdout,
         scale_grid=tuple(float(s) for s in args.scale_grid.split(",")),
         scale_targets=tuple(int(t) for t in args.scale_targets.split(",")),
         checkpoint_every=args.checkpoint_every, seed=args.seed, amp=args.amp)
@@ -181,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--rank", type=int, default=2, help="LoRA rank h per projection and step (default %(default)s)")
     tr.add_argument("--groups", type=int, default=16, help="plugins, i.e. the largest r (default %(default)s)")
     tr.add_argument("--method", choices=["tome", "evit"], default="tome", help="token reduction trained with")
-    tr.add_argument("--crop-min", type=float, default=0.25, help="smallest random-crop area (default %(default)s)")
+    tr.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default %(default)s)")
+    tr.add_argument("--mosaic", default="2,3", help="grid sizes g: each input is a g x g mosaic of crops, so small "
+                                                    "images are upscaled less (1: plain crops; default %(default)s)")
     tr.add_argument("--holdout", type=int, default=500, help="last N images: never trained on; held-out loss and "
                                                              "the choice of the scale (default %(default)s)")
     tr.add_argument("--scale-grid", default="0.05,0.075,0.1,0.125,0.15", help="scales tried on the held-out images")

@@ -46,7 +46,8 @@ class TrainConfig:
     rank: int = 2
     groups: int = 16
     method: str = "tome"
-    crop_scale: Tuple[float, float] = (0.25, 1.0)
+    crop_scale: Tuple[float, float] = (0.5, 1.0)
+    mosaic: Tuple[int, ...] = (2, 3)
     holdout: int = 500
     scale_grid: Tuple[float, ...] = (0.05, 0.075, 0.1, 0.125, 0.15)
     scale_targets: Tuple[int, ...] = (4, 8, 12, 16)
@@ -68,6 +69,8 @@ class TrainConfig:
         lo, hi = self.crop_scale
         if not 0 < lo <= hi <= 1:
             raise ValueError(f"crop_scale must be (lo, hi) with 0 < lo <= hi <= 1, got {self.crop_scale}")
+        if not self.mosaic or min(self.mosaic) < 1:
+            raise ValueError(f"mosaic must hold grid sizes >= 1, got {self.mosaic}")
         if self.method not in ("tome", "evit"):
             raise ValueError(f"method must be 'tome' or 'evit', got {self.method!r}")
         if not self.scale_grid or min(self.scale_grid) <= 0:
@@ -154,19 +157,44 @@ def lr_at(step: int, config: TrainConfig, base_lr: float) -> float:
     return base_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def train_transform(model: nn.Module, crop_scale: Tuple[float, float]) -> Callable:
-    """Random resized crop to the model's input size (bicubic) and flip; the model's normalisation."""
-    import timm
-    from torchvision import transforms
+class Mosaic(torch.utils.data.Dataset):
+    """Training images: a g x g grid (g drawn from `grids`) of random resized crops (area in
+    crop_scale, bicubic, random flip) filling the model's input size; tile 0 is image i, the others are
+    random images. Tiles of input_size / g upscale small images less, so their tokens carry detail
+    closer to a photo's. Returns (normalised (3, H, W) tensor, -1)."""
 
-    cfg = timm.data.resolve_model_data_config(model)
-    return transforms.Compose([
-        transforms.RandomResizedCrop(cfg["input_size"][-2:], scale=crop_scale,
-                                     interpolation=transforms.InterpolationMode.BICUBIC),
-        transforms.RandomHorizontalFlip(),
-        transforms.ToTensor(),
-        transforms.Normalize(cfg["mean"], cfg["std"]),
-    ])
+    def __init__(self, images: torch.utils.data.Dataset, model: nn.Module, grids: Sequence[int],
+                 crop_scale: Tuple[float, float]) -> None:
+        import timm
+        from torchvision import transforms
+
+        cfg = timm.data.resolve_model_data_config(model)
+        self.images, self.grids, self.crop_scale = images, tuple(grids), crop_scale
+        self.height, self.width = cfg["input_size"][-2:]
+        self.finish = transforms.Compose([transforms.ToTensor(), transforms.Normalize(cfg["mean"], cfg["std"])])
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def _tile(self, j: int, height: int, width: int):
+        from torchvision import transforms
+
+        crop = transforms.RandomResizedCrop((height, width), scale=self.crop_scale,
+                                            interpolation=transforms.InterpolationMode.BICUBIC)
+        return transforms.RandomHorizontalFlip()(crop(self.images[j][0]))
+
+    def __getitem__(self, i: int):
+        from PIL import Image
+
+        g = self.grids[int(torch.randint(len(self.grids), ()))]
+        rows = [round(k * self.height / g) for k in range(g + 1)]
+        cols = [round(k * self.width / g) for k in range(g + 1)]
+        canvas = Image.new("RGB", (self.width, self.height))
+        for t in range(g * g):
+            j = i if t == 0 else int(torch.randint(len(self.images), ()))
+            r, c = divmod(t, g)
+            canvas.paste(self._tile(j, rows[r + 1] - rows[r], cols[c + 1] - cols[c]), (cols[c], rows[r]))
+        return self.finish(canvas), -1
 
 
 def epoch_batches(num_images: int, epoch: int, seed: int, batch_size: int, rank: int, world: int) -> List[List[int]]:
@@ -259,16 +287,16 @@ class SeededAugment(torch.utils.data.Dataset):
 
 
 def split_images(data: str, model: nn.Module, config: TrainConfig) -> Tuple[SeededAugment, torch.utils.data.Dataset]:
-    """(training images with random crops, the last `holdout` images with the model's eval transform)."""
+    """(training mosaics, the last `holdout` images with the model's eval transform)."""
     import timm
 
     from ..data import open_images
 
-    train = open_images(data, train_transform(model, config.crop_scale))
+    pil = open_images(data, lambda img: img)
     evaluation = open_images(data, timm.data.create_transform(**timm.data.resolve_model_data_config(model)))
-    cut = len(train) - config.holdout
-    return (SeededAugment(torch.utils.data.Subset(train, range(cut)), config.seed),
-            torch.utils.data.Subset(evaluation, range(cut, len(train))))
+    cut = len(pil) - config.holdout
+    train = Mosaic(torch.utils.data.Subset(pil, range(cut)), model, config.mosaic, config.crop_scale)
+    return SeededAugment(train, config.seed), torch.utils.data.Subset(evaluation, range(cut, len(pil)))
 
 
 def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: TrainConfig = TrainConfig(),
@@ -320,6 +348,8 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
         plugins.load_state_dict(state["plugins"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
+    elif resume and rank == 0:
+        print(f"note: --resume: no {checkpoint} yet, starting from step 0", file=sys.stderr)
 
     per_epoch = len(train_set) // (config.batch_size * world)
     log_path = work / LOSS_LOG
@@ -416,8 +446,8 @@ def _training_summary(config: TrainConfig, world: int, images: int) -> str:
             f"{{0..{config.groups}}}^2, m != n; teacher = frozen model at {config.method} r = m, student = frozen "
             f"model + plugins at r = n; KL on softmax(logits / {config.temperature:g}); AdamW, lr "
             f"{config.lr:g} per 256 images, cosine schedule, weight decay {config.weight_decay:g}; training scale "
-            f"s = {config.scale:g}; random resized crops (scale {config.crop_scale[0]:g}-{config.crop_scale[1]:g}) "
-            f"and flips.")
+            f"s = {config.scale:g}; inputs are g x g mosaics (g in {', '.join(map(str, config.mosaic))}) of random "
+            f"resized crops (area {config.crop_scale[0]:g}-{config.crop_scale[1]:g}) with flips.")
 
 
 def _results_summary(report: Optional[HeldoutReport], config: TrainConfig, chosen: float) -> str:
