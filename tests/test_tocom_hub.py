@@ -105,3 +105,11 @@ def test_push_to_hub_uploads_the_saved_layout(monkeypatch):
     assert calls["repo"] == "someone/x" and url.endswith("/commit/1")
     assert calls["files"] == ["README.md", "step_00/adapter_config.json",
                               "step_00/adapter_model.safetensors", "tocom_config.json"]
+
+
+def test_a_missing_local_folder_is_named(tmp_path):
+    from timm_tokcomp.tocom import load
+
+    for missing in (str(tmp_path / "nope"), "./nope", "a/b/c"):
+        with pytest.raises(FileNotFoundError, match="not a compensator folder"):
+            load(missing)

@@ -101,6 +101,9 @@ def load(repo_id_or_path: str, revision: Optional[str] = None, cache_dir: Option
     path = Path(repo_id_or_path)
     if path.is_dir():
         return _read_folder(path)
+    if path.exists() or repo_id_or_path.startswith((".", "/", "~")) or repo_id_or_path.count("/") > 1:
+        raise FileNotFoundError(f"{repo_id_or_path!r} is not a compensator folder (and not a Hub repo id "
+                                f"'name' or 'namespace/name')")
     from huggingface_hub import snapshot_download
 
     folder = snapshot_download(repo_id_or_path, revision=revision, cache_dir=cache_dir, token=token,
