@@ -1,13 +1,13 @@
 """Deployment story: one DeiT-Tiny serves a changing load by switching ToMe r between 0, 8 and 16,
-first plainly, then with the ToCom compensator (same r, same cost, better agreement).
+first plainly, then with the ToCom compensator (same r, same cost).
 
     D=../shared/data
     python examples/tocom_deploy.py --checkpoint $D/deit_tiny_patch16_224.safetensors \\
         --data $D/imagenet-val-1300 --limit 512
     python examples/tocom_deploy.py          # random weights and images: runs offline, numbers meaningless
 
-The load trace is in images per second; each phase picks the lightest r in --rs whose measured
-throughput covers it (r = 0 when the load is light).
+The load trace is in multiples of the unmodified model's throughput; each phase picks the smallest r
+in --rs whose measured throughput covers it (the largest r when none does).
 """
 import argparse
 import time

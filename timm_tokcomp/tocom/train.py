@@ -404,7 +404,7 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
         from .hub import save
 
         save(compensator, out, base_model, method=config.method, method_settings={"r": list(range(config.groups + 1))},
-             training=_training_summary(config, world, len(train_set)), results=_results_summary(report, config, chosen))
+             training=_training_summary(config, world, len(train_set)), results=_results_summary(report, chosen))
     else:
         compensator = plugins.to_compensator(config.scale)
     plugins.remove()
@@ -450,7 +450,7 @@ def _training_summary(config: TrainConfig, world: int, images: int) -> str:
             f"resized crops (area {config.crop_scale[0]:g}-{config.crop_scale[1]:g}) with flips.")
 
 
-def _results_summary(report: Optional[HeldoutReport], config: TrainConfig, chosen: float) -> str:
+def _results_summary(report: Optional[HeldoutReport], chosen: float) -> str:
     if report is None:
         return "No held-out images (holdout = 0): nothing measured; the scale is the training scale."
     lines = [f"Distillation loss on {report.images} held-out images (never trained on), source r = 0:", "",
