@@ -118,7 +118,21 @@ class TokenReducer(ABC):
         size: (B, N, 1) merging sizes, None while every token has size 1."""
 
 
-class ScheduledReducer(TokenReducer):
+class RTagged:
+    """Mixin for methods named by '<name>_r<k>' tags (r = k)."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
+        return parse_r_tag(cls.name, tag)
+
+    @classmethod
+    def tag_forms(cls) -> Tuple[str, ...]:
+        return (f"{cls.name}_r<k>",)
+
+
+class ScheduledReducer(RTagged, TokenReducer):
     """A method with an r schedule: r tokens removed per block (int, per-block list, or (r, inflection)
     tuple), or a schedule solved from flops_ratio (unreduced MACs / target MACs). Block settings are
     the per-block r."""
@@ -151,14 +165,6 @@ class ScheduledReducer(TokenReducer):
             merged["r"] = 0
         merged.update(new)
         return merged
-
-    @classmethod
-    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        return parse_r_tag(cls.name, tag)
-
-    @classmethod
-    def tag_forms(cls) -> Tuple[str, ...]:
-        return (f"{cls.name}_r<k>",)
 
     def check_depth(self, num_blocks: int) -> None:
         if isinstance(self.r, list) and len(self.r) != num_blocks:

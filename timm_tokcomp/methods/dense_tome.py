@@ -1,20 +1,20 @@
 """Dense-prediction ToMe (as in the ToCom paper's segmentation experiments): attention sees every token;
 k tokens are merged (bipartite soft matching on the keys) before each block's MLP and unmerged after
 it, so every block keeps its input shape. k = 32 r by default."""
-from typing import Any, Dict, List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
 from ..kernels import BACKENDS
 from ..matching import MergePlan
 from ..schedules import BlockCost
-from .base import TokenReducer, parse_r_tag
+from .base import RTagged, TokenReducer
 from .tome import ToMe, tome_plan
 
 MERGES_PER_R = 32
 
 
-class DenseToMe(TokenReducer):
+class DenseToMe(RTagged, TokenReducer):
     """r: the paper's compression degree, k = 32 r merges per block; k: merges per block, overriding r
     (both clamped per block to half the non-prefix tokens); kernel: 'auto' (Triton on CUDA when no
     gradient is needed, torch otherwise), 'triton' or 'torch'."""
@@ -35,14 +35,6 @@ class DenseToMe(TokenReducer):
     def merges(self) -> int:
         """Tokens merged before each MLP (before the per-block clamp)."""
         return self.k if self.k is not None else MERGES_PER_R * self.r
-
-    @classmethod
-    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        return parse_r_tag(cls.name, tag)
-
-    @classmethod
-    def tag_forms(cls) -> Tuple[str, ...]:
-        return (f"{cls.name}_r<k>",)
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[int]]:
         return [self.merges if self.merges > 0 else None] * num_blocks
