@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from timm_tokcomp.bench import parse_methods
+from timm_tokcomp.bench import mcnemar_exact_p, parse_methods
 from timm_tokcomp.calibrate import CalibrationResult, save_preset
 from timm_tokcomp.cli import main
 
@@ -108,14 +108,50 @@ def test_bench_adds_tocom_rows_after_tome_and_evit_rows(tmp_path, capsys):
     out = tmp_path / "r.csv"
     assert main(["bench", "deit_tiny", "--data", str(tmp_path / "val"), "--methods", "tome_r8,evit_r4,atm",
                  "--tocom", str(tmp_path / "tocom"), "--out", str(out)] + FAST) == 0
-    assert "no +ToCom row for atm" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "no +ToCom row for atm" in captured.err
+    assert "trained with tome; evit_r4+ToCom applies it to evit" in captured.err
+    assert "+0 / -0 images vs tome_r8, p = 1" in captured.out
     rows = {r["method"]: r for r in csv.DictReader(open(out))}
     assert list(rows) == ["none", "tome_r8", "tome_r8+ToCom", "evit_r4", "evit_r4+ToCom", "atm"]
     for name in ("tome_r8", "evit_r4"):
         for col in ("gmacs", "agreement", "top1"):
             assert rows[name + "+ToCom"][col] == rows[name][col]
+        paired = rows[name + "+ToCom"]
+        assert (paired["paired_with"], paired["agree_gained"], paired["agree_lost"]) == (name, "0", "0")
+        assert float(paired["agree_change_p"]) == 1.0
+    assert rows["tome_r8"]["paired_with"] == "" and rows["atm"]["agree_change_p"] == ""
     assert main(["bench", "deit_tiny", "--methods", "tome_r8", "--tocom", str(tmp_path / "tocom"),
                  "--source-r", "17"] + FAST) == 2
     assert "--source-r must be an int in [0, 16]" in capsys.readouterr().err
     assert main(["bench", "deit_small", "--methods", "tome_r8", "--tocom", str(tmp_path / "tocom")] + FAST) == 2
     assert "does not match" in capsys.readouterr().err
+
+
+def test_tocom_rows_count_the_images_whose_agreement_changed(tmp_path):
+    from timm_tokcomp.bench import run_bench
+    from timm_tokcomp.tocom import Compensator, save
+
+    names = _write_images(tmp_path / "val" / "images", 24, seed=3)
+    with open(tmp_path / "val" / "labels.csv", "w") as f:
+        f.write("file,label\n" + "".join(f"{n},0\n" for n in names))
+    torch.manual_seed(0)
+    plugins = Compensator.init(16, 12, 192, 192)
+    plugins.lora_b.normal_(std=3.0)  # large enough to change predictions
+    save(plugins, str(tmp_path / "tocom"), "deit_tiny_patch16_224")
+    rows = {r.method: r for r in run_bench("deit_tiny_patch16_224", ["none", "tome_r16"], data=str(tmp_path / "val"),
+                                           batch_size=8, timing_rounds=1, num_workers=0, show_progress=False,
+                                           tocom=str(tmp_path / "tocom"))}
+    row, plain = rows["tome_r16+ToCom"], rows["tome_r16"]
+    assert row.agree_gained + row.agree_lost > 0
+    assert row.agreement - plain.agreement == pytest.approx(100 * (row.agree_gained - row.agree_lost) / 24)
+    assert row.agree_change_p == mcnemar_exact_p(row.agree_gained, row.agree_lost)
+
+
+def test_mcnemar_exact_p():
+    assert mcnemar_exact_p(0, 0) == 1.0 and mcnemar_exact_p(3, 3) == 1.0
+    assert mcnemar_exact_p(0, 6) == mcnemar_exact_p(6, 0) == 2 / 64
+    assert mcnemar_exact_p(1, 9) == pytest.approx(2 * 11 / 1024)
+    assert mcnemar_exact_p(16, 19) == pytest.approx(0.7359, abs=1e-4)  # scipy.stats.binomtest(16, 35).pvalue
+    with pytest.raises(ValueError, match="gained and lost"):
+        mcnemar_exact_p(-1, 2)

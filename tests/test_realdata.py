@@ -50,13 +50,17 @@ def test_shipped_tocom_compensates_deit_tiny(tome_rows):
     """The shipped compensator (hub_cards/.../README.md figures): 0 -> 16 agreement >= plain ToMe + 1.5
     with top-1 not below it (issue 5's bar, met: +2.31). 0 -> 4 / 8 / 12: issue 5 asks for agreement at
     most 0.2 below plain ToMe; measured -0.08 / -0.23 / -0.46, so this checks the measured state (at most
-    0.5 below, top-1 not below) and the gap is reported on the issue."""
+    0.5 below, top-1 not below) and the gap is reported on the issue. Image by image, the r = 16 gain is
+    significant (measured +62 / -32 images, p = 0.003) and the r = 4 / 8 / 12 changes are not (p >= 0.44)."""
     by = tome_rows
     assert by["tome_r16+ToCom"].agreement >= by["tome_r16"].agreement + 1.5
     assert by["tome_r16+ToCom"].top1 >= by["tome_r16"].top1
+    assert by["tome_r16+ToCom"].agree_change_p < 0.01
     for r in (4, 8, 12):
-        assert by[f"tome_r{r}+ToCom"].agreement >= by[f"tome_r{r}"].agreement - 0.5
-        assert by[f"tome_r{r}+ToCom"].top1 >= by[f"tome_r{r}"].top1
+        row = by[f"tome_r{r}+ToCom"]
+        assert row.agreement >= by[f"tome_r{r}"].agreement - 0.5
+        assert row.top1 >= by[f"tome_r{r}"].top1
+        assert row.agree_lost <= row.agree_gained or row.agree_change_p > 0.2  # no significant loss
     for r in (4, 8, 12, 16):
         assert by[f"tome_r{r}+ToCom"].gmacs == pytest.approx(by[f"tome_r{r}"].gmacs, rel=1e-6)
 

@@ -1,6 +1,7 @@
 """`tokcomp bench`: GMACs, throughput, speedup, top-1 and agreement of several methods, side by side."""
 import copy
 import csv
+import math
 import statistics
 import sys
 from dataclasses import asdict, dataclass, fields
@@ -26,7 +27,10 @@ TOCOM_SUFFIX = "+ToCom"
 class BenchRow:
     """One method's figures. gmacs: mean per image actually executed; gmacs_std: its spread (standard
     deviation) across batches, None without data; top1 / agreement: percentages, None without data;
-    tokens_last_block: tokens entering the last block in the timing batch."""
+    tokens_last_block: tokens entering the last block in the timing batch. Rows that modify another row
+    (the '+ToCom' rows) are compared with it image by image: paired_with names that row, agree_gained /
+    agree_lost count the images whose agreement with the baseline this row gains / loses against it,
+    and agree_change_p is the exact two-sided McNemar p-value of that split (None elsewhere)."""
 
     method: str
     gmacs: float
@@ -36,6 +40,22 @@ class BenchRow:
     top1: Optional[float]
     agreement: Optional[float]
     tokens_last_block: int
+    paired_with: Optional[str] = None
+    agree_gained: Optional[int] = None
+    agree_lost: Optional[int] = None
+    agree_change_p: Optional[float] = None
+
+
+def mcnemar_exact_p(gained: int, lost: int) -> float:
+    """Exact two-sided McNemar test: the probability of a split of gained + lost changed images at
+    least this uneven if each change were equally likely to go either way (binomial, p = 1/2)."""
+    if gained < 0 or lost < 0:
+        raise ValueError(f"gained and lost must be >= 0, got {gained}, {lost}")
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(gained, lost) + 1)) / 2 ** n
+    return min(1.0, 2.0 * tail)
 
 
 def parse_methods(spec: str) -> List[str]:
@@ -83,8 +103,9 @@ def add_tocom_models(models: Dict[str, nn.Module], tocom: str, source_r: int,
     compensator for (source_r -> r) from `tocom` (local folder or Hub repo). Other rows get none."""
     from .tocom import attach, compensate, load
 
-    compensator, _ = load(tocom)
+    compensator, config = load(tocom)
     compensator.check_degree("--source-r", source_r)
+    trained_with = config.get("method")
     out: Dict[str, nn.Module] = {}
     for name, model in models.items():
         out[name] = model
@@ -96,6 +117,9 @@ def add_tocom_models(models: Dict[str, nn.Module], tocom: str, source_r: int,
             print(f"note: no +ToCom row for {name} (compensators serve tome / evit with one r in "
                   f"[0, {compensator.steps}])", file=sys.stderr)
             continue
+        if trained_with and method != trained_with:
+            print(f"note: the compensator was trained with {trained_with}; {name}+ToCom applies it to {method}",
+                  file=sys.stderr)
         compensated = attach(copy.deepcopy(model), compensator, source_r=source_r, scale=scale)
         compensate(compensated, r)
         out[name + TOCOM_SUFFIX] = compensated
@@ -111,12 +135,14 @@ def _tokens_last_block(model: nn.Module, num_tokens: int) -> int:
 @dataclass
 class Evaluation:
     """Per method: top-1 and agreement with the baseline (percent), MACs per image (mean over all
-    images, and the standard deviation of the per-batch means)."""
+    images, and the standard deviation of the per-batch means), and agrees: (images,) bool, whether
+    each image's top-1 class is the baseline's."""
 
     top1: Dict[str, float]
     agreement: Dict[str, float]
     macs: Dict[str, float]
     macs_std: Dict[str, float]
+    agrees: Dict[str, torch.Tensor]
 
 
 @torch.inference_mode()
@@ -124,7 +150,7 @@ def evaluate(models: Dict[str, nn.Module], loader: Iterable, device: str, show_p
     """Top-1, agreement with the first model, and MACs per image counted on every batch, in one
     forward per model and batch."""
     correct = {k: 0 for k in models}
-    agree = {k: 0 for k in models}
+    agrees: Dict[str, List[torch.Tensor]] = {k: [] for k in models}
     batch_macs: Dict[str, List[float]] = {k: [] for k in models}
     sizes: List[int] = []
     for x, y in tqdm(loader, desc="evaluate", disable=not show_progress, file=sys.stderr):
@@ -136,15 +162,24 @@ def evaluate(models: Dict[str, nn.Module], loader: Iterable, device: str, show_p
             pred = out.argmax(dim=-1)
             reference = pred if reference is None else reference
             correct[name] += (pred == y).sum().item()
-            agree[name] += (pred == reference).sum().item()
+            agrees[name].append((pred == reference).cpu())
         sizes.append(len(y))
     seen = sum(sizes)
     if seen == 0:
         raise ValueError("--data: the dataset holds no images")
     mean = {k: sum(m * n for m, n in zip(v, sizes)) / seen for k, v in batch_macs.items()}
     std = {k: statistics.pstdev(v) for k, v in batch_macs.items()}
+    flags = {k: torch.cat(v) for k, v in agrees.items()}
     return Evaluation({k: 100.0 * v / seen for k, v in correct.items()},
-                      {k: 100.0 * v / seen for k, v in agree.items()}, mean, std)
+                      {k: 100.0 * v.sum().item() / seen for k, v in flags.items()}, mean, std, flags)
+
+
+def paired_change(agrees: Dict[str, torch.Tensor], row: str, reference: str) -> Dict:
+    """BenchRow's paired fields for `row` against `reference`, from per-image agreement flags."""
+    new, old = agrees[row], agrees[reference]
+    gained, lost = int((new & ~old).sum()), int((old & ~new).sum())
+    return {"paired_with": reference, "agree_gained": gained, "agree_lost": lost,
+            "agree_change_p": mcnemar_exact_p(gained, lost)}
 
 
 def run_bench(
@@ -197,6 +232,10 @@ def run_bench(
     with tqdm(total=total, desc="timing", disable=not show_progress, file=sys.stderr) as bar:
         seconds = time_side_by_side(models, batch, rounds=timing_rounds, progress=bar.update)
     num_tokens = base.patch_embed.num_patches + base.num_prefix_tokens
+    paired = {}
+    if evaluation is not None:
+        paired = {name: paired_change(evaluation.agrees, name, name[:-len(TOCOM_SUFFIX)])
+                  for name in models if name.endswith(TOCOM_SUFFIX)}
     return [
         BenchRow(
             method=name,
@@ -207,13 +246,15 @@ def run_bench(
             top1=None if evaluation is None else evaluation.top1[name],
             agreement=None if evaluation is None else evaluation.agreement[name],
             tokens_last_block=_tokens_last_block(model, num_tokens),
+            **paired.get(name, {}),
         )
         for name, model in models.items()
     ]
 
 
 def format_table(rows: Sequence[BenchRow]) -> str:
-    """GMACs +- its spread across batches (adaptive methods vary per batch), tokens entering the last block."""
+    """GMACs +- its spread across batches (adaptive methods vary per batch), tokens entering the last
+    block; then, for rows compared with another row, the images whose agreement changed."""
     width = max(12, max(len(r.method) for r in rows) + 2)
     header = (f"{'method':<{width}}{'GMACs':>9}{'+-batch':>9}{'img/s':>10}{'speedup':>9}{'top-1 %':>9}"
               f"{'agree %':>9}{'tokens':>8}")
@@ -224,6 +265,12 @@ def format_table(rows: Sequence[BenchRow]) -> str:
         agr = "-" if r.agreement is None else f"{r.agreement:.2f}"
         lines.append(f"{r.method:<{width}}{r.gmacs:>9.4f}{std:>9}{r.img_per_s:>10.1f}{r.speedup:>8.2f}x{acc:>9}"
                      f"{agr:>9}{r.tokens_last_block:>8}")
+    compared = [r for r in rows if r.paired_with is not None]
+    if compared:
+        lines += ["", "agreement changed image by image, against the row modified "
+                      "(exact McNemar p; p > 0.05: within noise):"]
+        lines += [f"  {r.method:<{width}}+{r.agree_gained} / -{r.agree_lost} images vs {r.paired_with}, "
+                  f"p = {r.agree_change_p:.2g}" for r in compared]
     return "\n".join(lines)
 
 
