@@ -1,5 +1,7 @@
 """ToCom self-distillation trainer: plugin forward, pair sampling, schedule, loss, end-to-end runs,
 resume, and a 2-process torchrun run on CPU."""
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -139,6 +141,25 @@ def test_training_writes_a_loadable_repository_and_leaves_the_model_untouched(im
     assert "Distillation loss on 4 held-out images" in (tmp_path / "out" / "README.md").read_text()
 
 
+def test_heldout_batches_are_shared_out_between_ranks(image_folder):
+    """10 held-out images in batches of 4: rank 0 of 2 takes batches 0 and 2 (6 images), rank 1 batch 1;
+    without an initialised process group nothing is summed, so each report counts its own share."""
+    from timm_tokcomp.tocom.train import _choose_scale, split_images
+
+    model = timm_tokcomp.apply(_test_vit().eval(), "tome", r=0)
+    config = TrainConfig(**{**TINY, "holdout": 10})
+    plugins = Plugins(_random_compensator(depth=6, dim=64, attn_dim=64))
+    plugins.install(model)
+    _, heldout = split_images(str(image_folder), model, config)
+    shares = [_choose_scale(model, plugins, heldout, config, True, contextlib.nullcontext, "cpu", False, rank, 2)[0]
+              for rank in (0, 1)]
+    assert [r.images for r in shares] == [6, 4]
+    whole, _ = _choose_scale(model, plugins, heldout, config, True, contextlib.nullcontext, "cpu", False, 0, 1)
+    assert whole.images == 10
+    mixed = (6 * shares[0].loss[(0, 16)] + 4 * shares[1].loss[(0, 16)]) / 10
+    assert whole.loss[(0, 16)] == pytest.approx(mixed, rel=1e-6)
+
+
 def test_headless_models_train_on_feature_l1(image_folder, tmp_path):
     model = _test_vit()
     model.reset_classifier(0)
@@ -165,8 +186,9 @@ def test_resume_continues_to_the_same_plugins(image_folder, tmp_path):
 
 
 def test_torchrun_two_processes_match_one_process(image_folder, tmp_path):
-    """DDP on gloo: 2 processes x 4 images train the same plugins as 1 process x 8 images."""
-    args = ["train-tocom", "--model", "test_vit", "--data", str(image_folder), "--steps", "3", "--holdout", "4",
+    """DDP on gloo: 2 processes x 4 images train the same plugins as 1 process x 8 images, and share
+    the 8 held-out images (a batch each) to the same held-out report."""
+    args = ["train-tocom", "--model", "test_vit", "--data", str(image_folder), "--steps", "3", "--holdout", "8",
             "--scale-grid", "0.1", "--scale-targets", "16", "--no-progress", "--num-workers", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
@@ -187,6 +209,14 @@ def test_torchrun_two_processes_match_one_process(image_folder, tmp_path):
     torch.testing.assert_close(comp_two.lora_b, comp_one.lora_b, rtol=1e-3, atol=1e-6)
     assert config_two["base_model"] == "test_vit"
     assert "2 processes" in (tmp_path / "two" / "README.md").read_text()
+    report_two, report_one = (json.loads((tmp_path / run / "training" / "heldout.json").read_text())
+                              for run in ("two", "one"))
+    assert report_two["heldout_images"] == report_one["heldout_images"] == 8
+    assert report_two["chosen_scale"] == report_one["chosen_scale"]
+    assert report_two["compensated"].keys() == report_one["compensated"].keys() == {"0.1"}
+    assert report_two["uncompensated"]["0->16"] == pytest.approx(report_one["uncompensated"]["0->16"], rel=1e-4)
+    assert report_two["compensated"]["0.1"]["0->16"] == pytest.approx(report_one["compensated"]["0.1"]["0->16"],
+                                                                       rel=1e-3)
 
 
 def test_cli_refuses_bad_arguments(image_folder, tmp_path, capsys):

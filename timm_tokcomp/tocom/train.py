@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -233,12 +233,13 @@ class HeldoutReport:
 
 
 @torch.no_grad()
-def heldout_losses(model: nn.Module, plugins: Plugins, batches: Sequence[torch.Tensor], pairs: Sequence[Tuple[int, int]],
+def heldout_losses(model: nn.Module, plugins: Plugins, batches: Iterable[torch.Tensor], pairs: Sequence[Tuple[int, int]],
                    scales: Sequence[float], config: TrainConfig, has_head: bool, autocast: Callable,
                    progress: Optional[Callable[[], None]] = None) -> HeldoutReport:
-    """Distillation loss per pair, without plugins and with them at every scale, averaged over images."""
-    totals: Dict = {}
-    count = 0
+    """Distillation loss per pair, without plugins and with them at every scale, averaged over images.
+    Under torch.distributed each rank passes its share of the batches and gets the mean over all."""
+    keys = [(s, p) for s in [None, *scales] for p in pairs]
+    totals = torch.zeros(len(keys) + 1, dtype=torch.float64)  # loss sums per key, then the image count
     for x in batches:
         for m in sorted({p[0] for p in pairs}):
             set_params(model, r=m)
@@ -249,12 +250,18 @@ def heldout_losses(model: nn.Module, plugins: Plugins, batches: Sequence[torch.T
                 for s in [None, *scales]:
                     with autocast(), (plugins.active(*p, s) if s is not None else contextlib.nullcontext()):
                         loss = distill_loss(model(x), teacher, config.temperature, has_head)
-                    totals[(s, p)] = totals.get((s, p), 0.0) + loss.item() * len(x)
+                    totals[keys.index((s, p))] += loss.item() * len(x)
                     if progress:
                         progress()
-        count += len(x)
-    report = HeldoutReport(count, {p: totals[(None, p)] / count for p in pairs})
-    report.loss_compensated = {s: {p: totals[(s, p)] / count for p in pairs} for s in scales}
+        totals[-1] += len(x)
+    if _is_distributed():
+        summed = totals.to(plugins.lora_a.device)
+        torch.distributed.all_reduce(summed)
+        totals = summed.cpu()
+    count = int(totals[-1])
+    mean = {key: totals[i].item() / count for i, key in enumerate(keys)}
+    report = HeldoutReport(count, {p: mean[(None, p)] for p in pairs})
+    report.loss_compensated = {s: {p: mean[(s, p)] for p in pairs} for s in scales}
     return report
 
 
@@ -397,16 +404,17 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
     report = None
     if step < config.steps:
         compensator = plugins.to_compensator(config.scale)
-    elif rank == 0:
-        report, chosen = _choose_scale(model, plugins, heldout_set, config, has_head, autocast, device, show_progress)
-        compensator = plugins.to_compensator(chosen)
-        _write_report(work, report, config, chosen)
-        from .hub import save
-
-        save(compensator, out, base_model, method=config.method, method_settings={"r": list(range(config.groups + 1))},
-             training=_training_summary(config, world, len(train_set)), results=_results_summary(report, chosen))
     else:
-        compensator = plugins.to_compensator(config.scale)
+        report, chosen = _choose_scale(model, plugins, heldout_set, config, has_head, autocast, device,
+                                       show_progress and rank == 0, rank, world)
+        compensator = plugins.to_compensator(chosen)
+        if rank == 0:
+            _write_report(work, report, config, chosen)
+            from .hub import save
+
+            save(compensator, out, base_model, method=config.method,
+                 method_settings={"r": list(range(config.groups + 1))},
+                 training=_training_summary(config, world, len(train_set)), results=_results_summary(report, chosen))
     plugins.remove()
     remove(model)
     if world > 1:
@@ -414,17 +422,20 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
     return compensator, report
 
 
-def _choose_scale(model, plugins, heldout_set, config, has_head, autocast, device, show_progress):
+def _choose_scale(model, plugins, heldout_set, config, has_head, autocast, device, show_progress, rank, world):
     """Held-out losses and the scale among scale_grid with the lowest mean loss over (0 -> t), t in
-    scale_targets. Without held-out images, the training scale."""
+    scale_targets; the held-out batches are shared out between the ranks. Without held-out images, the
+    training scale."""
     if len(heldout_set) == 0:
         return None, config.scale
-    loader = torch.utils.data.DataLoader(heldout_set, batch_size=config.batch_size)
-    batches = [x.to(device) for x, _ in loader]
+    size, n = config.batch_size, len(heldout_set)
+    mine = [i for b in range(rank, math.ceil(n / size), world) for i in range(b * size, min((b + 1) * size, n))]
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(heldout_set, mine), batch_size=size)
     pairs = [(0, t) for t in config.scale_targets]
     scales = sorted(set(config.scale_grid) | {config.scale})
-    with tqdm(total=len(batches) * len(pairs) * (len(scales) + 1), desc="held-out loss", file=sys.stderr,
+    with tqdm(total=len(loader) * len(pairs) * (len(scales) + 1), desc="held-out loss", file=sys.stderr,
               disable=not show_progress) as bar:
+        batches = (x.to(device) for x, _ in loader)
         report = heldout_losses(model, plugins, batches, pairs, scales, config, has_head, autocast, bar.update)
     report.chosen_scale = min(scales, key=lambda s: report.objective(s, pairs))
     return report, report.chosen_scale
