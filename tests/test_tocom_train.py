@@ -168,6 +168,25 @@ def test_headless_models_train_on_feature_l1(image_folder, tmp_path):
     assert comp.lora_b.abs().sum() > 0 and report.loss[(0, 16)] > 0
 
 
+def test_amp_trains_fp32_plugins_under_bf16_autocast(image_folder, tmp_path):
+    """--amp (the default on CUDA) forced on CPU: bf16 autocast forward, fp32 plugins and optimizer."""
+    model = _test_vit()
+    comp, report = train_tocom(model, str(image_folder), str(tmp_path / "out"), "test_vit",
+                               TrainConfig(**TINY, amp=True), show_progress=False, num_workers=0)
+    assert comp.lora_b.dtype == torch.float32 and comp.lora_b.abs().sum() > 0
+    assert all(torch.isfinite(torch.tensor(v)) for v in report.loss.values())
+    assert next(model.parameters()).dtype == torch.float32
+    train_tocom(_test_vit(), str(image_folder), str(tmp_path / "fp32"), "test_vit", TrainConfig(**TINY),
+                show_progress=False, num_workers=0)
+
+    def losses(run):
+        rows = (tmp_path / run / "training" / "loss_log.csv").read_text().splitlines()[1:]
+        return torch.tensor([float(row.split(",")[3]) for row in rows])
+
+    assert not torch.equal(losses("out"), losses("fp32"))  # the forward did run in bf16
+    torch.testing.assert_close(losses("out"), losses("fp32"), rtol=0.1, atol=1e-3)
+
+
 def test_resume_continues_to_the_same_plugins(image_folder, tmp_path):
     config = TrainConfig(**TINY)
     straight, _ = train_tocom(_test_vit(), str(image_folder), str(tmp_path / "a"), "test_vit", config,
