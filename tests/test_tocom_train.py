@@ -217,6 +217,7 @@ def test_torchrun_two_processes_match_one_process(image_folder, tmp_path):
     one = subprocess.run([sys.executable, "-m", "timm_tokcomp.cli", *args, "--batch-size", "8",
                           "--out", str(tmp_path / "one")], env=env, capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
+    assert "without ToCom" in one.stdout and "-> r = 16:" in one.stdout
 
     def layout(root: Path):
         return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "training" not in p.parts)

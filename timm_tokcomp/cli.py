@@ -110,9 +110,8 @@ def _train_tocom(args: argparse.Namespace) -> int:
             print(f"stopped after step {args.stop_after} of {config.steps}; continue with --resume")
         elif report is not None:
             print(f"saved {args.out}; held-out distillation loss, source r = 0, scale {report.chosen_scale:g}:")
-            for (m, n), plain in report.loss.items():
-                comp = report.loss_compensated[report.chosen_scale][(m, n)]
-                print(f"  -> r = {n:2d}: {plain:.4f} without ToCom, {comp:.4f} with ({100 * (comp - plain) / plain:+.1f}%)")
+            for (m, n), plain, comp, change in report.changes(report.chosen_scale):
+                print(f"  -> r = {n:2d}: {plain:.4f} without ToCom, {comp:.4f} with ({change:+.1f}%)")
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()

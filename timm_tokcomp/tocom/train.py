@@ -231,6 +231,11 @@ class HeldoutReport:
     def objective(self, scale: float, pairs: Sequence[Tuple[int, int]]) -> float:
         return sum(self.loss_compensated[scale][p] for p in pairs) / len(pairs)
 
+    def changes(self, scale: float) -> List[Tuple[Tuple[int, int], float, float, float]]:
+        """Per pair: (pair, loss without plugins, loss with them at scale, relative change in %)."""
+        return [(pair, plain, self.loss_compensated[scale][pair],
+                 100 * (self.loss_compensated[scale][pair] - plain) / plain) for pair, plain in self.loss.items()]
+
 
 @torch.no_grad()
 def heldout_losses(model: nn.Module, plugins: Plugins, batches: Iterable[torch.Tensor], pairs: Sequence[Tuple[int, int]],
@@ -239,6 +244,7 @@ def heldout_losses(model: nn.Module, plugins: Plugins, batches: Iterable[torch.T
     """Distillation loss per pair, without plugins and with them at every scale, averaged over images.
     Under torch.distributed each rank passes its share of the batches and gets the mean over all."""
     keys = [(s, p) for s in [None, *scales] for p in pairs]
+    slot = {key: i for i, key in enumerate(keys)}
     totals = torch.zeros(len(keys) + 1, dtype=torch.float64)  # loss sums per key, then the image count
     for x in batches:
         for m in sorted({p[0] for p in pairs}):
@@ -250,7 +256,7 @@ def heldout_losses(model: nn.Module, plugins: Plugins, batches: Iterable[torch.T
                 for s in [None, *scales]:
                     with autocast(), (plugins.active(*p, s) if s is not None else contextlib.nullcontext()):
                         loss = distill_loss(model(x), teacher, config.temperature, has_head)
-                    totals[keys.index((s, p))] += loss.item() * len(x)
+                    totals[slot[(s, p)]] += loss.item() * len(x)
                     if progress:
                         progress()
         totals[-1] += len(x)
@@ -259,7 +265,7 @@ def heldout_losses(model: nn.Module, plugins: Plugins, batches: Iterable[torch.T
         torch.distributed.all_reduce(summed)
         totals = summed.cpu()
     count = int(totals[-1])
-    mean = {key: totals[i].item() / count for i, key in enumerate(keys)}
+    mean = {key: totals[i].item() / count for key, i in slot.items()}
     report = HeldoutReport(count, {p: mean[(None, p)] for p in pairs})
     report.loss_compensated = {s: {p: mean[(s, p)] for p in pairs} for s in scales}
     return report
@@ -466,9 +472,8 @@ def _results_summary(report: Optional[HeldoutReport], chosen: float) -> str:
         return "No held-out images (holdout = 0): nothing measured; the scale is the training scale."
     lines = [f"Distillation loss on {report.images} held-out images (never trained on), source r = 0:", "",
              "| target r | without ToCom | with ToCom (s = %g) | change |" % chosen, "|---|---|---|---|"]
-    for (m, n), plain in report.loss.items():
-        comp = report.loss_compensated[chosen][(m, n)]
-        lines.append(f"| {n} | {plain:.4f} | {comp:.4f} | {100 * (comp - plain) / plain:+.1f}% |")
+    for (m, n), plain, comp, change in report.changes(chosen):
+        lines.append(f"| {n} | {plain:.4f} | {comp:.4f} | {change:+.1f}% |")
     lines += ["", f"The scale s = {chosen:g} was chosen among {', '.join(f'{s:g}' for s in sorted(report.loss_compensated))} "
               f"as the lowest mean held-out loss over these targets."]
     return "\n".join(lines)
