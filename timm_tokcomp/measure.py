@@ -1,21 +1,169 @@
-"""Measurements from the run itself: MACs counted by torch's FlopCounterMode, and timing."""
+"""Measurements from the run itself: multiply-accumulates counted from the ops that run, and timing.
+
+MACs are FLOPs / 2 as counted by `torch.utils.flop_counter.FlopCounterMode`, plus a formula for every fused
+attention op that the installed torch dispatches to but has no formula for (torch >= 2.10 runs CPU
+`F.scaled_dot_product_attention` as `aten._scaled_dot_product_flash_attention_for_cpu`, which FlopCounterMode
+silently counts as 0). A guard then checks every attention op that ran against its analytic count, so a
+missing or doubled formula raises `AttentionCountError` instead of giving a wrong number.
+"""
 import statistics
 import time
-from typing import Callable, Dict, List, Tuple
+from collections import defaultdict
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# fused attention ops (forward) -> layout of their (query, key, value) arguments; "bhnd": (B, H, N, d),
+# "bnhd": (B, N, H, d). The math path decomposes into bmm / matmul, which torch counts itself.
+ATTENTION_LAYOUTS = {
+    "_scaled_dot_product_flash_attention_for_cpu": "bhnd",
+    "_scaled_dot_product_flash_attention": "bhnd",
+    "_scaled_dot_product_efficient_attention": "bhnd",
+    "_scaled_dot_product_cudnn_attention": "bhnd",
+    "_scaled_dot_product_fused_attention_overrideable": "bhnd",
+    "_flash_attention_forward": "bnhd",
+    "_efficient_attention_forward": "bnhd",
+}
+
+
+class AttentionCountError(RuntimeError):
+    """An attention op ran whose counted MACs differ from its analytic count (no formula, or a doubled one)."""
+
+
+def attention_macs(layout: str, query_shape: Sequence[int], key_shape: Sequence[int],
+                   value_shape: Sequence[int]) -> Optional[int]:
+    """MACs of softmax(q kᵀ) v: B·Hq·N·M·(d + dv), QKᵀ and AV together. None for shapes that are not the
+    dense 4-d layout (variable-length / nested inputs), whose count cannot be checked here."""
+    if not (len(query_shape) == len(key_shape) == len(value_shape) == 4):
+        return None
+    if layout == "bhnd":
+        (b, h, n, d), m, dv = query_shape, key_shape[2], value_shape[3]
+    else:
+        (b, n, h, d), m, dv = query_shape, key_shape[1], value_shape[3]
+    return b * h * n * m * (d + dv)
+
+
+def _op_name(packet) -> str:
+    """'aten._scaled_dot_product_flash_attention_for_cpu' -> '_scaled_dot_product_flash_attention_for_cpu'."""
+    return str(packet).split(".")[-1]
+
+
+def _missing_formulas() -> Dict[object, Callable]:
+    """FlopCounterMode formulas for the fused attention ops this torch has but counts nothing for."""
+    formulas = {}
+    for name, layout in ATTENTION_LAYOUTS.items():
+        try:
+            packet = getattr(torch.ops.aten, name)
+        except (AttributeError, RuntimeError):  # an op this torch does not have
+            continue
+        if packet in flop_counter.flop_registry:
+            continue
+
+        def flops(query, key, value, *args, _layout=layout, **kwargs) -> int:
+            macs = attention_macs(_layout, query.shape, key.shape, value.shape)
+            return 0 if macs is None else 2 * macs
+
+        flops._get_raw = True  # receives tensors, on every torch (older ones never wrap custom formulas)
+        formulas[packet] = flops
+    return formulas
+
+
+class _AttentionRecorder(TorchDispatchMode):
+    """Records each attention op that runs (its overload packet and analytic MACs, None if uncheckable).
+
+    Composite ops (which reach dispatch modes undecomposed under `torch.inference_mode`) are decomposed here,
+    so the counter below sees the same backend ops (addmm, bmm, the fused attention kernel) on every torch
+    and in every grad mode, and nothing is counted both as a composite op and as its parts."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: List[Tuple[object, Optional[int]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        name = _op_name(packet)
+        if "attention" in name:
+            layout = ATTENTION_LAYOUTS.get(name)
+            macs = None
+            if layout is not None and len(args) >= 3 and all(isinstance(a, torch.Tensor) for a in args[:3]):
+                macs = attention_macs(layout, args[0].shape, args[1].shape, args[2].shape)
+            self.calls.append((packet, macs))
+        return out
+
+
+class MacCounter:
+    """Context manager counting the MACs of every op run inside it.
+
+    with MacCounter() as c: model(x)
+    then c.total is the MACs of everything that ran and c.by_module the MACs per module name. On exit it
+    raises AttentionCountError, naming the op, when an attention op's count is not its analytic count.
+    """
+
+    def __init__(self):
+        self._counter = flop_counter.FlopCounterMode(display=False, custom_mapping=_missing_formulas())
+        self._recorder = _AttentionRecorder()
+
+    def __enter__(self) -> "MacCounter":
+        self._counter.__enter__()
+        self._recorder.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._recorder.__exit__(*exc)
+        self._counter.__exit__(*exc)
+        if exc[0] is None:
+            self._check_attention()
+        return False
+
+    @property
+    def total(self) -> float:
+        """MACs of everything that ran."""
+        return self._counter.get_total_flops() / 2
+
+    @property
+    def by_module(self) -> Dict[str, float]:
+        """MACs per module name as FlopCounterMode tracks them ('Global' is the total)."""
+        return {name: sum(ops.values()) / 2 for name, ops in self._counter.get_flop_counts().items()}
+
+    def _check_attention(self) -> None:
+        expected: Dict[object, int] = defaultdict(int)
+        unchecked = set()  # ops with a call of a layout whose count cannot be derived here
+        for packet, macs in self._recorder.calls:
+            if macs is None:
+                unchecked.add(packet)
+            else:
+                expected[packet] += macs
+        counted = self._counter.get_flop_counts().get("Global", {})
+        for packet, macs in expected.items():
+            got = counted.get(packet, 0) / 2
+            if packet not in unchecked and got != macs:
+                raise AttentionCountError(
+                    f"attention op {packet} ran, but FlopCounterMode counted {got:.0f} MACs for it where the analytic "
+                    f"count is {macs} (torch {torch.__version__}): refusing to report a wrong MAC count")
+        for packet in unchecked:
+            if counted.get(packet, 0) == 0:
+                raise AttentionCountError(
+                    f"attention op {packet} ran, but FlopCounterMode has no formula for it on torch {torch.__version__}: "
+                    "refusing to report a MAC count without its attention")
 
 
 @torch.no_grad()
 def forward_counting(model: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, float]:
     """One forward of x: (B, 3, H, W) -> (output, multiply-accumulates it executed for the whole batch),
-    FLOPs / 2 as counted by torch.utils.flop_counter from the ops actually run."""
-    counter = FlopCounterMode(display=False)
-    with counter:
+    counted from the ops actually run (see MacCounter)."""
+    with MacCounter() as counter:
         out = model(x)
-    return out, counter.get_total_flops() / 2
+    return out, counter.total
 
 
 def count_macs(model: nn.Module, x: torch.Tensor) -> float:

@@ -1,0 +1,121 @@
+"""MAC counting on the installed torch: plain DeiT-Tiny's known total with fused and manual attention, a ToMe
+model with a size bias against its analytic total, and the guard that refuses a count missing (or doubling)
+an attention op."""
+import math
+
+import pytest
+import timm
+import torch
+from torch.utils import flop_counter
+
+import timm_tokcomp
+from timm_tokcomp import measure
+from timm_tokcomp.measure import AttentionCountError, MacCounter, attention_macs, count_macs
+
+DEIT_TINY_GMACS = 1.2537  # measured with torch's own formulas where they covered SDPA (shared/NOTES.md)
+
+
+def deit_tiny(fused: bool):
+    model = timm.create_model("deit_tiny_patch16_224").eval()
+    for blk in model.blocks:
+        blk.attn.fused_attn = fused
+    return model
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_plain_deit_tiny_counts_its_known_total(fused):
+    assert count_macs(deit_tiny(fused), torch.zeros(1, 3, 224, 224)) / 1e9 == pytest.approx(DEIT_TINY_GMACS, abs=5e-4)
+
+
+def tome_analytic_macs(tokens_per_block, tokens_out, dim=192, head_dim=64, num_prefix=1, classes=1000):
+    """DeiT-Tiny + ToMe per image: patch embedding, each block's qkv / QKᵀ / AV / proj on the tokens entering
+    it, the matching scores (A x B on keys averaged over heads), the MLP on the tokens left, and the head."""
+    total = 196 * (3 * 16 * 16) * dim + dim * classes
+    after = list(tokens_per_block[1:]) + [tokens_out]
+    for n, n_mlp in zip(tokens_per_block, after):
+        patches = n - num_prefix
+        total += n * 4 * dim * dim + 2 * n * n * dim  # qkv + proj, QKᵀ + AV
+        if n_mlp < n:
+            total += math.ceil(patches / 2) * (patches // 2) * head_dim  # matching scores
+        total += n_mlp * 8 * dim * dim  # fc1 + fc2
+    return total
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_tome_with_size_bias_counts_its_analytic_total(fused):
+    model = timm_tokcomp.apply(deit_tiny(fused), "tome", r=16)
+    assert model._tokcomp_reducer.prop_attn is not False  # the log-size bias is passed to attention
+    x = torch.randn(2, 3, 224, 224)
+    macs = count_macs(model, x)
+    stats = timm_tokcomp.last_stats(model)
+    assert stats.tokens_per_block[1] < 197
+    assert macs == 2 * tome_analytic_macs(stats.tokens_per_block, stats.tokens_out)
+    assert macs / 2e9 == pytest.approx(0.621, abs=0.015)
+
+
+def _remove_attention_formulas(monkeypatch):
+    monkeypatch.setattr(measure, "_missing_formulas", lambda: {})
+    for name in measure.ATTENTION_LAYOUTS:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            monkeypatch.delitem(flop_counter.flop_registry, packet, raising=False)
+
+
+def test_guard_fires_when_an_attention_formula_is_missing(monkeypatch):
+    model = timm_tokcomp.apply(deit_tiny(True), "tome", r=8)
+    _remove_attention_formulas(monkeypatch)
+    with pytest.raises(AttentionCountError, match=r"attention op aten\._\w*attention\w* ran"):
+        count_macs(model, torch.zeros(1, 3, 224, 224))
+
+
+def test_guard_fires_when_attention_is_counted_twice(monkeypatch):
+    doubled = {}
+    for name, layout in measure.ATTENTION_LAYOUTS.items():
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:
+            continue
+
+        def flops(q, k, v, *args, _layout=layout, **kwargs):
+            return 4 * attention_macs(_layout, q.shape, k.shape, v.shape)
+
+        flops._get_raw = True
+        doubled[packet] = flops
+    _remove_attention_formulas(monkeypatch)
+    monkeypatch.setattr(measure, "_missing_formulas", lambda: doubled)
+    with pytest.raises(AttentionCountError, match="analytic count"):
+        count_macs(deit_tiny(True), torch.zeros(1, 3, 224, 224))
+
+
+def test_manual_attention_runs_no_attention_op_and_needs_no_formula(monkeypatch):
+    _remove_attention_formulas(monkeypatch)
+    assert count_macs(deit_tiny(False), torch.zeros(1, 3, 224, 224)) / 1e9 == pytest.approx(DEIT_TINY_GMACS, abs=5e-4)
+
+
+@pytest.mark.parametrize("layout, q, k, v, macs", [
+    ("bhnd", (2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 4), 2 * 3 * 5 * 7 * (8 + 4)),
+    ("bnhd", (2, 5, 3, 8), (2, 7, 3, 8), (2, 7, 3, 4), 2 * 3 * 5 * 7 * (8 + 4)),
+    ("bnhd", (10, 3, 8), (14, 3, 8), (14, 3, 8), None),  # variable-length (packed) inputs: not derivable
+])
+def test_attention_macs_layouts(layout, q, k, v, macs):
+    assert attention_macs(layout, q, k, v) == macs
+
+
+def test_counter_reports_per_module_and_errors_inside_pass_through():
+    model = deit_tiny(True)
+    with MacCounter() as counter:
+        model(torch.zeros(1, 3, 224, 224))
+    assert counter.by_module["Global"] == counter.total
+    with pytest.raises(KeyError):
+        with MacCounter():
+            raise KeyError("from the forward")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_inference_mode_counts_the_same(fused):
+    """Under inference_mode composite ops (linear, conv2d, scaled_dot_product_attention) reach the counter
+    undecomposed; they must count as under no_grad."""
+    model = timm_tokcomp.apply(deit_tiny(fused), "tome", r=8)
+    x = torch.randn(2, 3, 224, 224)
+    with MacCounter() as counter, torch.inference_mode():
+        model(x)
+    assert counter.total == count_macs(model, x)
