@@ -45,7 +45,8 @@ def test_out_of_reach_target_names_the_reachable_range(batches):
     (dict(), "exactly one of"),
     (dict(target_ratio=0.5, target_gmacs=1.0), "exactly one of"),
     (dict(target_ratio=1.2), r"--target-ratio must be in \(0, 1\)"),
-    (dict(target_gmacs=-1.0), "--target-gmacs must be > 0"),
+    (dict(target_gmacs=-1.0), "--target-gmacs must be a finite number > 0"),
+    (dict(target_gmacs=float("inf")), "--target-gmacs must be a finite number > 0"),
     (dict(target_ratio=0.5, tolerance=0.0), "--tolerance"),
 ])
 def test_bad_calibration_arguments(batches, kwargs, match):

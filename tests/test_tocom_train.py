@@ -116,11 +116,14 @@ def test_distill_loss_is_kl_times_t_squared_or_l1():
     assert distill_loss(s, t, 1.0, False).item() == pytest.approx((s - t).abs().mean().item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("bad", [dict(steps=0), dict(lr=0), dict(crop_scale=(0.5, 0.2)), dict(method="atm"),
-                                 dict(mosaic=(0,)),
-                                 dict(scale_targets=(17,)), dict(warmup_steps=5000), dict(holdout=-1)])
-def test_bad_settings_are_refused(bad):
-    with pytest.raises(ValueError, match=next(iter(bad))):
+@pytest.mark.parametrize("bad, flag", [(dict(steps=0), "--steps"), (dict(lr=0), "--lr"),
+                                       (dict(crop_scale=(0.5, 0.2)), "--crop-min"), (dict(method="atm"), "--method"),
+                                       (dict(mosaic=(0,)), "--mosaic"), (dict(scale_targets=(17,)), "--scale-targets"),
+                                       (dict(warmup_steps=5000), "--warmup-steps"), (dict(holdout=-1), "--holdout"),
+                                       (dict(lr=float("inf")), "--lr"), (dict(temperature=float("nan")), "--temperature"),
+                                       (dict(steps=2.5), "--steps")])
+def test_bad_settings_are_refused_naming_the_flag(bad, flag):
+    with pytest.raises(ValueError, match=flag):
         TrainConfig(**bad).validate()
 
 
@@ -244,7 +247,7 @@ def test_cli_refuses_bad_arguments(image_folder, tmp_path, capsys):
 
     assert main(["train-tocom", "--model", "test_vit", "--data", str(image_folder), "--out", str(tmp_path),
                  "--steps", "0"]) == 2
-    assert "steps must be >= 1" in capsys.readouterr().err
+    assert "--steps must be an integer >= 1" in capsys.readouterr().err
     assert main(["train-tocom", "--model", "test_vit", "--data", str(image_folder), "--out", str(tmp_path),
                  "--holdout", "18", "--batch-size", "4", "--no-progress"]) == 2
     assert "fewer than one global batch" in capsys.readouterr().err

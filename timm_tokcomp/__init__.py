@@ -8,6 +8,7 @@
 """
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from . import patch as _patch
@@ -65,9 +66,10 @@ def is_reduced(model: nn.Module) -> bool:
     return _patch.is_patched(model)
 
 
-def last_stats(model: nn.Module) -> Optional[ReductionStats]:
-    """Token counts per block, final sizes and source map of the model's last forward (None before one)."""
-    return _patch.stats_of(model)
+def last_stats(model: nn.Module, features: Optional[torch.Tensor] = None) -> Optional[ReductionStats]:
+    """Token counts per block, final sizes and source map of the model's last forward (None before one), or,
+    given `features` (a tensor forward_features returned), of the call that produced them."""
+    return _patch.stats_of(model, features)
 
 
 _register_all()

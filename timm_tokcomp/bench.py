@@ -18,6 +18,7 @@ from .data import open_dataset
 from .calibrate import load_preset
 from .measure import count_macs, forward_counting, time_side_by_side
 from .methods import parse_method_tag
+from .outputs import replacing
 
 BASELINE = "none"
 TOCOM_SUFFIX = "+ToCom"
@@ -275,7 +276,7 @@ def format_table(rows: Sequence[BenchRow]) -> str:
 
 
 def write_csv(rows: Sequence[BenchRow], path: str, model_name: str) -> None:
-    with open(path, "w", newline="") as f:
+    with replacing(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["model"] + [fl.name for fl in fields(BenchRow)])
         writer.writeheader()
         for r in rows:
@@ -300,5 +301,6 @@ def plot_pareto(rows: Sequence[BenchRow], path: str, model_name: str) -> None:
     ax.set_title(model_name)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(Path(path))
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .measure import forward_counting
+from .outputs import write_text
 from .methods.atm import threshold_schedule
 
 PRESET_FORMAT = 1
@@ -44,7 +45,7 @@ def save_preset(result: CalibrationResult, path: str) -> None:
     """Write the preset as JSON: {"format", "method", "params", "calibration": {...}}."""
     calibration = {k: v for k, v in asdict(result).items() if k not in ("method", "params")}
     doc = {"format": PRESET_FORMAT, "method": result.method, "params": result.params, "calibration": calibration}
-    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    write_text(path, json.dumps(doc, indent=2) + "\n")
 
 
 def load_preset(path: str) -> Tuple[str, Dict[str, Any]]:
@@ -112,15 +113,21 @@ def calibrate(
     image on `batches` (list of (B, 3, H, W)) are within `tolerance` (relative) of the target, giving
     target_gmacs or target_ratio (fraction of the unmodified model's GMACs, in (0, 1)).
 
-    Raises ValueError when the target cannot be reached, naming the reachable range.
+    Raises ValueError when the target cannot be reached, naming the reachable range, and for a `base` that
+    is already reduced (its outputs and GMACs would be taken as the unmodified model's).
     progress(msg) is called after every evaluation.
     """
+    from . import get_reducer, is_reduced
+
+    if is_reduced(base):
+        raise ValueError(f"calibrate needs the unmodified model as its reference, got one reduced by "
+                         f"{get_reducer(base)!r}; pass timm_tokcomp.remove(model) (or a fresh model) instead")
     if (target_gmacs is None) == (target_ratio is None):
         raise ValueError("give exactly one of --target-gmacs and --target-ratio")
     if target_ratio is not None and not 0.0 < target_ratio < 1.0:
         raise ValueError(f"--target-ratio must be in (0, 1) (a fraction of the unmodified GMACs), got {target_ratio}")
-    if target_gmacs is not None and not target_gmacs > 0:
-        raise ValueError(f"--target-gmacs must be > 0, got {target_gmacs}")
+    if target_gmacs is not None and not (math.isfinite(target_gmacs) and target_gmacs > 0):
+        raise ValueError(f"--target-gmacs must be a finite number > 0, got {target_gmacs}")
     if not 0.0 < tolerance < 0.5:
         raise ValueError(f"--tolerance must be in (0, 0.5), got {tolerance}")
     if not betas or any(b < 0 for b in betas):

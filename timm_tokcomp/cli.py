@@ -6,9 +6,21 @@ from typing import List, Optional
 from .methods import TAG_FORMS
 
 
+def _numbers(flag: str, text: str, kind: type) -> tuple:
+    """'2,3' -> (2, 3); a ValueError naming the flag otherwise."""
+    try:
+        return tuple(kind(item) for item in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be a comma list of {kind.__name__}s, got {text!r}") from None
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .bench import format_table, plot_pareto, run_bench, write_csv
+    from .outputs import refuse_existing
 
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path:
+            refuse_existing(path, args.overwrite, flag)
     if not args.checkpoint and not args.pretrained:
         print("note: no --checkpoint or --pretrained: random weights, accuracy columns are meaningless",
               file=sys.stderr)
@@ -44,7 +56,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     from .bench import build_base_model
     from .calibrate import calibrate, save_preset
     from .data import open_images
+    from .outputs import refuse_existing
 
+    refuse_existing(args.out, args.overwrite, "--out")
     if args.limit < 1 or args.batch_size < 1:
         raise ValueError(f"--limit and --batch-size must be >= 1, got {args.limit} and {args.batch_size}")
     if not args.checkpoint and not args.pretrained:
@@ -85,9 +99,9 @@ def _train_tocom(args: argparse.Namespace) -> int:
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, temperature=args.temperature, scale=args.scale, rank=args.rank,
         groups=args.groups, method=args.method, crop_scale=(args.crop_min, 1.0),
-        mosaic=tuple(int(g) for g in args.mosaic.split(",")), holdout=args.holdout,
-        scale_grid=tuple(float(s) for s in args.scale_grid.split(",")),
-        scale_targets=tuple(int(t) for t in args.scale_targets.split(",")),
+        mosaic=_numbers("--mosaic", args.mosaic, int), holdout=args.holdout,
+        scale_grid=_numbers("--scale-grid", args.scale_grid, float),
+        scale_targets=_numbers("--scale-targets", args.scale_targets, int),
         checkpoint_every=args.checkpoint_every, seed=args.seed, amp=args.amp)
     config.validate()
     device = args.device
@@ -105,7 +119,7 @@ def _train_tocom(args: argparse.Namespace) -> int:
         model = build_base_model(args.model, args.checkpoint, args.pretrained, "cpu")
         _, report = train_tocom(model, args.data, args.out, args.model, config, resume=args.resume, device=device,
                                 show_progress=not args.no_progress, num_workers=args.num_workers,
-                                stop_after=args.stop_after)
+                                stop_after=args.stop_after, overwrite=args.overwrite)
         if args.stop_after is not None and args.stop_after < config.steps:
             print(f"stopped after step {args.stop_after} of {config.steps}; continue with --resume")
         elif report is not None:
@@ -140,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "tome / evit row")
     bench.add_argument("--source-r", type=int, default=0, help="ToMe r the model was trained at (default %(default)s)")
     bench.add_argument("--tocom-scale", type=float, help="compensator scale s (default: the one in its config)")
+    bench.add_argument("--overwrite", action="store_true", help="replace existing --out / --plot files")
     bench.add_argument("--no-progress", action="store_true", help="hide progress bars")
     bench.set_defaults(func=_bench)
 
@@ -160,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--device", default="cpu")
     cal.add_argument("--num-workers", type=int, default=2, help="data loading workers")
     cal.add_argument("--out", default="atm_preset.json", help="where to save the preset (default %(default)s)")
+    cal.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     cal.add_argument("--no-progress", action="store_true", help="hide progress bars")
     cal.set_defaults(func=_calibrate)
 
@@ -190,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--scale-targets", default="4,8,12,16", help="targets r (source 0) whose mean held-out loss "
                                                                  "chooses the scale (default %(default)s)")
     tr.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default %(default)s)")
-    tr.add_argument("--resume", action="store_true", help="continue from OUT/training/checkpoint.pt")
+    tr.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/training/checkpoint.pt")
+    tr.add_argument("--overwrite", action="store_true", help="delete the previous run in OUT first (a non-empty OUT "
+                                                             "is refused without --resume or --overwrite)")
     tr.add_argument("--stop-after", type=int, help="leave after this step with a checkpoint (for time-sliced jobs)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: one GPU per process)")
@@ -203,12 +221,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from .tocom.train import TrainingDiverged
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
         print(f"tokcomp: error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:
+        print(f"tokcomp: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import kernels
 from .methods.base import TokenReducer
@@ -162,11 +163,28 @@ class _ReducingViT:
     _tokcomp_prop_attn: bool
     _tokcomp_stats: Optional[ReductionStats]
     _tokcomp_block_cost: BlockCost
+    _tokcomp_feature_stats: WeakIdKeyDictionary  # forward_features output -> the stats of the call that made it
+    _tokcomp_pool_size: Optional[torch.Tensor]  # sizes for pool() while forward() runs its head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, 3, H, W) -> logits; the head pools with this call's token sizes."""
+        x = self._features(x)
+        self._tokcomp_pool_size = self._tokcomp_stats.size
+        try:
+            return self.forward_head(x)
+        finally:
+            self._tokcomp_pool_size = None
 
     def forward_features(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
-        """x: (B, 3, H, W) -> (B, N', C) with N' <= N tokens (prefix tokens first)."""
+        """x: (B, 3, H, W) -> (B, N', C) with N' <= N tokens (prefix tokens first). The token sizes travel
+        with the returned tensor: forward_head / pool on it use them, whatever ran in between."""
         if attn_mask is not None or is_causal:
             raise ValueError("attn_mask / is_causal are not supported while tokens are reduced (token count changes)")
+        x = self._features(x)
+        self._tokcomp_feature_stats[x] = self._tokcomp_stats
+        return x
+
+    def _features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)
         x = self._pos_embed(x)
         x = self.patch_drop(x)
@@ -199,21 +217,34 @@ class _ReducingViT:
         return x
 
     def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
-        """Like timm's pool, but 'avg' / 'avgmax' weight each token by its size."""
+        """Like timm's pool, but 'avg' / 'avgmax' weight each token by its size: the sizes of the
+        forward_features call that returned x (or of the running forward)."""
         pool_type = self.global_pool if pool_type is None else pool_type
-        stats = self._tokcomp_stats
-        size = stats.size if stats is not None else None
-        if pool_type not in ("avg", "avgmax") or size is None:
+        if pool_type not in ("avg", "avgmax"):
             return super().pool(x, pool_type)
-        if size.shape[:2] != x.shape[:2]:
-            raise RuntimeError(
-                f"pool got tokens {tuple(x.shape[:2])} that do not come from the last forward_features "
-                f"{tuple(size.shape[:2])}; call forward_head on forward_features' output"
-            )
+        size = self._token_sizes(x)
+        if size is None:
+            return super().pool(x, pool_type)
         start = 0 if getattr(self, "pool_include_prefix", False) else self.num_prefix_tokens
         xs, s = x[:, start:], size[:, start:].to(x.dtype)
         mean = (xs * s).sum(dim=1) / s.sum(dim=1)
         return mean if pool_type == "avg" else 0.5 * (xs.amax(dim=1) + mean)
+
+    def _token_sizes(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """(B, N, 1) sizes of the tokens x: (B, N, C); None when every token has size 1."""
+        if self._tokcomp_pool_size is not None:
+            size = self._tokcomp_pool_size
+        elif x in self._tokcomp_feature_stats:
+            size = self._tokcomp_feature_stats[x].size
+        elif x.shape[1] == self.patch_embed.num_patches + self.num_prefix_tokens:
+            return None  # nothing was reduced: every token stands for one patch
+        else:
+            raise RuntimeError(
+                f"pool got {x.shape[1]} reduced tokens that are not a tensor returned by forward_features, so their "
+                "sizes are unknown; pass forward_features' output itself (not a copy) to forward_head / pool")
+        if size is not None and size.shape[:2] != x.shape[:2]:
+            raise RuntimeError(f"pool got tokens {tuple(x.shape[:2])} whose sizes are {tuple(size.shape[:2])}")
+        return size
 
     def forward_intermediates(self, *args, **kwargs):
         raise NotImplementedError(
@@ -239,7 +270,8 @@ _DENSE_CLASSES: Dict[type, type] = {
     VisionTransformerDistilled: DenseVisionTransformerDistilled,
 }
 _ORIGINAL = {patched: plain for classes in (_MODEL_CLASSES, _DENSE_CLASSES) for plain, patched in classes.items()}
-_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_stats", "_tokcomp_block_cost")
+_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_stats", "_tokcomp_block_cost", "_tokcomp_feature_stats",
+          "_tokcomp_pool_size")
 _BLOCK_ATTRS = ("_tokcomp_reducer", "_tokcomp_setting", "_tokcomp_num_prefix")
 
 
@@ -294,6 +326,9 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     model._tokcomp_prop_attn = prop_attn
     model._tokcomp_block_cost = _block_cost(model.blocks[0])
     model._tokcomp_stats = None
+    if not isinstance(model.__dict__.get("_tokcomp_feature_stats"), WeakIdKeyDictionary):  # kept by set_params
+        model._tokcomp_feature_stats = WeakIdKeyDictionary()
+    model._tokcomp_pool_size = None
 
 
 def _swap_classes(model: nn.Module, block_class: type, model_classes: Dict[type, type]) -> None:
@@ -342,6 +377,12 @@ def reducer_of(model: nn.Module) -> TokenReducer:
     return model._tokcomp_reducer
 
 
-def stats_of(model: nn.Module) -> Optional[ReductionStats]:
+def stats_of(model: nn.Module, features: Optional[torch.Tensor] = None) -> Optional[ReductionStats]:
+    """The stats of the model's last forward, or of the forward_features call that returned `features`."""
     reducer_of(model)  # raises if not patched
-    return model._tokcomp_stats
+    if features is None:
+        return model._tokcomp_stats
+    known = getattr(model, "_tokcomp_feature_stats", None)
+    if known is None or features not in known:
+        raise ValueError("features is not a tensor returned by this model's forward_features")
+    return known[features]

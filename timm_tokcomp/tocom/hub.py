@@ -5,17 +5,20 @@ and a model card. Loaded from a local folder or the Hugging Face Hub (huggingfac
 snapshot_download, which honours the HF cache and HF_HUB_OFFLINE)."""
 import json
 import string
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..outputs import replacing, write_text
 from .compensator import Compensator
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "tocom_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 SIGN_CONVENTION = "W(n) = W(m) + s * sign(n - m) * sum_{i in [min(m, n), max(m, n))} B_i A_i"
 CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "assets" / "tocom_card_template.md"  # -> hub_cards/
 
@@ -31,17 +34,22 @@ def _key(block: int, part: str) -> str:
 def save(compensator: Compensator, folder: str, base_model: str, method: str = "tome",
          method_settings: Optional[Dict[str, Any]] = None, training: str = "", results: str = "",
          repo_id: str = "") -> None:
-    """Write the adapter repository layout to `folder` (created if needed)."""
+    """Write the adapter repository layout to `folder` (created if needed). Every file is written under a
+    temporary name and renamed into place, tocom_config.json last: a folder is a loadable compensator only
+    once all its step folders are complete."""
     from peft import LoraConfig
 
     root = Path(folder)
     comp = compensator
     h, attn_dim, dim = comp.rank, comp.attn_dim, comp.dim
+    lora = LoraConfig(r=2 * h, lora_alpha=comp.scale * 2 * h, target_modules=["qkv"], lora_dropout=0.0,
+                      base_model_name_or_path=base_model, inference_mode=True)
+    with tempfile.TemporaryDirectory() as staging:  # peft writes the (same) adapter_config.json of every step
+        lora.save_pretrained(staging)
+        adapter_config = (Path(staging) / ADAPTER_CONFIG).read_text()
     for i in range(comp.steps):
         sub = root / step_folder(i)
-        sub.mkdir(parents=True, exist_ok=True)
-        LoraConfig(r=2 * h, lora_alpha=comp.scale * 2 * h, target_modules=["qkv"], lora_dropout=0.0,
-                   base_model_name_or_path=base_model, inference_mode=True).save_pretrained(str(sub))
+        write_text(sub / ADAPTER_CONFIG, adapter_config)
         tensors = {}
         for block in range(comp.depth):
             a = comp.lora_a[i, block].reshape(2 * h, dim)  # [A_q; A_v]
@@ -50,7 +58,8 @@ def save(compensator: Compensator, folder: str, base_model: str, method: str = "
             b[2 * attn_dim:, h:] = comp.lora_b[i, block, 1]
             tensors[_key(block, "A")] = a.float().contiguous()
             tensors[_key(block, "B")] = b
-        save_file(tensors, str(sub / ADAPTER_WEIGHTS))
+        with replacing(sub / ADAPTER_WEIGHTS) as tmp:
+            save_file(tensors, str(tmp))
     config = {
         "format_version": FORMAT_VERSION, "base_model": base_model, "depth": comp.depth, "width": dim,
         "attn_dim": attn_dim, "groups": comp.steps, "rank_per_projection": h, "lora_rank": 2 * h,
@@ -58,12 +67,12 @@ def save(compensator: Compensator, folder: str, base_model: str, method: str = "
         "sign_convention": SIGN_CONVENTION, "target_modules": "blocks.*.attn.qkv",
         "subfolders": [step_folder(i) for i in range(comp.steps)],
     }
-    (root / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     card = string.Template(CARD_TEMPLATE.read_text()).safe_substitute(
         base_model=base_model, groups=comp.steps, last_group=comp.steps - 1, last_step=f"{comp.steps - 1:02d}",
         method=method, lora_rank=2 * h, rank=h, scale=comp.scale, repo_id=repo_id or "path/to/this/folder",
         training=training or "Not recorded.", results=results or "Not measured.")
-    (root / "README.md").write_text(card)
+    write_text(root / "README.md", card)
+    write_text(root / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
 
 
 def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
@@ -114,8 +123,6 @@ def load(repo_id_or_path: str, revision: Optional[str] = None, cache_dir: Option
 def push_to_hub(compensator: Compensator, repo_id: str, base_model: str, private: bool = False,
                 token: Optional[str] = None, **save_kwargs: Any) -> str:
     """Save the layout to a temporary folder and upload it as the repository's content; returns the commit URL."""
-    import tempfile
-
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)

@@ -10,7 +10,6 @@ the pooled features of a model without a head.
 import contextlib
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -24,10 +23,21 @@ from torch import nn
 from tqdm import tqdm
 
 from .. import apply, remove, set_params
+from ..outputs import claim_run_folder, replacing, write_text
 from .compensator import Compensator, check_fits
 
 CHECKPOINT = "checkpoint.pt"
 LOSS_LOG = "loss_log.csv"
+LOG_HEADER = "step,r_src,r_tgt,loss,lr,seconds"
+RUN_ENTRIES = ("tocom_config.json", "README.md", "step_*", "training")  # what a run writes into --out
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the plugins became non-finite; nothing non-finite was saved."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 @dataclass
@@ -56,27 +66,34 @@ class TrainConfig:
     amp: Optional[bool] = None  # None: on for CUDA (bf16), off on CPU
 
     def validate(self) -> None:
+        """Raise ValueError naming the command-line flag of the first bad hyper-parameter, before any work."""
         for name in ("steps", "batch_size", "rank", "groups", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
+        for name in ("holdout", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{_flag(name)} must be an integer >= 0, got {value!r}")
         for name in ("lr", "temperature", "scale"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.weight_decay < 0 or self.holdout < 0:
-            raise ValueError(f"weight_decay and holdout must be >= 0, got {self.weight_decay}, {self.holdout}")
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{_flag(name)} must be a finite number > 0, got {value!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay!r}")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
+            raise ValueError(f"--warmup-steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
         lo, hi = self.crop_scale
         if not 0 < lo <= hi <= 1:
-            raise ValueError(f"crop_scale must be (lo, hi) with 0 < lo <= hi <= 1, got {self.crop_scale}")
+            raise ValueError(f"--crop-min must be in (0, 1] (crop_scale (lo, hi), 0 < lo <= hi <= 1), got {self.crop_scale}")
         if not self.mosaic or min(self.mosaic) < 1:
-            raise ValueError(f"mosaic must hold grid sizes >= 1, got {self.mosaic}")
+            raise ValueError(f"--mosaic must hold grid sizes >= 1, got {self.mosaic}")
         if self.method not in ("tome", "evit"):
-            raise ValueError(f"method must be 'tome' or 'evit', got {self.method!r}")
-        if not self.scale_grid or min(self.scale_grid) <= 0:
-            raise ValueError(f"scale_grid must hold scales > 0, got {self.scale_grid}")
+            raise ValueError(f"--method must be 'tome' or 'evit', got {self.method!r}")
+        if not self.scale_grid or not all(math.isfinite(s) and s > 0 for s in self.scale_grid):
+            raise ValueError(f"--scale-grid must hold finite scales > 0, got {self.scale_grid}")
         if not self.scale_targets or not all(0 < t <= self.groups for t in self.scale_targets):
-            raise ValueError(f"scale_targets must be in [1, groups={self.groups}], got {self.scale_targets}")
+            raise ValueError(f"--scale-targets must be in [1, groups={self.groups}], got {self.scale_targets}")
 
 
 class Plugins(nn.Module):
@@ -275,12 +292,22 @@ def _is_distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+def _kept(last_saved: int) -> str:
+    return f"the checkpoint of step {last_saved} is intact" if last_saved else "no checkpoint had been written"
+
+
+def _check_finite(plugins: Plugins, step: int, last_saved: int) -> None:
+    if not (torch.isfinite(plugins.lora_a).all() and torch.isfinite(plugins.lora_b).all()):
+        raise TrainingDiverged(f"training diverged: the plugins are not finite after step {step}; nothing of it is "
+                               f"saved ({_kept(last_saved)}). Lower --lr.")
+
+
 def _save_checkpoint(path: Path, step: int, plugins: Plugins, optimizer: torch.optim.Optimizer, config: TrainConfig,
-                     world: int) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"step": step, "plugins": plugins.state_dict(), "optimizer": optimizer.state_dict(),
-                "config": asdict(config), "world_size": world}, tmp)
-    os.replace(tmp, path)
+                     world: int, log: List[str]) -> None:
+    """checkpoint.pt: step, plugins, optimizer, config, world size and the loss-log lines up to step."""
+    with replacing(path) as tmp:
+        torch.save({"step": step, "plugins": plugins.state_dict(), "optimizer": optimizer.state_dict(),
+                    "config": asdict(config), "world_size": world, "log": list(log)}, tmp)
 
 
 class SeededAugment(torch.utils.data.Dataset):
@@ -314,22 +341,28 @@ def split_images(data: str, model: nn.Module, config: TrainConfig) -> Tuple[Seed
 
 def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: TrainConfig = TrainConfig(),
                 resume: bool = False, device: str = "cpu", show_progress: bool = True, num_workers: int = 2,
-                stop_after: Optional[int] = None) -> Tuple[Compensator, Optional[HeldoutReport]]:
+                stop_after: Optional[int] = None, overwrite: bool = False) -> Tuple[Compensator, Optional[HeldoutReport]]:
     """Train plugins for `model` (frozen, any timm ViT) on the images in `data` (labels ignored; the
     last config.holdout are held out) and save the adapter repository to `out` (plus out/training/:
     checkpoint, loss log, held-out report). Under torch.distributed every rank calls this with the same
     arguments; rank 0 writes. Returns the compensator (at the chosen scale) and the held-out report.
     stop_after: leave after that step with a checkpoint and nothing else written (resume continues);
-    the report is then None."""
+    the report is then None. A non-empty `out` is refused (FileExistsError) unless resume (continue the
+    run there) or overwrite (delete the previous run's files first). Every file is written under a temporary
+    name and renamed into place; a loss or plugins that become non-finite raise TrainingDiverged and
+    nothing non-finite is saved."""
     config.validate()
+    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
+        raise ValueError(f"--stop-after must be an integer >= 1, got {stop_after!r}")
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if _is_distributed() else (0, 1)
+    claim_run_folder(out, resume, overwrite, RUN_ENTRIES if rank == 0 else ())  # every rank refuses alike
+    if world > 1:
+        torch.distributed.barrier()
     train_set, heldout_set = split_images(data, model, config)
     if len(train_set) < config.batch_size * world:
         raise ValueError(f"--data has {len(train_set) + len(heldout_set)} images; with --holdout {config.holdout} that "
                          f"leaves fewer than one global batch ({config.batch_size} x {world} processes)")
     work = Path(out) / "training"
-    if rank == 0:
-        work.mkdir(parents=True, exist_ok=True)
     model = model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -361,18 +394,18 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
         plugins.load_state_dict(state["plugins"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
-    elif resume and rank == 0:
-        print(f"note: --resume: no {checkpoint} yet, starting from step 0", file=sys.stderr)
+        log = list(state["log"])
+    else:
+        log = []
+        if resume and rank == 0:
+            print(f"note: --resume: no {checkpoint} yet, starting from step 0", file=sys.stderr)
 
     per_epoch = len(train_set) // (config.batch_size * world)
     log_path = work / LOSS_LOG
-    if rank == 0:
-        kept = log_path.read_text().splitlines()[1:start + 1] if start and log_path.is_file() else []
-        log_path.write_text("\n".join(["step,r_src,r_tgt,loss,lr,seconds", *kept]) + "\n")
     began = time.time()
     bar = tqdm(total=config.steps, initial=start, desc="train ToCom", disable=not show_progress or rank != 0,
                file=sys.stderr)
-    step, ema = start, None
+    step, ema, saved = start, None, start
     last = config.steps if stop_after is None else min(stop_after, config.steps)
     while step < last:
         epoch, skip = divmod(step, per_epoch)
@@ -397,23 +430,35 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
             optimizer.step()
             step += 1
             value = loss.item()
+            if not math.isfinite(value):
+                raise TrainingDiverged(f"training diverged: the loss is {value} at step {step} (pair {m}->{n}); nothing "
+                                       f"of it is saved ({_kept(saved)}). Lower --lr.")
             ema = value if ema is None else 0.98 * ema + 0.02 * value
+            log.append(f"{step},{m},{n},{value:.6f},{lr:.6g},{time.time() - began:.1f}")
             if rank == 0:
-                with open(log_path, "a") as f:
-                    f.write(f"{step},{m},{n},{value:.6f},{lr:.6g},{time.time() - began:.1f}\n")
+                write_text(log_path, "\n".join([LOG_HEADER, *log]) + "\n")
                 bar.set_postfix_str(f"loss {ema:.4f} pair {m}->{n}", refresh=False)
                 bar.update(1)
-                if step % config.checkpoint_every == 0 or step == last:
-                    _save_checkpoint(checkpoint, step, plugins, optimizer, config, world)
+            if step % config.checkpoint_every == 0 or step == last:
+                _check_finite(plugins, step, saved)
+                if rank == 0:
+                    _save_checkpoint(checkpoint, step, plugins, optimizer, config, world, log)
+                saved = step
     bar.close()
 
     report = None
     if step < config.steps:
         compensator = plugins.to_compensator(config.scale)
     else:
+        _check_finite(plugins, step, saved)
         report, chosen = _choose_scale(model, plugins, heldout_set, config, has_head, autocast, device,
                                        show_progress and rank == 0, rank, world)
         compensator = plugins.to_compensator(chosen)
+        losses = [] if report is None else [*report.loss.values(), *(v for per in report.loss_compensated.values()
+                                                                     for v in per.values())]
+        if not all(math.isfinite(v) for v in losses):
+            raise TrainingDiverged("the held-out distillation losses are not finite (check --temperature); "
+                                   "no compensator saved")
         if rank == 0:
             _write_report(work, report, config, chosen)
             from .hub import save
@@ -454,7 +499,7 @@ def _write_report(work: Path, report: Optional[HeldoutReport], config: TrainConf
         data["uncompensated"] = {f"{m}->{n}": v for (m, n), v in report.loss.items()}
         data["compensated"] = {str(s): {f"{m}->{n}": v for (m, n), v in per.items()}
                                for s, per in report.loss_compensated.items()}
-    (work / "heldout.json").write_text(json.dumps(data, indent=2) + "\n")
+    write_text(work / "heldout.json", json.dumps(data, indent=2) + "\n")
 
 
 def _training_summary(config: TrainConfig, world: int, images: int) -> str:

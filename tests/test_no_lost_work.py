@@ -1,0 +1,208 @@
+"""No lost work, no silently wrong numbers: runs never overwrite runs, a killed run leaves complete files and
+resumes to the uninterrupted result, features carry their own token sizes, calibration refuses a reduced
+reference, and training refuses non-finite settings and stops before saving non-finite weights."""
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+import timm_tokcomp
+from timm_tokcomp.cli import main
+from timm_tokcomp.outputs import replacing
+from timm_tokcomp.tocom import load
+from conftest import make_model
+
+TRAIN = ["train-tocom", "--model", "test_vit", "--batch-size", "4", "--holdout", "4", "--scale-grid", "0.05,0.1",
+         "--scale-targets", "8,16", "--no-progress", "--num-workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("images")
+    g = torch.Generator().manual_seed(0)
+    for i in range(20):
+        pixels = (torch.rand(48, 48, 3, generator=g) * 255).to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(folder / f"img_{i:03d}.jpg")
+    return folder
+
+
+def _train(image_folder, out, *extra):
+    return main([*TRAIN, "--data", str(image_folder), "--out", str(out), *extra])
+
+
+# 1. a second run does not destroy the first
+
+def test_a_second_run_into_the_same_folder_is_refused(image_folder, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert _train(image_folder, out, "--steps", "50", "--stop-after", "12", "--checkpoint-every", "4") == 0
+    log_before = (out / "training" / "loss_log.csv").read_text()
+    assert torch.load(out / "training" / "checkpoint.pt", weights_only=False)["step"] == 12
+    capsys.readouterr()
+    assert _train(image_folder, out, "--steps", "50", "--stop-after", "2") == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "--resume" in err and "--overwrite" in err and "Traceback" not in err
+    assert torch.load(out / "training" / "checkpoint.pt", weights_only=False)["step"] == 12
+    assert (out / "training" / "loss_log.csv").read_text() == log_before
+    assert _train(image_folder, out, "--steps", "50", "--stop-after", "2", "--overwrite") == 0
+    assert torch.load(out / "training" / "checkpoint.pt", weights_only=False)["step"] == 2
+    assert len((out / "training" / "loss_log.csv").read_text().splitlines()) == 3
+
+
+def test_overwrite_deletes_only_the_previous_runs_files(image_folder, tmp_path):
+    out = tmp_path / "o"
+    assert _train(image_folder, out, "--steps", "2") == 0
+    (out / "notes.txt").write_text("mine")
+    assert _train(image_folder, out, "--steps", "2", "--stop-after", "1", "--overwrite") == 0
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not (out / "tocom_config.json").exists() and not list(out.glob("step_*"))
+
+
+def test_bench_and_calibrate_refuse_to_replace_an_output_file(tmp_path, capsys):
+    csv = tmp_path / "r.csv"
+    csv.write_text("keep")
+    fast = ["--batch-size", "2", "--timing-rounds", "1", "--no-progress"]
+    assert main(["bench", "test_vit", "--methods", "tome_r2", "--out", str(csv), *fast]) == 2
+    assert "--out" in capsys.readouterr().err and csv.read_text() == "keep"
+    assert main(["bench", "test_vit", "--methods", "tome_r2", "--out", str(csv), "--overwrite", *fast]) == 0
+    assert csv.read_text().startswith("model,")
+    preset = tmp_path / "p.json"
+    preset.write_text("keep")
+    assert main(["calibrate", "test_vit", "--target-ratio", "0.8", "--data", str(tmp_path), "--out", str(preset)]) == 2
+    assert "--out" in capsys.readouterr().err and preset.read_text() == "keep"
+
+
+def test_an_interrupted_write_leaves_the_old_file(tmp_path):
+    target = tmp_path / "f.txt"
+    target.write_text("old")
+    with pytest.raises(KeyboardInterrupt):
+        with replacing(target) as tmp:
+            tmp.write_text("half")
+            raise KeyboardInterrupt
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+# 2. features carry their own token sizes
+
+def test_forward_head_uses_the_sizes_of_its_own_features():
+    model = timm_tokcomp.apply(make_model("avgpool_noclass"), "tome", r=8)
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 3, 32, 32), 3 * torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        fa = model.forward_features(a)
+        model.forward_features(b)
+        assert torch.equal(model.forward_head(fa), model(a))
+        assert timm_tokcomp.last_stats(model, fa).size.shape[:2] == fa.shape[:2]
+        with pytest.raises(RuntimeError, match="not a tensor returned by forward_features"):
+            model.forward_head(fa.clone())
+        timm_tokcomp.set_params(model, r=4)  # set_params keeps what earlier features carry
+        assert torch.equal(model.forward_head(fa), timm_tokcomp.set_params(model, r=8)(a))
+
+
+def test_unreduced_features_pool_plainly_without_a_record():
+    model = timm_tokcomp.apply(make_model("avgpool_noclass"), "tome", r=0)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        assert torch.equal(model.forward_head(feats.clone()), model(x))
+
+
+# 3. calibration refuses a reduced reference
+
+def test_calibrate_refuses_a_reduced_model():
+    from timm_tokcomp.calibrate import calibrate
+
+    model = timm_tokcomp.apply(make_model("cls"), "tome", r=4)
+    with pytest.raises(ValueError, match="unmodified model as its reference"):
+        calibrate(model, [torch.randn(2, 3, 32, 32)], "cls", target_ratio=0.8)
+
+
+# 4. training guards
+
+@pytest.mark.parametrize("flag, value", [("--lr", "inf"), ("--lr", "nan"), ("--temperature", "inf"),
+                                         ("--scale", "-1"), ("--weight-decay", "nan"), ("--scale-grid", "0.1,inf"),
+                                         ("--mosaic", "a,b")])
+def test_non_finite_or_out_of_range_settings_are_refused_before_any_work(image_folder, tmp_path, capsys, flag, value):
+    assert _train(image_folder, tmp_path / "o", "--steps", "2", flag, value) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_diverging_run_stops_and_saves_nothing_non_finite(image_folder, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert _train(image_folder, out, "--steps", "30", "--checkpoint-every", "1", "--lr", "1e30") == 1
+    assert "training diverged" in capsys.readouterr().err
+    assert not (out / "tocom_config.json").exists()
+    checkpoint = out / "training" / "checkpoint.pt"
+    if checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        assert all(torch.isfinite(t).all() for t in state["plugins"].values())
+
+
+# kills at several points, then --resume
+
+def _folder_is_consistent(out: Path, every: int, steps: int) -> int:
+    """Every file in `out` is complete: the checkpoint loads and is finite at a checkpoint step, the log has
+    consecutive steps at least up to it, a written adapter loads. Returns the checkpoint's step (0: none)."""
+    step = 0
+    checkpoint = out / "training" / "checkpoint.pt"
+    if checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        step = state["step"]
+        assert step % every == 0 or step == steps
+        assert all(torch.isfinite(t).all() for t in state["plugins"].values())
+    log = out / "training" / "loss_log.csv"
+    if log.exists():
+        rows = log.read_text().splitlines()
+        assert rows[0].startswith("step,") and [int(r.split(",")[0]) for r in rows[1:]] == list(range(1, len(rows)))
+        assert len(rows) - 1 >= step
+    if (out / "tocom_config.json").exists():
+        load(str(out))
+    return step
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    start = time.time()
+    while not path.exists() and proc.poll() is None and time.time() - start < timeout:
+        time.sleep(0.005)
+
+
+def test_killed_runs_leave_complete_files_and_resume_to_the_uninterrupted_result(image_folder, tmp_path):
+    steps, every = 24, 4
+    args = [sys.executable, "-m", "timm_tokcomp.cli", *TRAIN, "--data", str(image_folder), "--steps", str(steps),
+            "--checkpoint-every", str(every)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    straight = subprocess.run([*args, "--out", str(tmp_path / "straight")], env=env, capture_output=True, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    out = tmp_path / "killed"
+    # (what to wait for, signal): during training, after a checkpoint, while the adapter is being written
+    kills = [(out / "training" / "loss_log.csv", signal.SIGKILL), (out / "training" / "checkpoint.pt", signal.SIGINT),
+             (out / "training" / "checkpoint.pt", signal.SIGKILL), (out / "step_00", signal.SIGKILL)]
+    steps_seen, codes = [], []
+    for i, (trigger, sig) in enumerate(kills):
+        proc = subprocess.Popen([*args, "--out", str(out)] + (["--resume"] if i else []), env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_for(trigger, proc)
+        proc.send_signal(sig)
+        codes.append(proc.wait(timeout=600))
+        steps_seen.append(_folder_is_consistent(out, every, steps))
+    assert steps_seen == sorted(steps_seen) and steps_seen[0] < steps
+    assert codes[0] == -signal.SIGKILL and codes[1] != 0  # the training-time kills did land (SIGINT: exit 1 or -2)
+    resumed = subprocess.run([*args, "--out", str(out), "--resume"], env=env, capture_output=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _folder_is_consistent(out, every, steps) == steps
+    assert not list(out.rglob(".*.tmp"))
+    (a, _), (b, _) = load(str(out)), load(str(tmp_path / "straight"))
+    torch.testing.assert_close(a.lora_a, b.lora_a, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(a.lora_b, b.lora_b, rtol=1e-6, atol=1e-7)
+    losses = [r.split(",")[3] for r in (out / "training" / "loss_log.csv").read_text().splitlines()[1:]]
+    assert losses == [r.split(",")[3] for r in (tmp_path / "straight" / "training" / "loss_log.csv").read_text().splitlines()[1:]]
+    assert all(math.isfinite(float(v)) for v in losses)
