@@ -206,3 +206,45 @@ def test_killed_runs_leave_complete_files_and_resume_to_the_uninterrupted_result
     losses = [r.split(",")[3] for r in (out / "training" / "loss_log.csv").read_text().splitlines()[1:]]
     assert losses == [r.split(",")[3] for r in (tmp_path / "straight" / "training" / "loss_log.csv").read_text().splitlines()[1:]]
     assert all(math.isfinite(float(v)) for v in losses)
+
+
+# ToCom switching state that outlives the weights it was computed from
+
+def _deit_like_with_compensator():
+    from test_tocom import _random_compensator
+    from timm_tokcomp.tocom import attach
+
+    model = make_model("cls")
+    comp = _random_compensator(seed=3)
+    return attach(model, comp), comp
+
+
+def test_detach_after_load_state_dict_refuses_to_discard_the_loaded_weights():
+    from timm_tokcomp.tocom import detach, set_compression
+
+    model, _ = _deit_like_with_compensator()
+    set_compression(model, r=8)
+    loaded = make_model("cls", seed=5).state_dict()
+    model.load_state_dict(loaded)
+    with pytest.raises(ValueError, match="changed since the compensator set it"):
+        detach(model)
+    with pytest.raises(ValueError, match="changed since the compensator set it"):
+        set_compression(model, r=4)
+    assert timm_tokcomp.get_reducer(model).r == 8  # refused before anything changed
+    detach(model, restore=False)
+    assert all(torch.equal(v, loaded[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.1", True])
+def test_a_bad_scale_changes_nothing(scale):
+    from timm_tokcomp.tocom import attach, set_compression
+
+    model, comp = _deit_like_with_compensator()
+    set_compression(model, r=16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        set_compression(model, r=8, scale=scale)
+    assert timm_tokcomp.get_reducer(model).r == 16
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        attach(make_model("cls"), comp, scale=scale)

@@ -9,8 +9,9 @@ Running a model trained at degree m at degree n uses
 Switching rewrites the q / v rows from a pristine copy of the source weights (never by adding and
 subtracting), in fp32, so any sequence of switches returns bit-identical weights for the same n.
 """
-from dataclasses import dataclass
-from typing import List, Optional
+import math
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -99,6 +100,27 @@ class _Attached:
     pristine: List[torch.Tensor]  # per block: (2, attn_dim, D) query / value rows of the source weights
     target_r: int
     scale: float
+    written: List[Tuple[torch.Tensor, int]] = field(default_factory=list)  # per block: (qkv weight, its _version)
+
+    def record(self, layers: List[nn.Linear]) -> None:
+        """Remember the weights as this compensator left them."""
+        self.written = [(qkv.weight, qkv.weight._version) for qkv in layers]
+
+    def check_unchanged(self, layers: List[nn.Linear], action: str) -> None:
+        """Raise ValueError when a qkv weight was replaced or written since the compensator last set it
+        (load_state_dict, training): restoring the pristine rows would silently discard those weights."""
+        for i, (qkv, (weight, version)) in enumerate(zip(layers, self.written)):
+            if qkv.weight is not weight or qkv.weight._version != version:
+                raise ValueError(
+                    f"blocks[{i}].attn.qkv.weight changed since the compensator set it (load_state_dict or training?); "
+                    f"{action} would restore the query / value rows saved at attach and discard that change. Call "
+                    "detach(model, restore=False) to keep the current weights and drop the compensator, then attach again")
+
+
+def _check_scale(scale: Any) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    return float(scale)
 
 
 def check_fits(model: nn.Module, compensator: Compensator) -> None:
@@ -118,13 +140,15 @@ def attach(model: nn.Module, compensator: Compensator, source_r: int = 0, scale:
     query / value rows. Weights are unchanged until set_compression. Re-attaching restores first."""
     check_fits(model, compensator)
     compensator.check_degree("source_r", source_r)
+    scale = compensator.scale if scale is None else _check_scale(scale)
     if getattr(model, "_tocom", None) is not None:
         detach(model)
     pristine = []
     for qkv in _qkv_layers(model):
         rows = qv_rows(qkv.weight, compensator.attn_dim)
         pristine.append(torch.stack([qkv.weight[s].detach().clone() for s in rows]))
-    model._tocom = _Attached(compensator, source_r, pristine, source_r, compensator.scale if scale is None else scale)
+    model._tocom = _Attached(compensator, source_r, pristine, source_r, scale)
+    model._tocom.record(_qkv_layers(model))
     return model
 
 
@@ -140,13 +164,16 @@ def compensate(model: nn.Module, target_r: int, scale: Optional[float] = None) -
     """Rewrite the query / value rows for running at degree target_r: pristine + delta(source_r, target_r),
     computed in fp32 and cast once to the weight's dtype."""
     state = _attached(model)
-    state.scale = state.scale if scale is None else float(scale)
-    delta = state.compensator.delta(state.source_r, target_r, state.scale)
-    for qkv, pristine, d in zip(_qkv_layers(model), state.pristine, delta):
+    scale = state.scale if scale is None else _check_scale(scale)
+    layers = _qkv_layers(model)
+    state.check_unchanged(layers, "switching")
+    delta = state.compensator.delta(state.source_r, target_r, scale)
+    for qkv, pristine, d in zip(layers, state.pristine, delta):
         pristine, d = pristine.to(qkv.weight.device), d.to(qkv.weight.device)
         for j, rows in enumerate(qv_rows(qkv.weight, state.compensator.attn_dim)):
             qkv.weight[rows] = pristine[j] if target_r == state.source_r else (pristine[j].float() + d[j]).to(qkv.weight.dtype)
-    state.target_r = target_r
+    state.scale, state.target_r = scale, target_r
+    state.record(layers)
 
 
 def set_compression(model: nn.Module, r: int, scale: Optional[float] = None) -> nn.Module:
@@ -157,6 +184,9 @@ def set_compression(model: nn.Module, r: int, scale: Optional[float] = None) -> 
 
     state = _attached(model)
     state.compensator.check_degree("r", r)
+    if scale is not None:
+        _check_scale(scale)
+    state.check_unchanged(_qkv_layers(model), "switching")  # everything checked before the method's r changes
     if is_reduced(model):
         reducer = get_reducer(model)
         if "r" not in reducer.param_names():
@@ -170,11 +200,15 @@ def set_compression(model: nn.Module, r: int, scale: Optional[float] = None) -> 
 
 
 @torch.no_grad()
-def detach(model: nn.Module) -> nn.Module:
-    """Restore the source weights and drop the compensator."""
+def detach(model: nn.Module, restore: bool = True) -> nn.Module:
+    """Drop the compensator, restoring the source weights (restore=True; refused with ValueError when the
+    weights were changed since the compensator set them) or keeping the current ones (restore=False)."""
     state = _attached(model)
-    for qkv, pristine in zip(_qkv_layers(model), state.pristine):
-        for j, rows in enumerate(qv_rows(qkv.weight, state.compensator.attn_dim)):
-            qkv.weight[rows] = pristine[j].to(qkv.weight.device)
+    if restore:
+        layers = _qkv_layers(model)
+        state.check_unchanged(layers, "detach")
+        for qkv, pristine in zip(layers, state.pristine):
+            for j, rows in enumerate(qv_rows(qkv.weight, state.compensator.attn_dim)):
+                qkv.weight[rows] = pristine[j].to(qkv.weight.device)
     del model._tocom
     return model
