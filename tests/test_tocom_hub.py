@@ -49,6 +49,41 @@ def test_corrupt_adapters_are_refused(tmp_path):
         load(str(tmp_path / "step_00"))
 
 
+def _edit_config(folder: Path, **changes) -> None:
+    import json
+
+    path = folder / "tocom_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda root: _edit_config(root, groups=3), "groups = 3 but subfolders lists 2"),
+    (lambda root: _edit_config(root, scale=float("nan")), "scale must be a finite number"),
+    (lambda root: _edit_config(root, depth="4"), "depth"),
+    (lambda root: (root / "step_01" / "adapter_model.safetensors").write_bytes(
+        (root / "step_01" / "adapter_model.safetensors").read_bytes()[:500]), "step_01/adapter_model.safetensors cannot be read"),
+    (lambda root: (root / "step_00" / "adapter_model.safetensors").unlink(), "step_00/adapter_model.safetensors is missing"),
+    (lambda root: (root / "tocom_config.json").write_text("{"), "not valid JSON"),
+])
+def test_damaged_adapters_are_refused_naming_the_file(tmp_path, damage, match):
+    save(_random_compensator(steps=2), str(tmp_path), "m")
+    damage(tmp_path)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        load(str(tmp_path))
+
+
+def test_a_non_finite_lora_a_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save(_random_compensator(steps=2), str(tmp_path), "m")
+    f = tmp_path / "step_01" / "adapter_model.safetensors"
+    tensors = load_file(str(f))
+    tensors["base_model.model.blocks.2.attn.qkv.lora_A.weight"][0, 0] = float("nan")
+    save_file(tensors, str(f))
+    with pytest.raises(ValueError, match="step_01.*block 2 holds non-finite values"):
+        load(str(tmp_path))
+
+
 def _hub_cache(cache: Path, repo_id: str, source: Path, commit: str) -> None:
     """Lay out `source` as huggingface_hub's cache does: blobs by hash, snapshot symlinks, refs/main."""
     repo = cache / f"models--{repo_id.replace('/', '--')}"

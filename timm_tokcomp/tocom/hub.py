@@ -4,6 +4,7 @@ exact zeros in the key rows, lora_alpha = s * 2h so that peft's scaling is s), p
 and a model card. Loaded from a local folder or the Hugging Face Hub (huggingface_hub's
 snapshot_download, which honours the HF cache and HF_HUB_OFFLINE)."""
 import json
+import math
 import string
 import tempfile
 from pathlib import Path
@@ -75,32 +76,60 @@ def save(compensator: Compensator, folder: str, base_model: str, method: str = "
     write_text(root / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
 
 
+def _load_weights(path: Path) -> Dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing (listed in {CONFIG_NAME})")
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own error type for truncated or corrupt files
+        raise ValueError(f"{path} cannot be read as safetensors ({e})") from None
+
+
 def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
     config_path = root / CONFIG_NAME
     if not config_path.is_file():
         raise ValueError(f"{root} has no {CONFIG_NAME}: not a ToCom compensator repository")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
     if config.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{config_path}: format_version {config.get('format_version')!r} is not supported "
                          f"(this version reads {FORMAT_VERSION})")
-    L, D, attn_dim = config["depth"], config["width"], config["attn_dim"]
-    h, steps = config["rank_per_projection"], config["groups"]
-    lora_a = torch.empty(steps, L, 2, h, D)
-    lora_b = torch.empty(steps, L, 2, attn_dim, h)
-    for i, name in enumerate(config["subfolders"]):
-        tensors = load_file(str(root / name / ADAPTER_WEIGHTS))
+    sizes = {key: config.get(key) for key in ("depth", "width", "attn_dim", "rank_per_projection", "groups")}
+    bad = [k for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if bad:
+        raise ValueError(f"{config_path}: {', '.join(bad)} must be integers >= 1, got {sizes}")
+    L, D, attn_dim, h, steps = (sizes[k] for k in ("depth", "width", "attn_dim", "rank_per_projection", "groups"))
+    subfolders = config.get("subfolders")
+    if not isinstance(subfolders, list) or len(subfolders) != steps:
+        raise ValueError(f"{config_path}: groups = {steps} but subfolders lists "
+                         f"{len(subfolders) if isinstance(subfolders, list) else subfolders!r}; they must agree")
+    scale = config.get("scale")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"{config_path}: scale must be a finite number, got {scale!r}")
+    lora_a = torch.zeros(steps, L, 2, h, D)
+    lora_b = torch.zeros(steps, L, 2, attn_dim, h)
+    for i, name in enumerate(subfolders):
+        path = root / name / ADAPTER_WEIGHTS
+        tensors = _load_weights(path)
         for block in range(L):
-            a, b = tensors[_key(block, "A")], tensors[_key(block, "B")]
+            a, b = tensors.get(_key(block, "A")), tensors.get(_key(block, "B"))
+            if a is None or b is None:
+                raise ValueError(f"{path}: block {block} has no lora_A / lora_B for blocks.{block}.attn.qkv "
+                                 f"({CONFIG_NAME} says depth {L})")
             if a.shape != (2 * h, D) or b.shape != (3 * attn_dim, 2 * h):
-                raise ValueError(f"{root / name}: block {block} has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, "
+                raise ValueError(f"{path}: block {block} has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, "
                                  f"expected {(2 * h, D)} / {(3 * attn_dim, 2 * h)} from {CONFIG_NAME}")
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise ValueError(f"{path}: block {block} holds non-finite values (NaN or inf)")
             if b[attn_dim:2 * attn_dim].any() or b[:attn_dim, h:].any() or b[2 * attn_dim:, :h].any():
-                raise ValueError(f"{root / name}: block {block} lora_B is not block-structured (key rows or "
+                raise ValueError(f"{path}: block {block} lora_B is not block-structured (key rows or "
                                  "cross terms are not zero)")
             lora_a[i, block] = a.reshape(2, h, D)
             lora_b[i, block, 0] = b[:attn_dim, :h]
             lora_b[i, block, 1] = b[2 * attn_dim:, h:]
-    return Compensator(lora_a, lora_b, float(config["scale"])), config
+    return Compensator(lora_a, lora_b, float(scale)), config
 
 
 def load(repo_id_or_path: str, revision: Optional[str] = None, cache_dir: Optional[str] = None,
