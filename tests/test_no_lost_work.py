@@ -248,3 +248,20 @@ def test_a_bad_scale_changes_nothing(scale):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="scale must be a finite number"):
         attach(make_model("cls"), comp, scale=scale)
+
+
+# parameters checked when given, not at the first forward
+
+@pytest.mark.parametrize("ratio", [float("nan"), float("inf"), 1000.0])
+def test_a_flops_ratio_out_of_range_or_reach_is_refused_at_apply(ratio):
+    model = make_model("cls")
+    with pytest.raises(ValueError, match="flops_ratio"):
+        timm_tokcomp.apply(model, "tome", flops_ratio=ratio)
+    assert not timm_tokcomp.is_reduced(model)
+
+
+@pytest.mark.parametrize("method", ["atm", "tome", "evit", "dense_tome"])
+def test_an_empty_batch_gives_an_empty_output(method):
+    model = timm_tokcomp.apply(make_model("cls"), method, **({} if method == "atm" else {"r": 2}))
+    with torch.no_grad():
+        assert model(torch.zeros(0, 3, 32, 32)).shape == (0, 10)

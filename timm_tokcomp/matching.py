@@ -151,7 +151,10 @@ def count_above(node_max: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def batch_adaptive_r(counts: torch.Tensor) -> int:
-    """ATM's batch-adaptive merge count: the mean of the per-image counts (B,), rounded half up."""
+    """ATM's batch-adaptive merge count: the mean of the per-image counts (B,), rounded half up; 0 for an
+    empty batch."""
+    if counts.numel() == 0:
+        return 0
     return int(torch.floor(counts.double().mean() + 0.5).item())
 
 

@@ -320,6 +320,9 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     if reducer.name == "evit" and getattr(model, "cls_token", None) is None:
         raise ValueError("EViT ranks tokens by class-token attention and needs a model with a class token")
     _prefix_only_last(model, reducer)  # raises if asked for where it is not exact
+    # settings for the model's default input: a budget out of reach (flops_ratio) fails here, not in a forward
+    reducer.block_settings(len(model.blocks), model.patch_embed.num_patches + model.num_prefix_tokens,
+                           model.num_prefix_tokens, _block_cost(model.blocks[0]))
     prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
     _swap_classes(model, ReducingBlock, _MODEL_CLASSES)
     model._tokcomp_reducer = reducer

@@ -7,6 +7,7 @@ A method is driven by the patched model in three steps per forward:
   plan = reducer.plan(metric, settings[l], num_prefix, size)   # after attention; None: no reduction
 """
 import inspect
+import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 
@@ -147,7 +148,8 @@ class ScheduledReducer(RTagged, TokenReducer):
     ) -> None:
         super().__init__(prop_attn, trace_source, prefix_only_last_block)
         if flops_ratio is not None:
-            if isinstance(flops_ratio, bool) or not isinstance(flops_ratio, (int, float)) or flops_ratio <= 1.0:
+            if isinstance(flops_ratio, bool) or not isinstance(flops_ratio, (int, float)) \
+                    or not math.isfinite(flops_ratio) or flops_ratio <= 1.0:
                 raise ValueError(f"flops_ratio must be a number > 1 (unreduced MACs / target MACs), got {flops_ratio!r}")
             if r != 0:
                 raise ValueError("give either r or flops_ratio, not both")
