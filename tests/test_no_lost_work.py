@@ -265,3 +265,25 @@ def test_an_empty_batch_gives_an_empty_output(method):
     model = timm_tokcomp.apply(make_model("cls"), method, **({} if method == "atm" else {"r": 2}))
     with torch.no_grad():
         assert model(torch.zeros(0, 3, 32, 32)).shape == (0, 10)
+
+
+def test_a_compensator_for_another_model_warns():
+    from timm_tokcomp.tocom import attach
+    from test_tocom import _random_compensator
+
+    comp = _random_compensator(seed=3)
+    comp.base_model = "some_other_vit"
+    with pytest.warns(UserWarning, match="trained for 'some_other_vit'"):
+        attach(make_model("cls"), comp)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["bench", "nonexistent_model"], "MODEL 'nonexistent_model' is not a timm model"),
+    (["bench", "test_vit", "--device", "banana"], "--device 'banana'"),
+    (["bench", "test_vit", "--checkpoint", "/nonexistent.safetensors"], "--checkpoint /nonexistent.safetensors not found"),
+])
+def test_cli_user_errors_exit_2_with_one_line(args, match, capsys):
+    assert main([*args, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("tokcomp: error:")]
+    assert len(errors) == 1 and match in errors[0] and "Traceback" not in err

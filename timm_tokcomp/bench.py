@@ -77,14 +77,34 @@ def parse_methods(spec: str) -> List[str]:
 
 
 def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: bool, device: str) -> nn.Module:
-    """The unmodified timm model, with weights from checkpoint (safetensors / torch file) or timm."""
-    model = timm.create_model(model_name, pretrained=pretrained)
+    """The unmodified timm model, with weights from checkpoint (safetensors / torch file) or timm.
+    Raises ValueError / FileNotFoundError naming the argument for an unknown model, a missing checkpoint
+    or a device this machine does not have."""
+    check_device(device)
+    if checkpoint and not Path(checkpoint).is_file():
+        raise FileNotFoundError(f"--checkpoint {checkpoint} not found")
+    try:
+        model = timm.create_model(model_name, pretrained=pretrained)
+    except RuntimeError as e:
+        if "Unknown model" not in str(e):
+            raise
+        raise ValueError(f"MODEL {model_name!r} is not a timm model name (timm.list_models('*vit*') lists them)") from None
     if is_reduced(model):
         raise ValueError(f"MODEL {model_name!r} already carries a method tag; give the plain architecture "
                          f"and list methods with --methods")
     if checkpoint:
         timm.models.load_checkpoint(model, checkpoint, strict=True)
     return model.to(device).eval()
+
+
+def check_device(device: str) -> None:
+    """Raise ValueError for a device string torch cannot parse or a device this machine does not have."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine")
 
 
 def build_method_models(base: nn.Module, methods: Sequence[str]) -> Dict[str, nn.Module]:

@@ -92,7 +92,7 @@ def _train_tocom(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .bench import build_base_model
+    from .bench import build_base_model, check_device
     from .tocom.train import TrainConfig, train_tocom
 
     config = TrainConfig(
@@ -104,6 +104,7 @@ def _train_tocom(args: argparse.Namespace) -> int:
         scale_targets=_numbers("--scale-targets", args.scale_targets, int),
         checkpoint_every=args.checkpoint_every, seed=args.seed, amp=args.amp)
     config.validate()
+    check_device(args.device)
     device = args.device
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # launched by torchrun

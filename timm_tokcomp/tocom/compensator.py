@@ -10,6 +10,7 @@ Switching rewrites the q / v rows from a pristine copy of the source weights (ne
 subtracting), in fp32, so any sequence of switches returns bit-identical weights for the same n.
 """
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
@@ -22,11 +23,12 @@ QUERY, VALUE = 0, 1  # index of the projection in the plugin tensors
 @dataclass
 class Compensator:
     """lora_a: (S, L, 2, h, D) and lora_b: (S, L, 2, attn_dim, h) for [query, value] of every block;
-    scale: s."""
+    scale: s; base_model: the timm architecture it was trained for ('' when unknown)."""
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     scale: float = 0.1
+    base_model: str = ""
 
     def __post_init__(self) -> None:
         a, b = self.lora_a, self.lora_b
@@ -141,6 +143,11 @@ def attach(model: nn.Module, compensator: Compensator, source_r: int = 0, scale:
     check_fits(model, compensator)
     compensator.check_degree("source_r", source_r)
     scale = compensator.scale if scale is None else _check_scale(scale)
+    architecture = getattr(model, "pretrained_cfg", {}).get("architecture")
+    if compensator.base_model and architecture and compensator.base_model.split(".")[0] != architecture:
+        warnings.warn(f"this compensator was trained for {compensator.base_model!r}; attaching it to a "
+                      f"{architecture!r} of the same width runs, but its plugins were not fitted to these weights",
+                      stacklevel=2)
     if getattr(model, "_tocom", None) is not None:
         detach(model)
     pristine = []

@@ -129,7 +129,8 @@ def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
             lora_a[i, block] = a.reshape(2, h, D)
             lora_b[i, block, 0] = b[:attn_dim, :h]
             lora_b[i, block, 1] = b[2 * attn_dim:, h:]
-    return Compensator(lora_a, lora_b, float(scale)), config
+    base_model = config.get("base_model") if isinstance(config.get("base_model"), str) else ""
+    return Compensator(lora_a, lora_b, float(scale), base_model), config
 
 
 def load(repo_id_or_path: str, revision: Optional[str] = None, cache_dir: Optional[str] = None,
