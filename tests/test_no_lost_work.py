@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -271,10 +272,16 @@ def test_a_compensator_for_another_model_warns():
     from timm_tokcomp.tocom import attach
     from test_tocom import _random_compensator
 
-    comp = _random_compensator(seed=3)
+    import timm
+
+    comp = _random_compensator(depth=6, dim=64, attn_dim=64)
     comp.base_model = "some_other_vit"
     with pytest.warns(UserWarning, match="trained for 'some_other_vit'"):
-        attach(make_model("cls"), comp)
+        attach(timm.create_model("test_vit"), comp)
+    comp.base_model = "test_vit.r160_in1k"  # the same architecture with a pretrained tag: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attach(timm.create_model("test_vit"), comp)
 
 
 @pytest.mark.parametrize("args, match", [
