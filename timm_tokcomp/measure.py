@@ -157,6 +157,34 @@ class MacCounter:
                     "refusing to report a MAC count without its attention")
 
 
+# aten ops that wait for the device: a Python scalar from a tensor, or an output shape that depends on data
+HOST_SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops run inside it (what the CPU dispatches and, for the non-view ones, a GPU launches).
+
+    with OpCounter() as ops: model(x)
+    then ops.counts maps 'aten.<op>.<overload>' to calls, ops.total is their sum and ops.host_syncs the
+    calls that make the host wait for the device (HOST_SYNC_OPS)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def host_syncs(self) -> int:
+        return sum(n for op, n in self.counts.items() if op.split(".")[1] in HOST_SYNC_OPS)
+
+
 @torch.no_grad()
 def forward_counting(model: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, float]:
     """One forward of x: (B, 3, H, W) -> (output, multiply-accumulates it executed for the whole batch),

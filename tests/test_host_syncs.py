@@ -1,0 +1,41 @@
+"""What a GPU pays for, counted on the CPU: host synchronisations and aten ops per forward of DeiT-Tiny."""
+import pytest
+import timm
+import torch
+
+import timm_tokcomp
+from timm_tokcomp.measure import OpCounter
+
+
+def _count(method=None, **params):
+    model = timm.create_model("deit_tiny_patch16_224").eval()
+    if method:
+        timm_tokcomp.apply(model, method, **params)
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        model(x)
+        with OpCounter() as ops:
+            model(x)
+    return ops
+
+
+@pytest.mark.parametrize("method, params", [("tome", {"r": 16}), ("tome", {"r": 8}), ("evit", {"r": 8}),
+                                            ("dense_tome", {"r": 1}), ("tome", {"flops_ratio": 2.0})])
+def test_fixed_r_methods_never_wait_for_the_device(method, params):
+    assert _count(method, **params).host_syncs == 0
+
+
+def test_atm_waits_at_most_once_per_merging_block():
+    model = timm.create_model("deit_tiny_patch16_224").eval()
+    timm_tokcomp.apply(model, "atm")
+    settings = timm_tokcomp.get_reducer(model).block_settings(12, 197, 1, model._tokcomp_block_cost)
+    assert _count("atm").host_syncs <= sum(s is not None for s in settings)
+
+
+def test_op_counts_do_not_grow():
+    """A regression guard on dispatch cost. Measured: plain 334 ops, ToMe r16 956 (2.9x). The GPU issue's
+    target is 1.5x; lower these bounds as the reduction step gets cheaper, never raise them."""
+    plain = _count().total
+    assert plain <= 340
+    assert _count("tome", r=16).total <= 2.9 * plain
+    assert _count("evit", r=8).total <= 2.6 * plain
