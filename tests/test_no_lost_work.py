@@ -294,3 +294,18 @@ def test_cli_user_errors_exit_2_with_one_line(args, match, capsys):
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("tokcomp: error:")]
     assert len(errors) == 1 and match in errors[0] and "Traceback" not in err
+
+
+def test_a_model_whose_features_are_tracked_still_pickles_and_copies():
+    import copy
+    import io
+
+    model = timm_tokcomp.apply(make_model("avgpool_noclass"), "tome", r=4)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        model.forward_features(x)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        assert torch.equal(torch.load(buffer, weights_only=False)(x), model(x))
+        assert torch.equal(copy.deepcopy(model)(x), model(x))

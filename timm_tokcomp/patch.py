@@ -1,6 +1,7 @@
 """The only module that knows timm's internals: swaps a VisionTransformer's classes (model, Block,
 Attention) for static subclasses that reduce tokens, and back. Parameters and buffers are never
 touched, so state_dict keys and weights stay exactly those of the timm model."""
+import weakref
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -163,7 +164,6 @@ class _ReducingViT:
     _tokcomp_prop_attn: bool
     _tokcomp_stats: Optional[ReductionStats]
     _tokcomp_block_cost: BlockCost
-    _tokcomp_feature_stats: WeakIdKeyDictionary  # forward_features output -> the stats of the call that made it
     _tokcomp_pool_size: Optional[torch.Tensor]  # sizes for pool() while forward() runs its head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,7 +181,7 @@ class _ReducingViT:
         if attn_mask is not None or is_causal:
             raise ValueError("attn_mask / is_causal are not supported while tokens are reduced (token count changes)")
         x = self._features(x)
-        self._tokcomp_feature_stats[x] = self._tokcomp_stats
+        _feature_stats(self)[x] = self._tokcomp_stats
         return x
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,8 +234,8 @@ class _ReducingViT:
         """(B, N, 1) sizes of the tokens x: (B, N, C); None when every token has size 1."""
         if self._tokcomp_pool_size is not None:
             size = self._tokcomp_pool_size
-        elif x in self._tokcomp_feature_stats:
-            size = self._tokcomp_feature_stats[x].size
+        elif x in _feature_stats(self):
+            size = _feature_stats(self)[x].size
         elif x.shape[1] == self.patch_embed.num_patches + self.num_prefix_tokens:
             return None  # nothing was reduced: every token stands for one patch
         else:
@@ -270,8 +270,16 @@ _DENSE_CLASSES: Dict[type, type] = {
     VisionTransformerDistilled: DenseVisionTransformerDistilled,
 }
 _ORIGINAL = {patched: plain for classes in (_MODEL_CLASSES, _DENSE_CLASSES) for plain, patched in classes.items()}
-_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_stats", "_tokcomp_block_cost", "_tokcomp_feature_stats",
-          "_tokcomp_pool_size")
+_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_stats", "_tokcomp_block_cost", "_tokcomp_pool_size")
+# model -> (forward_features output -> the stats of the call that returned it); outside the model, so that
+# pickling and deepcopy never meet the weak references, and both die with what they describe
+_FEATURE_STATS: "weakref.WeakKeyDictionary[nn.Module, WeakIdKeyDictionary]" = weakref.WeakKeyDictionary()
+
+
+def _feature_stats(model: nn.Module) -> WeakIdKeyDictionary:
+    if model not in _FEATURE_STATS:
+        _FEATURE_STATS[model] = WeakIdKeyDictionary()
+    return _FEATURE_STATS[model]
 _BLOCK_ATTRS = ("_tokcomp_reducer", "_tokcomp_setting", "_tokcomp_num_prefix")
 
 
@@ -329,8 +337,6 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     model._tokcomp_prop_attn = prop_attn
     model._tokcomp_block_cost = _block_cost(model.blocks[0])
     model._tokcomp_stats = None
-    if not isinstance(model.__dict__.get("_tokcomp_feature_stats"), WeakIdKeyDictionary):  # kept by set_params
-        model._tokcomp_feature_stats = WeakIdKeyDictionary()
     model._tokcomp_pool_size = None
 
 
@@ -385,7 +391,7 @@ def stats_of(model: nn.Module, features: Optional[torch.Tensor] = None) -> Optio
     reducer_of(model)  # raises if not patched
     if features is None:
         return model._tokcomp_stats
-    known = getattr(model, "_tokcomp_feature_stats", None)
-    if known is None or features not in known:
+    known = _feature_stats(model)
+    if features not in known:
         raise ValueError("features is not a tensor returned by this model's forward_features")
     return known[features]
