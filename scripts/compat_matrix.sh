@@ -16,7 +16,9 @@ cd "$(dirname "$0")/.."
 
 combos=("$@")
 if [[ ${#combos[@]} -eq 0 ]]; then
-    combos=(2.15.0:1.0.31 2.15.0:1.0.3 2.8.0:1.0.31 2.8.0:1.0.3)
+    # newest torch served and one more than 12 months older; newest timm and the oldest supported 1.0.x
+    # (timm < 1.0.16 has no timm.layers.Attention)
+    combos=(2.15.0:1.0.31 2.15.0:1.0.16 2.8.0:1.0.31 2.8.0:1.0.16)
 fi
 logs=${MATRIX_LOGS:-compat_logs}
 table=${MATRIX_OUT:-compat_matrix.md}
@@ -38,6 +40,7 @@ for combo in "${combos[@]}"; do
 print(f'{torch.__version__} | {timm.__version__} | {torchvision.__version__} | {peft.__version__} | {h.__version__}')")
         "$venv/bin/python" -m pytest -q -p no:cacheprovider >>"$log" 2>&1
         result=$(grep -E "^(=+ )?[0-9]+ (passed|failed)" "$log" | tail -1 | sed -E 's/=+//g; s/ in [0-9.]+s.*//; s/^ +| +$//g')
+        [[ -n "$result" ]] || result="no test ran: $(grep -E "Error" "$log" | tail -1 | cut -c1-80)"
     else
         versions="$torch_v | $timm_v | - | - | -"
     fi
