@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from .. import apply, remove, set_params
 from ..outputs import claim_run_folder, replacing, write_text
+from ..patch import check_supported
 from .compensator import Compensator, check_fits
 
 CHECKPOINT = "checkpoint.pt"
@@ -334,6 +335,8 @@ def split_images(data: str, model: nn.Module, config: TrainConfig) -> Tuple[Seed
 
     pil = open_images(data, lambda img: img)
     evaluation = open_images(data, timm.data.create_transform(**timm.data.resolve_model_data_config(model)))
+    if config.holdout >= len(pil):
+        raise ValueError(f"--holdout {config.holdout} leaves no training image: --data has {len(pil)} images")
     cut = len(pil) - config.holdout
     train = Mosaic(torch.utils.data.Subset(pil, range(cut)), model, config.mosaic, config.crop_scale)
     return SeededAugment(train, config.seed), torch.utils.data.Subset(evaluation, range(cut, len(pil)))
@@ -352,6 +355,7 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
     name and renamed into place; a loss or plugins that become non-finite raise TrainingDiverged and
     nothing non-finite is saved."""
     config.validate()
+    check_supported(model)
     if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
         raise ValueError(f"--stop-after must be an integer >= 1, got {stop_after!r}")
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if _is_distributed() else (0, 1)

@@ -1,6 +1,7 @@
-"""No lost work, no silently wrong numbers: runs never overwrite runs, a killed run leaves complete files and
+"""The README's "Errors and guarantees": runs never overwrite runs, a killed run leaves complete files and
 resumes to the uninterrupted result, features carry their own token sizes, calibration refuses a reduced
-reference, and training refuses non-finite settings and stops before saving non-finite weights."""
+reference, training refuses non-finite settings and stops before saving non-finite weights, parameters are
+checked when given, compensator switching is transactional, and command-line errors exit 2 with one line."""
 import math
 import os
 import signal
@@ -284,7 +285,18 @@ def test_a_compensator_for_another_model_warns():
         attach(timm.create_model("test_vit"), comp)
 
 
-@pytest.mark.parametrize("args, match", [
+def _tiny_adapter(folder: Path) -> Path:
+    from test_tocom import _random_compensator
+    from timm_tokcomp.tocom import save
+
+    save(_random_compensator(depth=6, dim=64, attn_dim=64), str(folder), "test_vit")
+    return folder
+
+
+NO_CUDA = [] if torch.cuda.is_available() else [(["bench", "test_vit", "--device", "cuda"], "--device cuda: CUDA is not")]
+
+
+@pytest.mark.parametrize("args, match", NO_CUDA + [
     (["bench", "nonexistent_model"], "MODEL 'nonexistent_model' is not a timm model"),
     (["bench", "test_vit", "--device", "banana"], "--device 'banana'"),
     (["bench", "test_vit", "--checkpoint", "/nonexistent.safetensors"], "--checkpoint /nonexistent.safetensors not found"),
@@ -309,3 +321,22 @@ def test_a_model_whose_features_are_tracked_still_pickles_and_copies():
         buffer.seek(0)
         assert torch.equal(torch.load(buffer, weights_only=False)(x), model(x))
         assert torch.equal(copy.deepcopy(model)(x), model(x))
+
+
+def test_cli_names_a_truncated_adapter_file_and_refuses_a_non_finite_scale(tmp_path, capsys):
+    folder = _tiny_adapter(tmp_path / "adapter")
+    fast = ["bench", "test_vit", "--methods", "tome_r2", "--batch-size", "2", "--timing-rounds", "1", "--no-progress"]
+    assert main([*fast, "--tocom", str(folder), "--tocom-scale", "nan"]) == 2
+    assert "scale must be a finite number" in capsys.readouterr().err
+    weights = folder / "step_03" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:300])
+    assert main([*fast, "--tocom", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "step_03/adapter_model.safetensors cannot be read" in err and "Traceback" not in err
+
+
+def test_training_an_unsupported_model_leaves_no_folder(image_folder, tmp_path, capsys):
+    assert main(["train-tocom", "--model", "resnet18", "--data", str(image_folder), "--out", str(tmp_path / "o"),
+                 "--steps", "2", "--no-progress", "--num-workers", "0"]) == 2
+    assert "VisionTransformer" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
