@@ -1,0 +1,30 @@
+"""torch.compile of reduced models: several models with different settings compile in one process as whole
+graphs (no graph break, no recompile-limit fallback to eager) and give the eager outputs. The 'eager'
+backend checks what dynamo captures without the minutes inductor takes on a CPU."""
+import pytest
+import timm
+import torch
+
+import timm_tokcomp
+
+
+def _deit_tiny(method=None, **params):
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224").eval()
+    return timm_tokcomp.apply(model, method, **params) if method else model
+
+
+def test_three_reduced_models_compile_whole_in_one_process():
+    torch._dynamo.reset()
+    limit_flag = "fail_on_recompile_limit_hit" if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit") \
+        else "fail_on_cache_limit_hit"
+    x = torch.randn(2, 3, 224, 224)
+    models = [_deit_tiny(), _deit_tiny("tome", r=16), _deit_tiny("tome", r=8), _deit_tiny("evit", r=8),
+              _deit_tiny("dense_tome", r=2)]
+    with torch.no_grad(), torch._dynamo.config.patch(**{limit_flag: True}):
+        for model in models:
+            compiled = torch.compile(model, backend="eager", fullgraph=True)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        for model in models:  # a second round hits the cache: no recompile is needed
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                torch.compile(model, backend="eager", fullgraph=True)(x)
