@@ -33,9 +33,10 @@ def test_atm_waits_at_most_once_per_merging_block():
 
 
 def test_op_counts_do_not_grow():
-    """A regression guard on dispatch cost. Measured: plain 334 ops, ToMe r16 956 (2.9x). The GPU issue's
-    target is 1.5x; lower these bounds as the reduction step gets cheaper, never raise them."""
+    """A regression guard on dispatch cost. Measured on torch 2.14: plain 334 ops, ToMe r16 765 (2.29x; 956
+    before tokens and sizes were merged in one pass), EViT r8 864. The GPU issue's target is 1.5x; lower these
+    bounds as the reduction step gets cheaper, never raise them."""
     plain = _count().total
     assert plain <= 340
-    assert _count("tome", r=16).total <= 2.9 * plain
+    assert _count("tome", r=16).total <= 2.3 * plain
     assert _count("evit", r=8).total <= 2.6 * plain

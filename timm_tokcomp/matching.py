@@ -96,7 +96,7 @@ def best_matches(
     with torch.no_grad():
         m = metric[:, num_prefix:]
         a, b = split_tokens(m / m.norm(dim=-1, keepdim=True), num_prefix % 2, split)
-        return (a @ b.transpose(-1, -2)).max(dim=-1)
+        return torch.bmm(a, b.transpose(1, 2)).max(dim=-1)
 
 
 def split_tokens(rest: torch.Tensor, a_start: int, split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):

@@ -31,14 +31,14 @@ def merge_mean(x: torch.Tensor, size: Optional[torch.Tensor], plan: MergePlan) -
     """Size-weighted mean of every merged group.
 
     x: (B, N, C); size: (B, N, 1) or None (all ones). Returns x: (B, N - r, C), size: (B, N - r, 1).
+    The weighted tokens and their sizes are merged in one pass, as (B, N, C + 1) rows.
     """
     if size is None:
         size = x.new_ones(x.shape[0], x.shape[1], 1)
-        x_sum = merge_sum(x, plan)
-    else:
-        x_sum = merge_sum(x * size, plan)
-    new_size = merge_sum(size, plan)
-    return x_sum / new_size, new_size
+    weighted = x * size
+    total = merge_sum(torch.cat([weighted, size.to(weighted.dtype)], dim=-1), plan)
+    new_size = total[..., -1:]
+    return total[..., :-1] / new_size, new_size
 
 
 def prune_sum(t: torch.Tensor, plan: PrunePlan) -> torch.Tensor:
