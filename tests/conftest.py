@@ -7,6 +7,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest
 import torch
+from PIL import Image
 from timm.layers import Attention
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
@@ -39,6 +40,17 @@ def make_model(variant: str, fused: bool = True, seed: int = 0) -> torch.nn.Modu
     for blk in model.blocks:
         blk.attn.fused_attn = fused
     return model
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    """20 random 48 x 48 JPEGs, for training and calibration runs."""
+    folder = tmp_path_factory.mktemp("images")
+    g = torch.Generator().manual_seed(0)
+    for i in range(20):
+        pixels = (torch.rand(48, 48, 3, generator=g) * 255).to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(folder / f"img_{i:03d}.jpg")
+    return folder
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """torch.compile of reduced models: several models with different settings compile in one process as whole
 graphs (no graph break, no recompile-limit fallback to eager) and give the eager outputs. The 'eager'
 backend checks what dynamo captures without the minutes inductor takes on a CPU."""
-import pytest
 import timm
 import torch
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 
 import timm_tokcomp
 from timm_tokcomp.cli import main
@@ -23,16 +22,6 @@ from conftest import make_model
 
 TRAIN = ["train-tocom", "--model", "test_vit", "--batch-size", "4", "--holdout", "4", "--scale-grid", "0.05,0.1",
          "--scale-targets", "8,16", "--no-progress", "--num-workers", "0"]
-
-
-@pytest.fixture(scope="module")
-def image_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("images")
-    g = torch.Generator().manual_seed(0)
-    for i in range(20):
-        pixels = (torch.rand(48, 48, 3, generator=g) * 255).to(torch.uint8).numpy()
-        Image.fromarray(pixels).save(folder / f"img_{i:03d}.jpg")
-    return folder
 
 
 def _train(image_folder, out, *extra):

@@ -23,16 +23,6 @@ from test_tocom import _random_compensator
 TINY = dict(steps=4, batch_size=4, holdout=4, checkpoint_every=2, scale_grid=(0.05, 0.1), scale_targets=(8, 16))
 
 
-@pytest.fixture(scope="module")
-def image_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("images")
-    g = torch.Generator().manual_seed(0)
-    for i in range(20):
-        pixels = (torch.rand(48, 48, 3, generator=g) * 255).to(torch.uint8).numpy()
-        Image.fromarray(pixels).save(folder / f"img_{i:03d}.jpg")
-    return folder
-
-
 def _test_vit():
     torch.manual_seed(0)
     return timm.create_model("test_vit")
