@@ -226,7 +226,7 @@ def test_detach_after_load_state_dict_refuses_to_discard_the_loaded_weights():
     assert all(torch.equal(v, loaded[k]) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.1", True])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.1", "abc", True])
 def test_a_bad_scale_changes_nothing(scale):
     from timm_tokcomp.tocom import attach, set_compression
 
