@@ -89,3 +89,26 @@ def test_unsupported_list_is_really_unsupported():
             model = timm.create_model(arch)
         with pytest.raises(TypeError):
             timm_tokcomp.apply(model, "tome", r=1)
+
+
+@pytest.mark.parametrize("name", ["deit_tiny_patch16_224.tome_r8", "deit_tiny.atm", "deit_small.atm",
+                                  "deit_tiny_patch16_224.fb_in1k.tome_r13", "vit_small_patch16_224.evit_r8",
+                                  "deit_tiny_distilled_patch16_224.tome_r8", "vit_small_patch16_224.dense_tome_r8"])
+def test_timm_lookups_by_name_agree_with_create_model(name):
+    """Config by name and pretrained status for every accepted form, any k (issue: 'Invalid pretrained tag')."""
+    base = name.rpartition(".")[0]
+    assert timm.get_pretrained_cfg_value(name, "input_size") == timm.get_pretrained_cfg_value(base, "input_size")
+    assert timm.get_pretrained_cfg(name).hf_hub_id == timm.get_pretrained_cfg(base).hf_hub_id
+    assert timm.is_model_pretrained(name) == timm.is_model_pretrained(base) is True
+    with torch.device("meta"):
+        model = timm.create_model(name)
+    assert model.pretrained_cfg["input_size"] == timm.get_pretrained_cfg_value(name, "input_size")
+
+
+def test_names_that_are_not_ours_resolve_as_before():
+    with pytest.raises(RuntimeError, match="Invalid pretrained tag"):
+        timm.get_pretrained_cfg("deit_tiny_patch16_224.bogus")
+    with pytest.raises(RuntimeError, match="Invalid pretrained tag"):
+        timm.get_pretrained_cfg("resnet18.tome_r8")  # not a supported architecture
+    assert not timm.is_model_pretrained("resnet18.tome_r8")
+    assert "deit_tiny_patch16_224.fb_in1k.tome_r13" not in timm.list_models("deit_tiny*", pretrained=True)

@@ -130,6 +130,48 @@ def _list_method_names(arch: str) -> None:
             treg._model_with_tags[arch].append(name)
 
 
+def base_name(name: Any) -> Optional[str]:
+    """'<arch>[.<pretrained tag>].<method tag>' of a supported architecture -> '<arch>[.<pretrained tag>]',
+    the name whose pretrained cfg it uses; None for any other name."""
+    if not isinstance(name, str):
+        return None
+    base, _, last = name.rpartition(".")
+    if not base or not is_method_tag(last) or treg.split_model_name_tag(base)[0] not in _supported():
+        return None
+    return base
+
+
+class _PretrainedCfgs(dict):
+    """timm's table of pretrained cfgs by name, also answering for every method-tagged name of a supported
+    architecture (any k, not only the listed tags) with its base name's cfg, so timm's lookups by name
+    (get_pretrained_cfg, get_pretrained_cfg_value, ...) agree with create_model."""
+
+    def __contains__(self, name: Any) -> bool:
+        return dict.__contains__(self, name) or dict.__contains__(self, base_name(name) or "")
+
+    def __missing__(self, name: Any):
+        base = base_name(name)
+        if base is None or not dict.__contains__(self, base):
+            raise KeyError(name)
+        return dict.__getitem__(self, base)
+
+    def get(self, name: Any, default: Any = None):
+        return self[name] if name in self else default
+
+
+class _HasPretrained(set):
+    """timm's set of names with pretrained weights; a method-tagged name has them when its base name has
+    (is_model_pretrained). Iteration, and so list_models, still shows only the listed tags."""
+
+    def __contains__(self, name: Any) -> bool:
+        return set.__contains__(self, name) or set.__contains__(self, base_name(name) or "")
+
+
+@functools.lru_cache(maxsize=1)
+def _supported() -> frozenset:
+    return frozenset(supported_archs())
+
+
 def supported_archs() -> Tuple[str, ...]:
     """Architectures whose names take method tags (deprecated aliases excluded)."""
     deprecated = set(treg._deprecated_models)
@@ -141,7 +183,8 @@ def supported_archs() -> Tuple[str, ...]:
 
 
 def register_all() -> None:
-    """Wrap the supported entry points, register the short names, list the tagged names. Idempotent."""
+    """Wrap the supported entry points, register the short names, list the tagged names, and let timm's
+    lookups by name resolve every method-tagged name. Idempotent."""
     for arch in supported_archs():
         if arch in SHORT_NAMES:
             continue
@@ -151,3 +194,8 @@ def register_all() -> None:
     _register_short_names()
     for arch in supported_archs():
         _list_method_names(arch)
+    _supported.cache_clear()
+    if type(treg._model_pretrained_cfgs) is dict:
+        treg._model_pretrained_cfgs = _PretrainedCfgs(treg._model_pretrained_cfgs)
+    if type(treg._model_has_pretrained) is set:
+        treg._model_has_pretrained = _HasPretrained(treg._model_has_pretrained)
