@@ -159,6 +159,12 @@ def _folder_is_consistent(out: Path, every: int, steps: int) -> int:
     return step
 
 
+def _default_sigint() -> None:
+    """A child started from a background job inherits SIGINT ignored (and Python then installs no
+    KeyboardInterrupt handler): give it the default, as a terminal's Ctrl-C meets it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
     start = time.time()
     while not path.exists() and proc.poll() is None and time.time() - start < timeout:
@@ -180,7 +186,7 @@ def test_killed_runs_leave_complete_files_and_resume_to_the_uninterrupted_result
     steps_seen, codes = [], []
     for i, (trigger, sig) in enumerate(kills):
         proc = subprocess.Popen([*args, "--out", str(out)] + (["--resume"] if i else []), env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_default_sigint)
         _wait_for(trigger, proc)
         proc.send_signal(sig)
         codes.append(proc.wait(timeout=600))
