@@ -28,7 +28,8 @@ def _merge_kernel(
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for i in range(start, end):
+    i = start
+    while i < end:  # a while loop: older Triton interpreters cannot take loaded values as range() bounds
         n = tl.load(ORDER + b * N + i)
         row = tl.load(X + b * stride_xb + n * stride_xn + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
         if HAS_NORM:
@@ -37,6 +38,7 @@ def _merge_kernel(
             var = tl.sum(centred * centred, axis=0) / C
             row = centred / tl.sqrt(var + eps)
         acc += row
+        i += 1
     acc = acc / (end - start).to(tl.float32)
     if HAS_NORM:  # the affine part is linear: applied once to the mean
         acc = acc * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) \
