@@ -398,7 +398,10 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
         plugins.load_state_dict(state["plugins"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
-        log = list(state["log"])
+        if "log" in state:
+            log = list(state["log"])
+        else:  # a checkpoint from before the log was kept in it: the log file's lines up to its step
+            log = (work / LOSS_LOG).read_text().splitlines()[1:start + 1] if (work / LOSS_LOG).is_file() else []
     else:
         log = []
         if resume and rank == 0:
