@@ -335,3 +335,16 @@ def test_training_an_unsupported_model_leaves_no_folder(image_folder, tmp_path, 
                  "--steps", "2", "--no-progress", "--num-workers", "0"]) == 2
     assert "VisionTransformer" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_an_unreduced_forward_at_another_input_size_pools_plainly():
+    """r = 0 on a dynamic-size avg-pooled model: no sizes, and the token count is not the default one."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=3, num_classes=10,
+                              class_token=False, global_pool="avg", dynamic_img_size=True).eval()
+    x = torch.randn(2, 3, 48, 48)
+    with torch.no_grad():
+        plain = model(x)
+        assert torch.equal(timm_tokcomp.apply(model, "tome", r=0)(x), plain)

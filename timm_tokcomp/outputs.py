@@ -40,7 +40,8 @@ def claim_run_folder(folder: PathLike, resume: bool, overwrite: bool, run_entrie
     """Make `folder` ready for a run that writes `run_entries` (names of files / folders) into it.
 
     A folder that does not exist or is empty is fine. Otherwise: resume keeps everything (the run continues
-    there) but the temporary files of a killed writer; overwrite deletes the previous run's entries (and nothing else); neither raises FileExistsError."""
+    there) but the temporary files of a killed writer; overwrite deletes the previous run's entries (and
+    nothing else); neither raises FileExistsError."""
     folder = Path(folder)
     present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     if folder.exists() and not folder.is_dir():

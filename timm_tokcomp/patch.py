@@ -164,16 +164,16 @@ class _ReducingViT:
     _tokcomp_prop_attn: bool
     _tokcomp_stats: Optional[ReductionStats]
     _tokcomp_block_cost: BlockCost
-    _tokcomp_pool_size: Optional[torch.Tensor]  # sizes for pool() while forward() runs its head
+    _tokcomp_pool_stats: Optional[ReductionStats]  # this call's stats while forward() runs its head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, 3, H, W) -> logits; the head pools with this call's token sizes."""
         x = self._features(x)
-        self._tokcomp_pool_size = self._tokcomp_stats.size
+        self._tokcomp_pool_stats = self._tokcomp_stats
         try:
             return self.forward_head(x)
         finally:
-            self._tokcomp_pool_size = None
+            self._tokcomp_pool_stats = None
 
     def forward_features(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
         """x: (B, 3, H, W) -> (B, N', C) with N' <= N tokens (prefix tokens first). The token sizes travel
@@ -232,10 +232,11 @@ class _ReducingViT:
 
     def _token_sizes(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """(B, N, 1) sizes of the tokens x: (B, N, C); None when every token has size 1."""
-        if self._tokcomp_pool_size is not None:
-            size = self._tokcomp_pool_size
-        elif x in _feature_stats(self):
-            size = _feature_stats(self)[x].size
+        stats = self._tokcomp_pool_stats  # set while forward() runs its head
+        if stats is None:
+            stats = _feature_stats(self).get(x)
+        if stats is not None:
+            size = stats.size
         elif x.shape[1] == self.patch_embed.num_patches + self.num_prefix_tokens:
             return None  # nothing was reduced: every token stands for one patch
         else:
@@ -270,7 +271,8 @@ _DENSE_CLASSES: Dict[type, type] = {
     VisionTransformerDistilled: DenseVisionTransformerDistilled,
 }
 _ORIGINAL = {patched: plain for classes in (_MODEL_CLASSES, _DENSE_CLASSES) for plain, patched in classes.items()}
-_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_stats", "_tokcomp_block_cost", "_tokcomp_pool_size")
+_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_stats", "_tokcomp_block_cost", "_tokcomp_pool_stats")
+_BLOCK_ATTRS = ("_tokcomp_reducer", "_tokcomp_setting", "_tokcomp_num_prefix")
 # model -> (forward_features output -> the stats of the call that returned it); outside the model, so that
 # pickling and deepcopy never meet the weak references, and both die with what they describe
 _FEATURE_STATS: "weakref.WeakKeyDictionary[nn.Module, WeakIdKeyDictionary]" = weakref.WeakKeyDictionary()
@@ -280,7 +282,6 @@ def _feature_stats(model: nn.Module) -> WeakIdKeyDictionary:
     if model not in _FEATURE_STATS:
         _FEATURE_STATS[model] = WeakIdKeyDictionary()
     return _FEATURE_STATS[model]
-_BLOCK_ATTRS = ("_tokcomp_reducer", "_tokcomp_setting", "_tokcomp_num_prefix")
 
 
 def _linear_macs(module: nn.Module) -> int:
@@ -328,16 +329,17 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     if reducer.name == "evit" and getattr(model, "cls_token", None) is None:
         raise ValueError("EViT ranks tokens by class-token attention and needs a model with a class token")
     _prefix_only_last(model, reducer)  # raises if asked for where it is not exact
+    block_cost = _block_cost(model.blocks[0])
     # settings for the model's default input: a budget out of reach (flops_ratio) fails here, not in a forward
     reducer.block_settings(len(model.blocks), model.patch_embed.num_patches + model.num_prefix_tokens,
-                           model.num_prefix_tokens, _block_cost(model.blocks[0]))
+                           model.num_prefix_tokens, block_cost)
     prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
     _swap_classes(model, ReducingBlock, _MODEL_CLASSES)
     model._tokcomp_reducer = reducer
     model._tokcomp_prop_attn = prop_attn
-    model._tokcomp_block_cost = _block_cost(model.blocks[0])
+    model._tokcomp_block_cost = block_cost
     model._tokcomp_stats = None
-    model._tokcomp_pool_size = None
+    model._tokcomp_pool_stats = None
 
 
 def _swap_classes(model: nn.Module, block_class: type, model_classes: Dict[type, type]) -> None:

@@ -119,7 +119,8 @@ class _Attached:
                     "detach(model, restore=False) to keep the current weights and drop the compensator, then attach again")
 
 
-def _check_scale(scale: Any) -> float:
+def check_scale(scale: Any) -> float:
+    """The scale s as a float; ValueError unless it is a finite number."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
     return float(scale)
@@ -142,7 +143,7 @@ def attach(model: nn.Module, compensator: Compensator, source_r: int = 0, scale:
     query / value rows. Weights are unchanged until set_compression. Re-attaching restores first."""
     check_fits(model, compensator)
     compensator.check_degree("source_r", source_r)
-    scale = compensator.scale if scale is None else _check_scale(scale)
+    scale = compensator.scale if scale is None else check_scale(scale)
     architecture = getattr(model, "pretrained_cfg", {}).get("architecture")
     if compensator.base_model and architecture and compensator.base_model.split(".")[0] != architecture:
         warnings.warn(f"this compensator was trained for {compensator.base_model!r}; attaching it to a "
@@ -171,7 +172,7 @@ def compensate(model: nn.Module, target_r: int, scale: Optional[float] = None) -
     """Rewrite the query / value rows for running at degree target_r: pristine + delta(source_r, target_r),
     computed in fp32 and cast once to the weight's dtype."""
     state = _attached(model)
-    scale = state.scale if scale is None else _check_scale(scale)
+    scale = state.scale if scale is None else check_scale(scale)
     layers = _qkv_layers(model)
     state.check_unchanged(layers, "switching")
     delta = state.compensator.delta(state.source_r, target_r, scale)
@@ -192,7 +193,7 @@ def set_compression(model: nn.Module, r: int, scale: Optional[float] = None) -> 
     state = _attached(model)
     state.compensator.check_degree("r", r)
     if scale is not None:
-        _check_scale(scale)
+        check_scale(scale)
     state.check_unchanged(_qkv_layers(model), "switching")  # everything checked before the method's r changes
     if is_reduced(model):
         reducer = get_reducer(model)

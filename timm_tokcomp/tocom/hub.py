@@ -4,7 +4,6 @@ exact zeros in the key rows, lora_alpha = s * 2h so that peft's scaling is s), p
 and a model card. Loaded from a local folder or the Hugging Face Hub (huggingface_hub's
 snapshot_download, which honours the HF cache and HF_HUB_OFFLINE)."""
 import json
-import math
 import string
 import tempfile
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..outputs import replacing, write_text
-from .compensator import Compensator
+from .compensator import Compensator, check_scale
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "tocom_config.json"
@@ -105,9 +104,10 @@ def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
     if not isinstance(subfolders, list) or len(subfolders) != steps:
         raise ValueError(f"{config_path}: groups = {steps} but subfolders lists "
                          f"{len(subfolders) if isinstance(subfolders, list) else subfolders!r}; they must agree")
-    scale = config.get("scale")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"{config_path}: scale must be a finite number, got {scale!r}")
+    try:
+        scale = check_scale(config.get("scale"))
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from None
     lora_a = torch.zeros(steps, L, 2, h, D)
     lora_b = torch.zeros(steps, L, 2, attn_dim, h)
     for i, name in enumerate(subfolders):
@@ -130,7 +130,7 @@ def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
             lora_b[i, block, 0] = b[:attn_dim, :h]
             lora_b[i, block, 1] = b[2 * attn_dim:, h:]
     base_model = config.get("base_model") if isinstance(config.get("base_model"), str) else ""
-    return Compensator(lora_a, lora_b, float(scale), base_model), config
+    return Compensator(lora_a, lora_b, scale, base_model), config
 
 
 def load(repo_id_or_path: str, revision: Optional[str] = None, cache_dir: Optional[str] = None,
