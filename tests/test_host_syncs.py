@@ -36,10 +36,11 @@ def test_atm_waits_at_most_once_per_merging_block():
 @pytest.mark.skipif(TORCH_VERSION < (2, 10),
                     reason="counts measured with torch >= 2.10's dispatch (older torch decomposes more ops)")
 def test_op_counts_do_not_grow():
-    """A regression guard on dispatch cost. Measured on torch 2.14: plain 334 ops, ToMe r16 765 (2.29x; 956
-    before tokens and sizes were merged in one pass), EViT r8 864. The GPU issue's target is 1.5x; lower these
-    bounds as the reduction step gets cheaper, never raise them."""
+    """A regression guard on dispatch cost. Measured on torch 2.14: plain 334 ops, ToMe r16 706 (2.11x; 956
+    before tokens and sizes were merged in one pass, 765 before the A / B halves were sliced straight from the
+    tokens), EViT r8 864. The GPU issue's target is 1.5x; lower these bounds as the reduction step gets
+    cheaper, never raise them."""
     plain = _count().total
     assert plain <= 340
-    assert _count("tome", r=16).total <= 2.3 * plain
+    assert _count("tome", r=16).total <= 2.12 * plain
     assert _count("evit", r=8).total <= 2.6 * plain

@@ -94,16 +94,18 @@ def best_matches(
     index on ties).
     """
     with torch.no_grad():
-        m = metric[:, num_prefix:]
-        a, b = split_tokens(m / m.norm(dim=-1, keepdim=True), num_prefix % 2, split)
+        m = metric / metric.norm(dim=-1, keepdim=True)  # prefix rows too: one slice fewer per block
+        a, b = split_tokens(m, num_prefix, split)
         return torch.bmm(a, b.transpose(1, 2)).max(dim=-1)
 
 
-def split_tokens(rest: torch.Tensor, a_start: int, split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
-    """The A and B tokens of rest (B, n, C), the non-prefix tokens: the alternate positions starting
-    at a_start, or the (a_idx, b_idx) positions of split."""
+def split_tokens(t: torch.Tensor, num_prefix: int, split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
+    """The A and B tokens of t (B, N, C) after its num_prefix prefix tokens: the alternate positions (A
+    starting at the first even absolute position), or the (a_idx, b_idx) non-prefix positions of split."""
     if split is None:
-        return rest[:, a_start::2], rest[:, 1 - a_start::2]
+        a_start = num_prefix % 2
+        return t[:, num_prefix + a_start::2], t[:, num_prefix + 1 - a_start::2]
+    rest = t[:, num_prefix:]
     return gather_tokens(rest, split[0]), gather_tokens(rest, split[1])
 
 
@@ -126,8 +128,8 @@ def merge_top_r(
     r = max(min(r, node_max.shape[1]), 0)
     with torch.no_grad():
         edge_idx = node_max.argsort(dim=-1, descending=True, stable=True)
-        src_idx = edge_idx[:, :r]
-        unm_idx = edge_idx[:, r:].sort(dim=-1).values
+        src_idx, unm_idx = edge_idx.split([r, edge_idx.shape[1] - r], dim=1)
+        unm_idx = unm_idx.sort(dim=-1).values
         dst_idx = node_idx.gather(1, src_idx)
     a_idx, b_idx = split if split is not None else (None, None)
     return MergePlan(num_prefix, num_prefix % 2, unm_idx, src_idx, dst_idx, a_idx, b_idx)

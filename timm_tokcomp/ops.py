@@ -12,9 +12,8 @@ from .matching import split_tokens
 
 
 def _split(t: torch.Tensor, plan: MergePlan):
-    p = plan.num_prefix
     split = None if plan.a_idx is None else (plan.a_idx, plan.b_idx)
-    return (t[:, :p], *split_tokens(t[:, p:], plan.a_start, split))
+    return (t[:, :plan.num_prefix], *split_tokens(t, plan.num_prefix, split))
 
 
 def merge_sum(t: torch.Tensor, plan: MergePlan) -> torch.Tensor:
@@ -36,9 +35,8 @@ def merge_mean(x: torch.Tensor, size: Optional[torch.Tensor], plan: MergePlan) -
     if size is None:
         size = x.new_ones(x.shape[0], x.shape[1], 1)
     weighted = x * size
-    total = merge_sum(torch.cat([weighted, size.to(weighted.dtype)], dim=-1), plan)
-    new_size = total[..., -1:]
-    return total[..., :-1] / new_size, new_size
+    total, new_size = merge_sum(torch.cat([weighted, size.to(weighted.dtype)], dim=-1), plan).split([x.shape[-1], 1], -1)
+    return total / new_size, new_size
 
 
 def prune_sum(t: torch.Tensor, plan: PrunePlan) -> torch.Tensor:

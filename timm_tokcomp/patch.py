@@ -83,7 +83,7 @@ class ReducingBlock(Block):
 
         setting: the reducer's setting for this block (None: no reduction); prefix_only: keep only
         the num_prefix leading tokens after attention (the last block of a class-token head)."""
-        attn_bias = size.log().transpose(1, 2).unsqueeze(1) if prop_attn and size is not None else None
+        attn_bias = size.log().view(x.shape[0], 1, 1, x.shape[1]) if prop_attn and size is not None else None
         active = setting is not None and not prefix_only
         h, metric = self.attn.forward_reduce(self.norm1(x), attn_bias, reducer if active else None)
         x = x + self.drop_path1(self.ls1(h))
