@@ -61,14 +61,44 @@ def test_bench_reports_adaptive_gmacs_and_its_spread_across_batches(tmp_path):
                                   0.5, 90.0, 0.5, 1.25, 8, 3), str(preset))
     out = tmp_path / "r.csv"
     assert main(["bench", "deit_tiny", "--data", str(folder), "--methods", f"atm,{preset}", "--out", str(out)]
-                + FAST) == 2  # a plain folder has no labels: bench needs labelled data
-    (folder / "labels.csv").write_text("file,label\n" + "".join(f"{p.name},0\n" for p in sorted(folder.glob("*.png"))))
-    assert main(["bench", "deit_tiny", "--data", str(folder), "--methods", f"atm,{preset}", "--out", str(out)]
-                + FAST) == 0
+                + FAST) == 0  # a plain folder of images: no labels needed for GMACs and agreement
     rows = {r["method"]: r for r in csv.DictReader(open(out))}
+    assert rows["none"]["top1"] == "" and float(rows["none"]["agreement"]) == 100.0
+    assert 0.0 <= float(rows["atm"]["agreement"]) <= 100.0
     assert float(rows["none"]["gmacs_std"]) == 0.0
     assert float(rows[str(preset)]["gmacs_std"]) > 0.0
     assert float(rows[str(preset)]["gmacs"]) < float(rows["none"]["gmacs"])
+
+
+def test_bench_dtype_autocasts_every_forward_and_says_so(tmp_path, capsys):
+    names = _write_images(tmp_path / "val" / "images", 4)
+    (tmp_path / "val" / "labels.csv").write_text("file,label\n" + "".join(f"{n},1\n" for n in names))
+    out = tmp_path / "r.csv"
+    assert main(["bench", "deit_tiny", "--data", str(tmp_path / "val"), "--methods", "tome_r0,tome_r8",
+                 "--dtype", "bf16", "--out", str(out)] + FAST) == 0
+    assert "device cpu, bf16 autocast, batch 4" in capsys.readouterr().out
+    rows = list(csv.DictReader(open(out)))
+    assert {r["dtype"] for r in rows} == {"bf16"} and {r["tf32"] for r in rows} == {"False"}
+    assert float(rows[1]["agreement"]) == 100.0  # r = 0 in bf16 is the plain model in bf16
+    assert abs(float(rows[0]["gmacs"]) - 1.2537) < 1e-3  # autocast changes the dtype, not the MACs
+    with pytest.raises(SystemExit):
+        main(["bench", "deit_tiny", "--dtype", "fp64"] + FAST)
+    assert "--dtype" in capsys.readouterr().err
+
+
+def test_precision_autocasts_and_restores_tf32():
+    from timm_tokcomp.bench import precision
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    with precision("cpu", "bf16", tf32=not before):
+        assert torch.backends.cuda.matmul.allow_tf32 is (not before)
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    assert torch.backends.cuda.matmul.allow_tf32 is before
+    with precision("cpu", "fp32", tf32=False):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+    with pytest.raises(ValueError, match="--dtype"):
+        with precision("cpu", "int8", tf32=False):
+            pass
 
 
 def test_bench_with_imagefolder_tree(tmp_path):

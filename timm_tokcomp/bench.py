@@ -1,4 +1,5 @@
 """`tokcomp bench`: GMACs, throughput, speedup, top-1 and agreement of several methods, side by side."""
+import contextlib
 import copy
 import csv
 import math
@@ -6,7 +7,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 import timm
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 from tqdm import tqdm
 
 from . import apply, is_reduced, last_stats
-from .data import open_dataset
+from .data import UnlabeledImages, open_images
 from .calibrate import load_preset
 from .measure import count_macs, forward_counting, time_side_by_side
 from .methods import parse_method_tag
@@ -22,6 +23,7 @@ from .outputs import replacing
 
 BASELINE = "none"
 TOCOM_SUFFIX = "+ToCom"
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # None: no autocast
 
 
 @dataclass
@@ -45,6 +47,36 @@ class BenchRow:
     agree_gained: Optional[int] = None
     agree_lost: Optional[int] = None
     agree_change_p: Optional[float] = None
+    dtype: str = "fp32"
+    tf32: bool = False
+
+
+@contextlib.contextmanager
+def precision(device: str, dtype: str, tf32: bool) -> Iterator[None]:
+    """Run the block under autocast to dtype ('fp32': none) with TF32 matmuls and convolutions on or off
+    (CUDA only); the previous TF32 settings come back on exit."""
+    check_dtype(dtype)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    autocast = (torch.autocast(torch.device(device).type, dtype=DTYPES[dtype]) if DTYPES[dtype] is not None
+                else contextlib.nullcontext())
+    try:
+        with autocast:
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def describe_settings(device: str, dtype: str, tf32: bool, batch_size: int) -> str:
+    """One line stating what the timings ran under."""
+    precision_text = "fp32 (no autocast)" if DTYPES[dtype] is None else f"{dtype} autocast"
+    tf32_text = f", TF32 {'on' if tf32 else 'off'}" if torch.device(device).type == "cuda" else ""
+    return f"device {device}, {precision_text}{tf32_text}, batch {batch_size}"
 
 
 def mcnemar_exact_p(gained: int, lost: int) -> float:
@@ -168,8 +200,8 @@ class Evaluation:
 
 @torch.inference_mode()
 def evaluate(models: Dict[str, nn.Module], loader: Iterable, device: str, show_progress: bool) -> Evaluation:
-    """Top-1, agreement with the first model, and MACs per image counted on every batch, in one
-    forward per model and batch."""
+    """Top-1 (0 for unlabeled images, label -1), agreement with the first model, and MACs per image
+    counted on every batch, in one forward per model and batch."""
     correct = {k: 0 for k in models}
     agrees: Dict[str, List[torch.Tensor]] = {k: [] for k in models}
     batch_macs: Dict[str, List[float]] = {k: [] for k in models}
@@ -218,11 +250,15 @@ def run_bench(
     tocom: Optional[str] = None,
     source_r: int = 0,
     tocom_scale: Optional[float] = None,
+    dtype: str = "fp32",
+    tf32: bool = False,
 ) -> List[BenchRow]:
     """Benchmark methods against the unmodified model in one run. Without data, MACs and timing use
-    one random batch and top1 / agreement are None. tocom: a compensator (folder or Hub repo) for a
-    model trained at ToMe r = source_r; adds a '+ToCom' row after each ToMe / EViT row (its scale, or
-    tocom_scale)."""
+    one random batch and top1 / agreement are None; with a folder of unlabeled images, top1 is None and
+    agreement is measured. tocom: a compensator (folder or Hub repo) for a model trained at ToMe r =
+    source_r; adds a '+ToCom' row after each ToMe / EViT row (its scale, or tocom_scale). dtype: 'fp32',
+    or 'bf16' / 'fp16' autocast for every forward; tf32: allow TF32 on CUDA (torch's default is off)."""
+    check_dtype(dtype)
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     if timing_rounds < 1:
@@ -237,12 +273,15 @@ def run_bench(
     cfg = timm.data.resolve_model_data_config(base)
 
     evaluation = None
+    labelled = False
     if data:
-        dataset = open_dataset(data, timm.data.create_transform(**cfg))
+        dataset = open_images(data, timm.data.create_transform(**cfg))
+        labelled = not isinstance(dataset, UnlabeledImages)
         if limit is not None:
             dataset = torch.utils.data.Subset(dataset, range(min(limit, len(dataset))))
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
-        evaluation = evaluate(models, loader, device, show_progress)
+        with precision(device, dtype, tf32):
+            evaluation = evaluate(models, loader, device, show_progress)
         macs = evaluation.macs
         batch = next(iter(loader))[0].to(device)
     else:
@@ -250,7 +289,8 @@ def run_bench(
         macs = {k: count_macs(m, batch[:1]) for k, m in models.items()}
 
     total = len(models) * (timing_rounds + 1)
-    with tqdm(total=total, desc="timing", disable=not show_progress, file=sys.stderr) as bar:
+    with tqdm(total=total, desc="timing", disable=not show_progress, file=sys.stderr) as bar, \
+            precision(device, dtype, tf32):
         seconds = time_side_by_side(models, batch, rounds=timing_rounds, progress=bar.update)
     num_tokens = base.patch_embed.num_patches + base.num_prefix_tokens
     paired = {}
@@ -264,10 +304,12 @@ def run_bench(
             gmacs_std=None if evaluation is None else evaluation.macs_std[name] / 1e9,
             img_per_s=len(batch) / seconds[name],
             speedup=seconds[BASELINE] / seconds[name],
-            top1=None if evaluation is None else evaluation.top1[name],
+            top1=evaluation.top1[name] if labelled else None,
             agreement=None if evaluation is None else evaluation.agreement[name],
             tokens_last_block=_tokens_last_block(model, num_tokens),
             **paired.get(name, {}),
+            dtype=dtype,
+            tf32=tf32,
         )
         for name, model in models.items()
     ]

@@ -15,7 +15,7 @@ def _numbers(flag: str, text: str, kind: type) -> tuple:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import format_table, plot_pareto, run_bench, write_csv
+    from .bench import describe_settings, format_table, plot_pareto, run_bench, write_csv
     from .outputs import refuse_existing
 
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
@@ -39,7 +39,10 @@ def _bench(args: argparse.Namespace) -> int:
         tocom=args.tocom,
         source_r=args.source_r,
         tocom_scale=args.tocom_scale,
+        dtype=args.dtype,
+        tf32=args.tf32,
     )
+    print(describe_settings(args.device, args.dtype, args.tf32, args.batch_size))
     print(format_table(rows))
     if args.out:
         write_csv(rows, args.out, args.model)
@@ -142,10 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"comma list of 'none' and method tags ({', '.join(TAG_FORMS)}); default %(default)s")
     bench.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
     bench.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
-    bench.add_argument("--data", help="ImageFolder tree or folder with labels.csv (file,label); "
-                                      "without it, random inputs and no accuracy")
+    bench.add_argument("--data", help="ImageFolder tree or folder with labels.csv (file,label): top-1 and "
+                                      "agreement; a plain folder of images: agreement only; without it, "
+                                      "random inputs and no accuracy")
     bench.add_argument("--batch-size", type=int, default=64)
     bench.add_argument("--device", default="cpu")
+    bench.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                       help="fp32, or bf16 / fp16 autocast for every forward (default %(default)s)")
+    bench.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (torch's default: off)")
     bench.add_argument("--timing-rounds", type=int, default=5, help="timed forwards per method (median)")
     bench.add_argument("--limit", type=int, help="evaluate only the first N images")
     bench.add_argument("--num-workers", type=int, default=2, help="data loading workers")
