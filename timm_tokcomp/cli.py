@@ -51,6 +51,38 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _speed(args: argparse.Namespace) -> int:
+    from .bench import describe_settings
+    from .outputs import refuse_existing
+    from .speed import format_speed, run_speed, write_speed_csv
+
+    if args.out:
+        refuse_existing(args.out, args.overwrite, "--out")
+    batches = _numbers("--batches", args.batches, int)
+    rows = run_speed(args.model, methods=args.methods.split(","), batches=batches, modes=args.modes.split(","),
+                     device=args.device, dtype=args.dtype, tf32=args.tf32, rounds=args.rounds,
+                     checkpoint=args.checkpoint, pretrained=args.pretrained, data=args.data,
+                     show_progress=not args.no_progress)
+    device_name = torch_device_name(args.device)
+    print(f"{args.model} on {device_name}: " + describe_settings(args.device, args.dtype, args.tf32, max(batches))
+          .replace(f", batch {max(batches)}", f", median of {args.rounds} forwards"))
+    print(format_speed(rows))
+    if args.out:
+        write_speed_csv(rows, args.out, args.model, {"device": device_name, "dtype": args.dtype, "tf32": args.tf32})
+    return 0
+
+
+def torch_device_name(device: str) -> str:
+    """'NVIDIA H100 80GB HBM3' for a CUDA device, the processor for the CPU."""
+    import platform
+
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     import timm
     import torch
@@ -225,6 +257,28 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--num-workers", type=int, default=2, help="data loading workers per process")
     tr.add_argument("--no-progress", action="store_true", help="hide progress bars")
     tr.set_defaults(func=_train_tocom)
+
+    sp = sub.add_parser("speed", help="forward time of each method against the plain model and against its limit "
+                                      "(no matching), per batch size, in eager / compiled / CUDA-graph mode")
+    sp.add_argument("model", nargs="?", default="deit_base_patch16_224", help="timm architecture (default %(default)s)")
+    sp.add_argument("--methods", default="tome_r8,tome_r16,evit_r8,evit_r16",
+                    help=f"comma list of method tags ({', '.join(TAG_FORMS)}) or calibrated presets; default %(default)s")
+    sp.add_argument("--batches", default="1,32,64,256", help="batch sizes (default %(default)s)")
+    sp.add_argument("--modes", default="eager", help="comma list of eager, compile (torch.compile), cudagraph "
+                                                     "(torch.compile mode='reduce-overhead', CUDA only); default %(default)s")
+    sp.add_argument("--device", default="cpu")
+    sp.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                    help="fp32, or bf16 / fp16 autocast (default %(default)s)")
+    sp.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (torch's default: off)")
+    sp.add_argument("--rounds", type=int, default=20, help="timed forwards per model (median; default %(default)s)")
+    sp.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
+    sp.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
+    sp.add_argument("--data", help="folder of images whose first batch is timed (random inputs without it; "
+                                   "adaptive methods such as ATM need real images)")
+    sp.add_argument("--out", help="write the rows as CSV")
+    sp.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    sp.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    sp.set_defaults(func=_speed)
     return parser
 
 

@@ -56,6 +56,14 @@ class PrunePlan:
     fuse_weight: torch.Tensor
 
 
+@dataclass
+class TruncatePlan:
+    """Keep the first num_keep tokens and drop the rest, with no matching: the lower bound on the cost
+    of any reduction to num_keep tokens (the 'limit' rows of `tokcomp speed`)."""
+
+    num_keep: int
+
+
 def max_merges(num_tokens: int, num_prefix: int) -> int:
     """Largest r bipartite matching allows for num_tokens tokens with num_prefix protected."""
     return max(num_tokens - num_prefix, 0) // 2

@@ -6,7 +6,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .matching import MergePlan, PrunePlan
+from .matching import MergePlan, PrunePlan, TruncatePlan
 from .matching import gather_tokens as _gather
 from .matching import split_tokens
 
@@ -56,12 +56,15 @@ def prune_fuse(x: torch.Tensor, plan: PrunePlan) -> torch.Tensor:
 
 
 def apply_plan(
-    plan: Union[MergePlan, PrunePlan],
+    plan: Union[MergePlan, PrunePlan, TruncatePlan],
     x: torch.Tensor,
     size: Optional[torch.Tensor],
     source: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Reduce x: (B, N, C), size: (B, N, 1) or None, source: (B, N, N0) or None by one plan."""
+    if isinstance(plan, TruncatePlan):
+        keep = plan.num_keep
+        return x[:, :keep], None if size is None else size[:, :keep], None if source is None else source[:, :keep]
     if isinstance(plan, MergePlan):
         x, size = merge_mean(x, size, plan)
         reduce_sum = merge_sum

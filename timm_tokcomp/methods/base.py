@@ -14,10 +14,10 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..matching import MergePlan, PrunePlan
+from ..matching import MergePlan, PrunePlan, TruncatePlan
 from ..schedules import BlockCost, RSpec, resolve_r, solve_flops_schedule, validate_r
 
-Plan = Union[MergePlan, PrunePlan]
+Plan = Union[MergePlan, PrunePlan, TruncatePlan]
 
 
 def parse_r_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:

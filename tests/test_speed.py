@@ -1,0 +1,100 @@
+"""`tokcomp speed`: the limit rows run the method's token schedule with no matching, and the table / CSV
+report each method against plain and against its limit."""
+import copy
+import csv
+
+import pytest
+import timm
+import torch
+
+import timm_tokcomp
+from timm_tokcomp import speed
+from timm_tokcomp.cli import main
+from timm_tokcomp.patch import patch
+from timm_tokcomp.speed import LimitReducer, limit_schedule
+
+FAST = ["--rounds", "1", "--no-progress"]
+
+
+def _deit_tiny():
+    torch.manual_seed(0)
+    return timm.create_model("deit_tiny_patch16_224").eval()
+
+
+def test_limit_runs_the_methods_token_schedule_by_dropping_tokens():
+    x = torch.randn(2, 3, 224, 224)
+    base = _deit_tiny()
+    for method, params in (("tome", {"r": 16}), ("evit", {"r": 8}), ("atm", {})):
+        model = timm_tokcomp.apply(copy.deepcopy(base), method, **params)
+        kept = limit_schedule(model, x)
+        limit = copy.deepcopy(base)
+        patch(limit, LimitReducer(kept))
+        with torch.no_grad():
+            limit(x)
+        assert timm_tokcomp.last_stats(limit).tokens_per_block == timm_tokcomp.last_stats(model).tokens_per_block
+        assert timm_tokcomp.last_stats(limit).tokens_out == timm_tokcomp.last_stats(model).tokens_out
+
+
+def test_limit_keeps_the_first_tokens_and_keeping_all_is_the_plain_model():
+    x = torch.randn(2, 3, 224, 224)
+    base = _deit_tiny()
+    full = copy.deepcopy(base)
+    patch(full, LimitReducer([197] * 12))
+    with torch.no_grad():
+        assert torch.equal(full(x), base(x))
+        # keeping only the class token after block 0: the rest of the stack sees that one token
+        one = copy.deepcopy(base)
+        patch(one, LimitReducer([1] * 12))
+        h = base.norm_pre(base.patch_drop(base._pos_embed(base.patch_embed(x))))
+        h = h + base.blocks[0].ls1(base.blocks[0].attn(base.blocks[0].norm1(h)))
+        h = h[:, :1]
+        h = h + base.blocks[0].ls2(base.blocks[0].mlp(base.blocks[0].norm2(h)))
+        for blk in base.blocks[1:]:
+            h = blk(h)
+        torch.testing.assert_close(one(x), base.forward_head(base.norm(h)), rtol=1e-5, atol=1e-5)
+
+
+def test_limit_reducer_refuses_bad_schedules():
+    with pytest.raises(ValueError, match="kept"):
+        LimitReducer([])
+    with pytest.raises(ValueError, match="kept"):
+        LimitReducer([4, 0])
+    with pytest.raises(ValueError, match="one entry per block"):
+        patch(_deit_tiny(), LimitReducer([100, 50]))
+
+
+def test_speed_table_and_csv(tmp_path, capsys):
+    out = tmp_path / "speed.csv"
+    assert main(["speed", "deit_tiny_patch16_224", "--methods", "tome_r8,atm,dense_tome_r1", "--batches", "1,2",
+                 "--out", str(out)] + FAST) == 0
+    printed = capsys.readouterr().out
+    assert "deit_tiny_patch16_224 on CPU" in printed and "fp32 (no autocast)" in printed
+    assert "tome_r8 limit" in printed and "batch 2" in printed
+    rows = list(csv.DictReader(open(out)))
+    assert [(r["batch"], r["method"]) for r in rows[:6]] == [
+        ("1", "none"), ("1", "tome_r8"), ("1", "tome_r8 limit"), ("1", "atm"), ("1", "atm limit"),
+        ("1", "dense_tome_r1")]
+    by = {(r["batch"], r["method"]): r for r in rows}
+    assert float(by["2", "none"]["vs_plain"]) == 1.0 and by["2", "none"]["vs_limit"] == ""
+    assert float(by["2", "tome_r8"]["vs_limit"]) > 0 and by["2", "dense_tome_r1"]["vs_limit"] == ""
+    assert {r["mode"] for r in rows} == {"eager"} and {r["dtype"] for r in rows} == {"fp32"}
+
+
+def test_speed_compiled_mode_skips_data_dependent_methods_and_never_falls_back_silently(monkeypatch, capsys):
+    # dynamo's capture with the 'eager' backend: the harness's wiring without inductor's minutes on a CPU
+    monkeypatch.setattr(speed, "_compiled", lambda m, mode: torch.compile(m, backend="eager", dynamic=False))
+    rows = speed.run_speed("deit_tiny_patch16_224", methods=["tome_r8", "tome_r16", "evit_r8", "atm"], batches=[2],
+                           modes=["compile"], rounds=1, show_progress=False)
+    assert [r.method for r in rows] == ["none", "tome_r8", "tome_r8 limit", "tome_r16", "tome_r16 limit",
+                                        "evit_r8", "evit_r8 limit"]
+
+
+def test_speed_errors_name_the_flag(capsys):
+    assert main(["speed", "deit_tiny_patch16_224", "--modes", "cudagraph"] + FAST) == 2
+    assert "--modes cudagraph needs --device cuda" in capsys.readouterr().err
+    assert main(["speed", "deit_tiny_patch16_224", "--modes", "jit"] + FAST) == 2
+    assert "--modes" in capsys.readouterr().err
+    assert main(["speed", "deit_tiny_patch16_224", "--batches", "0"] + FAST) == 2
+    assert "--batches" in capsys.readouterr().err
+    assert main(["speed", "deit_tiny_patch16_224", "--methods", "tome"] + FAST) == 2
+    assert "--methods" in capsys.readouterr().err

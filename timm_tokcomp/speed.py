@@ -1,0 +1,213 @@
+"""`tokcomp speed`: how fast each method runs against the plain model and against its limit, per batch size
+and execution mode (eager, torch.compile, CUDA graphs).
+
+A method's limit is the same blocks on the same token schedule with no matching at all: after attention each
+block keeps its first tokens and drops the others (LimitReducer). No implementation of that schedule can be
+faster, so `speed / limit speed` says how much the reduction step itself costs."""
+import copy
+import csv
+import sys
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, List, Optional, Sequence
+
+import timm
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from . import apply, last_stats
+from .bench import BASELINE, build_base_model, parse_methods, precision
+from .calibrate import load_preset
+from .data import open_images
+from .matching import TruncatePlan
+from .measure import time_side_by_side
+from .methods import parse_method_tag
+from .methods.base import TokenReducer
+from .outputs import replacing
+from .patch import patch
+from .schedules import BlockCost
+
+MODES = ("eager", "compile", "cudagraph")
+LIMIT_SUFFIX = " limit"
+
+
+class LimitReducer(TokenReducer):
+    """Block l keeps its first kept[l] tokens after attention and drops the rest (no metric, no matching).
+    kept: tokens leaving each block, from a method's forward (limit_schedule)."""
+
+    name = "limit"
+
+    def __init__(self, kept: Sequence[int]) -> None:
+        super().__init__(prop_attn=False, prefix_only_last_block=False)
+        if not kept or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in kept):
+            raise ValueError(f"kept must be a non-empty list of token counts >= 1, got {kept!r}")
+        self.kept = list(kept)
+
+    def check_depth(self, num_blocks: int) -> None:
+        if len(self.kept) != num_blocks:
+            raise ValueError(f"kept needs one entry per block ({num_blocks}), got {len(self.kept)}")
+
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[int]]:
+        entering = [num_tokens] + self.kept[:-1]
+        return [k if k < n else None for k, n in zip(self.kept, entering)]
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        return k  # unused: plan only needs the setting
+
+    def plan(self, metric: torch.Tensor, keep: int, num_prefix: int, size: Optional[torch.Tensor]) -> TruncatePlan:
+        return TruncatePlan(keep)
+
+
+@torch.no_grad()
+def limit_schedule(model: nn.Module, x: torch.Tensor) -> List[int]:
+    """Tokens leaving each block in one forward of the reduced model on x: (B, 3, H, W)."""
+    model(x)
+    stats = last_stats(model)
+    return stats.tokens_per_block[1:] + [stats.tokens_out]
+
+
+@dataclass
+class SpeedRow:
+    """One method at one batch size and mode. ms: median milliseconds per forward; vs_plain: plain time /
+    this time (> 1: faster); vs_limit: limit time / this time (<= 1; None for the plain model, the limit
+    rows and methods without one)."""
+
+    mode: str
+    batch: int
+    method: str
+    ms: float
+    vs_plain: float
+    vs_limit: Optional[float]
+
+
+def _compiled(model: nn.Module, mode: str) -> nn.Module:
+    if mode == "eager":
+        return model
+    return torch.compile(model, dynamic=False, mode="reduce-overhead" if mode == "cudagraph" else None)
+
+
+def check_modes(modes: Sequence[str], device: str) -> None:
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"--modes: each must be one of {', '.join(MODES)}, got {mode!r}")
+    if "cudagraph" in modes and torch.device(device).type != "cuda":
+        raise ValueError("--modes cudagraph needs --device cuda (CUDA graphs replay GPU work)")
+
+
+def run_speed(
+    model_name: str,
+    methods: Sequence[str] = ("tome_r8", "tome_r16", "evit_r8", "evit_r16"),
+    batches: Sequence[int] = (1, 32, 64, 256),
+    modes: Sequence[str] = ("eager",),
+    device: str = "cpu",
+    dtype: str = "fp32",
+    tf32: bool = False,
+    rounds: int = 20,
+    checkpoint: Optional[str] = None,
+    pretrained: bool = False,
+    data: Optional[str] = None,
+    show_progress: bool = True,
+) -> List[SpeedRow]:
+    """Median forward times of the plain model, every method and every method's limit, interleaved per
+    (mode, batch) so that machine noise hits them alike. Data-dependent methods (ATM) run in eager mode
+    only. data: a folder of images whose first batch is timed (random inputs without it)."""
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches) or not batches:
+        raise ValueError(f"--batches must be integers >= 1, got {list(batches)}")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    check_modes(modes, device)
+    names = parse_methods(",".join(methods))[1:]
+    base = build_base_model(model_name, checkpoint, pretrained, device)
+    cfg = timm.data.resolve_model_data_config(base)
+    inputs = _inputs(data, cfg, max(batches), device)
+    rows: List[SpeedRow] = []
+    groups = [(mode, b) for mode in modes for b in batches]
+    with tqdm(total=len(groups), desc="speed", disable=not show_progress, file=sys.stderr) as bar, \
+            precision(device, dtype, tf32):
+        for mode, batch in groups:
+            x = inputs[:batch]
+            models = _models(base, names, x, compiled=mode != "eager")
+            torch._dynamo.reset()
+            with _never_silently_eager(len(models)):
+                compiled = {name: _compiled(m, mode) for name, m in models.items()}
+                seconds = time_side_by_side(compiled, x, rounds=rounds, warmup=1 if mode == "eager" else 3)
+            rows += _rows(mode, batch, seconds)
+            bar.update(1)
+    return rows
+
+
+def _inputs(data: Optional[str], cfg: Dict, count: int, device: str) -> torch.Tensor:
+    if not data:
+        return torch.randn(count, *cfg["input_size"], device=device)
+    dataset = open_images(data, timm.data.create_transform(**cfg))
+    if len(dataset) < count:
+        raise ValueError(f"--data holds {len(dataset)} images; the largest --batches needs {count}")
+    return torch.stack([dataset[i][0] for i in range(count)]).to(device)
+
+
+def _never_silently_eager(num_models: int):
+    """Dynamo config for compiling num_models models of the same classes in one process: room for a
+    compilation per model, and an error, not a silent eager fallback, if that is not enough."""
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    fail = "fail_on_recompile_limit_hit" if hasattr(config, "fail_on_recompile_limit_hit") else "fail_on_cache_limit_hit"
+    return config.patch(**{limit: max(8, 2 * num_models), fail: True})
+
+
+def _models(base: nn.Module, names: Sequence[str], x: torch.Tensor, compiled: bool) -> Dict[str, nn.Module]:
+    """plain, then each method followed by its limit (the token schedule its forward on x ran)."""
+    models = {BASELINE: base}
+    for name in names:
+        method, params = load_preset(name) if name.endswith(".json") else parse_method_tag(name)
+        if compiled and method == "atm":
+            continue  # its token counts depend on the data: compiled, it would recompile per batch
+        model = apply(copy.deepcopy(base), method, **params)
+        models[name] = model
+        if not getattr(model, "_tokcomp_reducer").dense:
+            limit = copy.deepcopy(base)
+            patch(limit, LimitReducer(limit_schedule(model, x)))
+            models[name + LIMIT_SUFFIX] = limit
+    return models
+
+
+def _rows(mode: str, batch: int, seconds: Dict[str, float]) -> List[SpeedRow]:
+    plain = seconds[BASELINE]
+    return [
+        SpeedRow(mode, batch, name, 1e3 * t, plain / t,
+                 seconds[name + LIMIT_SUFFIX] / t if name + LIMIT_SUFFIX in seconds else None)
+        for name, t in seconds.items()
+    ]
+
+
+def format_speed(rows: Sequence[SpeedRow]) -> str:
+    """One table per mode: a row per method, a column per batch with 'x plain (of limit)'."""
+    out: List[str] = []
+    for mode in dict.fromkeys(r.mode for r in rows):
+        in_mode = [r for r in rows if r.mode == mode]
+        batches = list(dict.fromkeys(r.batch for r in in_mode))
+        methods = list(dict.fromkeys(r.method for r in in_mode))
+        cell: Dict = {(r.method, r.batch): r for r in in_mode}
+        width = max(len(m) for m in methods) + 2
+        out.append(f"{mode}: speed against plain (x), and against the method's limit in parentheses")
+        out.append(f"{'method':<{width}}" + "".join(f"{'batch ' + str(b):>22}" for b in batches))
+        for m in methods:
+            texts = []
+            for b in batches:
+                r = cell.get((m, b))
+                if r is None:
+                    texts.append(f"{'-':>22}")
+                    continue
+                limit = "" if r.vs_limit is None else f" ({r.vs_limit:.2f})"
+                texts.append(f"{f'{r.vs_plain:.2f}x{limit} {r.ms:.1f}ms':>22}")
+            out.append(f"{m:<{width}}" + "".join(texts))
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def write_speed_csv(rows: Sequence[SpeedRow], path: str, model_name: str, settings: Dict[str, Any]) -> None:
+    """rows as CSV, with the model name and the run's settings (device, dtype, ...) on every line."""
+    with replacing(path) as tmp, open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["model"] + [fl.name for fl in fields(SpeedRow)] + list(settings))
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({"model": model_name, **asdict(r), **settings})
