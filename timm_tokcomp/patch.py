@@ -2,11 +2,12 @@
 Attention) for static subclasses that reduce tokens, and back. Parameters and buffers are never
 touched, so state_dict keys and weights stay exactly those of the timm model."""
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from timm.layers import Attention, LayerScale
+from timm.models._features import feature_take_indices
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
@@ -14,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import kernels
+from .matching import gather_tokens
 from .methods.base import TokenReducer
 from .ops import apply_plan, group_index, unmerge
 from .schedules import BlockCost
@@ -109,6 +111,7 @@ class DenseBlock(Block):
 
     def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
         """x: (B, N, C) -> (B, N, C)."""
+        _refuse_fx_tracing()
         if attn_mask is not None or is_causal:
             raise ValueError("attn_mask / is_causal are not supported by the dense token-merging blocks")
         reducer, setting, num_prefix = self._tokcomp_reducer, self._tokcomp_setting, self._tokcomp_num_prefix
@@ -133,6 +136,9 @@ class _DenseViT:
 
     _tokcomp_reducer: TokenReducer
 
+    def __prepare_scriptable__(self):
+        raise RuntimeError(_NOT_SCRIPTABLE)
+
 
 class DenseVisionTransformer(_DenseViT, VisionTransformer):
     pass
@@ -140,6 +146,27 @@ class DenseVisionTransformer(_DenseViT, VisionTransformer):
 
 class DenseVisionTransformerDistilled(_DenseViT, VisionTransformerDistilled):
     pass
+
+
+_NOT_SCRIPTABLE = (
+    "TorchScript is not supported on a timm_tokcomp model: its blocks call the method's Python objects (plans, "
+    "schedules) that TorchScript cannot compile. Use torch.compile, or torch.export for a graph to deploy; "
+    "or call timm_tokcomp.remove(model) first")
+_NOT_FX_TRACEABLE = (
+    "torch.fx symbolic tracing is not supported on a timm_tokcomp model: which tokens merge is decided from "
+    "the data (sort / gather on the values) and the token count changes per block, which symbolic proxies "
+    "cannot follow. Use torch.compile or torch.export (both trace with real shapes); for feature maps use "
+    "features_only=True (feature_cls='getter') or forward_intermediates")
+
+
+def _refuse_fx_tracing() -> None:
+    fx = torch.fx._symbolic_trace
+    if hasattr(fx, "is_fx_symbolic_tracing"):  # torch >= 2.9: torch.export no longer counts
+        tracing = fx.is_fx_symbolic_tracing()
+    else:
+        tracing = fx.is_fx_tracing() and not torch.compiler.is_compiling()
+    if tracing:
+        raise RuntimeError(_NOT_FX_TRACEABLE)
 
 
 def _prefix_only_last(model: nn.Module, reducer: TokenReducer) -> bool:
@@ -165,6 +192,7 @@ class _ReducingViT:
     _tokcomp_stats: Optional[ReductionStats]
     _tokcomp_block_cost: BlockCost
     _tokcomp_pool_stats: Optional[ReductionStats]  # this call's stats while forward() runs its head
+    _tokcomp_depth: int  # blocks the schedule is laid over (see model_depth)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, 3, H, W) -> logits; the head pools with this call's token sizes."""
@@ -180,9 +208,7 @@ class _ReducingViT:
         with the returned tensor: forward_head / pool on it use them, whatever ran in between."""
         if attn_mask is not None or is_causal:
             raise ValueError("attn_mask / is_causal are not supported while tokens are reduced (token count changes)")
-        x = self._features(x)
-        _feature_stats(self)[x] = self._tokcomp_stats
-        return x
+        return self._register_features(self._features(x))
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)
@@ -192,27 +218,34 @@ class _ReducingViT:
         x = self._reduce_blocks(x)
         return self.norm(x)
 
-    def _reduce_blocks(self, x: torch.Tensor) -> torch.Tensor:
+    def _reduce_blocks(self, x: torch.Tensor, for_intermediates: bool = False, num_blocks: Optional[int] = None,
+                       on_block: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None) -> torch.Tensor:
+        """x: (B, N, C) -> (B, N', C) through the first num_blocks blocks (all: None). for_intermediates: trace
+        the source map and keep every token to the end; on_block(i, x, source) sees each block's output."""
+        _refuse_fx_tracing()
         reducer, num_prefix = self._tokcomp_reducer, self.num_prefix_tokens
-        settings = reducer.block_settings(len(self.blocks), x.shape[1], num_prefix, self._tokcomp_block_cost)
-        prefix_only_last = _prefix_only_last(self, reducer)
+        settings = reducer.block_settings(self._tokcomp_depth, x.shape[1], num_prefix, self._tokcomp_block_cost)
+        prefix_only_last = _prefix_only_last(self, reducer) and not for_intermediates
         size = None
         source = None
-        if reducer.trace_source:
+        if reducer.trace_source or for_intermediates:
             source = torch.eye(x.shape[1], device=x.device, dtype=x.dtype).expand(x.shape[0], -1, -1)
         stats = ReductionStats(num_prefix=num_prefix)
         use_checkpoint = self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting()
-        last = len(self.blocks) - 1
-        for i, (blk, setting) in enumerate(zip(self.blocks, settings)):
+        last = self._tokcomp_depth - 1
+        blocks = self.blocks if num_blocks is None else self.blocks[:num_blocks]
+        for i, (blk, setting) in enumerate(zip(blocks, settings)):
             stats.tokens_per_block.append(x.shape[1])
             args = (x, size, source, setting, reducer, self._tokcomp_prop_attn, num_prefix, prefix_only_last and i == last)
             if use_checkpoint:
                 x, size, source = checkpoint(blk.forward_reduce, *args, use_reentrant=False)
             else:
                 x, size, source = blk.forward_reduce(*args)
+            if on_block is not None:
+                on_block(i, x, source)
         stats.tokens_out = x.shape[1]
         stats.size = None if size is None else size.detach()
-        stats.source = None if source is None else source.detach()
+        stats.source = source.detach() if reducer.trace_source else None
         self._tokcomp_stats = stats
         return x
 
@@ -247,11 +280,66 @@ class _ReducingViT:
             raise RuntimeError(f"pool got tokens {tuple(x.shape[:2])} whose sizes are {tuple(size.shape[:2])}")
         return size
 
-    def forward_intermediates(self, *args, **kwargs):
-        raise NotImplementedError(
-            "forward_intermediates is not available on a token-reduced model (intermediate token counts "
-            "differ per block); call timm_tokcomp.remove(model) first"
-        )
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: Optional[Union[int, List[int]]] = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        output_dict: bool = False,
+        attn_mask: Optional[torch.Tensor] = None,
+        is_causal: bool = False,
+    ):
+        """timm's forward_intermediates (same arguments and return forms) on the full patch grid: each chosen
+        block's output tokens are mapped back through the source map, so every patch position carries the
+        features of the token that holds it after that block (a merged token at every patch it holds; a
+        patch EViT pruned, the fused token that absorbed it). Prefix tokens are never reduced. Intermediates:
+        (B, C, H, W) for 'NCHW', (B, H * W, C) for 'NLC'; the final features are the reduced tokens
+        (B, N', C), as forward_features returns them, with every block keeping its tokens to the end."""
+        if attn_mask is not None or is_causal:
+            raise ValueError("attn_mask / is_causal are not supported while tokens are reduced (token count changes)")
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        B, _, height, width = x.shape
+        x = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+        grids: List[torch.Tensor] = []
+
+        def on_block(i: int, tokens: torch.Tensor, source: torch.Tensor) -> None:
+            if i in take_indices:
+                holder = source.argmax(dim=1)  # (B, N0): the token holding each original position
+                grids.append(gather_tokens(self.norm(tokens) if norm else tokens, holder))
+
+        x = self._reduce_blocks(x, for_intermediates=True, num_blocks=max_index + 1 if stop_early else None,
+                                on_block=on_block)
+        p = self.num_prefix_tokens
+        prefix = [g[:, :p] for g in grids] if p else None
+        spatial = [g[:, p:] for g in grids]
+        if output_fmt == "NCHW":
+            H, W = self.patch_embed.dynamic_feat_size((height, width))
+            spatial = [g.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for g in spatial]
+        final = None if intermediates_only else self._register_features(self.norm(x))
+        if output_dict:
+            out: Dict[str, Any] = {"image_intermediates": spatial}
+            if prefix is not None and return_prefix_tokens:
+                out["image_intermediates_prefix"] = prefix
+            if final is not None:
+                out["image_features"] = final
+            return out
+        if return_prefix_tokens and prefix is not None:
+            spatial = list(zip(spatial, prefix))
+        return spatial if intermediates_only else (final, spatial)
+
+    def _register_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Remember the stats of this call for x: (B, N', C), so that pool / forward_head on x use its sizes."""
+        _feature_stats(self)[x] = self._tokcomp_stats
+        return x
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(_NOT_SCRIPTABLE)
 
 
 class ReducingVisionTransformer(_ReducingViT, VisionTransformer):
@@ -271,7 +359,8 @@ _DENSE_CLASSES: Dict[type, type] = {
     VisionTransformerDistilled: DenseVisionTransformerDistilled,
 }
 _ORIGINAL = {patched: plain for classes in (_MODEL_CLASSES, _DENSE_CLASSES) for plain, patched in classes.items()}
-_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_stats", "_tokcomp_block_cost", "_tokcomp_pool_stats")
+_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_stats", "_tokcomp_block_cost", "_tokcomp_pool_stats",
+          "_tokcomp_depth")
 _BLOCK_ATTRS = ("_tokcomp_reducer", "_tokcomp_setting", "_tokcomp_num_prefix")
 # model -> (forward_features output -> the stats of the call that returned it); outside the model, so that
 # pickling and deepcopy never meet the weak references, and both die with what they describe
@@ -319,10 +408,19 @@ def check_supported(model: nn.Module) -> None:
         raise TypeError("attention-pooling heads (global_pool='map') are not supported with token reduction")
 
 
+def model_depth(model: nn.Module) -> int:
+    """The blocks a method's schedule is laid over: the model's blocks, or, for a model timm pruned to its
+    first blocks (prune_intermediate_layers, as features_only does) before or after the method was applied,
+    the depth it was built with (model._tokcomp_depth), so each kept block does what it does in the full model."""
+    depth = model.__dict__.get("_tokcomp_depth")
+    return len(model.blocks) if depth is None else depth
+
+
 def patch(model: nn.Module, reducer: TokenReducer) -> None:
     """Make `model` reduce tokens with `reducer` (or switch the reducer of a patched model)."""
     check_supported(model)
-    reducer.check_depth(len(model.blocks))
+    depth = model_depth(model)
+    reducer.check_depth(depth)
     if reducer.dense:
         _patch_dense(model, reducer)
         return
@@ -331,13 +429,14 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     _prefix_only_last(model, reducer)  # raises if asked for where it is not exact
     block_cost = _block_cost(model.blocks[0])
     # settings for the model's default input: a budget out of reach (flops_ratio) fails here, not in a forward
-    reducer.block_settings(len(model.blocks), model.patch_embed.num_patches + model.num_prefix_tokens,
+    reducer.block_settings(depth, model.patch_embed.num_patches + model.num_prefix_tokens,
                            model.num_prefix_tokens, block_cost)
     prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
     _swap_classes(model, ReducingBlock, _MODEL_CLASSES)
     model._tokcomp_reducer = reducer
     model._tokcomp_prop_attn = prop_attn
     model._tokcomp_block_cost = block_cost
+    model._tokcomp_depth = depth
     model._tokcomp_stats = None
     model._tokcomp_pool_stats = None
 

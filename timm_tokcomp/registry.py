@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any, Callable, Optional, Tuple
 
 from timm.models import _registry as treg
+from timm.models._features import FeatureGetterNet
 from timm.models._pretrained import DefaultCfg
 
 from .methods import TAG_FORMS, is_method_tag, parse_method_tag
@@ -77,12 +78,21 @@ def _wrap_entrypoint(arch: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         if isinstance(pretrained_cfg, str):
             base, method_tag = split_method_tag(arch, pretrained_cfg)
             pretrained_cfg = base or None
+        if method_tag and kwargs.get("features_only") and kwargs.get("feature_cls", "getter") != "getter":
+            raise ValueError(f"features_only with a method tag ({method_tag}) needs feature_cls='getter' (the "
+                             f"default): the reduced blocks run only inside the model's forward_intermediates, "
+                             f"not one by one as the hook-based feature classes call them")
         model = fn(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
         if method_tag:
             from . import apply
 
             method, params = parse_method_tag(method_tag)
-            apply(model, method, **params)
+            if isinstance(model, FeatureGetterNet):
+                # timm pruned the blocks after the last out_index; the schedule stays the full model's
+                model.model._tokcomp_depth = len(model.model.feature_info)
+                apply(model.model, method, **params)
+            else:
+                apply(model, method, **params)
         return model
 
     entrypoint._tokcomp_original = fn
