@@ -1,5 +1,6 @@
 """The example scripts run, and the segmentation example's mIoU is right on hand-made maps."""
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,11 @@ def test_tocom_deployment_example_switches_and_restores(capsys):
     out = capsys.readouterr().out
     assert "with ToCom" in out and "without ToCom" in out
     assert "bit-identical to the original" in out
+
+
+def test_dense_backbone_example_builds_the_pyramid_and_counts_fewer_macs(capsys):
+    _load("dense_backbone").main(["--model", "vit_tiny_patch16_224", "--size", "128", "--r", "1"])
+    out = capsys.readouterr().out
+    assert "(192, 32, 32) (stride 4)" in out and "(192, 4, 4) (stride 32)" in out
+    plain, dense = map(float, re.search(r"plain ([\d.]+), dense_tome_r1 ([\d.]+)", out).groups())
+    assert dense < plain

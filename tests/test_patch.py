@@ -175,8 +175,6 @@ def test_patched_block_refuses_direct_calls(images):
     model = timm_tokcomp.apply(make_model("cls"), "tome", r=2)
     with pytest.raises(RuntimeError, match="forward_features"):
         model.blocks[0](torch.randn(1, 65, SMALL["embed_dim"]))
-    with pytest.raises(NotImplementedError, match="remove"):
-        model.forward_intermediates(images)
     with pytest.raises(ValueError, match="attn_mask"):
         model.forward_features(images, attn_mask=torch.zeros(65, 65))
 
