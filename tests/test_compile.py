@@ -1,6 +1,7 @@
 """torch.compile of reduced models: several models with different settings compile in one process as whole
 graphs (no graph break on torch >= 2.10, no recompile-limit fallback to eager) and give the eager outputs. The 'eager'
 backend checks what dynamo captures without the minutes inductor takes on a CPU."""
+import pytest
 import timm
 import torch
 
@@ -33,3 +34,45 @@ def test_three_reduced_models_compile_whole_in_one_process():
         for model in models:  # a second round hits the cache: no recompile is needed
             with torch._dynamo.config.patch(error_on_recompile=True):
                 torch.compile(model, backend="eager", fullgraph=WHOLE_GRAPH)(x)
+
+
+def _counting_backend(compiles):
+    def backend(gm, example_inputs):
+        compiles.append(len(gm.graph.nodes))
+        return gm.forward
+    return backend
+
+
+@pytest.mark.skipif(not WHOLE_GRAPH, reason="torch < 2.10's dynamo breaks the graph inside the reduced forward")
+@pytest.mark.parametrize("method, params", [("tome", {"r": 16}), ("evit", {"r": 8}), ("dense_tome", {"r": 2}),
+                                            ("tome", {"flops_ratio": 2.0})])
+def test_fixed_settings_compile_without_graph_breaks(method, params):
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(_deit_tiny(method, **params))(torch.randn(2, 3, 224, 224))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+def test_same_shape_never_recompiles_and_set_params_recompiles_once():
+    torch._dynamo.reset()
+    model = _deit_tiny("tome", r=16)
+    compiles = []
+    compiled = torch.compile(model, backend=_counting_backend(compiles), fullgraph=WHOLE_GRAPH)
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(x)
+        first = len(compiles)
+        timm_tokcomp.set_params(model, r=8)
+        out = compiled(x)
+        compiled(x)
+        assert len(compiles) == 2 * first  # one recompile for the new r, graphs for it as many as for r = 16
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_atm_says_it_runs_its_matching_between_graphs():
+    torch._dynamo.reset()
+    model = _deit_tiny("atm")
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad(), pytest.warns(UserWarning, match="ATM counts its merges from the data.*fixed-r methods"):
+        out = torch.compile(model, backend="eager")(x)
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)

@@ -5,9 +5,10 @@ import csv
 import math
 import statistics
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import timm
 import torch
@@ -17,7 +18,7 @@ from tqdm import tqdm
 from . import apply, is_reduced, last_stats
 from .data import UnlabeledImages, open_images
 from .calibrate import load_preset
-from .measure import count_macs, forward_counting, time_side_by_side
+from .measure import count_macs, forward_counting, no_silent_eager_fallback, quantile, time_runs
 from .methods import parse_method_tag
 from .outputs import replacing
 
@@ -33,7 +34,9 @@ class BenchRow:
     tokens_last_block: tokens entering the last block in the timing batch. Rows that modify another row
     (the '+ToCom' rows) are compared with it image by image: paired_with names that row, agree_gained /
     agree_lost count the images whose agreement with the baseline this row gains / loses against it,
-    and agree_change_p is the exact two-sided McNemar p-value of that split (None elsewhere)."""
+    and agree_change_p is the exact two-sided McNemar p-value of that split (None elsewhere). backend: what
+    ran the timed forwards; latency_ms / latency_p90_ms: median and 90th percentile of single-image forwards,
+    latency_speedup: the baseline's median latency / this one (None without latency runs)."""
 
     method: str
     gmacs: float
@@ -49,6 +52,10 @@ class BenchRow:
     agree_change_p: Optional[float] = None
     dtype: str = "fp32"
     tf32: bool = False
+    backend: str = "eager"
+    latency_ms: Optional[float] = None
+    latency_p90_ms: Optional[float] = None
+    latency_speedup: Optional[float] = None
 
 
 @contextlib.contextmanager
@@ -70,6 +77,41 @@ def precision(device: str, dtype: str, tf32: bool) -> Iterator[None]:
 def check_dtype(dtype: str) -> None:
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+BACKENDS = ("eager", "compile", "onnx")
+
+
+def check_backend(backend: str, device: str, dtype: str, methods: Sequence[str]) -> None:
+    """Raise ValueError naming the flag when the backend cannot run this device, dtype or a method."""
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "onnx":
+        if torch.device(device).type != "cpu" or dtype != "fp32":
+            raise ValueError("--backend onnx runs fp32 on onnxruntime's CPU provider: use --device cpu --dtype fp32")
+        from .export import EXPORTABLE
+
+        for name in methods:
+            method = BASELINE if name == BASELINE else (load_preset(name) if name.endswith(".json")
+                                                        else parse_method_tag(name))[0]
+            if method not in (BASELINE,) + EXPORTABLE:
+                raise ValueError(f"--backend onnx: {name} cannot be exported (its token counts come from the data); "
+                                 f"exportable: {', '.join(EXPORTABLE)}")
+
+
+def backend_runners(models: Dict[str, nn.Module], backend: str, example: torch.Tensor,
+                    workdir: str) -> Dict[str, Callable]:
+    """What times each model: the model itself (eager), torch.compile(model, dynamic=False), or its ONNX export
+    (written under workdir) in onnxruntime."""
+    if backend == "eager":
+        return dict(models)
+    if backend == "compile":
+        return {name: torch.compile(model, dynamic=False) for name, model in models.items()}
+    from .export import export_onnx, onnx_runner
+
+    example = example[:2] if len(example) >= 2 else example.expand(2, -1, -1, -1)
+    return {name: onnx_runner(export_onnx(model, str(Path(workdir) / f"model{i}.onnx"), example.cpu()))
+            for i, (name, model) in enumerate(models.items())}
 
 
 def describe_settings(device: str, dtype: str, tf32: bool, batch_size: int) -> str:
@@ -252,12 +294,16 @@ def run_bench(
     tocom_scale: Optional[float] = None,
     dtype: str = "fp32",
     tf32: bool = False,
+    backend: str = "eager",
+    latency_runs: int = 30,
 ) -> List[BenchRow]:
     """Benchmark methods against the unmodified model in one run. Without data, MACs and timing use
     one random batch and top1 / agreement are None; with a folder of unlabeled images, top1 is None and
     agreement is measured. tocom: a compensator (folder or Hub repo) for a model trained at ToMe r =
     source_r; adds a '+ToCom' row after each ToMe / EViT row (its scale, or tocom_scale). dtype: 'fp32',
-    or 'bf16' / 'fp16' autocast for every forward; tf32: allow TF32 on CUDA (torch's default is off)."""
+    or 'bf16' / 'fp16' autocast for every forward; tf32: allow TF32 on CUDA (torch's default is off).
+    backend: 'eager', 'compile' or 'onnx' (onnxruntime, CPU) runs the timed forwards; GMACs and accuracy come
+    from the PyTorch models. latency_runs: single-image forwards timed per model (0: none)."""
     check_dtype(dtype)
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
@@ -265,7 +311,10 @@ def run_bench(
         raise ValueError(f"--timing-rounds must be >= 1, got {timing_rounds}")
     if checkpoint and pretrained:
         raise ValueError("give --checkpoint or --pretrained, not both")
+    if latency_runs < 0:
+        raise ValueError(f"--latency-runs must be >= 0, got {latency_runs}")
     methods = parse_methods(",".join(methods))
+    check_backend(backend, device, dtype, methods)
     base = build_base_model(model_name, checkpoint, pretrained, device)
     models = build_method_models(base, methods)
     if tocom:
@@ -288,10 +337,18 @@ def run_bench(
         batch = torch.randn(batch_size, *cfg["input_size"], device=device)
         macs = {k: count_macs(m, batch[:1]) for k, m in models.items()}
 
-    total = len(models) * (timing_rounds + 1)
-    with tqdm(total=total, desc="timing", disable=not show_progress, file=sys.stderr) as bar, \
+    warmup = 1 if backend == "eager" else 2  # compiled: the first calls compile (one per input shape)
+    total = len(models) * (timing_rounds + warmup + (latency_runs + warmup if latency_runs else 0))
+    with tempfile.TemporaryDirectory() as workdir, no_silent_eager_fallback(len(models)), \
+            tqdm(total=total, desc=f"timing ({backend})", disable=not show_progress, file=sys.stderr) as bar, \
             precision(device, dtype, tf32):
-        seconds = time_side_by_side(models, batch, rounds=timing_rounds, progress=bar.update)
+        runners = backend_runners(models, backend, batch, workdir)
+        seconds = {name: statistics.median(t) for name, t in
+                   time_runs(runners, batch, rounds=timing_rounds, warmup=warmup, progress=bar.update).items()}
+        latency = {}
+        if latency_runs:
+            latency = time_runs(runners, batch[:1], rounds=latency_runs, warmup=warmup, progress=bar.update)
+    latency_median = {name: statistics.median(t) for name, t in latency.items()}
     num_tokens = base.patch_embed.num_patches + base.num_prefix_tokens
     paired = {}
     if evaluation is not None:
@@ -310,6 +367,10 @@ def run_bench(
             **paired.get(name, {}),
             dtype=dtype,
             tf32=tf32,
+            backend=backend,
+            latency_ms=1e3 * latency_median[name] if latency else None,
+            latency_p90_ms=1e3 * quantile(latency[name], 0.9) if latency else None,
+            latency_speedup=latency_median[BASELINE] / latency_median[name] if latency else None,
         )
         for name, model in models.items()
     ]
@@ -319,15 +380,18 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     """GMACs +- its spread across batches (adaptive methods vary per batch), tokens entering the last
     block; then, for rows compared with another row, the images whose agreement changed."""
     width = max(12, max(len(r.method) for r in rows) + 2)
-    header = (f"{'method':<{width}}{'GMACs':>9}{'+-batch':>9}{'img/s':>10}{'speedup':>9}{'top-1 %':>9}"
-              f"{'agree %':>9}{'tokens':>8}")
+    with_latency = rows[0].latency_ms is not None
+    latency_header = f"{'1-img ms':>10}{'p90':>8}{'speedup':>9}" if with_latency else ""
+    header = (f"{'method':<{width}}{'GMACs':>9}{'+-batch':>9}{'img/s':>10}{'speedup':>9}{latency_header}"
+              f"{'top-1 %':>9}{'agree %':>9}{'tokens':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
         std = "-" if r.gmacs_std is None else f"{r.gmacs_std:.4f}"
         acc = "-" if r.top1 is None else f"{r.top1:.2f}"
         agr = "-" if r.agreement is None else f"{r.agreement:.2f}"
-        lines.append(f"{r.method:<{width}}{r.gmacs:>9.4f}{std:>9}{r.img_per_s:>10.1f}{r.speedup:>8.2f}x{acc:>9}"
-                     f"{agr:>9}{r.tokens_last_block:>8}")
+        latency = f"{r.latency_ms:>10.2f}{r.latency_p90_ms:>8.2f}{r.latency_speedup:>8.2f}x" if with_latency else ""
+        lines.append(f"{r.method:<{width}}{r.gmacs:>9.4f}{std:>9}{r.img_per_s:>10.1f}{r.speedup:>8.2f}x{latency}"
+                     f"{acc:>9}{agr:>9}{r.tokens_last_block:>8}")
     compared = [r for r in rows if r.paired_with is not None]
     if compared:
         lines += ["", "agreement changed image by image, against the row modified "

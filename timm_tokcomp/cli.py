@@ -41,8 +41,11 @@ def _bench(args: argparse.Namespace) -> int:
         tocom_scale=args.tocom_scale,
         dtype=args.dtype,
         tf32=args.tf32,
+        backend=args.backend,
+        latency_runs=args.latency_runs,
     )
-    print(describe_settings(args.device, args.dtype, args.tf32, args.batch_size))
+    print(describe_settings(args.device, args.dtype, args.tf32, args.batch_size) + f", backend {args.backend}"
+          + (f", latency: {args.latency_runs} single-image forwards" if args.latency_runs else ""))
     print(format_table(rows))
     if args.out:
         write_csv(rows, args.out, args.model)
@@ -81,6 +84,39 @@ def torch_device_name(device: str) -> str:
     if torch.device(device).type == "cuda":
         return torch.cuda.get_device_name(torch.device(device))
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _export(args: argparse.Namespace) -> int:
+    import timm
+    import torch
+
+    from . import apply, is_reduced
+    from .bench import build_base_model
+    from .export import compare_onnxruntime, export_onnx
+    from .methods import is_method_tag, parse_method_tag
+    from .outputs import refuse_existing
+
+    refuse_existing(args.out, args.overwrite, "--out")
+    arch, _, last = args.model.rpartition(".")
+    tagged = bool(arch) and is_method_tag(last)
+    if tagged and args.method:
+        raise ValueError(f"MODEL {args.model!r} already carries a method tag; drop --method or the tag")
+    model = build_base_model(arch if tagged else args.model, args.checkpoint, args.pretrained, "cpu")
+    tag = last if tagged else args.method
+    if tag:
+        method, params = parse_method_tag(tag)
+        apply(model, method, **params)
+    size = timm.data.resolve_model_data_config(model)["input_size"]
+    torch.manual_seed(0)
+    export_onnx(model, args.out, torch.randn(2, *size), overwrite=args.overwrite)
+    print(f"saved {args.out} ({'plain' if not is_reduced(model) else tag}, opset 18, dynamic batch, input {size})")
+    try:
+        diff, shape = compare_onnxruntime(model, args.out, torch.randn(3, *size))
+    except ImportError as e:
+        print(f"note: not checked: {e}", file=sys.stderr)
+    else:
+        print(f"onnxruntime (CPU) on a random batch of 3: logits {shape}, max |ONNX - PyTorch| = {diff:.2e}")
+    return 0
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -185,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                        help="fp32, or bf16 / fp16 autocast for every forward (default %(default)s)")
     bench.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (torch's default: off)")
+    bench.add_argument("--backend", choices=("eager", "compile", "onnx"), default="eager",
+                       help="what runs the timed forwards: PyTorch eager, torch.compile, or the ONNX export in "
+                            "onnxruntime (CPU, fp32; needs the export extra); default %(default)s")
+    bench.add_argument("--latency-runs", type=int, default=30,
+                       help="single-image forwards timed per method for latency (median, p90; 0: none; "
+                            "default %(default)s)")
     bench.add_argument("--timing-rounds", type=int, default=5, help="timed forwards per method (median)")
     bench.add_argument("--limit", type=int, help="evaluate only the first N images")
     bench.add_argument("--num-workers", type=int, default=2, help="data loading workers")
@@ -258,6 +300,16 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--no-progress", action="store_true", help="hide progress bars")
     tr.set_defaults(func=_train_tocom)
 
+    ex = sub.add_parser("export", help="write a plain, ToMe, EViT or dense_tome model as ONNX (dynamic batch) "
+                                       "and check it in onnxruntime")
+    ex.add_argument("model", help="timm architecture, or a tagged name such as deit_tiny_patch16_224.tome_r16")
+    ex.add_argument("--method", help=f"method tag ({', '.join(TAG_FORMS)}; ATM does not export)")
+    ex.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
+    ex.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
+    ex.add_argument("--out", required=True, help="the .onnx file to write")
+    ex.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    ex.set_defaults(func=_export)
+
     sp = sub.add_parser("speed", help="forward time of each method against the plain model and against its limit "
                                       "(no matching), per batch size, in eager / compiled / CUDA-graph mode")
     sp.add_argument("model", nargs="?", default="deit_base_patch16_224", help="timm architecture (default %(default)s)")
@@ -288,7 +340,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:
         print(f"tokcomp: error: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:

@@ -199,11 +199,38 @@ def count_macs(model: nn.Module, x: torch.Tensor) -> float:
     return forward_counting(model, x)[1]
 
 
-@torch.inference_mode()
-def time_side_by_side(models: Dict[str, nn.Module], x: torch.Tensor, rounds: int = 5, warmup: int = 1,
+def time_side_by_side(models: Dict[str, Callable], x: torch.Tensor, rounds: int = 5, warmup: int = 1,
                       progress: Callable[[int], None] = lambda n: None) -> Dict[str, float]:
     """Median seconds per forward of x for each model, interleaving the models round by round so
     that machine noise hits them alike (CUDA work is synchronised around each forward)."""
+    times = time_runs(models, x, rounds, warmup, progress)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def quantile(values: List[float], q: float) -> float:
+    """The q-quantile (0 <= q <= 1) of values, linearly interpolated."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def no_silent_eager_fallback(num_models: int):
+    """Dynamo config for compiling num_models models of the same classes in one process: room for two
+    compilations per model (e.g. two input shapes), and an error, not a silent eager fallback, if that is
+    not enough."""
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    fail = "fail_on_recompile_limit_hit" if hasattr(config, "fail_on_recompile_limit_hit") else "fail_on_cache_limit_hit"
+    return config.patch(**{limit: max(8, 2 * num_models), fail: True})
+
+
+@torch.inference_mode()
+def time_runs(models: Dict[str, Callable], x: torch.Tensor, rounds: int = 5, warmup: int = 1,
+              progress: Callable[[int], None] = lambda n: None) -> Dict[str, List[float]]:
+    """Seconds of each of `rounds` forwards of x per model (any callable), after `warmup` untimed ones,
+    the models interleaved round by round."""
     for model in models.values():
         for _ in range(warmup):
             model(x)
@@ -218,4 +245,4 @@ def time_side_by_side(models: Dict[str, nn.Module], x: torch.Tensor, rounds: int
             sync()
             times[name].append(time.perf_counter() - start)
             progress(1)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times

@@ -20,7 +20,7 @@ from .bench import BASELINE, build_base_model, parse_methods, precision
 from .calibrate import load_preset
 from .data import open_images
 from .matching import TruncatePlan
-from .measure import time_side_by_side
+from .measure import no_silent_eager_fallback, time_side_by_side
 from .methods import parse_method_tag
 from .methods.base import TokenReducer
 from .outputs import replacing
@@ -128,7 +128,7 @@ def run_speed(
             x = inputs[:batch]
             models = _models(base, names, x, compiled=mode != "eager")
             torch._dynamo.reset()
-            with _never_silently_eager(len(models)):
+            with no_silent_eager_fallback(len(models)):
                 compiled = {name: _compiled(m, mode) for name, m in models.items()}
                 seconds = time_side_by_side(compiled, x, rounds=rounds, warmup=1 if mode == "eager" else 3)
             rows += _rows(mode, batch, seconds)
@@ -143,15 +143,6 @@ def _inputs(data: Optional[str], cfg: Dict, count: int, device: str) -> torch.Te
     if len(dataset) < count:
         raise ValueError(f"--data holds {len(dataset)} images; the largest --batches needs {count}")
     return torch.stack([dataset[i][0] for i in range(count)]).to(device)
-
-
-def _never_silently_eager(num_models: int):
-    """Dynamo config for compiling num_models models of the same classes in one process: room for a
-    compilation per model, and an error, not a silent eager fallback, if that is not enough."""
-    config = torch._dynamo.config
-    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    fail = "fail_on_recompile_limit_hit" if hasattr(config, "fail_on_recompile_limit_hit") else "fail_on_cache_limit_hit"
-    return config.patch(**{limit: max(8, 2 * num_models), fail: True})
 
 
 def _models(base: nn.Module, names: Sequence[str], x: torch.Tensor, compiled: bool) -> Dict[str, nn.Module]:

@@ -14,6 +14,7 @@ matching in the late layers and one merge count per batch.
   (prefix_only_last_block, on by default where exact, as in the paper).
 """
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -50,6 +51,11 @@ PRESETS: Dict[str, Dict[str, ATMPreset]] = {
 }
 DEFAULT_PRESET = "lossless"
 FAMILY_WIDTHS = {"tiny": 192, "small": 384, "base": 768}
+
+
+COMPILE_NOTE = ("ATM counts its merges from the data (one host-side count per merging block): under torch.compile "
+                "the graph breaks there and each block's matching runs between compiled pieces, correct but with "
+                "little gain; fixed-r methods (tome, evit, dense_tome) compile as whole graphs")
 
 
 def model_family(width: int) -> str:
@@ -182,5 +188,7 @@ class ATM(TokenReducer):
         # with every size still 1 the size-distinctive split is the alternate one
         split = size_distinctive_split(size, num_prefix) if step.size_split and size is not None else None
         node_max, node_idx = best_matches(metric, num_prefix, split)
+        if torch.compiler.is_compiling():
+            warnings.warn(COMPILE_NOTE, stacklevel=2)
         r = min(batch_adaptive_r(count_above(node_max, step.threshold)), cap)
         return merge_top_r(node_max, node_idx, r, num_prefix, split) if r > 0 else None

@@ -1,0 +1,68 @@
+"""ONNX export (`tokcomp export`, timm_tokcomp.export) checked in onnxruntime, and `tokcomp bench --backend`."""
+import csv
+
+import pytest
+import timm
+import torch
+
+import timm_tokcomp
+from timm_tokcomp.cli import main
+from timm_tokcomp.export import compare_onnxruntime, export_onnx
+from conftest import SMALL, require_data
+
+for module in ("onnx", "onnxscript", "onnxruntime"):
+    pytest.importorskip(module, reason=f"{module} is not installed (pip install 'timm-tokcomp[export]')")
+
+
+@pytest.mark.realdata
+def test_export_real_deit_tiny_tome_r16_matches_pytorch_on_real_images_at_any_batch(tmp_path, capsys):
+    data = require_data()
+    out = tmp_path / "tome_r16.onnx"
+    weights = str(data / "deit_tiny_patch16_224.safetensors")
+    assert main(["export", "deit_tiny_patch16_224.tome_r16", "--checkpoint", weights, "--out", str(out)]) == 0
+    assert "max |ONNX - PyTorch|" in capsys.readouterr().out
+    model = timm.create_model("deit_tiny_patch16_224.tome_r16", checkpoint_path=weights)
+    dataset = timm.data.create_dataset("", root=str(data / "imagenet-val-1300" / "images"))
+    transform = timm.data.create_transform(**timm.data.resolve_model_data_config(model))
+    images = torch.stack([transform(dataset[i][0].convert("RGB")) for i in range(16)])
+    for batch in (images, images[:1]):  # exported with a batch of 2: the batch dimension is dynamic
+        diff, shape = compare_onnxruntime(model, str(out), batch)
+        assert shape == (len(batch), 1000) and diff < 1e-4
+
+
+@pytest.mark.parametrize("method, params", [("evit", {"r": 3}), ("dense_tome", {"k": 8}), ("tome", {"r": 4})])
+def test_fixed_setting_methods_export(tmp_path, method, params):
+    torch.manual_seed(0)
+    model = timm_tokcomp.apply(timm.models.vision_transformer.VisionTransformer(**SMALL).eval(), method, **params)
+    path = export_onnx(model, str(tmp_path / "m.onnx"), torch.randn(2, 3, 32, 32))
+    diff, shape = compare_onnxruntime(model, path, torch.randn(5, 3, 32, 32))
+    assert shape == (5, 10) and diff < 1e-4
+    assert not any(blk.attn.fused_attn is False for blk in model.blocks)  # the caller's model is unchanged
+
+
+def test_export_refuses_what_it_cannot_do(tmp_path, capsys):
+    model = timm.create_model("deit_tiny_patch16_224.atm")
+    with pytest.raises(ValueError, match="'atm' cannot be exported.*tome, evit, dense_tome"):
+        export_onnx(model, str(tmp_path / "a.onnx"), torch.randn(2, 3, 224, 224))
+    with pytest.raises(ValueError, match="B >= 2"):
+        export_onnx(timm.create_model("deit_tiny_patch16_224.tome_r8"), str(tmp_path / "a.onnx"), torch.randn(1, 3, 224, 224))
+    (tmp_path / "taken.onnx").write_text("keep")
+    assert main(["export", "deit_tiny_patch16_224", "--method", "tome_r8", "--out", str(tmp_path / "taken.onnx")]) == 2
+    assert "--overwrite" in capsys.readouterr().err and (tmp_path / "taken.onnx").read_text() == "keep"
+    assert main(["export", "deit_tiny.tome_r8", "--method", "tome_r4", "--out", str(tmp_path / "b.onnx")]) == 2
+    assert "already carries a method tag" in capsys.readouterr().err
+
+
+def test_bench_onnx_backend_reports_throughput_and_latency(tmp_path, capsys):
+    out = tmp_path / "r.csv"
+    assert main(["bench", "deit_tiny_patch16_224", "--methods", "tome_r16", "--backend", "onnx", "--batch-size", "2",
+                 "--timing-rounds", "1", "--latency-runs", "3", "--no-progress", "--out", str(out)]) == 0
+    assert "backend onnx, latency: 3 single-image forwards" in capsys.readouterr().out
+    rows = list(csv.DictReader(open(out)))
+    assert [r["backend"] for r in rows] == ["onnx", "onnx"]
+    assert float(rows[0]["latency_speedup"]) == 1.0
+    assert float(rows[1]["latency_ms"]) > 0 and float(rows[1]["latency_p90_ms"]) >= float(rows[1]["latency_ms"])
+    assert main(["bench", "deit_tiny_patch16_224", "--methods", "atm", "--backend", "onnx"]) == 2
+    assert "atm cannot be exported" in capsys.readouterr().err
+    assert main(["bench", "deit_tiny_patch16_224", "--backend", "onnx", "--dtype", "bf16"]) == 2
+    assert "--backend onnx runs fp32" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""ONNX export of reduced models (`tokcomp export`), for onnxruntime and other ONNX runtimes.
+
+Fixed-setting methods export: plain, ToMe and EViT with a fixed r (or flops_ratio) schedule, and dense_tome.
+ATM does not: how many tokens it merges is read from the data (a host-side count per block), which a static
+graph cannot express. Needs the `export` extra (onnx, onnxscript; onnxruntime to check the result)."""
+import contextlib
+import copy
+import io
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import get_reducer, is_reduced
+from .outputs import refuse_existing, replacing
+
+OPSET = 18
+EXPORTABLE = ("tome", "evit", "dense_tome")
+
+
+def _require(module: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        raise ImportError(f"ONNX export needs {module}: pip install 'timm-tokcomp[export]'") from None
+
+
+def check_exportable(model: nn.Module) -> None:
+    """Raise ValueError naming the method when the model's reduction cannot become a static graph."""
+    if is_reduced(model) and get_reducer(model).name not in EXPORTABLE:
+        name = get_reducer(model).name
+        raise ValueError(f"method {name!r} cannot be exported to ONNX: the number of tokens it merges is counted "
+                         f"from the data in every forward; exportable: plain models and {', '.join(EXPORTABLE)} "
+                         f"(fixed r or flops_ratio)")
+
+
+def _translations() -> Dict:
+    """aten ops the ONNX translation library lacks, written in ONNX ops."""
+    from onnxscript import opset18 as op
+
+    def sort_stable(self, stable: Optional[bool] = None, dim: int = -1, descending: bool = False):
+        # ONNX TopK breaks ties towards the lower index, which is what a stable sort does in both directions
+        length = op.Shape(self, start=dim) if dim == -1 else op.Shape(self, start=dim, end=dim + 1)
+        return op.TopK(self, length, axis=dim, largest=1 if descending else 0, sorted=1)
+
+    return {torch.ops.aten.sort.stable: sort_stable}
+
+
+def export_onnx(model: nn.Module, path: str, example: torch.Tensor, overwrite: bool = False) -> str:
+    """Write `model` (a plain timm ViT or one reduced by an exportable method) to `path` as ONNX (opset 18) with a
+    dynamic batch dimension, using torch.onnx's dynamo exporter. example: (B, 3, H, W), B >= 2, fixing the image
+    size. The model itself is not changed: a copy computes attention explicitly (ONNX opset 18 has no fused
+    attention; same result within fp32 rounding). Returns path."""
+    _require("onnxscript")
+    _require("onnx")
+    check_exportable(model)
+    if example.dim() != 4 or example.shape[0] < 2:
+        raise ValueError(f"example must be a (B, 3, H, W) batch with B >= 2 (B = 1 would fix the batch size), "
+                         f"got shape {tuple(example.shape)}")
+    refuse_existing(path, overwrite, "--out")
+    model = copy.deepcopy(model).eval()
+    for blk in getattr(model, "blocks", ()):
+        blk.attn.fused_attn = False
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    with replacing(path) as tmp, contextlib.redirect_stdout(io.StringIO()):  # the exporter's progress lines
+        program = torch.onnx.export(model, (example,), dynamo=True, dynamic_shapes=({0: batch},),
+                                    opset_version=OPSET, custom_translation_table=_translations(),
+                                    input_names=["images"], output_names=["logits"], verbose=False)
+        program.save(tmp)
+    return path
+
+
+def onnx_runner(path: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A callable running the ONNX file in onnxruntime on the CPU: images (B, 3, H, W) -> logits tensor."""
+    ort = _require("onnxruntime")
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+
+    def run(images: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(session.run(None, {name: images.cpu().numpy()})[0])
+
+    return run
+
+
+def compare_onnxruntime(model: nn.Module, path: str, images: torch.Tensor) -> Tuple[float, Tuple[int, ...]]:
+    """Run the exported file in onnxruntime (CPU) on images: (B, 3, H, W); returns (max |ORT - PyTorch| over the
+    logits, ORT's output shape)."""
+    got = onnx_runner(path)(images)
+    with torch.no_grad():
+        want = model.eval()(images).float().cpu()
+    return float((got - want).abs().max()), tuple(got.shape)
