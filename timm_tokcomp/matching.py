@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -42,18 +43,32 @@ class MergePlan:
 
 @dataclass
 class PrunePlan:
-    """Keep the most attended tokens, fuse the others into one token appended at the end.
+    """Keep some tokens; fuse the others into one token appended at the end, or drop them.
 
     num_prefix: leading tokens copied unchanged.
     keep_idx: (B, K) non-prefix tokens kept, ascending (original order).
-    fuse_idx: (B, F) non-prefix tokens fused into the new last token.
-    fuse_weight: (B, F, 1) weights of the fused tokens, summing to 1 per row.
+    fuse_idx: (B, F) non-prefix tokens fused into the new last token; None: they are dropped.
+    fuse_weight: (B, F, 1) weights of the fused tokens, summing to 1 per row; None when dropped.
     """
 
     num_prefix: int
     keep_idx: torch.Tensor
-    fuse_idx: torch.Tensor
-    fuse_weight: torch.Tensor
+    fuse_idx: Optional[torch.Tensor] = None
+    fuse_weight: Optional[torch.Tensor] = None
+
+
+@dataclass
+class ClusterPlan:
+    """Merge the non-prefix tokens into clusters (each output token: the size-weighted mean of one cluster).
+
+    num_prefix: leading tokens copied unchanged.
+    assign: (B, n) int64, the cluster in [0, num_clusters) of each non-prefix token; every cluster non-empty.
+    Output order: prefix tokens, then the clusters by index.
+    """
+
+    num_prefix: int
+    assign: torch.Tensor
+    num_clusters: int
 
 
 @dataclass
@@ -168,6 +183,16 @@ def batch_adaptive_r(counts: torch.Tensor) -> int:
     return int(torch.floor(counts.double().mean() + 0.5).item())
 
 
+def top_k_pruning(cls_attn: torch.Tensor, r: int, num_prefix: int) -> PrunePlan:
+    """Top-K: keep the non-prefix tokens the class token attends to most, drop the r others (ties: the lower
+    index is kept). cls_attn: (B, N) as in attentive_pruning; r clamped so that one non-prefix token remains."""
+    n = cls_attn.shape[1] - num_prefix
+    r = max(min(r, n - 1), 0)
+    with torch.no_grad():
+        order = cls_attn[:, num_prefix:].argsort(dim=-1, descending=True, stable=True)
+        return PrunePlan(num_prefix, order[:, : n - r].sort(dim=-1).values)
+
+
 def attentive_pruning(cls_attn: torch.Tensor, r: int, num_prefix: int) -> PrunePlan:
     """EViT's attentive token selection with fusion.
 
@@ -187,3 +212,57 @@ def attentive_pruning(cls_attn: torch.Tensor, r: int, num_prefix: int) -> PruneP
     w = attn.gather(1, fuse_idx)  # outside no_grad: the fused token's weights stay differentiable
     w = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
     return PrunePlan(num_prefix, keep_idx, fuse_idx, w.unsqueeze(-1))
+
+
+def pairwise_distances(x: torch.Tensor) -> torch.Tensor:
+    """Euclidean distances between the tokens of x: (B, n, C) -> (B, n, n), in fp32 (a batched matmul, so
+    the MAC counter sees the cost)."""
+    x = x.float()
+    sq = (x * x).sum(dim=-1)
+    d2 = sq.unsqueeze(2) + sq.unsqueeze(1) - 2 * torch.bmm(x, x.transpose(1, 2))
+    return d2.clamp_min(0).sqrt()
+
+
+def nearest_centre(dist: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """dist: (B, n, n), centres: (B, K) distinct token indices -> (B, n) index in [0, K) of each token's
+    nearest centre (ties: the lower index); every centre is in its own cluster, so none is empty."""
+    to_centres = dist.gather(2, centres.unsqueeze(1).expand(-1, dist.shape[1], -1))
+    assign = to_centres.argmin(dim=-1)
+    return assign.scatter(1, centres, torch.arange(centres.shape[1], device=centres.device).expand_as(centres))
+
+
+def k_medoids(x: torch.Tensor, num_clusters: int, iterations: int = 3) -> torch.Tensor:
+    """K-Medoids on the tokens x: (B, n, C) -> assign (B, n) in [0, num_clusters).
+
+    Start: num_clusters medoids evenly spaced over the token order. Each iteration assigns every token to its
+    nearest medoid and moves each medoid to the member with the least summed distance to its cluster."""
+    B, n, _ = x.shape
+    with torch.no_grad():
+        dist = pairwise_distances(x)
+        medoids = torch.linspace(0, n - 1, num_clusters, device=x.device).round().long().expand(B, -1)
+        for _ in range(iterations):
+            members = F.one_hot(nearest_centre(dist, medoids), num_clusters).to(dist.dtype)  # (B, n, K)
+            cost = torch.bmm(dist, members).masked_fill(members == 0, float("inf"))  # member's cost per cluster
+            medoids = cost.argmin(dim=1)
+        return nearest_centre(dist, medoids)
+
+
+def density_peaks(x: torch.Tensor, num_clusters: int, neighbours: int = 5) -> torch.Tensor:
+    """DPC-KNN on the tokens x: (B, n, C) -> assign (B, n) in [0, num_clusters).
+
+    Density rho_i = exp(-mean squared distance to the `neighbours` nearest tokens (itself included)), with
+    distances scaled by 1 / sqrt(C); delta_i = distance to the nearest denser token (ties: the lower index
+    counts as denser; the densest token takes the largest distance). The num_clusters tokens with the largest
+    rho * delta are the centres (ties: lower index), and every token joins its nearest centre."""
+    B, n, C = x.shape
+    with torch.no_grad():
+        dist = pairwise_distances(x) / C ** 0.5
+        nearest = dist.topk(min(neighbours, n), dim=-1, largest=False).values
+        density = (-(nearest ** 2).mean(dim=-1)).exp()  # (B, n)
+        index = torch.arange(n, device=x.device)
+        denser = (density.unsqueeze(1) > density.unsqueeze(2)) | (
+            (density.unsqueeze(1) == density.unsqueeze(2)) & (index.unsqueeze(0) < index.unsqueeze(1)))
+        farthest = dist.flatten(1).max(dim=-1).values.view(B, 1, 1)
+        delta = torch.where(denser, dist, farthest).min(dim=-1).values
+        centres = (density * delta).argsort(dim=-1, descending=True, stable=True)[:, :num_clusters]
+        return nearest_centre(dist, centres)

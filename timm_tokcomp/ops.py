@@ -6,7 +6,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .matching import MergePlan, PrunePlan, TruncatePlan
+from .matching import ClusterPlan, MergePlan, PrunePlan, TruncatePlan
 from .matching import gather_tokens as _gather
 from .matching import split_tokens
 
@@ -32,31 +32,50 @@ def merge_mean(x: torch.Tensor, size: Optional[torch.Tensor], plan: MergePlan) -
     x: (B, N, C); size: (B, N, 1) or None (all ones). Returns x: (B, N - r, C), size: (B, N - r, 1).
     The weighted tokens and their sizes are merged in one pass, as (B, N, C + 1) rows.
     """
-    if size is None:
-        size = x.new_ones(x.shape[0], x.shape[1], 1)
-    weighted = x * size
-    total, new_size = merge_sum(torch.cat([weighted, size.to(weighted.dtype)], dim=-1), plan).split([x.shape[-1], 1], -1)
-    return total / new_size, new_size
+    return weighted_mean(x, size, lambda t: merge_sum(t, plan))
 
 
 def prune_sum(t: torch.Tensor, plan: PrunePlan) -> torch.Tensor:
-    """Keep plan.keep_idx, sum the fused tokens into one last token: (B, N, C) -> (B, N - F + 1, C)."""
+    """Keep plan.keep_idx, sum the fused tokens into one last token: (B, N, C) -> (B, p + K (+ 1), C)."""
     p = plan.num_prefix
     rest = t[:, p:]
-    fused = _gather(rest, plan.fuse_idx).sum(dim=1, keepdim=True)
-    return torch.cat([t[:, :p], _gather(rest, plan.keep_idx), fused], dim=1)
+    parts = [t[:, :p], _gather(rest, plan.keep_idx)]
+    if plan.fuse_idx is not None:
+        parts.append(_gather(rest, plan.fuse_idx).sum(dim=1, keepdim=True))
+    return torch.cat(parts, dim=1)
 
 
 def prune_fuse(x: torch.Tensor, plan: PrunePlan) -> torch.Tensor:
-    """Keep plan.keep_idx, fuse the others into their attention-weighted mean: (B, N, C) -> (B, N - F + 1, C)."""
+    """Keep plan.keep_idx, fuse the others into their attention-weighted mean (or drop them):
+    (B, N, C) -> (B, p + K (+ 1), C)."""
     p = plan.num_prefix
     rest = x[:, p:]
-    fused = (_gather(rest, plan.fuse_idx) * plan.fuse_weight).sum(dim=1, keepdim=True)
-    return torch.cat([x[:, :p], _gather(rest, plan.keep_idx), fused], dim=1)
+    parts = [x[:, :p], _gather(rest, plan.keep_idx)]
+    if plan.fuse_idx is not None:
+        parts.append((_gather(rest, plan.fuse_idx) * plan.fuse_weight).sum(dim=1, keepdim=True))
+    return torch.cat(parts, dim=1)
+
+
+def cluster_sum(t: torch.Tensor, plan: ClusterPlan) -> torch.Tensor:
+    """Sum every cluster: (B, N, C) -> (B, p + num_clusters, C)."""
+    p = plan.num_prefix
+    rest = t[:, p:]
+    sums = rest.new_zeros(rest.shape[0], plan.num_clusters, rest.shape[2])
+    sums = sums.scatter_add(1, plan.assign.unsqueeze(-1).expand(-1, -1, rest.shape[2]), rest)
+    return torch.cat([t[:, :p], sums], dim=1)
+
+
+def weighted_mean(x: torch.Tensor, size: Optional[torch.Tensor], reduce_sum) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Size-weighted mean of every group a summing reduction forms, in one pass over (B, N, C + 1) rows.
+    x: (B, N, C); size: (B, N, 1) or None (all ones). Returns x (B, M, C), size (B, M, 1)."""
+    if size is None:
+        size = x.new_ones(x.shape[0], x.shape[1], 1)
+    total, new_size = reduce_sum(torch.cat([x * size, size.to(x.dtype)], dim=-1)).split([x.shape[-1], 1], -1)
+    return total / new_size, new_size
 
 
 def apply_plan(
-    plan: Union[MergePlan, PrunePlan, TruncatePlan],
+    plan: Union[MergePlan, PrunePlan, ClusterPlan, TruncatePlan],
     x: torch.Tensor,
     size: Optional[torch.Tensor],
     source: Optional[torch.Tensor],
@@ -68,6 +87,9 @@ def apply_plan(
     if isinstance(plan, MergePlan):
         x, size = merge_mean(x, size, plan)
         reduce_sum = merge_sum
+    elif isinstance(plan, ClusterPlan):
+        x, size = weighted_mean(x, size, lambda t: cluster_sum(t, plan))
+        reduce_sum = cluster_sum
     else:
         if size is None:
             size = x.new_ones(x.shape[0], x.shape[1], 1)

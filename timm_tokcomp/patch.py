@@ -94,7 +94,7 @@ class ReducingBlock(Block):
             size = None if size is None else size[:, :num_prefix]
             source = None if source is None else source[:, :num_prefix]
         elif metric is not None:
-            plan = reducer.plan(metric, setting, num_prefix, size)
+            plan = reducer.plan(x.detach() if reducer.plan_on_tokens else metric, setting, num_prefix, size)
             if plan is not None:
                 x, size, source = apply_plan(plan, x, size, source)
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
@@ -424,8 +424,8 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     if reducer.dense:
         _patch_dense(model, reducer)
         return
-    if reducer.name == "evit" and getattr(model, "cls_token", None) is None:
-        raise ValueError("EViT ranks tokens by class-token attention and needs a model with a class token")
+    if reducer.needs_class_token and getattr(model, "cls_token", None) is None:
+        raise ValueError(f"{reducer.name} ranks tokens by class-token attention and needs a model with a class token")
     _prefix_only_last(model, reducer)  # raises if asked for where it is not exact
     block_cost = _block_cost(model.blocks[0])
     # settings for the model's default input: a budget out of reach (flops_ratio) fails here, not in a forward

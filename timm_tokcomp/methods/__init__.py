@@ -1,14 +1,19 @@
-"""Token-reduction methods by name, and their name tags (`tome_r16`, `evit_r8`, `atm`, `atm_<preset>`,
-`dense_tome_r8`)."""
+"""Token-reduction methods by name, and their name tags (`tome_r16`, `evit_r8`, `topk_k70`, `atm`,
+`atm_<preset>`, `dense_tome_r8`, ...)."""
 from typing import Any, Dict, Tuple, Type
 
 from .atm import ATM
 from .base import TokenReducer
 from .dense_tome import DenseToMe
+from .dpcknn import DPCKNN
 from .evit import EViT
+from .kmedoids import KMedoids
+from .radial import RadialL1, RadialL2, RadialLInf
 from .tome import ToMe
+from .topk import TopK
 
-METHODS: Dict[str, Type[TokenReducer]] = {cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe)}
+METHODS: Dict[str, Type[TokenReducer]] = {
+    cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, RadialL1, RadialL2, RadialLInf, KMedoids, DPCKNN)}
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

@@ -14,10 +14,11 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..matching import MergePlan, PrunePlan, TruncatePlan
-from ..schedules import BlockCost, RSpec, resolve_r, solve_flops_schedule, validate_r
+from ..matching import ClusterPlan, MergePlan, PrunePlan, TruncatePlan
+from ..schedules import (STUDY_STAGES, BlockCost, RSpec, check_keep_rate, resolve_r, solve_flops_schedule,
+                         stage_schedule, validate_r)
 
-Plan = Union[MergePlan, PrunePlan, TruncatePlan]
+Plan = Union[MergePlan, PrunePlan, ClusterPlan, TruncatePlan]
 
 
 def parse_r_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
@@ -25,6 +26,14 @@ def parse_r_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
     digits = tag[len(name) + 2:]
     if tag.startswith(f"{name}_r") and digits.isdigit() and digits.isascii():
         return {"r": int(digits)}
+    return None
+
+
+def parse_keep_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
+    """'<name>_k<pct>' -> {'keep_rate': pct / 100} for pct in 1..100; None for any other tag."""
+    digits = tag[len(name) + 2:]
+    if tag.startswith(f"{name}_k") and digits.isdigit() and digits.isascii() and 1 <= int(digits) <= 100:
+        return {"keep_rate": int(digits) / 100}
     return None
 
 
@@ -47,6 +56,8 @@ class TokenReducer(ABC):
     name: ClassVar[str]
     default_prefix_only_last_block: ClassVar[bool] = False
     dense: ClassVar[bool] = False  # True: keeps every token (merge before the MLP, unmerge after)
+    needs_class_token: ClassVar[bool] = False  # ranks tokens by the class token's attention
+    plan_on_tokens: ClassVar[bool] = False  # plan() gets the block's tokens (B, N, C) after attention, not the metric
 
     def __init__(
         self,
@@ -135,13 +146,19 @@ class RTagged:
 
 class ScheduledReducer(RTagged, TokenReducer):
     """A method with an r schedule: r tokens removed per block (int, per-block list, or (r, inflection)
-    tuple), or a schedule solved from flops_ratio (unreduced MACs / target MACs). Block settings are
-    the per-block r."""
+    tuple), a schedule solved from flops_ratio (unreduced MACs / target MACs), or the "Which Tokens to
+    Use?" protocol: keep_rate, with the patch tokens brought down to floor(P * keep_rate ** s) in the s-th
+    of the blocks `stages` (1-based, default 4, 7, 10). Block settings are the per-block r. Tags:
+    '<name>_r<k>' (r = k) and '<name>_k<pct>' (keep_rate = pct / 100)."""
+
+    min_keep_rate: ClassVar[float] = 0.0  # the lowest keep_rate one stage can reach
 
     def __init__(
         self,
         r: RSpec = 0,
         flops_ratio: Optional[float] = None,
+        keep_rate: Optional[float] = None,
+        stages: Tuple[int, ...] = STUDY_STAGES,
         prop_attn: Optional[bool] = None,
         trace_source: bool = False,
         prefix_only_last_block: Optional[bool] = None,
@@ -151,26 +168,40 @@ class ScheduledReducer(RTagged, TokenReducer):
             if isinstance(flops_ratio, bool) or not isinstance(flops_ratio, (int, float)) \
                     or not math.isfinite(flops_ratio) or flops_ratio <= 1.0:
                 raise ValueError(f"flops_ratio must be a number > 1 (unreduced MACs / target MACs), got {flops_ratio!r}")
-            if r != 0:
-                raise ValueError("give either r or flops_ratio, not both")
+        given = [name for name, value in (("r", r != 0), ("flops_ratio", flops_ratio is not None),
+                                          ("keep_rate", keep_rate is not None)) if value]
+        if len(given) > 1:
+            raise ValueError(f"give one of r, flops_ratio, keep_rate, not {' and '.join(given)}")
         self.r = validate_r(r)
         self.flops_ratio = None if flops_ratio is None else float(flops_ratio)
+        self.keep_rate, self.stages = (None, tuple(stages)) if keep_rate is None else check_keep_rate(keep_rate, stages)
+        if self.keep_rate is not None and self.keep_rate < self.min_keep_rate:
+            raise ValueError(f"keep_rate must be in [{self.min_keep_rate}, 1] for {self.name} (it reduces at most "
+                             f"{1 - self.min_keep_rate:.0%} of a block's tokens), got {self.keep_rate}")
         self._settings_cache: Dict[Tuple[int, int, int, BlockCost], List[Optional[int]]] = {}
 
     @classmethod
+    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
+        return parse_r_tag(cls.name, tag) or parse_keep_tag(cls.name, tag)
+
+    @classmethod
+    def tag_forms(cls) -> Tuple[str, ...]:
+        return (f"{cls.name}_r<k>", f"{cls.name}_k<pct>")
+
+    @classmethod
     def update_params(cls, current: Dict[str, Any], new: Dict[str, Any]) -> Dict[str, Any]:
-        """Giving flops_ratio clears r and vice versa."""
+        """Giving one of r, flops_ratio, keep_rate clears the other two."""
         merged = dict(current)
-        if "r" in new:
-            merged["flops_ratio"] = None
-        if new.get("flops_ratio") is not None:
-            merged["r"] = 0
+        if "r" in new or new.get("flops_ratio") is not None or new.get("keep_rate") is not None:
+            merged.update(r=0, flops_ratio=None, keep_rate=None)
         merged.update(new)
         return merged
 
     def check_depth(self, num_blocks: int) -> None:
         if isinstance(self.r, list) and len(self.r) != num_blocks:
             raise ValueError(f"r as a per-block list needs one entry per block ({num_blocks}), got {len(self.r)}")
+        if self.keep_rate is not None and self.stages[-1] > num_blocks:
+            raise ValueError(f"stages must be blocks 1..{num_blocks} of this model, got {self.stages}")
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[int]]:
         """Tokens each block should remove (before the per-block clamp); None where 0."""
@@ -178,6 +209,8 @@ class ScheduledReducer(RTagged, TokenReducer):
         if key not in self._settings_cache:
             if self.flops_ratio is not None:
                 sched = solve_flops_schedule(self.flops_ratio, num_blocks, num_tokens - num_prefix, num_prefix, cost)
+            elif self.keep_rate is not None:
+                sched = stage_schedule(self.keep_rate, self.stages, num_blocks, num_tokens - num_prefix)
             else:
                 sched = resolve_r(self.r, num_blocks)
             self._settings_cache[key] = [r if r > 0 else None for r in sched]

@@ -14,6 +14,7 @@ class EViT(ScheduledReducer):
     an ordinary token in later blocks. Proportional attention is off unless asked."""
 
     name = "evit"
+    needs_class_token = True
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         scores = (q[:, :, :1] * scale) @ k.transpose(-2, -1)  # (B, H, 1, N)

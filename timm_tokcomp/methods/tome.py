@@ -12,6 +12,7 @@ class ToMe(ScheduledReducer):
     Proportional attention is on by default, off for avg-pooled (MAE-style) models."""
 
     name = "tome"
+    min_keep_rate = 0.5  # bipartite matching merges at most half of a block's tokens
 
     def default_prop_attn(self, global_pool: str) -> bool:
         return global_pool != "avg"

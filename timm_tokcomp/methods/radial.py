@@ -1,0 +1,71 @@
+"""Fixed radial patterns ("Which Tokens to Use?"): each reducing block keeps the patch tokens nearest the
+image centre under the l1, l2 or l-infinity norm and drops the others. The pattern ignores the image, so
+the kept set only depends on the token counts (ties: the lower patch index is kept)."""
+import functools
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..matching import PrunePlan
+from ..schedules import BlockCost
+from .base import ScheduledReducer
+
+
+@functools.lru_cache(maxsize=64)
+def centre_order(num_patches: int, norm: float) -> Tuple[int, ...]:
+    """Patch indices of a square grid, nearest the centre first (stable: ties by index)."""
+    side = int(round(num_patches ** 0.5))
+    if side * side != num_patches:
+        raise ValueError(f"radial patterns need a square patch grid, got {num_patches} patches")
+    coords = torch.arange(side, dtype=torch.float64) - (side - 1) / 2
+    offsets = torch.stack(torch.meshgrid(coords, coords, indexing="ij"), dim=-1).reshape(-1, 2)
+    dist = torch.linalg.vector_norm(offsets, ord=norm, dim=-1)
+    return tuple(dist.argsort(stable=True).tolist())
+
+
+@functools.lru_cache(maxsize=256)
+def _keep_positions(num_patches: int, norm: float, n: int, keep: int) -> Tuple[int, ...]:
+    """Among the n current tokens (the n patches nearest the centre, in patch order), the indices of the keep
+    nearest ones."""
+    order = centre_order(num_patches, norm)
+    current = sorted(order[:n])
+    kept = set(order[:keep])
+    return tuple(i for i, patch in enumerate(current) if patch in kept)
+
+
+class Radial(ScheduledReducer):
+    """Keeps the tokens nearest the centre (no metric is read). Needs a square patch grid and a model whose
+    every reduction is radial (the tokens present are always the n patches nearest the centre)."""
+
+    ord: float
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        return k  # unused: the pattern depends on the token count only
+
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[Tuple[int, int]]]:
+        """(r, patches of the input grid) per reducing block."""
+        return [None if r is None else (r, num_tokens - num_prefix)
+                for r in super().block_settings(num_blocks, num_tokens, num_prefix, cost)]
+
+    def plan(self, metric: torch.Tensor, setting: Tuple[int, int], num_prefix: int,
+             size: Optional[torch.Tensor]) -> Optional[PrunePlan]:
+        r, num_patches = setting
+        n = metric.shape[2] - num_prefix  # metric is k: (B, H, N, d)
+        r = max(min(r, n - 1), 0)
+        if r == 0:
+            return None
+        keep = _keep_positions(num_patches, self.ord, n, n - r)
+        idx = torch.tensor(keep, device=metric.device).expand(metric.shape[0], -1)
+        return PrunePlan(num_prefix, idx)
+
+
+class RadialL1(Radial):
+    name, ord = "l1", 1.0
+
+
+class RadialL2(Radial):
+    name, ord = "l2", 2.0
+
+
+class RadialLInf(Radial):
+    name, ord = "linf", float("inf")
