@@ -84,7 +84,9 @@ class ReducingBlock(Block):
         """x: (B, N, C), size: (B, N, 1) or None, source: (B, N, N0) or None -> the same, N' <= N tokens.
 
         setting: the reducer's setting for this block (None: no reduction); prefix_only: keep only
-        the num_prefix leading tokens after attention (the last block of a class-token head)."""
+        the num_prefix leading tokens after attention (the last block of a class-token head). The reduction
+        runs between attention and MLP, or after the MLP when reducer.reduce_after_mlp (the study protocol's
+        'before the next block'); the metric is this block's either way."""
         attn_bias = size.log().view(x.shape[0], 1, 1, x.shape[1]) if prop_attn and size is not None else None
         active = setting is not None and not prefix_only
         h, metric = self.attn.forward_reduce(self.norm1(x), attn_bias, reducer if active else None)
@@ -93,12 +95,17 @@ class ReducingBlock(Block):
             x = x[:, :num_prefix]
             size = None if size is None else size[:, :num_prefix]
             source = None if source is None else source[:, :num_prefix]
-        elif metric is not None:
-            plan = reducer.plan(x.detach() if reducer.plan_on_tokens else metric, setting, num_prefix, size)
-            if plan is not None:
-                x, size, source = apply_plan(plan, x, size, source)
+        elif metric is not None and not reducer.reduce_after_mlp:
+            x, size, source = self._reduce(x, size, source, metric, setting, reducer, num_prefix)
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        if metric is not None and reducer.reduce_after_mlp:
+            x, size, source = self._reduce(x, size, source, metric, setting, reducer, num_prefix)
         return x, size, source
+
+    @staticmethod
+    def _reduce(x, size, source, metric, setting, reducer: TokenReducer, num_prefix: int):
+        plan = reducer.plan(x.detach() if reducer.plan_on_tokens else metric, setting, num_prefix, size)
+        return (x, size, source) if plan is None else apply_plan(plan, x, size, source)
 
 
 class DenseBlock(Block):

@@ -92,22 +92,23 @@ def check_keep_rate(keep_rate, stages) -> Tuple[float, Tuple[int, ...]]:
     if isinstance(keep_rate, bool) or not isinstance(keep_rate, (int, float)) or not 0.0 < keep_rate <= 1.0:
         raise ValueError(f"keep_rate must be a number in (0, 1], got {keep_rate!r}")
     stages = tuple(stages)
-    if not stages or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in stages) \
+    if not stages or any(isinstance(b, bool) or not isinstance(b, int) or b < 2 for b in stages) \
             or any(b >= c for b, c in zip(stages, stages[1:])):
-        raise ValueError(f"stages must be strictly increasing 1-based block numbers, got {stages!r}")
+        raise ValueError(f"stages must be strictly increasing 1-based block numbers >= 2 (tokens are reduced "
+                         f"before each, at the end of the block before it), got {stages!r}")
     return float(keep_rate), stages
 
 
 def stage_schedule(keep_rate: float, stages: Sequence[int], num_blocks: int, num_patch: int) -> List[int]:
-    """The study's protocol as per-block r: block stages[s - 1] (1-based) brings the patch tokens down to
-    floor(num_patch * keep_rate ** s); every other block removes none. E.g. keep_rate 0.7, 196 patches:
-    137, 96, 67 tokens after blocks 4, 7, 10."""
+    """The study's protocol as per-block r: the patch tokens entering block stages[s - 1] (1-based) are
+    floor(num_patch * keep_rate ** s), so the block before it removes the rest (at its end); every other
+    block removes none. E.g. keep_rate 0.7, 196 patches: 137, 96, 67 tokens from blocks 4, 7, 10 on."""
     if stages[-1] > num_blocks:
-        raise ValueError(f"stages must be blocks 1..{num_blocks} of this model, got {tuple(stages)}")
+        raise ValueError(f"stages must be blocks 2..{num_blocks} of this model, got {tuple(stages)}")
     r, n = [0] * num_blocks, num_patch
     for s, block in enumerate(stages, 1):
         target = int(math.floor(num_patch * keep_rate ** s + 1e-9))
-        r[block - 1], n = n - target, target
+        r[block - 2], n = n - target, target
     return r
 
 

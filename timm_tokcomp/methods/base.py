@@ -57,7 +57,8 @@ class TokenReducer(ABC):
     default_prefix_only_last_block: ClassVar[bool] = False
     dense: ClassVar[bool] = False  # True: keeps every token (merge before the MLP, unmerge after)
     needs_class_token: ClassVar[bool] = False  # ranks tokens by the class token's attention
-    plan_on_tokens: ClassVar[bool] = False  # plan() gets the block's tokens (B, N, C) after attention, not the metric
+    plan_on_tokens: ClassVar[bool] = False  # plan() gets the block's tokens (B, N, C), not the metric
+    reduce_after_mlp: bool = False  # reduce at the end of the block (after its MLP), not between attention and MLP
 
     def __init__(
         self,
@@ -147,8 +148,9 @@ class RTagged:
 class ScheduledReducer(RTagged, TokenReducer):
     """A method with an r schedule: r tokens removed per block (int, per-block list, or (r, inflection)
     tuple), a schedule solved from flops_ratio (unreduced MACs / target MACs), or the "Which Tokens to
-    Use?" protocol: keep_rate, with the patch tokens brought down to floor(P * keep_rate ** s) in the s-th
-    of the blocks `stages` (1-based, default 4, 7, 10). Block settings are the per-block r. Tags:
+    Use?" protocol: keep_rate, with the patch tokens brought down to floor(P * keep_rate ** s) before the
+    s-th of the blocks `stages` (1-based, default 4, 7, 10): at the end of the block before it, after its MLP,
+    with that block's attention as the metric. Block settings are the per-block r. Tags:
     '<name>_r<k>' (r = k) and '<name>_k<pct>' (keep_rate = pct / 100)."""
 
     min_keep_rate: ClassVar[float] = 0.0  # the lowest keep_rate one stage can reach
@@ -175,6 +177,7 @@ class ScheduledReducer(RTagged, TokenReducer):
         self.r = validate_r(r)
         self.flops_ratio = None if flops_ratio is None else float(flops_ratio)
         self.keep_rate, self.stages = (None, tuple(stages)) if keep_rate is None else check_keep_rate(keep_rate, stages)
+        self.reduce_after_mlp = self.keep_rate is not None  # the study reduces before its stage blocks
         if self.keep_rate is not None and self.keep_rate < self.min_keep_rate:
             raise ValueError(f"keep_rate must be in [{self.min_keep_rate}, 1] for {self.name} (it reduces at most "
                              f"{1 - self.min_keep_rate:.0%} of a block's tokens), got {self.keep_rate}")
@@ -201,7 +204,7 @@ class ScheduledReducer(RTagged, TokenReducer):
         if isinstance(self.r, list) and len(self.r) != num_blocks:
             raise ValueError(f"r as a per-block list needs one entry per block ({num_blocks}), got {len(self.r)}")
         if self.keep_rate is not None and self.stages[-1] > num_blocks:
-            raise ValueError(f"stages must be blocks 1..{num_blocks} of this model, got {self.stages}")
+            raise ValueError(f"stages must be blocks 2..{num_blocks} of this model, got {self.stages}")
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[int]]:
         """Tokens each block should remove (before the per-block clamp); None where 0."""

@@ -1,0 +1,133 @@
+"""The "Which Tokens to Use?" protocol (keep rate, three stages) and its training-free methods: Top-K, radial
+l1 / l2 / l-inf, K-Medoids, DPC-KNN, with ToMe and EViT on the same schedule."""
+import pytest
+import timm
+import torch
+
+import timm_tokcomp
+from timm_tokcomp.matching import ClusterPlan, density_peaks, k_medoids, top_k_pruning
+from timm_tokcomp.measure import count_macs
+from timm_tokcomp.methods import parse_method_tag
+from timm_tokcomp.methods.radial import centre_order
+from timm_tokcomp.ops import apply_plan
+from timm_tokcomp.patch import _block_cost
+from timm_tokcomp.schedules import stage_schedule
+from conftest import make_model
+
+
+def test_stage_schedule_is_the_studys_token_counts():
+    assert stage_schedule(0.7, (4, 7, 10), 12, 196) == [0, 0, 59, 0, 0, 41, 0, 0, 29, 0, 0, 0]  # 137, 96, 67
+    assert stage_schedule(0.25, (4, 7, 10), 12, 196) == [0, 0, 147, 0, 0, 37, 0, 0, 9, 0, 0, 0]  # 49, 12, 3
+    assert stage_schedule(1.0, (4, 7, 10), 12, 196) == [0] * 12
+
+
+@pytest.mark.parametrize("keep_rate, depth", [(0.9, 10.29), (0.7, 7.59), (0.5, 5.62), (0.25, 3.98)])
+def test_mean_token_depth_matches_the_notes_check_values(keep_rate, depth):
+    """Mean over the 196 patches of the blocks that processed each as its own token (a fixed-count pruner)."""
+    model = timm_tokcomp.apply(timm.create_model("deit_tiny_patch16_224").eval(), "topk", keep_rate=keep_rate)
+    with torch.no_grad():
+        model(torch.randn(1, 3, 224, 224))
+    patches_per_block = [n - 1 for n in timm_tokcomp.last_stats(model).tokens_per_block]
+    assert round(sum(patches_per_block) / 196, 2) == depth
+
+
+def test_keep_rate_tags_parameters_and_errors():
+    assert parse_method_tag("topk_k70") == ("topk", {"keep_rate": 0.7})
+    assert parse_method_tag("dpcknn_r8") == ("dpcknn", {"r": 8})
+    assert parse_method_tag("l2_k100") == ("l2", {"keep_rate": 1.0})
+    for bad in ("topk_k0", "topk_k101", "topk_k7.5"):
+        with pytest.raises(ValueError, match="valid forms"):
+            parse_method_tag(bad)
+    model = make_model("cls")
+    with pytest.raises(ValueError, match=r"keep_rate must be in \[0.5, 1\] for tome"):
+        timm_tokcomp.apply(model, "tome", keep_rate=0.25)
+    with pytest.raises(ValueError, match="keep_rate must be a number in"):
+        timm_tokcomp.apply(model, "topk", keep_rate=1.5)
+    with pytest.raises(ValueError, match="give one of r, flops_ratio, keep_rate"):
+        timm_tokcomp.apply(model, "evit", r=4, keep_rate=0.5)
+    with pytest.raises(ValueError, match="stages must be blocks 2..4"):
+        timm_tokcomp.apply(model, "topk", keep_rate=0.5)  # the default stages (4, 7, 10) need 10 blocks
+    with pytest.raises(ValueError, match="strictly increasing"):
+        timm_tokcomp.apply(model, "topk", keep_rate=0.5, stages=(3, 2))
+    with pytest.raises(ValueError, match="class token"):
+        timm_tokcomp.apply(make_model("avgpool_noclass"), "topk", keep_rate=0.5, stages=(2, 3))
+    timm_tokcomp.apply(model, "topk", keep_rate=0.5, stages=(2, 3))
+    timm_tokcomp.set_params(model, r=3)  # one of r / flops_ratio / keep_rate replaces the others
+    assert timm_tokcomp.get_reducer(model).keep_rate is None
+
+
+def test_top_k_keeps_the_most_attended_and_breaks_ties_towards_the_lower_index():
+    cls_attn = torch.tensor([[0.5, 0.1, 0.3, 0.3, 0.05, 0.3]])  # prefix, then 5 patches
+    plan = top_k_pruning(cls_attn, 2, num_prefix=1)
+    assert plan.keep_idx.tolist() == [[1, 2, 4]] and plan.fuse_idx is None  # 0.3, 0.3 kept; third 0.3 dropped
+
+
+def test_radial_patterns_keep_the_patches_nearest_the_centre():
+    assert set(centre_order(16, 2.0)[:4]) == {5, 6, 9, 10}
+    assert centre_order(16, 1.0)[:4] == centre_order(16, float("inf"))[:4]
+    with pytest.raises(ValueError, match="square"):
+        centre_order(12, 2.0)
+    model = timm_tokcomp.apply(make_model("registers"), "l2", keep_rate=0.5, stages=(2, 3), trace_source=True)
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32))
+    p = model.num_prefix_tokens
+    held = timm_tokcomp.last_stats(model).source.sum(1)[:, p:]  # (B, 64): 1 where the patch is still held
+    for b in range(2):
+        assert set(held[b].nonzero().flatten().tolist()) == set(centre_order(64, 2.0)[:16])  # 64 -> 32 -> 16
+
+
+def _blobs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.tensor([[8.0, 0, 0, 0], [0, 8.0, 0, 0], [0, 0, 8.0, 0]])
+    labels = torch.arange(3).repeat_interleave(5)[torch.randperm(15, generator=g)]
+    return (centres[labels] + 0.3 * torch.randn(15, 4, generator=g)).unsqueeze(0), labels
+
+
+@pytest.mark.parametrize("cluster", [k_medoids, density_peaks])
+def test_clustering_recovers_separated_groups(cluster):
+    x, labels = _blobs()
+    assign = cluster(x, 3)[0]
+    pairs = set(zip(assign.tolist(), labels.tolist()))
+    assert len(pairs) == 3 and len({a for a, _ in pairs}) == 3  # a one-to-one map between clusters and groups
+
+
+@pytest.mark.parametrize("cluster", [k_medoids, density_peaks])
+def test_clustering_identical_tokens_leaves_no_cluster_empty(cluster):
+    assign = cluster(torch.ones(2, 10, 4), 4)
+    for row in assign:
+        assert sorted(set(row.tolist())) == [0, 1, 2, 3]
+
+
+def test_cluster_plan_is_the_size_weighted_mean_of_each_cluster():
+    x = torch.randn(1, 5, 3)
+    size = torch.tensor([[[1.0], [1.0], [2.0], [3.0], [1.0]]])
+    plan = ClusterPlan(num_prefix=1, assign=torch.tensor([[1, 0, 1, 0]]), num_clusters=2)
+    out, new_size, _ = apply_plan(plan, x, size, None)
+    assert torch.equal(new_size, torch.tensor([[[1.0], [3.0], [4.0]]]))  # prefix, cluster 0, cluster 1
+    torch.testing.assert_close(out[0, 0], x[0, 0])
+    torch.testing.assert_close(out[0, 1], (x[0, 2] * 2 + x[0, 4]) / 3)
+    torch.testing.assert_close(out[0, 2], (x[0, 1] + x[0, 3] * 3) / 4)
+
+
+def _analytic_macs(model, plain_macs):
+    """MACs from the token counts alone: the plain model's non-block MACs plus every block at its count."""
+    cost, stats = _block_cost(model.blocks[0]), timm_tokcomp.last_stats(model)
+    n = stats.tokens_per_block
+    non_block = plain_macs - len(n) * cost.macs(n[0], n[0])
+    return non_block + sum(cost.macs(t, t) for t in n)
+
+
+@pytest.mark.parametrize("tag", ["topk_k70", "evit_k70", "l2_k50", "tome_k70", "kmedoids_k70", "dpcknn_k90"])
+def test_fixed_count_methods_land_on_the_analytic_macs(tag):
+    """Counted from the run: the blocks at the study's token counts, plus the method's own matching or
+    clustering, which is all the difference (under 0.5 % for ranking and matching; clustering costs more)."""
+    x = torch.randn(1, 3, 224, 224)
+    plain = timm.create_model("deit_tiny_patch16_224").eval()
+    model = timm.create_model(f"deit_tiny_patch16_224.{tag}").eval()
+    plain_macs, macs = count_macs(plain, x), count_macs(model, x)
+    analytic = _analytic_macs(model, plain_macs)
+    overhead = (macs - analytic) / analytic
+    if tag.startswith(("kmedoids", "dpcknn")):
+        assert 0.005 < overhead < 0.08  # pairwise distances (and K-Medoids' cost sums) per stage
+    else:
+        assert 0 <= overhead < 0.005
