@@ -19,6 +19,7 @@ def test_threshold_schedule_values():
     assert got[4:] == [0.88] * 8
     assert all(a >= b for a, b in zip(got, got[1:]))
     assert threshold_schedule(0.9, 0.0, 0.5, 3) == [0.9, 0.9, 0.9]
+    assert threshold_schedule(1.0, 237.0, 0.6, 4) == [1.0, 0.6, 0.6, 0.6]  # exp would overflow (found by hypothesis)
 
 
 def test_block_settings_skip_thresholds_of_one_and_split_late_layers():

@@ -78,8 +78,9 @@ def get_preset(name: str, width: int) -> ATMPreset:
 
 
 def threshold_schedule(alpha: float, beta: float, theta_min: float, num_blocks: int) -> List[float]:
-    """theta_l = max(alpha - (exp(beta * (l - 1)) - 1), theta_min) for l = 1..num_blocks."""
-    return [max(alpha - (math.exp(beta * (l - 1)) - 1.0), theta_min) for l in range(1, num_blocks + 1)]
+    """theta_l = max(alpha - (exp(beta * (l - 1)) - 1), theta_min) for l = 1..num_blocks. A decay so fast that
+    exp overflows (beta * (l - 1) > 700) has long reached theta_min."""
+    return [max(alpha - (math.exp(min(beta * (l - 1), 700.0)) - 1.0), theta_min) for l in range(1, num_blocks + 1)]
 
 
 @dataclass(frozen=True)
