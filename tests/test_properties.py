@@ -14,10 +14,11 @@ import timm_tokcomp
 from conftest import make_model
 
 PARAMS = {
-    "tome": ["r", "flops_ratio", "prop_attn", "trace_source", "prefix_only_last_block"],
+    "tome": ["r", "flops_ratio", "keep_rate", "prop_attn", "trace_source", "prefix_only_last_block"],
     "evit": ["r", "flops_ratio", "prop_attn", "prefix_only_last_block"],
     "atm": ["alpha", "beta", "theta_min", "split_layer", "preset", "prop_attn", "prefix_only_last_block"],
     "dense_tome": ["r", "k", "kernel"],
+    **{name: ["r", "flops_ratio", "keep_rate", "stages", "trace_source"] for name in ("topk", "l2", "kmedoids", "dpcknn")},
 }
 ANY_VALUE = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 40), st.floats(allow_nan=True, allow_infinity=True),

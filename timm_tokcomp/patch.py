@@ -461,11 +461,11 @@ def _swap_classes(model: nn.Module, block_class: type, model_classes: Dict[type,
 
 
 def _patch_dense(model: nn.Module, reducer: TokenReducer) -> None:
-    _swap_classes(model, DenseBlock, _DENSE_CLASSES)
     # a dense method's settings may not depend on the token count: any input size runs the same blocks
     num_prefix = model.num_prefix_tokens
     settings = reducer.block_settings(len(model.blocks), model.patch_embed.num_patches + num_prefix, num_prefix,
                                       _block_cost(model.blocks[0]))
+    _swap_classes(model, DenseBlock, _DENSE_CLASSES)
     for blk, setting in zip(model.blocks, settings):
         blk._tokcomp_reducer = reducer
         blk._tokcomp_setting = setting

@@ -24,9 +24,10 @@ class DenseToMe(RTagged, TokenReducer):
 
     def __init__(self, r: int = 0, k: Optional[int] = None, kernel: str = "auto") -> None:
         super().__init__()
-        for label, value in (("r", r), ("k", k)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{label} must be an int >= 0, got {value!r}")
+        for label, value, optional in (("r", r, False), ("k", k, True)):
+            if (value is None and not optional) or (
+                    value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0)):
+                raise ValueError(f"{label} must be an int >= 0{' or None' if optional else ''}, got {value!r}")
         if kernel not in BACKENDS:
             raise ValueError(f"kernel must be one of {BACKENDS}, got {kernel!r}")
         self.r, self.k, self.kernel = r, k, kernel
