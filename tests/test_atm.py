@@ -7,7 +7,7 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp.matching import batch_adaptive_r, best_matches, count_above, size_distinctive_split
-from timm_tokcomp.methods.atm import ATM, PRESETS, ATMStep, model_family, threshold_schedule
+from timm_tokcomp.methods.atm import ATM, PRESETS, ATMStep, get_preset, model_family, threshold_schedule
 from conftest import SMALL, make_model
 
 
@@ -176,3 +176,26 @@ def test_atm_names_in_timm():
     with pytest.raises(ValueError, match=r"preset 'fast' exists for the \['tiny'\] families only.*calibrate"):
         timm.create_model("deit_small.atm_fast")
     assert timm_tokcomp.get_reducer(timm.create_model("deit_tiny.atm_fast")).theta_min == PRESETS["fast"]["tiny"].theta_min
+
+
+def test_every_paper_setting_is_a_preset_of_its_model():
+    """Each (alpha, beta, theta_min) row of the paper's Tables A2 / A5 is reachable by name (atm_g<GFLOPs x 100>,
+    atm_mae_g<...> for MAE ViT-B) on its model, and gives exactly that setting."""
+    import csv
+    from pathlib import Path
+
+    table = Path(__file__).resolve().parents[2] / "shared" / "reference" / "atm_table_a2_a5.csv"
+    if not table.is_file():
+        table = Path(timm_tokcomp.__file__).parent / "assets" / "atm_paper_settings.csv"
+    widths = {"deit_tiny_patch16_224": 192, "deit_small_patch16_224": 384, "deit_base_patch16_224": 768,
+              "vit_base_patch16_224.mae": 768}
+    rows = [r for r in csv.DictReader(open(table, newline="")) if r["alpha"]]
+    assert len(rows) == 59
+    for row in rows:
+        name = ("mae_" if row["model"].endswith(".mae") else "") + f"g{round(float(row['gflops']) * 100):03d}"
+        preset = get_preset(name, widths[row["model"]])
+        assert (preset.alpha, preset.beta, preset.theta_min) == (float(row["alpha"]), float(row["beta"]),
+                                                                 float(row["theta_min"])), name
+        assert row["gflops"] in preset.source
+    model = timm.create_model("deit_tiny_patch16_224.atm_g090")
+    assert timm_tokcomp.get_reducer(model).theta_min == 0.88

@@ -13,9 +13,11 @@ matching in the late layers and one merge count per batch.
 - In the last block only the prefix tokens are kept after attention when the head reads only them
   (prefix_only_last_block, on by default where exact, as in the paper).
 """
+import csv
 import math
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -51,6 +53,27 @@ PRESETS: Dict[str, Dict[str, ATMPreset]] = {
 }
 DEFAULT_PRESET = "lossless"
 FAMILY_WIDTHS = {"tiny": 192, "small": 384, "base": 768}
+PAPER_FAMILIES = {"deit_tiny_patch16_224": ("tiny", ""), "deit_small_patch16_224": ("small", ""),
+                  "deit_base_patch16_224": ("base", ""), "vit_base_patch16_224.mae": ("base", "mae_")}
+
+
+def _add_paper_presets() -> None:
+    """Every setting of the paper's Tables A2 / A5 (ATM without training) as a preset 'g<GFLOPs x 100>' of its
+    model's family ('mae_g<...>' for MAE ViT-B), e.g. atm_g090: DeiT-T at 0.90 GFLOPs."""
+    table = Path(__file__).resolve().parents[1] / "assets" / "atm_paper_settings.csv"
+    with open(table, newline="") as f:
+        for row in csv.DictReader(f):
+            if not row["alpha"]:
+                continue  # the unreduced model's row
+            family, prefix = PAPER_FAMILIES[row["model"]]
+            name = f"{prefix}g{round(float(row['gflops']) * 100):03d}"
+            source = (f"paper Table {'A5' if prefix else 'A2'}, {row['model']} without training: {row['gflops']} "
+                      f"GFLOPs, {row['top1']}% top-1")
+            PRESETS.setdefault(name, {})[family] = ATMPreset(
+                float(row["alpha"]), float(row["beta"]), float(row["theta_min"]), source)
+
+
+_add_paper_presets()
 
 
 COMPILE_NOTE = ("ATM counts its merges from the data (one host-side count per merging block): under torch.compile "
