@@ -5,14 +5,14 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.matching import ClusterPlan, density_peaks, k_medoids, top_k_pruning
+from timm_tokcomp.matching import ClusterPlan, adaptive_sampling, density_peaks, k_medoids, top_k_pruning
 from timm_tokcomp.measure import count_macs
 from timm_tokcomp.methods import parse_method_tag
 from timm_tokcomp.methods.radial import centre_order
 from timm_tokcomp.ops import apply_plan
 from timm_tokcomp.patch import _block_cost
 from timm_tokcomp.schedules import stage_schedule
-from conftest import make_model
+from conftest import make_model, require_data
 
 
 def test_stage_schedule_is_the_studys_token_counts():
@@ -131,3 +131,36 @@ def test_fixed_count_methods_land_on_the_analytic_macs(tag):
         assert 0.005 < overhead < 0.08  # pairwise distances (and K-Medoids' cost sums) per stage
     else:
         assert 0 <= overhead < 0.005
+
+
+def test_adaptive_sampling_collapses_duplicates_and_pads_rows_that_keep_fewer():
+    scores = torch.tensor([[0.0, 0.25, 0.25, 0.25, 0.25],    # prefix, then four equal patches: 3 points, 3 tokens
+                           [0.0, 0.7, 0.1, 0.1, 0.1]])        # one dominant patch takes two of the three points
+    plan = adaptive_sampling(scores, 3, num_prefix=1)
+    assert plan.keep_idx.shape == (2, 3)
+    assert plan.valid[..., 0].tolist() == [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+    assert 0 in plan.keep_idx[1, :2].tolist()  # the dominant patch is kept
+    x, size, source = apply_plan(plan, torch.randn(2, 5, 4), None, torch.eye(5).expand(2, -1, -1))
+    assert size[..., 0].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]] and source[1, 3].sum() == 0
+
+
+@pytest.mark.realdata
+def test_ats_images_in_a_batch_run_as_they_run_alone():
+    """Real weights and images: images keep different counts, and the size-0 padding changes nothing."""
+    data = require_data()
+    model = timm.create_model("deit_tiny_patch16_224.ats_k50",
+                              checkpoint_path=str(data / "deit_tiny_patch16_224.safetensors")).eval()
+    transform = timm.data.create_transform(**timm.data.resolve_model_data_config(model))
+    dataset = timm.data.create_dataset("", root=str(data / "imagenet-val-1300" / "images"))
+    images = torch.stack([transform(dataset[i][0].convert("RGB")) for i in range(4)])
+    with torch.no_grad():
+        together = model(images)
+        real = timm_tokcomp.last_stats(model).real_tokens_per_block[-1]
+        alone = torch.cat([model(images[i:i + 1]) for i in range(4)])
+    assert real.max() <= 25 and len(set(real.tolist())) > 1  # r is an upper bound; counts differ per image
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-4)
+
+
+def test_ats_refuses_to_run_without_the_masking_bias():
+    with pytest.raises(ValueError, match="prop_attn must stay on for ats"):
+        timm_tokcomp.apply(make_model("cls"), "ats", r=2, prop_attn=False)

@@ -49,12 +49,15 @@ class PrunePlan:
     keep_idx: (B, K) non-prefix tokens kept, ascending (original order).
     fuse_idx: (B, F) non-prefix tokens fused into the new last token; None: they are dropped.
     fuse_weight: (B, F, 1) weights of the fused tokens, summing to 1 per row; None when dropped.
+    valid: (B, K, 1) 1 for a kept token, 0 for padding (rows that keep fewer than K): padding gets size 0
+        and holds no patch. None: every kept token is real.
     """
 
     num_prefix: int
     keep_idx: torch.Tensor
     fuse_idx: Optional[torch.Tensor] = None
     fuse_weight: Optional[torch.Tensor] = None
+    valid: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -191,6 +194,30 @@ def top_k_pruning(cls_attn: torch.Tensor, r: int, num_prefix: int) -> PrunePlan:
     with torch.no_grad():
         order = cls_attn[:, num_prefix:].argsort(dim=-1, descending=True, stable=True)
         return PrunePlan(num_prefix, order[:, : n - r].sort(dim=-1).values)
+
+
+def adaptive_sampling(scores: torch.Tensor, k: int, num_prefix: int) -> PrunePlan:
+    """ATS's inverse-transform sampling: k points (i + 0.5) / k on the cumulative distribution of the
+    significance scores pick tokens; a token picked more than once is kept once, so each image keeps at most k.
+
+    scores: (B, N) significance of every token (prefix entries ignored; zero for padding). Rows keep different
+    counts: the plan keeps the batch's largest count M, each row's kept tokens first (original order), then
+    padding marked in plan.valid. One host synchronisation (M)."""
+    n = scores.shape[1] - num_prefix
+    k = max(min(k, n), 1)
+    with torch.no_grad():
+        s = scores[:, num_prefix:].float()
+        order = s.argsort(dim=-1, stable=True)
+        cdf = s.gather(1, order).cumsum(dim=-1)
+        cdf = cdf / cdf[:, -1:].clamp_min(torch.finfo(cdf.dtype).tiny)
+        points = (torch.arange(k, device=s.device, dtype=cdf.dtype) + 0.5) / k
+        picked = torch.searchsorted(cdf, points.expand(s.shape[0], -1).contiguous()).clamp_max(n - 1)
+        kept = torch.zeros_like(s, dtype=torch.bool).scatter(1, order.gather(1, picked), True)  # (B, n)
+        m = int(kept.sum(dim=1).max().item())
+        index = torch.arange(n, device=s.device)
+        keep_idx = (index + n * (~kept)).argsort(dim=-1)[:, :m]  # kept tokens first, each part ascending
+        valid = kept.gather(1, keep_idx).unsqueeze(-1)
+    return PrunePlan(num_prefix, keep_idx, valid=valid.to(scores.dtype))
 
 
 def attentive_pruning(cls_attn: torch.Tensor, r: int, num_prefix: int) -> PrunePlan:

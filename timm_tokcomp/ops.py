@@ -98,6 +98,10 @@ def apply_plan(
         reduce_sum = prune_sum
     if source is not None:
         source = reduce_sum(source, plan)
+    if isinstance(plan, PrunePlan) and plan.valid is not None:  # padding holds nothing and has size 0
+        valid = torch.cat([plan.valid.new_ones(plan.valid.shape[0], plan.num_prefix, 1), plan.valid], dim=1)
+        size = size * valid.to(size.dtype)
+        source = None if source is None else source * valid.to(source.dtype)
     return x, size, source
 
 

@@ -37,7 +37,10 @@ class ReducingAttention(Attention):
         q, k = self.q_norm(q), self.k_norm(k)
         if attn_bias is not None:
             attn_bias = attn_bias.to(q.dtype)
-        metric = reducer.metric(q, k, attn_bias, self.scale) if reducer is not None else None
+        metric = None
+        if reducer is not None:
+            metric = (reducer.metric(q, k, attn_bias, self.scale, v) if reducer.metric_reads_values
+                      else reducer.metric(q, k, attn_bias, self.scale))
 
         if self.fused_attn:
             x = F.scaled_dot_product_attention(
@@ -243,6 +246,9 @@ class _ReducingViT:
         blocks = self.blocks if num_blocks is None else self.blocks[:num_blocks]
         for i, (blk, setting) in enumerate(zip(blocks, settings)):
             stats.tokens_per_block.append(x.shape[1])
+            if reducer.masks_by_size:
+                real = x.shape[1] if size is None else (size[..., 0] > 0).sum(dim=1)
+                stats.real_tokens_per_block.append(real if torch.is_tensor(real) else torch.full((x.shape[0],), real))
             args = (x, size, source, setting, reducer, self._tokcomp_prop_attn, num_prefix, prefix_only_last and i == last)
             if use_checkpoint:
                 x, size, source = checkpoint(blk.forward_reduce, *args, use_reentrant=False)

@@ -14,6 +14,9 @@ class ReductionStats:
     size: (B, N, 1) original tokens each output token stands for; None when nothing was reduced.
     source: (B, N, N0) 0/1 map of the original tokens each output token holds; only when tracing.
     num_prefix: class / distillation / register tokens at the front, never reduced.
+    real_tokens_per_block: for methods whose images keep different counts (ATS), the (B,) count of real
+        tokens entering each block; the batch runs tokens_per_block, padded with size-0 tokens that
+        attention and pooling ignore. Empty for every other method.
     """
 
     tokens_per_block: List[int] = field(default_factory=list)
@@ -21,3 +24,4 @@ class ReductionStats:
     size: Optional[torch.Tensor] = None
     source: Optional[torch.Tensor] = None
     num_prefix: int = 0
+    real_tokens_per_block: List[torch.Tensor] = field(default_factory=list)

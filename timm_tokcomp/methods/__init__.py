@@ -2,6 +2,7 @@
 `atm_<preset>`, `dense_tome_r8`, ...)."""
 from typing import Any, Dict, Tuple, Type
 
+from .ats import ATS
 from .atm import ATM
 from .base import TokenReducer
 from .dense_tome import DenseToMe
@@ -13,7 +14,8 @@ from .tome import ToMe
 from .topk import TopK
 
 METHODS: Dict[str, Type[TokenReducer]] = {
-    cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, RadialL1, RadialL2, RadialLInf, KMedoids, DPCKNN)}
+    cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids,
+                               DPCKNN)}
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

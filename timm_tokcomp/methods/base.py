@@ -59,6 +59,8 @@ class TokenReducer(ABC):
     needs_class_token: ClassVar[bool] = False  # ranks tokens by the class token's attention
     plan_on_tokens: ClassVar[bool] = False  # plan() gets the block's tokens (B, N, C), not the metric
     reduce_after_mlp: bool = False  # reduce at the end of the block (after its MLP), not between attention and MLP
+    metric_reads_values: ClassVar[bool] = False  # metric() also gets v: (B, H, N, d)
+    masks_by_size: ClassVar[bool] = False  # pads images to one count with size-0 tokens (needs prop_attn)
 
     def __init__(
         self,
@@ -69,6 +71,9 @@ class TokenReducer(ABC):
         _check_bool("prop_attn", prop_attn)
         _check_bool("trace_source", trace_source)
         _check_bool("prefix_only_last_block", prefix_only_last_block)
+        if self.masks_by_size and prop_attn is False:
+            raise ValueError(f"prop_attn must stay on for {self.name}: its padding tokens (size 0) are kept out of "
+                             f"attention by the log-size bias")
         self.prop_attn = prop_attn
         self.trace_source = trace_source
         self.prefix_only_last_block = prefix_only_last_block

@@ -1,0 +1,50 @@
+"""ATS, the Adaptive Token Sampler ("Which Tokens to Use?", after Fayyaz et al.): each reducing block scores the
+patch tokens by significance, the class token's attention times the norm of their values (summed over heads,
+normalised), and keeps the tokens that inverse-transform sampling of as many points as tokens may stay picks.
+A token picked twice is kept once, so r is only an upper bound: images keep different counts. The batch keeps
+its largest count and pads the other images with size-0 tokens, which the log-size attention bias keeps out
+of attention and the pooling ignores; `last_stats(model).real_tokens_per_block` gives each image's count."""
+from typing import List, Optional
+
+import torch
+
+from ..matching import PrunePlan, adaptive_sampling
+from ..schedules import BlockCost
+from .base import ScheduledReducer
+
+
+class ATS(ScheduledReducer):
+    """Proportional attention is always on (it masks the padding); one host synchronisation per reducing
+    block (the batch's largest count)."""
+
+    name = "ats"
+    needs_class_token = True
+    metric_reads_values = True
+    masks_by_size = True
+
+    def default_prop_attn(self, global_pool: str) -> bool:
+        return True
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float,
+               v: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, N): sum over heads of softmax(q_cls k^T * scale + bias) * ||v||, normalised to sum 1."""
+        scores = (q[:, :, :1] * scale) @ k.transpose(-2, -1)  # (B, H, 1, N)
+        if attn_bias is not None:
+            scores = scores + attn_bias
+        significance = (scores.softmax(dim=-1)[:, :, 0] * v.norm(dim=-1)).sum(dim=1)
+        return significance / significance.sum(dim=-1, keepdim=True)
+
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[int]]:
+        """The patch tokens each reducing block samples: the count the schedule leaves after it. An absolute
+        target, so an image samples the same points in a batch (padded to the batch's largest count) as alone."""
+        settings, n = [], num_tokens - num_prefix
+        for r in super().block_settings(num_blocks, num_tokens, num_prefix, cost):
+            if r is not None:
+                n = max(n - r, 1)
+            settings.append(None if r is None else n)
+        return settings
+
+    def plan(self, metric: torch.Tensor, target: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[PrunePlan]:
+        if metric.shape[1] - num_prefix < 2:
+            return None
+        return adaptive_sampling(metric, target, num_prefix)
