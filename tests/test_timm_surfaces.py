@@ -136,3 +136,12 @@ def test_intermediates_errors_name_the_argument():
         model.forward_intermediates(torch.randn(1, 3, 224, 224), output_fmt="NHWC")
     with pytest.raises(ValueError, match="attn_mask"):
         model.forward_intermediates(torch.randn(1, 3, 224, 224), attn_mask=torch.ones(1, 1, 197, 197))
+
+
+def test_intermediates_of_a_dropping_pruner_are_zero_where_patches_were_dropped():
+    model = _build("deit_tiny_patch16_224.topk_k50").eval()
+    with torch.no_grad():
+        before, after = model.forward_intermediates(_input("deit_tiny_patch16_224", 1), indices=[1, 3],
+                                                    output_fmt="NLC", intermediates_only=True)
+    assert (before.abs().sum(-1) > 0).all()  # block 2: nothing dropped yet
+    assert int((after.abs().sum(-1) > 0).sum()) == 98  # after block 3 the first stage keeps 98 of 196

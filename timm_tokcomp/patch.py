@@ -309,7 +309,8 @@ class _ReducingViT:
         """timm's forward_intermediates (same arguments and return forms) on the full patch grid: each chosen
         block's output tokens are mapped back through the source map, so every patch position carries the
         features of the token that holds it after that block (a merged token at every patch it holds; a
-        patch EViT pruned, the fused token that absorbed it). Prefix tokens are never reduced. Intermediates:
+        patch EViT pruned, the fused token that absorbed it; a patch a dropping pruner removed (Top-K, ATS,
+        radial): zeros). Prefix tokens are never reduced. Intermediates:
         (B, C, H, W) for 'NCHW', (B, H * W, C) for 'NLC'; the final features are the reduced tokens
         (B, N', C), as forward_features returns them, with every block keeping its tokens to the end."""
         if attn_mask is not None or is_causal:
@@ -324,7 +325,8 @@ class _ReducingViT:
         def on_block(i: int, tokens: torch.Tensor, source: torch.Tensor) -> None:
             if i in take_indices:
                 holder = source.argmax(dim=1)  # (B, N0): the token holding each original position
-                grids.append(gather_tokens(self.norm(tokens) if norm else tokens, holder))
+                held = source.sum(dim=1).unsqueeze(-1)  # (B, N0, 1): 0 where a dropping pruner removed the patch
+                grids.append(gather_tokens(self.norm(tokens) if norm else tokens, holder) * held)
 
         x = self._reduce_blocks(x, for_intermediates=True, num_blocks=max_index + 1 if stop_early else None,
                                 on_block=on_block)
