@@ -98,3 +98,15 @@ def test_speed_errors_name_the_flag(capsys):
     assert "--batches" in capsys.readouterr().err
     assert main(["speed", "deit_tiny_patch16_224", "--methods", "tome"] + FAST) == 2
     assert "--methods" in capsys.readouterr().err
+
+
+def test_limit_of_a_study_method_reduces_where_the_method_does():
+    """The study's methods reduce after the MLP of the block before each stage: so does their limit."""
+    x = torch.randn(1, 3, 224, 224)
+    model = timm.create_model("deit_tiny_patch16_224.topk_k70").eval()
+    limit = _deit_tiny()
+    patch(limit, LimitReducer(limit_schedule(model, x), after_mlp=True))
+    with torch.no_grad():
+        limit(x)
+    assert timm_tokcomp.last_stats(limit).tokens_per_block == timm_tokcomp.last_stats(model).tokens_per_block
+    assert timm_tokcomp.get_reducer(limit).reduce_after_mlp

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from . import apply, last_stats
+from . import apply, get_reducer, last_stats
 from .bench import BASELINE, build_base_model, parse_methods, precision
 from .calibrate import load_preset
 from .data import open_images
@@ -32,16 +32,18 @@ LIMIT_SUFFIX = " limit"
 
 
 class LimitReducer(TokenReducer):
-    """Block l keeps its first kept[l] tokens after attention and drops the rest (no metric, no matching).
-    kept: tokens leaving each block, from a method's forward (limit_schedule)."""
+    """Block l keeps its first kept[l] tokens after attention (after its MLP with after_mlp, as the study
+    protocol's methods reduce) and drops the rest (no metric, no matching). kept: tokens leaving each block,
+    from a method's forward (limit_schedule)."""
 
     name = "limit"
 
-    def __init__(self, kept: Sequence[int]) -> None:
+    def __init__(self, kept: Sequence[int], after_mlp: bool = False) -> None:
         super().__init__(prop_attn=False, prefix_only_last_block=False)
         if not kept or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in kept):
             raise ValueError(f"kept must be a non-empty list of token counts >= 1, got {kept!r}")
         self.kept = list(kept)
+        self.after_mlp = self.reduce_after_mlp = bool(after_mlp)
 
     def check_depth(self, num_blocks: int) -> None:
         if len(self.kept) != num_blocks:
@@ -154,9 +156,9 @@ def _models(base: nn.Module, names: Sequence[str], x: torch.Tensor, compiled: bo
             continue  # its token counts depend on the data: compiled, it would recompile per batch
         model = apply(copy.deepcopy(base), method, **params)
         models[name] = model
-        if not getattr(model, "_tokcomp_reducer").dense:
+        if not get_reducer(model).dense:
             limit = copy.deepcopy(base)
-            patch(limit, LimitReducer(limit_schedule(model, x)))
+            patch(limit, LimitReducer(limit_schedule(model, x), after_mlp=get_reducer(model).reduce_after_mlp))
             models[name + LIMIT_SUFFIX] = limit
     return models
 
