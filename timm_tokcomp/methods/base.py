@@ -223,3 +223,27 @@ class ScheduledReducer(RTagged, TokenReducer):
                 sched = resolve_r(self.r, num_blocks)
             self._settings_cache[key] = [r if r > 0 else None for r in sched]
         return self._settings_cache[key]
+
+
+class ClusterMerging(ScheduledReducer):
+    """A method that merges each reducing block's patch tokens (the block's features, not a metric) into as
+    many clusters as tokens stay; every cluster becomes its size-weighted mean. Subclasses give cluster()."""
+
+    plan_on_tokens = True
+
+    def default_prop_attn(self, global_pool: str) -> bool:
+        return global_pool != "avg"
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        return k  # unused: the plan reads the tokens
+
+    @abstractmethod
+    def cluster(self, tokens: torch.Tensor, num_clusters: int) -> torch.Tensor:
+        """tokens: (B, n, C) patch tokens -> (B, n) cluster index in [0, num_clusters), none empty."""
+
+    def plan(self, tokens: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[ClusterPlan]:
+        n = tokens.shape[1] - num_prefix
+        r = max(min(r, n - 1), 0)
+        if r == 0:
+            return None
+        return ClusterPlan(num_prefix, self.cluster(tokens[:, num_prefix:], n - r), n - r)
