@@ -30,7 +30,9 @@ def test_export_real_deit_tiny_tome_r16_matches_pytorch_on_real_images_at_any_ba
         assert shape == (len(batch), 1000) and diff < 1e-4
 
 
-@pytest.mark.parametrize("method, params", [("evit", {"r": 3}), ("dense_tome", {"k": 8}), ("tome", {"r": 4})])
+@pytest.mark.parametrize("method, params", [("evit", {"r": 3}), ("dense_tome", {"k": 8}), ("tome", {"r": 4}),
+                                            ("topk", {"keep_rate": 0.5, "stages": (2, 3)}),
+                                            ("dpcknn", {"keep_rate": 0.5, "stages": (2, 3)})])
 def test_fixed_setting_methods_export(tmp_path, method, params):
     torch.manual_seed(0)
     model = timm_tokcomp.apply(timm.models.vision_transformer.VisionTransformer(**SMALL).eval(), method, **params)
@@ -42,8 +44,12 @@ def test_fixed_setting_methods_export(tmp_path, method, params):
 
 def test_export_refuses_what_it_cannot_do(tmp_path, capsys):
     model = timm.create_model("deit_tiny_patch16_224.atm")
-    with pytest.raises(ValueError, match="'atm' cannot be exported.*tome, evit, dense_tome"):
+    with pytest.raises(ValueError, match="'atm' cannot be exported.*counted from the data.*tome, evit"):
         export_onnx(model, str(tmp_path / "a.onnx"), torch.randn(2, 3, 224, 224))
+    for tag in ("ats_k70", "kmedoids_k70", "l2_k70"):
+        with pytest.raises(ValueError, match=f"'{tag[:-4]}' cannot be exported"):
+            export_onnx(timm.create_model(f"deit_tiny_patch16_224.{tag}"), str(tmp_path / "a.onnx"),
+                        torch.randn(2, 3, 224, 224))
     with pytest.raises(ValueError, match="B >= 2"):
         export_onnx(timm.create_model("deit_tiny_patch16_224.tome_r8"), str(tmp_path / "a.onnx"), torch.randn(1, 3, 224, 224))
     (tmp_path / "taken.onnx").write_text("keep")

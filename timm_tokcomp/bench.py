@@ -95,7 +95,7 @@ def check_backend(backend: str, device: str, dtype: str, methods: Sequence[str])
             method = BASELINE if name == BASELINE else (load_preset(name) if name.endswith(".json")
                                                         else parse_method_tag(name))[0]
             if method not in (BASELINE,) + EXPORTABLE:
-                raise ValueError(f"--backend onnx: {name} cannot be exported (its token counts come from the data); "
+                raise ValueError(f"--backend onnx: {name} cannot be exported to ONNX (`tokcomp export` says why); "
                                  f"exportable: {', '.join(EXPORTABLE)}")
 
 

@@ -1,8 +1,10 @@
 """ONNX export of reduced models (`tokcomp export`), for onnxruntime and other ONNX runtimes.
 
-Fixed-setting methods export: plain, ToMe and EViT with a fixed r (or flops_ratio) schedule, and dense_tome.
-ATM does not: how many tokens it merges is read from the data (a host-side count per block), which a static
-graph cannot express. Needs the `export` extra (onnx, onnxscript; onnxruntime to check the result)."""
+Fixed-setting methods export (with an r, flops_ratio or keep_rate schedule): plain, ToMe, EViT, Top-K, DPC-KNN,
+and dense_tome; each is checked against onnxruntime by the tests. ATM and ATS do not: how many tokens they keep
+is read from the data (a host-side count per block), which a static graph cannot express. Not yet: the radial
+patterns (torch.export fails on their constant index tables) and K-Medoids (its exported graph disagrees with
+PyTorch). Needs the `export` extra (onnx, onnxscript; onnxruntime to check the result)."""
 import contextlib
 import copy
 import io
@@ -15,7 +17,7 @@ from . import get_reducer, is_reduced
 from .outputs import refuse_existing, replacing
 
 OPSET = 18
-EXPORTABLE = ("tome", "evit", "dense_tome")
+EXPORTABLE = ("tome", "evit", "topk", "dpcknn", "dense_tome")
 
 
 def _require(module: str):
@@ -29,9 +31,12 @@ def check_exportable(model: nn.Module) -> None:
     """Raise ValueError naming the method when the model's reduction cannot become a static graph."""
     if is_reduced(model) and get_reducer(model).name not in EXPORTABLE:
         name = get_reducer(model).name
-        raise ValueError(f"method {name!r} cannot be exported to ONNX: the number of tokens it merges is counted "
-                         f"from the data in every forward; exportable: plain models and {', '.join(EXPORTABLE)} "
-                         f"(fixed r or flops_ratio)")
+        why = {"atm": "the number of tokens it merges is counted from the data in every forward",
+               "ats": "the number of tokens it keeps is counted from the data in every forward",
+               "kmedoids": "its exported graph does not match PyTorch yet",
+               }.get(name, "torch.export cannot trace it yet")
+        raise ValueError(f"method {name!r} cannot be exported to ONNX: {why}; exportable: plain models and "
+                         f"{', '.join(EXPORTABLE)} (fixed r, flops_ratio or keep_rate)")
 
 
 def _translations() -> Dict:
