@@ -409,7 +409,8 @@ def check_supported(model: nn.Module) -> None:
     if type(model) not in _MODEL_CLASSES and not is_patched(model):
         raise TypeError(
             f"timm_tokcomp supports timm VisionTransformer and VisionTransformerDistilled models, got "
-            f"{type(model).__name__} (features_only wrappers and other architectures are not supported)"
+            f"{type(model).__name__} (for a features_only backbone, pass a method name to timm.create_model, e.g. "
+            f"'vit_small_patch16_224.dense_tome_r8', features_only=True; other architectures are not supported)"
         )
     for i, blk in enumerate(model.blocks):
         if type(blk) not in (Block, ReducingBlock, DenseBlock):
