@@ -69,10 +69,11 @@ def test_same_shape_never_recompiles_and_set_params_recompiles_once():
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_atm_says_it_runs_its_matching_between_graphs():
+@pytest.mark.parametrize("method, params", [("atm", {}), ("ats", {"keep_rate": 0.7})])
+def test_compiled_data_dependent_methods_say_they_reduce_between_graphs(method, params):
     torch._dynamo.reset()
-    model = _deit_tiny("atm")
+    model = _deit_tiny(method, **params)
     x = torch.randn(2, 3, 224, 224)
-    with torch.no_grad(), pytest.warns(UserWarning, match="ATM counts its merges from the data.*fixed-r methods"):
+    with torch.no_grad(), pytest.warns(UserWarning, match=f"{method} counts its tokens from the data.*fixed-count"):
         out = torch.compile(model, backend="eager")(x)
     torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)

@@ -15,7 +15,6 @@ matching in the late layers and one merge count per batch.
 """
 import csv
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -25,7 +24,7 @@ from torch import nn
 
 from ..matching import MergePlan, batch_adaptive_r, best_matches, count_above, max_merges, merge_top_r, size_distinctive_split
 from ..schedules import BlockCost
-from .base import TokenReducer
+from .base import TokenReducer, warn_if_compiling
 from .tome import ToMe
 
 
@@ -74,11 +73,6 @@ def _add_paper_presets() -> None:
 
 
 _add_paper_presets()
-
-
-COMPILE_NOTE = ("ATM counts its merges from the data (one host-side count per merging block): under torch.compile "
-                "the graph breaks there and each block's matching runs between compiled pieces, correct but with "
-                "little gain; fixed-r methods (tome, evit, dense_tome) compile as whole graphs")
 
 
 def model_family(width: int) -> str:
@@ -212,7 +206,6 @@ class ATM(TokenReducer):
         # with every size still 1 the size-distinctive split is the alternate one
         split = size_distinctive_split(size, num_prefix) if step.size_split and size is not None else None
         node_max, node_idx = best_matches(metric, num_prefix, split)
-        if torch.compiler.is_compiling():
-            warnings.warn(COMPILE_NOTE, stacklevel=2)
+        warn_if_compiling(self.name)
         r = min(batch_adaptive_r(count_above(node_max, step.threshold)), cap)
         return merge_top_r(node_max, node_idx, r, num_prefix, split) if r > 0 else None

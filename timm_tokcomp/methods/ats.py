@@ -10,7 +10,7 @@ import torch
 
 from ..matching import PrunePlan, adaptive_sampling
 from ..schedules import BlockCost
-from .base import ScheduledReducer
+from .base import ScheduledReducer, warn_if_compiling
 
 
 class ATS(ScheduledReducer):
@@ -47,4 +47,5 @@ class ATS(ScheduledReducer):
     def plan(self, metric: torch.Tensor, target: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[PrunePlan]:
         if metric.shape[1] - num_prefix < 2:
             return None
+        warn_if_compiling(self.name)
         return adaptive_sampling(metric, target, num_prefix)

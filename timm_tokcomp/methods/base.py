@@ -8,6 +8,7 @@ A method is driven by the patched model in three steps per forward:
 """
 import inspect
 import math
+import warnings
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 
@@ -35,6 +36,15 @@ def parse_keep_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
     if tag.startswith(f"{name}_k") and digits.isdigit() and digits.isascii() and 1 <= int(digits) <= 100:
         return {"keep_rate": int(digits) / 100}
     return None
+
+
+def warn_if_compiling(method: str) -> None:
+    """Say, under torch.compile, that a data-dependent method breaks the graph at its host-side count."""
+    if torch.compiler.is_compiling():
+        warnings.warn(f"{method} counts its tokens from the data (one host-side count per reducing block): under "
+                      f"torch.compile the graph breaks there and each block's reduction runs between compiled "
+                      f"pieces, correct but with little gain; fixed-count methods (tome, evit, topk, dense_tome, "
+                      f"...) compile as whole graphs", stacklevel=3)
 
 
 def _check_bool(name: str, value: Any) -> None:
