@@ -28,6 +28,7 @@ from .patch import patch
 from .schedules import BlockCost
 
 MODES = ("eager", "compile", "cudagraph")
+DATA_DEPENDENT = ("atm", "ats")  # token counts read from the data: compiled, they would recompile per batch
 LIMIT_SUFFIX = " limit"
 
 
@@ -111,8 +112,8 @@ def run_speed(
     show_progress: bool = True,
 ) -> List[SpeedRow]:
     """Median forward times of the plain model, every method and every method's limit, interleaved per
-    (mode, batch) so that machine noise hits them alike. Data-dependent methods (ATM) run in eager mode
-    only. data: a folder of images whose first batch is timed (random inputs without it)."""
+    (mode, batch) so that machine noise hits them alike. Data-dependent methods (ATM, ATS) run in eager
+    mode only. data: a folder of images whose first batch is timed (random inputs without it)."""
     if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches) or not batches:
         raise ValueError(f"--batches must be integers >= 1, got {list(batches)}")
     if rounds < 1:
@@ -152,8 +153,8 @@ def _models(base: nn.Module, names: Sequence[str], x: torch.Tensor, compiled: bo
     models = {BASELINE: base}
     for name in names:
         method, params = load_preset(name) if name.endswith(".json") else parse_method_tag(name)
-        if compiled and method == "atm":
-            continue  # its token counts depend on the data: compiled, it would recompile per batch
+        if compiled and method in DATA_DEPENDENT:
+            continue
         model = apply(copy.deepcopy(base), method, **params)
         models[name] = model
         if not get_reducer(model).dense:
