@@ -186,6 +186,15 @@ def batch_adaptive_r(counts: torch.Tensor) -> int:
     return int(torch.floor(counts.double().mean() + 0.5).item())
 
 
+def class_attention(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """Each head's softmax attention row of the class token, computed beside fused attention at O(N) cost.
+    q, k: (B, H, N, d) after q/k norm; attn_bias: (B, 1, 1, N) or None. Returns (B, H, N)."""
+    scores = (q[:, :, :1] * scale) @ k.transpose(-2, -1)  # (B, H, 1, N)
+    if attn_bias is not None:
+        scores = scores + attn_bias
+    return scores.softmax(dim=-1)[:, :, 0]
+
+
 def top_k_pruning(cls_attn: torch.Tensor, r: int, num_prefix: int) -> PrunePlan:
     """Top-K: keep the non-prefix tokens the class token attends to most, drop the r others (ties: the lower
     index is kept). cls_attn: (B, N) as in attentive_pruning; r clamped so that one non-prefix token remains."""

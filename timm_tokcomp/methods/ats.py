@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import torch
 
-from ..matching import PrunePlan, adaptive_sampling
+from ..matching import PrunePlan, adaptive_sampling, class_attention
 from ..schedules import BlockCost
 from .base import ScheduledReducer, warn_if_compiling
 
@@ -28,10 +28,7 @@ class ATS(ScheduledReducer):
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float,
                v: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, N): sum over heads of softmax(q_cls k^T * scale + bias) * ||v||, normalised to sum 1."""
-        scores = (q[:, :, :1] * scale) @ k.transpose(-2, -1)  # (B, H, 1, N)
-        if attn_bias is not None:
-            scores = scores + attn_bias
-        significance = (scores.softmax(dim=-1)[:, :, 0] * v.norm(dim=-1)).sum(dim=1)
+        significance = (class_attention(q, k, attn_bias, scale) * v.norm(dim=-1)).sum(dim=1)
         return significance / significance.sum(dim=-1, keepdim=True)
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[int]]:

@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from ..matching import PrunePlan, attentive_pruning
+from ..matching import PrunePlan, attentive_pruning, class_attention
 from .base import ScheduledReducer
 
 
@@ -17,10 +17,7 @@ class EViT(ScheduledReducer):
     needs_class_token = True
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-        scores = (q[:, :, :1] * scale) @ k.transpose(-2, -1)  # (B, H, 1, N)
-        if attn_bias is not None:
-            scores = scores + attn_bias
-        return scores.softmax(dim=-1).mean(dim=1)[:, 0]
+        return class_attention(q, k, attn_bias, scale).mean(dim=1)
 
     def plan(self, metric: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[PrunePlan]:
         if r <= 0 or metric.shape[1] - num_prefix < 2:
