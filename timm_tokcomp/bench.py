@@ -8,7 +8,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import timm
 import torch
@@ -18,7 +18,7 @@ from tqdm import tqdm
 from . import apply, is_reduced, last_stats
 from .data import UnlabeledImages, open_images
 from .calibrate import load_preset
-from .measure import count_macs, forward_counting, no_silent_eager_fallback, quantile, time_runs
+from .measure import count_macs, forward_counting, no_silent_eager_fallback, time_runs
 from .methods import parse_method_tag
 from .outputs import replacing
 
@@ -92,9 +92,7 @@ def check_backend(backend: str, device: str, dtype: str, methods: Sequence[str])
         from .export import EXPORTABLE
 
         for name in methods:
-            method = BASELINE if name == BASELINE else (load_preset(name) if name.endswith(".json")
-                                                        else parse_method_tag(name))[0]
-            if method not in (BASELINE,) + EXPORTABLE:
+            if name != BASELINE and method_spec(name)[0] not in EXPORTABLE:
                 raise ValueError(f"--backend onnx: {name} cannot be exported to ONNX (`tokcomp export` says why); "
                                  f"exportable: {', '.join(EXPORTABLE)}")
 
@@ -114,11 +112,16 @@ def backend_runners(models: Dict[str, nn.Module], backend: str, example: torch.T
             for i, (name, model) in enumerate(models.items())}
 
 
-def describe_settings(device: str, dtype: str, tf32: bool, batch_size: int) -> str:
-    """One line stating what the timings ran under."""
+def p90(values: List[float]) -> float:
+    """90th percentile, linearly interpolated between the ordered values (a single value is its own)."""
+    return statistics.quantiles(values, n=10, method="inclusive")[8] if len(values) > 1 else values[0]
+
+
+def describe_settings(device: str, dtype: str, tf32: bool) -> str:
+    """What the timings ran under: device, precision and (on CUDA) TF32."""
     precision_text = "fp32 (no autocast)" if DTYPES[dtype] is None else f"{dtype} autocast"
     tf32_text = f", TF32 {'on' if tf32 else 'off'}" if torch.device(device).type == "cuda" else ""
-    return f"device {device}, {precision_text}{tf32_text}, batch {batch_size}"
+    return f"device {device}, {precision_text}{tf32_text}"
 
 
 def mcnemar_exact_p(gained: int, lost: int) -> float:
@@ -181,13 +184,18 @@ def check_device(device: str) -> None:
         raise ValueError(f"--device {device}: CUDA is not available on this machine")
 
 
+def method_spec(name: str) -> Tuple[str, Dict[str, Any]]:
+    """A --methods item (a method tag or a preset .json saved by `tokcomp calibrate`) -> (method, params)."""
+    return load_preset(name) if name.endswith(".json") else parse_method_tag(name)
+
+
 def build_method_models(base: nn.Module, methods: Sequence[str]) -> Dict[str, nn.Module]:
     models = {}
     for name in methods:
         if name == BASELINE:
             models[name] = base
         else:
-            method, params = load_preset(name) if name.endswith(".json") else parse_method_tag(name)
+            method, params = method_spec(name)
             models[name] = apply(copy.deepcopy(base), method, **params)
     return models
 
@@ -369,7 +377,7 @@ def run_bench(
             tf32=tf32,
             backend=backend,
             latency_ms=1e3 * latency_median[name] if latency else None,
-            latency_p90_ms=1e3 * quantile(latency[name], 0.9) if latency else None,
+            latency_p90_ms=1e3 * p90(latency[name]) if latency else None,
             latency_speedup=latency_median[BASELINE] / latency_median[name] if latency else None,
         )
         for name, model in models.items()

@@ -44,7 +44,7 @@ def _bench(args: argparse.Namespace) -> int:
         backend=args.backend,
         latency_runs=args.latency_runs,
     )
-    print(describe_settings(args.device, args.dtype, args.tf32, args.batch_size) + f", backend {args.backend}"
+    print(describe_settings(args.device, args.dtype, args.tf32) + f", batch {args.batch_size}, backend {args.backend}"
           + (f", latency: {args.latency_runs} single-image forwards" if args.latency_runs else ""))
     print(format_table(rows))
     if args.out:
@@ -67,8 +67,8 @@ def _speed(args: argparse.Namespace) -> int:
                      checkpoint=args.checkpoint, pretrained=args.pretrained, data=args.data,
                      show_progress=not args.no_progress)
     device_name = torch_device_name(args.device)
-    print(f"{args.model} on {device_name}: " + describe_settings(args.device, args.dtype, args.tf32, max(batches))
-          .replace(f", batch {max(batches)}", f", median of {args.rounds} forwards"))
+    print(f"{args.model} on {device_name}: {describe_settings(args.device, args.dtype, args.tf32)}, "
+          f"median of {args.rounds} forwards")
     print(format_speed(rows))
     if args.out:
         write_speed_csv(rows, args.out, args.model, {"device": device_name, "dtype": args.dtype, "tf32": args.tf32})

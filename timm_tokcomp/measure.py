@@ -207,15 +207,6 @@ def time_side_by_side(models: Dict[str, Callable], x: torch.Tensor, rounds: int 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def quantile(values: List[float], q: float) -> float:
-    """The q-quantile (0 <= q <= 1) of values, linearly interpolated."""
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 def no_silent_eager_fallback(num_models: int):
     """Dynamo config for compiling num_models models of the same classes in one process: room for two
     compilations per model (e.g. two input shapes), and an error, not a silent eager fallback, if that is

@@ -16,12 +16,10 @@ from torch import nn
 from tqdm import tqdm
 
 from . import apply, get_reducer, last_stats
-from .bench import BASELINE, build_base_model, parse_methods, precision
-from .calibrate import load_preset
+from .bench import BASELINE, build_base_model, method_spec, parse_methods, precision
 from .data import open_images
 from .matching import TruncatePlan
 from .measure import no_silent_eager_fallback, time_side_by_side
-from .methods import parse_method_tag
 from .methods.base import TokenReducer
 from .outputs import replacing
 from .patch import patch
@@ -152,7 +150,7 @@ def _models(base: nn.Module, names: Sequence[str], x: torch.Tensor, compiled: bo
     """plain, then each method followed by its limit (the token schedule its forward on x ran)."""
     models = {BASELINE: base}
     for name in names:
-        method, params = load_preset(name) if name.endswith(".json") else parse_method_tag(name)
+        method, params = method_spec(name)
         if compiled and method in DATA_DEPENDENT:
             continue
         model = apply(copy.deepcopy(base), method, **params)
