@@ -227,12 +227,11 @@ class _ReducingViT:
         return self._register_features(self._features(x))
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(x)
-        x = self._pos_embed(x)
-        x = self.patch_drop(x)
-        x = self.norm_pre(x)
-        x = self._reduce_blocks(x)
-        return self.norm(x)
+        return self.norm(self._reduce_blocks(self._embed(x)))
+
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, 3, H, W) -> (B, N, C) tokens entering the first block, as timm's forward_features makes them."""
+        return self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
 
     def _reduce_blocks(self, x: torch.Tensor, for_intermediates: bool = False, num_blocks: Optional[int] = None,
                        on_block: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None) -> torch.Tensor:
@@ -325,7 +324,7 @@ class _ReducingViT:
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         B, _, height, width = x.shape
-        x = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+        x = self._embed(x)
         grids: List[torch.Tensor] = []
 
         def on_block(i: int, tokens: torch.Tensor, source: torch.Tensor) -> None:
