@@ -65,3 +65,16 @@ def require_data():
     if not (DATA / "deit_tiny_patch16_224.safetensors").is_file():
         pytest.skip(f"real data not found at {DATA} (set TOKCOMP_DATA)")
     return DATA
+
+
+def real_model_and_images(name: str, count: int):
+    """timm model `name` (a DeiT-Tiny architecture, tags allowed) with the real weights, in eval mode, and the
+    first `count` images of imagenet-val-1300 through its eval transform: (count, 3, 224, 224). Skips without
+    the real data."""
+    import timm
+
+    data = require_data()
+    model = timm.create_model(name, checkpoint_path=str(data / "deit_tiny_patch16_224.safetensors")).eval()
+    transform = timm.data.create_transform(**timm.data.resolve_model_data_config(model))
+    dataset = timm.data.create_dataset("", root=str(data / "imagenet-val-1300" / "images"))
+    return model, torch.stack([transform(dataset[i][0].convert("RGB")) for i in range(count)])

@@ -8,7 +8,7 @@ import torch
 import timm_tokcomp
 from timm_tokcomp.cli import main
 from timm_tokcomp.export import compare_onnxruntime, export_onnx
-from conftest import SMALL, require_data
+from conftest import SMALL, real_model_and_images, require_data
 
 for module in ("onnx", "onnxscript", "onnxruntime"):
     pytest.importorskip(module, reason=f"{module} is not installed (pip install 'timm-tokcomp[export]')")
@@ -21,10 +21,7 @@ def test_export_real_deit_tiny_tome_r16_matches_pytorch_on_real_images_at_any_ba
     weights = str(data / "deit_tiny_patch16_224.safetensors")
     assert main(["export", "deit_tiny_patch16_224.tome_r16", "--checkpoint", weights, "--out", str(out)]) == 0
     assert "max |ONNX - PyTorch|" in capsys.readouterr().out
-    model = timm.create_model("deit_tiny_patch16_224.tome_r16", checkpoint_path=weights)
-    dataset = timm.data.create_dataset("", root=str(data / "imagenet-val-1300" / "images"))
-    transform = timm.data.create_transform(**timm.data.resolve_model_data_config(model))
-    images = torch.stack([transform(dataset[i][0].convert("RGB")) for i in range(16)])
+    model, images = real_model_and_images("deit_tiny_patch16_224.tome_r16", 16)
     for batch in (images, images[:1]):  # exported with a batch of 2: the batch dimension is dynamic
         diff, shape = compare_onnxruntime(model, str(out), batch)
         assert shape == (len(batch), 1000) and diff < 1e-4

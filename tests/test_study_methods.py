@@ -12,7 +12,7 @@ from timm_tokcomp.methods.radial import centre_order
 from timm_tokcomp.ops import apply_plan
 from timm_tokcomp.patch import _block_cost
 from timm_tokcomp.schedules import stage_schedule
-from conftest import make_model, require_data
+from conftest import make_model, real_model_and_images
 
 
 def test_stage_schedule_is_the_studys_token_counts():
@@ -147,12 +147,7 @@ def test_adaptive_sampling_collapses_duplicates_and_pads_rows_that_keep_fewer():
 @pytest.mark.realdata
 def test_ats_images_in_a_batch_run_as_they_run_alone():
     """Real weights and images: images keep different counts, and the size-0 padding changes nothing."""
-    data = require_data()
-    model = timm.create_model("deit_tiny_patch16_224.ats_k50",
-                              checkpoint_path=str(data / "deit_tiny_patch16_224.safetensors")).eval()
-    transform = timm.data.create_transform(**timm.data.resolve_model_data_config(model))
-    dataset = timm.data.create_dataset("", root=str(data / "imagenet-val-1300" / "images"))
-    images = torch.stack([transform(dataset[i][0].convert("RGB")) for i in range(4)])
+    model, images = real_model_and_images("deit_tiny_patch16_224.ats_k50", 4)
     with torch.no_grad():
         together = model(images)
         real = timm_tokcomp.last_stats(model).real_tokens_per_block[-1]
