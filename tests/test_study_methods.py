@@ -49,6 +49,9 @@ def test_keep_rate_tags_parameters_and_errors():
         timm_tokcomp.apply(model, "topk", keep_rate=0.5)  # the default stages (4, 7, 10) need 10 blocks
     with pytest.raises(ValueError, match="strictly increasing"):
         timm_tokcomp.apply(model, "topk", keep_rate=0.5, stages=(3, 2))
+    for stages in (4, (1, 3), ()):  # refused even where r, not keep_rate, sets the schedule
+        with pytest.raises(ValueError, match="stages must be"):
+            timm_tokcomp.apply(model, "topk", r=2, stages=stages)
     with pytest.raises(ValueError, match="class token"):
         timm_tokcomp.apply(make_model("avgpool_noclass"), "topk", keep_rate=0.5, stages=(2, 3))
     timm_tokcomp.apply(model, "topk", keep_rate=0.5, stages=(2, 3))

@@ -87,16 +87,22 @@ def solve_flops_schedule(
 STUDY_STAGES = (4, 7, 10)  # 1-based blocks of the three reduction stages of "Which Tokens to Use?"
 
 
-def check_keep_rate(keep_rate, stages) -> Tuple[float, Tuple[int, ...]]:
-    """Validate a keep rate in (0, 1] and stages, strictly increasing 1-based block numbers."""
+def check_keep_rate(keep_rate) -> float:
+    """Validate a keep rate in (0, 1]."""
     if isinstance(keep_rate, bool) or not isinstance(keep_rate, (int, float)) or not 0.0 < keep_rate <= 1.0:
         raise ValueError(f"keep_rate must be a number in (0, 1], got {keep_rate!r}")
-    stages = tuple(stages)
-    if not stages or any(isinstance(b, bool) or not isinstance(b, int) or b < 2 for b in stages) \
-            or any(b >= c for b, c in zip(stages, stages[1:])):
+    return float(keep_rate)
+
+
+def check_stages(stages) -> Tuple[int, ...]:
+    """Validate stages: a non-empty sequence of strictly increasing 1-based block numbers >= 2."""
+    valid = isinstance(stages, (tuple, list)) and len(stages) > 0 \
+        and all(not isinstance(b, bool) and isinstance(b, int) and b >= 2 for b in stages) \
+        and all(b < c for b, c in zip(stages, stages[1:]))
+    if not valid:
         raise ValueError(f"stages must be strictly increasing 1-based block numbers >= 2 (tokens are reduced "
                          f"before each, at the end of the block before it), got {stages!r}")
-    return float(keep_rate), stages
+    return tuple(stages)
 
 
 def stage_schedule(keep_rate: float, stages: Sequence[int], num_blocks: int, num_patch: int) -> List[int]:

@@ -16,7 +16,7 @@ from torch import nn
 from tqdm import tqdm
 
 from . import apply, get_reducer, last_stats
-from .bench import BASELINE, build_base_model, method_spec, parse_methods, precision
+from .bench import BASELINE, build_base_model, check_dtype, method_spec, parse_methods, precision
 from .data import open_images
 from .matching import TruncatePlan
 from .measure import no_silent_eager_fallback, time_side_by_side
@@ -116,6 +116,7 @@ def run_speed(
         raise ValueError(f"--batches must be integers >= 1, got {list(batches)}")
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    check_dtype(dtype)
     check_modes(modes, device)
     names = parse_methods(",".join(methods))[1:]
     base = build_base_model(model_name, checkpoint, pretrained, device)

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ..matching import ClusterPlan, MergePlan, PrunePlan, TruncatePlan
-from ..schedules import (STUDY_STAGES, BlockCost, RSpec, check_keep_rate, resolve_r, solve_flops_schedule,
-                         stage_schedule, validate_r)
+from ..schedules import (STUDY_STAGES, BlockCost, RSpec, check_keep_rate, check_stages, resolve_r,
+                         solve_flops_schedule, stage_schedule, validate_r)
 
 Plan = Union[MergePlan, PrunePlan, ClusterPlan, TruncatePlan]
 
@@ -191,7 +191,8 @@ class ScheduledReducer(RTagged, TokenReducer):
             raise ValueError(f"give one of r, flops_ratio, keep_rate, not {' and '.join(given)}")
         self.r = validate_r(r)
         self.flops_ratio = None if flops_ratio is None else float(flops_ratio)
-        self.keep_rate, self.stages = (None, tuple(stages)) if keep_rate is None else check_keep_rate(keep_rate, stages)
+        self.keep_rate = None if keep_rate is None else check_keep_rate(keep_rate)
+        self.stages = check_stages(stages)  # checked even unused: a bad value is never kept
         self.reduce_after_mlp = self.keep_rate is not None  # the study reduces before its stage blocks
         if self.keep_rate is not None and self.keep_rate < self.min_keep_rate:
             raise ValueError(f"keep_rate must be in [{self.min_keep_rate}, 1] for {self.name} (it reduces at most "
