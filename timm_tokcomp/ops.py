@@ -16,11 +16,13 @@ def _split(t: torch.Tensor, plan: MergePlan):
     return (t[:, :plan.num_prefix], *split_tokens(t, plan.num_prefix, split))
 
 
-def merge_sum(t: torch.Tensor, plan: MergePlan) -> torch.Tensor:
-    """Sum every merged group: (B, N, C) -> (B, N - r, C). Used for sizes, source maps, weighted x."""
+def merge_sum(t: torch.Tensor, plan: MergePlan, src: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sum every merged group: (B, N, C) -> (B, N - r, C). Used for sizes, source maps, weighted x.
+    src: (B, r, C) rows to add into the targets instead of t's merged-away rows (a learned merge's)."""
     prefix, a, b = _split(t, plan)
     kept = _gather(a, plan.unm_idx)
-    src = _gather(a, plan.src_idx)
+    if src is None:
+        src = _gather(a, plan.src_idx)
     idx = plan.dst_idx.unsqueeze(-1).expand(-1, -1, t.shape[-1])
     b = b.scatter_add(1, idx, src)
     return torch.cat([prefix, kept, b], dim=1)

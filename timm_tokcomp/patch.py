@@ -17,7 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import kernels
 from .matching import gather_tokens
 from .methods.base import TokenReducer
-from .ops import apply_plan, group_index, unmerge
+from .ops import group_index, unmerge
 from .schedules import BlockCost
 from .state import ReductionStats
 
@@ -108,7 +108,7 @@ class ReducingBlock(Block):
     @staticmethod
     def _reduce(x, size, source, metric, setting, reducer: TokenReducer, num_prefix: int):
         plan = reducer.plan(x.detach() if reducer.plan_on_tokens else metric, setting, num_prefix, size)
-        return (x, size, source) if plan is None else apply_plan(plan, x, size, source)
+        return (x, size, source) if plan is None else reducer.reduce(plan, x, size, source, setting)
 
 
 class DenseBlock(Block):
@@ -450,8 +450,9 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     _prefix_only_last(model, reducer)  # raises if asked for where it is not exact
     block_cost = _block_cost(model.blocks[0])
     # settings for the model's default input: a budget out of reach (flops_ratio) fails here, not in a forward
-    reducer.block_settings(depth, model.patch_embed.num_patches + model.num_prefix_tokens,
-                           model.num_prefix_tokens, block_cost)
+    settings = reducer.block_settings(depth, model.patch_embed.num_patches + model.num_prefix_tokens,
+                                      model.num_prefix_tokens, block_cost)
+    reducer.bind(model.embed_dim, settings)  # a learned method's parameters are made or checked here
     prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
     _swap_classes(model, ReducingBlock, _MODEL_CLASSES)
     model._tokcomp_reducer = reducer
@@ -460,6 +461,20 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     model._tokcomp_depth = depth
     model._tokcomp_stats = None
     model._tokcomp_pool_stats = None
+    _attach_learned(model, reducer.learned_module(), reducer.name)
+
+
+LEARNED_KEY = "tokcomp"  # a learned method's parameters: model.tokcomp[<method>], state_dict keys 'tokcomp.<method>.*'
+
+
+def _attach_learned(model: nn.Module, module: Optional[nn.Module], method: str) -> None:
+    """Put the method's parameters (or none) under model.tokcomp, on the model's device and dtype."""
+    model._modules.pop(LEARNED_KEY, None)
+    if module is not None:
+        ref = next(model.parameters(), None)
+        if ref is not None:
+            module.to(device=ref.device, dtype=ref.dtype)
+        model.add_module(LEARNED_KEY, nn.ModuleDict({method: module}))
 
 
 def _swap_classes(model: nn.Module, block_class: type, model_classes: Dict[type, type]) -> None:
@@ -500,6 +515,7 @@ def unpatch(model: nn.Module) -> None:
     model.__class__ = _ORIGINAL[type(model)]
     for name in _ATTRS:
         model.__dict__.pop(name, None)
+    model._modules.pop(LEARNED_KEY, None)
 
 
 def reducer_of(model: nn.Module) -> TokenReducer:

@@ -9,6 +9,12 @@ from typing import List, Sequence, Tuple, Union
 
 RSpec = Union[int, List[int], Tuple[int, float]]
 
+# PYRA's (Xiong et al.) merge schedules for 12-block ViTs with 196 patches, by name (tags '<method>_low' / '_high')
+NAMED_SCHEDULES = {
+    "low": [16] * 11 + [10],
+    "high": [40, 34, 30, 24, 18, 14, 10, 8, 4, 4, 3, 3],
+}
+
 
 def _check_int(name: str, value, low: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:

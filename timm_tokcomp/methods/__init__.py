@@ -9,13 +9,14 @@ from .dense_tome import DenseToMe
 from .dpcknn import DPCKNN
 from .evit import EViT
 from .kmedoids import KMedoids
+from .pyra import PYRA
 from .radial import RadialL1, RadialL2, RadialLInf
 from .tome import ToMe
 from .topk import TopK
 
 METHODS: Dict[str, Type[TokenReducer]] = {
     cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids,
-                               DPCKNN)}
+                               DPCKNN, PYRA)}
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

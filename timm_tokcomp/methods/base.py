@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ..matching import ClusterPlan, MergePlan, PrunePlan, TruncatePlan
-from ..schedules import (STUDY_STAGES, BlockCost, RSpec, check_keep_rate, check_stages, resolve_r,
+from ..ops import apply_plan
+from ..schedules import (NAMED_SCHEDULES, STUDY_STAGES, BlockCost, RSpec, check_keep_rate, check_stages, resolve_r,
                          solve_flops_schedule, stage_schedule, validate_r)
 
 Plan = Union[MergePlan, PrunePlan, ClusterPlan, TruncatePlan]
@@ -36,6 +37,12 @@ def parse_keep_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
     if tag.startswith(f"{name}_k") and digits.isdigit() and digits.isascii() and 1 <= int(digits) <= 100:
         return {"keep_rate": int(digits) / 100}
     return None
+
+
+def parse_named_schedule_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
+    """'<name>_low' / '<name>_high' -> {'r': that NAMED_SCHEDULES list}; None for any other tag."""
+    schedule = tag[len(name) + 1:] if tag.startswith(f"{name}_") else None
+    return {"r": list(NAMED_SCHEDULES[schedule])} if schedule in NAMED_SCHEDULES else None
 
 
 def warn_if_compiling(method: str) -> None:
@@ -144,6 +151,22 @@ class TokenReducer(ABC):
     def plan(self, metric: torch.Tensor, setting: Any, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[Plan]:
         """The reduction of one block from its metric and setting, or None for no reduction.
         size: (B, N, 1) merging sizes, None while every token has size 1."""
+
+    def reduce(self, plan: Plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
+               setting: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Carry out one block's plan on x: (B, N, C), size: (B, N, 1) or None, source: (B, N, N0) or None
+        (ops.apply_plan; a learned merge such as PYRA's overrides it)."""
+        return apply_plan(plan, x, size, source)
+
+    def bind(self, dim: int, settings: List[Any]) -> None:
+        """Called by patch before the model changes, with the model's width and the block settings for its
+        default input: a learned method creates its parameters here, or raises ValueError if given ones do not
+        fit. Training-free methods have nothing to do."""
+
+    def learned_module(self) -> Optional[nn.Module]:
+        """The method's trainable parameters (patch attaches them as model.tokcomp[<name>], so they move, save
+        and train with the model); None for a training-free method."""
+        return None
 
 
 class RTagged:

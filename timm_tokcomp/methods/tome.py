@@ -1,18 +1,27 @@
 """ToMe (Bolya et al.): merge the r most similar token pairs of each block by bipartite soft matching."""
-from typing import Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from ..matching import MergePlan, bipartite_soft_matching, max_merges
-from .base import ScheduledReducer
+from .base import ScheduledReducer, parse_named_schedule_tag
 
 
 class ToMe(ScheduledReducer):
     """Metric: keys averaged over heads (cosine similarity). Merge: size-weighted mean.
-    Proportional attention is on by default, off for avg-pooled (MAE-style) models."""
+    Proportional attention is on by default, off for avg-pooled (MAE-style) models. Tags also name
+    PYRA's 12-block schedules: '<name>_low', '<name>_high' (schedules.NAMED_SCHEDULES)."""
 
     name = "tome"
     min_keep_rate = 0.5  # bipartite matching merges at most half of a block's tokens
+
+    @classmethod
+    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
+        return super().parse_tag(tag) or parse_named_schedule_tag(cls.name, tag)
+
+    @classmethod
+    def tag_forms(cls) -> Tuple[str, ...]:
+        return (*super().tag_forms(), f"{cls.name}_low", f"{cls.name}_high")
 
     def default_prop_attn(self, global_pool: str) -> bool:
         return global_pool != "avg"

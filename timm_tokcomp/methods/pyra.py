@@ -1,0 +1,193 @@
+"""PYRA (Xiong et al., ECCV 2024): ToMe's merging, with the r source tokens of every reducing block
+modulated by learned per-layer weights before they are averaged into their targets.
+
+In block l with r merges, M_s (r, D) are the merged-away tokens in score order (most similar first) and
+M_t (r, D) the target each one merges into. P = LayerNorm_l(M_s + M_t); channel weights
+c = 2 * sigmoid(w_l^T P) (1, D) from rank weights w_l (r,); token weights t = 2 * sigmoid(P W_D,l) - 1
+(r, 1). The sources become M_s * (1 + t c) and are merged by ToMe's size-weighted mean; targets are
+not modulated. W_D starts at zero, so t = 0 and an untrained PYRA is ToMe exactly.
+
+Two forms of the rank weights w_l:
+  'paper':  one weight per merged token (the paper's W_r, uniform(-1, 1) at init), so the trained
+            parameters fit their training schedule only.
+  'pooled': (ours) w_l(rho) = linear interpolation of KNOTS learned values at the normalised rank
+            rho = i / (r - 1), and the weighted sum becomes a weighted mean (divided by r): the same
+            parameters run at any r, the channel weights staying on one scale.
+"""
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..matching import MergePlan, gather_tokens, split_tokens
+from ..ops import merge_sum
+from ..schedules import STUDY_STAGES, RSpec
+from .base import Plan
+from .tome import ToMe, tome_plan
+
+FORMS = ("paper", "pooled")
+KNOTS = 8  # rank-weight knots of the 'pooled' form
+
+
+class PyraSetting(NamedTuple):
+    """A reducing block's setting: r merges in block `layer` (0-based)."""
+
+    r: int
+    layer: int
+
+
+class PyraLayer(nn.Module):
+    """One block's parameters: norm LayerNorm(dim); token_weight (dim,), W_D, zero at init; rank_weight (n,),
+    uniform(-1, 1) at init (n = the block's r for 'paper', KNOTS for 'pooled')."""
+
+    def __init__(self, dim: int, num_rank_weights: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.token_weight = nn.Parameter(torch.zeros(dim))
+        self.rank_weight = nn.Parameter(torch.empty(num_rank_weights).uniform_(-1.0, 1.0))
+
+
+class PyraParams(nn.Module):
+    """PYRA's parameters for a model of len(ranks) blocks and width dim: layers[str(l)] is a PyraLayer for
+    every block that merges in the training schedule `ranks` ('paper'), or for every block ('pooled')."""
+
+    def __init__(self, dim: int, ranks: Sequence[int], form: str = "paper") -> None:
+        super().__init__()
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        self.form, self.ranks, self.dim = form, [int(r) for r in ranks], dim
+        self.layers = nn.ModuleDict({str(l): PyraLayer(dim, r if form == "paper" else KNOTS)
+                                     for l, r in enumerate(self.ranks) if r > 0 or form == "pooled"})
+
+    @property
+    def depth(self) -> int:
+        return len(self.ranks)
+
+    def config(self) -> Dict[str, Any]:
+        """What from_config needs to rebuild these parameters (saved beside them as JSON)."""
+        return {"form": self.form, "dim": self.dim, "ranks": list(self.ranks), "knots": KNOTS}
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "PyraParams":
+        """Parameters of the shape config describes (values to be loaded). Raises ValueError naming a bad field."""
+        form, dim, ranks = config.get("form"), config.get("dim"), config.get("ranks")
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
+        if not isinstance(ranks, list) or not ranks or not all(isinstance(r, int) and r >= 0 for r in ranks):
+            raise ValueError(f"ranks must be a non-empty list of integers >= 0 (r per block), got {ranks!r}")
+        if form == "pooled" and config.get("knots") != KNOTS:
+            raise ValueError(f"knots must be {KNOTS} for the 'pooled' form, got {config.get('knots')!r}")
+        return cls(dim, ranks, form)
+
+    def rank_weights(self, layer: int, r: int) -> torch.Tensor:
+        """(r,) weights of the merged tokens in score order, already divided by r for 'pooled'."""
+        w = self.layers[str(layer)].rank_weight
+        if self.form == "paper":
+            if r > w.shape[0]:
+                raise ValueError(f"PYRA ('paper' form) was trained with r = {w.shape[0]} in block {layer} and cannot "
+                                 f"merge {r} tokens there; use the training schedule or the 'pooled' form")
+            return w[:r]
+        if r == 1:
+            return w.mean().view(1)
+        pos = torch.linspace(0, KNOTS - 1, r, device=w.device, dtype=w.dtype)
+        lo = pos.floor().clamp_max(KNOTS - 2).long()
+        frac = pos - lo.to(pos.dtype)
+        return (w[lo] * (1 - frac) + w[lo + 1] * frac) / r
+
+    def modulate(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> torch.Tensor:
+        """src, dst: (B, r, D) merged-away tokens in score order and their targets -> modulated src."""
+        params = self.layers[str(layer)]
+        p = params.norm(src + dst)  # (B, r, D)
+        w = self.rank_weights(layer, src.shape[1]).to(p.dtype)
+        c = 2 * torch.sigmoid(torch.einsum("brd,r->bd", p, w)).unsqueeze(1)  # (B, 1, D)
+        t = 2 * torch.sigmoid(p @ params.token_weight.to(p.dtype).unsqueeze(-1)) - 1  # (B, r, 1)
+        return src * (1 + t * c)
+
+
+def check_fits(params: PyraParams, dim: int, settings: Sequence[Any]) -> None:
+    """Raise ValueError unless params fit a model of width dim whose blocks have these settings."""
+    ranks = [0 if s is None else s.r for s in settings]
+    if params.dim != dim:
+        raise ValueError(f"these PYRA parameters are for width {params.dim}; the model has width {dim}")
+    if params.depth != len(ranks):
+        raise ValueError(f"these PYRA parameters are for {params.depth} blocks; the model has {len(ranks)}")
+    if params.form == "paper" and ranks != params.ranks:
+        raise ValueError(f"these PYRA parameters ('paper' form) fit the schedule r = {params.ranks} only; the method's "
+                         f"schedule on this model is r = {ranks} (the 'pooled' form runs at any r)")
+
+
+def pyra_merge(x: torch.Tensor, size: Optional[torch.Tensor], plan: MergePlan, params: PyraParams,
+               layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """ToMe's size-weighted merge with PYRA's modulated sources: x (B, N, C), size (B, N, 1) or None
+    -> x (B, N - r, C), size (B, N - r, 1). With t = 0 it computes exactly what ops.merge_mean does."""
+    if size is None:
+        size = x.new_ones(x.shape[0], x.shape[1], 1)
+    split = None if plan.a_idx is None else (plan.a_idx, plan.b_idx)
+    a, b = split_tokens(x, plan.num_prefix, split)
+    src = params.modulate(gather_tokens(a, plan.src_idx), gather_tokens(b, plan.dst_idx), layer)
+    src_size = gather_tokens(split_tokens(size, plan.num_prefix, split)[0], plan.src_idx).to(x.dtype)
+    rows = torch.cat([x * size, size.to(x.dtype)], dim=-1)
+    total, new_size = merge_sum(rows, plan, src=torch.cat([src * src_size, src_size], dim=-1)).split(
+        [x.shape[-1], 1], -1)
+    return total / new_size, new_size
+
+
+class PYRA(ToMe):
+    """ToMe with PYRA's learned source modulation (see the module docstring). The parameters are made at
+    apply (untrained: equal to ToMe) or given as `pyra_params`, and live on the model as model.tokcomp['pyra'].
+    form: 'paper' (fits its training schedule) or 'pooled' (any r); set_params keeps the parameters."""
+
+    name = "pyra"
+    learned_class = PyraParams
+
+    def __init__(
+        self,
+        r: RSpec = 0,
+        flops_ratio: Optional[float] = None,
+        keep_rate: Optional[float] = None,
+        stages: Tuple[int, ...] = STUDY_STAGES,
+        form: str = "paper",
+        pyra_params: Optional[PyraParams] = None,
+        prop_attn: Optional[bool] = None,
+        trace_source: bool = False,
+        prefix_only_last_block: Optional[bool] = None,
+    ) -> None:
+        super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        if pyra_params is not None and not isinstance(pyra_params, PyraParams):
+            raise ValueError(f"pyra_params must be PyraParams (e.g. from timm_tokcomp.learned.load_learned), "
+                             f"got {type(pyra_params).__name__}")
+        if pyra_params is not None and pyra_params.form != form:
+            form = pyra_params.form  # the parameters decide; form only chooses what apply creates
+        self.form = form
+        self.pyra_params = pyra_params
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None and k != "pyra_params")
+        trained = "none yet" if self.pyra_params is None else f"{sum(p.numel() for p in self.pyra_params.parameters())}"
+        return f"PYRA({shown}, parameters={trained})"
+
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost) -> List[Optional[PyraSetting]]:
+        return [None if r is None else PyraSetting(r, layer)
+                for layer, r in enumerate(super().block_settings(num_blocks, num_tokens, num_prefix, cost))]
+
+    def bind(self, dim: int, settings: List[Any]) -> None:
+        if self.pyra_params is None:
+            self.pyra_params = PyraParams(dim, [0 if s is None else s.r for s in settings], self.form)
+        else:
+            check_fits(self.pyra_params, dim, settings)
+
+    def learned_module(self) -> Optional[nn.Module]:
+        return self.pyra_params
+
+    def plan(self, metric: torch.Tensor, setting: PyraSetting, num_prefix: int,
+             size: Optional[torch.Tensor]) -> Optional[MergePlan]:
+        return tome_plan(metric, setting.r, num_prefix)
+
+    def reduce(self, plan: Plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
+               setting: PyraSetting):
+        x_out, size_out = pyra_merge(x, size, plan, self.pyra_params, setting.layer)
+        return x_out, size_out, None if source is None else merge_sum(source, plan)
