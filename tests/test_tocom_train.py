@@ -16,7 +16,8 @@ from PIL import Image
 import timm_tokcomp
 from timm_tokcomp.tocom import attach, compensate, load
 from timm_tokcomp.tocom.train import (
-    Mosaic, Plugins, SeededAugment, TrainConfig, distill_loss, draw_pair, epoch_batches, lr_at, train_tocom)
+    Mosaic, Plugins, TrainConfig, distill_loss, draw_pair, lr_at, train_tocom)
+from timm_tokcomp.training.engine import SeededAugment, epoch_batches
 from conftest import make_model
 from test_tocom import _random_compensator
 

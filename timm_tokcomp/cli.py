@@ -204,6 +204,45 @@ def _train_tocom(args: argparse.Namespace) -> int:
     return 0
 
 
+def _method_args(items: List[str]) -> dict:
+    """['form=pooled', 'prop_attn=false'] -> {'form': 'pooled', 'prop_attn': False}; values are JSON or text."""
+    import json
+
+    parsed = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--method-arg must be KEY=VALUE, got {item!r}")
+        try:
+            parsed[key] = json.loads(value)
+        except json.JSONDecodeError:
+            parsed[key] = value
+    return parsed
+
+
+def _finetune(args: argparse.Namespace) -> int:
+    from .training import FinetuneConfig, finetune
+
+    config = FinetuneConfig(
+        method=args.method, method_args=_method_args(args.method_arg), epochs=args.epochs, batch_size=args.batch_size,
+        lr=args.lr, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs, lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha, augment=args.augment, crop_scale=(args.crop_min, 1.0), seed=args.seed,
+        eval_batch_size=args.eval_batch_size)
+    config.validate()
+    if not args.checkpoint and not args.pretrained:
+        print("note: no --checkpoint or --pretrained: fine-tuning random weights", file=sys.stderr)
+    result = finetune(args.model, args.data, args.out, args.eval_data, config, checkpoint=args.checkpoint,
+                      pretrained=args.pretrained, resume=args.resume, overwrite=args.overwrite, device=args.device,
+                      show_progress=not args.no_progress, num_workers=args.num_workers, stop_after_epoch=args.stop_after)
+    if result is None:
+        print(f"stopped after epoch {args.stop_after} of {config.epochs}; continue with --resume")
+        return 0
+    print(f"saved {args.out}: top-1 {result.top1:.2f}% on {result.images} images, {result.gmacs:.4f} GMACs/image, "
+          f"{result.images_per_second:.1f} images/s, {result.trainable_parameters:,} trained parameters, "
+          f"{result.train_seconds / 60:.1f} min of training")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokcomp", description="Token compression for timm ViTs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -299,6 +338,40 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--num-workers", type=int, default=2, help="data loading workers per process")
     tr.add_argument("--no-progress", action="store_true", help="hide progress bars")
     tr.set_defaults(func=_train_tocom)
+
+    ft = sub.add_parser("finetune", help="parameter-efficient fine-tuning on labelled images: LoRA on qkv, a new "
+                                         "head and the method's own parameters (PYRA's recipe)")
+    ft.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
+    ft.add_argument("--method", default="none", help=f"token reduction trained with: a method tag ({', '.join(TAG_FORMS)}) "
+                                                     f"or none (default %(default)s)")
+    ft.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="another method parameter, e.g. form=pooled (repeatable)")
+    ft.add_argument("--data", required=True, help="training images: a labels.csv folder, a labels .csv file, or an "
+                                                  "ImageFolder tree")
+    ft.add_argument("--eval-data", help="images evaluated after every epoch and at the end (default: --data)")
+    ft.add_argument("--out", required=True, help="folder to write: peft adapter, method parameters, card, training/")
+    ft.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
+    ft.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
+    ft.add_argument("--epochs", type=int, default=10, help="(default %(default)s)")
+    ft.add_argument("--batch-size", type=int, default=32, help="(default %(default)s)")
+    ft.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default %(default)s)")
+    ft.add_argument("--weight-decay", type=float, default=1e-4, help="(default %(default)s)")
+    ft.add_argument("--warmup-epochs", type=int, default=1, help="linear warm-up before the cosine decay "
+                                                                 "(default %(default)s)")
+    ft.add_argument("--lora-rank", type=int, default=8, help="(default %(default)s)")
+    ft.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: the rank, i.e. scaling 1)")
+    ft.add_argument("--augment", choices=("crop-flip", "none"), default="crop-flip",
+                    help="random resized crops and flips, or none (default %(default)s)")
+    ft.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default %(default)s)")
+    ft.add_argument("--seed", type=int, default=0)
+    ft.add_argument("--eval-batch-size", type=int, default=64, help="(default %(default)s)")
+    ft.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/training/checkpoint.pt")
+    ft.add_argument("--overwrite", action="store_true", help="delete the previous run in OUT first")
+    ft.add_argument("--stop-after", type=int, help="leave after this epoch with a checkpoint (continue with --resume)")
+    ft.add_argument("--device", default="cpu")
+    ft.add_argument("--num-workers", type=int, default=2, help="data loading workers")
+    ft.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    ft.set_defaults(func=_finetune)
 
     ex = sub.add_parser("export", help="write a plain, ToMe, EViT or dense_tome model as ONNX (dynamic batch) "
                                        "and check it in onnxruntime")

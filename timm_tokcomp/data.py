@@ -10,16 +10,16 @@ from torchvision.datasets import ImageFolder
 
 
 class LabeledImages(Dataset):
-    """Images listed in `root/labels.csv` (header `file,label`, 0-based class indices); files are
-    looked up in `root/images/` if that folder exists, else in `root`."""
+    """Images listed in `root/<labels>` (default labels.csv; header `file,label`, 0-based class indices);
+    files are looked up in `root/images/` if that folder exists, else in `root`."""
 
-    def __init__(self, root: Union[str, Path], transform: Callable) -> None:
+    def __init__(self, root: Union[str, Path], transform: Callable, labels: str = "labels.csv") -> None:
         root = Path(root)
         self.image_dir = root / "images" if (root / "images").is_dir() else root
-        with open(root / "labels.csv", newline="") as f:
+        with open(root / labels, newline="") as f:
             reader = csv.DictReader(f)
             if reader.fieldnames is None or not {"file", "label"} <= set(reader.fieldnames):
-                raise ValueError(f"{root / 'labels.csv'} must have a header with columns 'file' and 'label'")
+                raise ValueError(f"{root / labels} must have a header with columns 'file' and 'label'")
             self.samples: List[Tuple[str, int]] = [(row["file"], int(row["label"])) for row in reader]
         self.transform = transform
 
@@ -63,8 +63,11 @@ def open_images(path: Union[str, Path], transform: Callable) -> Dataset:
 
 
 def open_dataset(path: Union[str, Path], transform: Callable) -> Dataset:
-    """A labelled image dataset from a labels.csv folder or an ImageFolder tree (class subfolders)."""
+    """A labelled image dataset from a labels.csv folder, a labels file itself (`<folder>/<name>.csv`, e.g.
+    one split of a folder), or an ImageFolder tree (class subfolders)."""
     path = Path(path)
+    if path.suffix == ".csv" and path.is_file():
+        return LabeledImages(path.parent, transform, labels=path.name)
     if not path.is_dir():
         raise FileNotFoundError(f"--data: {path} is not a folder")
     if (path / "labels.csv").is_file():

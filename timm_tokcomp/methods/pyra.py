@@ -141,6 +141,7 @@ class PYRA(ToMe):
 
     name = "pyra"
     learned_class = PyraParams
+    learned_param = "pyra_params"  # the constructor argument that takes saved parameters
 
     def __init__(
         self,

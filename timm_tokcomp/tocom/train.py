@@ -25,6 +25,7 @@ from tqdm import tqdm
 from .. import apply, remove, set_params
 from ..outputs import claim_run_folder, replacing, write_text
 from ..patch import check_supported
+from ..training.engine import SeededAugment, epoch_batches, is_distributed, warmup_cosine_lr
 from .compensator import Compensator, check_fits
 
 CHECKPOINT = "checkpoint.pt"
@@ -167,12 +168,9 @@ def draw_pair(step: int, seed: int, groups: int) -> Tuple[int, int]:
 
 
 def lr_at(step: int, config: TrainConfig, base_lr: float) -> float:
-    """Linear warmup then cosine decay to 0 (step counts from 0)."""
+    """Linear warmup (warmup_steps, default 5% of steps) then cosine decay to 0 (step counts from 0)."""
     warmup = config.warmup_steps if config.warmup_steps is not None else config.steps // 20
-    if step < warmup:
-        return base_lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, config.steps - warmup)
-    return base_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return warmup_cosine_lr(step, config.steps, warmup, base_lr)
 
 
 class Mosaic(torch.utils.data.Dataset):
@@ -213,15 +211,6 @@ class Mosaic(torch.utils.data.Dataset):
             r, c = divmod(t, g)
             canvas.paste(self._tile(j, rows[r + 1] - rows[r], cols[c + 1] - cols[c]), (cols[c], rows[r]))
         return self.finish(canvas), -1
-
-
-def epoch_batches(num_images: int, epoch: int, seed: int, batch_size: int, rank: int, world: int) -> List[List[int]]:
-    """This rank's batches of one epoch: a (seed, epoch) permutation, split in global batches of
-    batch_size * world images, each rank taking its slice; the incomplete last batch is dropped."""
-    order = torch.randperm(num_images, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
-    per_step = batch_size * world
-    return [order[i + rank * batch_size:i + (rank + 1) * batch_size]
-            for i in range(0, num_images - per_step + 1, per_step)]
 
 
 class _Student(nn.Module):
@@ -278,7 +267,7 @@ def heldout_losses(model: nn.Module, plugins: Plugins, batches: Iterable[torch.T
                     if progress:
                         progress()
         totals[-1] += len(x)
-    if _is_distributed():
+    if is_distributed():
         summed = totals.to(plugins.lora_a.device)
         torch.distributed.all_reduce(summed)
         totals = summed.cpu()
@@ -287,10 +276,6 @@ def heldout_losses(model: nn.Module, plugins: Plugins, batches: Iterable[torch.T
     report = HeldoutReport(count, {p: mean[(None, p)] for p in pairs})
     report.loss_compensated = {s: {p: mean[(s, p)] for p in pairs} for s in scales}
     return report
-
-
-def _is_distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _kept(last_saved: int) -> str:
@@ -309,22 +294,6 @@ def _save_checkpoint(path: Path, step: int, plugins: Plugins, optimizer: torch.o
     with replacing(path) as tmp:
         torch.save({"step": step, "plugins": plugins.state_dict(), "optimizer": optimizer.state_dict(),
                     "config": asdict(config), "world_size": world, "log": list(log)}, tmp)
-
-
-class SeededAugment(torch.utils.data.Dataset):
-    """Random augmentations seeded by (seed, epoch, index): the same crops whatever the number of
-    processes or the step a run resumed from. Set `epoch` before each pass."""
-
-    def __init__(self, dataset: torch.utils.data.Dataset, seed: int) -> None:
-        self.dataset, self.seed, self.epoch = dataset, seed, 0
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_033 + i)
-            return self.dataset[i]
 
 
 def split_images(data: str, model: nn.Module, config: TrainConfig) -> Tuple[SeededAugment, torch.utils.data.Dataset]:
@@ -358,7 +327,7 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
     check_supported(model)
     if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
         raise ValueError(f"--stop-after must be an integer >= 1, got {stop_after!r}")
-    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if _is_distributed() else (0, 1)
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if is_distributed() else (0, 1)
     claim_run_folder(out, resume, overwrite, RUN_ENTRIES if rank == 0 else ())  # every rank refuses alike
     if world > 1:
         torch.distributed.barrier()

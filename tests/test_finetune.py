@@ -1,0 +1,140 @@
+"""tokcomp finetune: the saved folder (standard peft adapter + the method's parameters) reloads to the same
+predictions, a resumed run equals an uninterrupted one, bad settings are refused naming the flag, and the
+folder loads from a Hugging Face cache offline."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from timm_tokcomp.cli import main
+from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
+from test_tocom_hub import _hub_cache
+
+MODEL = "deit_tiny_patch16_224"  # random weights: the tests check the machinery, not accuracy
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory):
+    """3 classes x 6 random images (each class its own colour cast), as a labels.csv folder."""
+    root = tmp_path_factory.mktemp("labelled")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(18):
+        label = i % 3
+        pixels = torch.rand(40, 40, 3, generator=g) * 0.5
+        pixels[..., label] += 0.5
+        Image.fromarray((pixels * 255).to(torch.uint8).numpy()).save(root / f"img_{i:02d}.png")
+        rows.append((f"img_{i:02d}.png", label))
+    with open(root / "labels.csv", "w", newline="") as f:
+        csv.writer(f).writerows([("file", "label"), *rows])
+    return root
+
+
+def _config(**changes):
+    return FinetuneConfig(**{**dict(method="pyra_r8", epochs=2, batch_size=6, warmup_epochs=1, eval_batch_size=9,
+                                    lr=3e-3), **changes})
+
+
+def _run(labelled, out, **kwargs):
+    return finetune(MODEL, str(labelled), str(out), config=kwargs.pop("config", _config()), show_progress=False,
+                    num_workers=0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def trained(labelled, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "pyra"
+    return out, _run(labelled, out)
+
+
+def test_the_folder_is_a_peft_adapter_that_reloads_to_the_same_predictions(trained, labelled):
+    from peft import LoraConfig
+
+    out, result = trained
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md", "adapter_config.json", "adapter_model.safetensors", "pyra.safetensors", "pyra_config.json",
+        "tokcomp_finetune.json", "training"]
+    lora = LoraConfig.from_pretrained(str(out))
+    assert lora.r == 8 and set(lora.target_modules) == {"qkv"} and lora.modules_to_save == ["head"]
+    assert lora.base_model_name_or_path == MODEL
+    weights = load_file(str(out / "adapter_model.safetensors"))
+    assert any("lora_A" in k for k in weights) and any(".head." in k for k in weights)
+
+    model = load_finetuned(str(out))
+    assert type(model).__name__ == "ReducingVisionTransformer" and model.head.out_features == 3
+    assert not any("lora" in name for name, _ in model.named_parameters())  # merged
+    with open(out / "training" / "predictions.csv") as f:
+        rows = list(csv.DictReader(f))
+    from timm_tokcomp.data import open_dataset
+    import timm
+
+    data = open_dataset(labelled, timm.data.create_transform(**timm.data.resolve_model_data_config(model)))
+    x = torch.stack([data[i][0] for i in range(len(data))])
+    with torch.no_grad():
+        assert model(x).argmax(-1).tolist() == [int(r["prediction"]) for r in rows]
+    assert result.images == 18 and result.epochs == 2 and 0 < result.gmacs < 1.26 and result.images_per_second > 0
+    saved = json.loads((out / "tokcomp_finetune.json").read_text())
+    assert saved["results"]["top1"] == pytest.approx(result.top1) and saved["recipe"]["method"] == "pyra_r8"
+    log = (out / "training" / "log.csv").read_text().splitlines()
+    assert log[0].startswith("epoch,") and len(log) == 3
+    assert "| 18 (" in (out / "README.md").read_text()
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(trained, labelled, tmp_path):
+    out, _ = trained
+    assert _run(labelled, tmp_path / "cut", stop_after_epoch=1) is None
+    assert not (tmp_path / "cut" / "adapter_model.safetensors").exists()
+    _run(labelled, tmp_path / "cut", resume=True)
+    for name in ("adapter_model.safetensors", "pyra.safetensors"):
+        whole, resumed = load_file(str(out / name)), load_file(str(tmp_path / "cut" / name))
+        assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole), name
+    with pytest.raises(FileExistsError, match="--resume"):
+        _run(labelled, tmp_path / "cut")
+    with pytest.raises(ValueError, match="other settings"):
+        _run(labelled, tmp_path / "cut", resume=True, config=_config(lr=1e-2))
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(epochs=0), "--epochs must be an integer >= 1"),
+    (dict(warmup_epochs=2), r"--warmup-epochs must be in \[0, epochs=2\)"),
+    (dict(method="pyra_x"), "--method: unknown token-reduction tag"),
+    (dict(method_args={"pyra_params": 1}), "--method-arg pyra_params cannot be given"),
+    (dict(method_args={"shape": 1}), r"--method-arg: unknown parameter\(s\) \['shape'\]"),
+    (dict(method="none", method_args={"form": "pooled"}), "--method-arg needs a --method"),
+    (dict(augment="heavy"), "--augment must be one of"),
+])
+def test_bad_settings_are_refused_naming_the_flag(changes, match, labelled, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        _run(labelled, tmp_path / "out", config=_config(**changes))
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_runs_pooled_pyra_without_reduction_at_eval(labelled, tmp_path, capsys):
+    code = main(["finetune", MODEL, "--data", str(labelled), "--out", str(tmp_path / "cli"), "--method", "pyra_r4",
+                 "--method-arg", "form=pooled", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "9",
+                 "--num-workers", "0", "--no-progress"])
+    assert code == 0 and "saved" in capsys.readouterr().out
+    assert json.loads((tmp_path / "cli" / "pyra_config.json").read_text())["form"] == "pooled"
+    assert main(["finetune", MODEL, "--data", str(labelled), "--out", str(tmp_path / "bad"), "--method-arg", "x"]) == 2
+
+
+def test_load_from_the_hub_cache_offline(trained, tmp_path):
+    out, _ = trained
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    _hub_cache(tmp_path / "cache", "someone/deit-pyra", out, commit)
+    script = ("import sys, torch; from timm_tokcomp.training import load_finetuned\n"
+              "torch.manual_seed(0); x = torch.randn(2, 3, 224, 224)\n"
+              "with torch.no_grad(): torch.save(load_finetuned('someone/deit-pyra')(x), sys.argv[1])\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "cache"))
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "hub.pt")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        assert torch.equal(torch.load(tmp_path / "hub.pt"), load_finetuned(str(out))(x))

@@ -1,0 +1,378 @@
+"""Parameter-efficient supervised fine-tuning of a token-reducing timm ViT (PYRA's recipe): LoRA via peft on
+every block's qkv, a new classification head, and the method's own parameters (PYRA's), trained with AdamW
+and a warm-up + cosine schedule on a labelled image folder, evaluated every epoch.
+
+The result is one folder, loadable with load_finetuned from a local path or the Hugging Face Hub:
+  adapter_config.json, adapter_model.safetensors   a standard peft LoRA adapter (LoRA on qkv + the head)
+  <method>.safetensors, <method>_config.json       the method's learned parameters (if it has any)
+  tokcomp_finetune.json                            base model, method, classes, recipe, results (written last)
+  README.md                                        a model card
+  training/                                        checkpoint.pt (resume), log.csv, predictions.csv
+"""
+import csv
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from .. import apply
+from ..data import open_dataset
+from ..learned import load_learned, save_learned
+from ..methods import method_class, parse_method_tag
+from ..outputs import claim_run_folder, replacing, write_text
+from .card import model_card
+from .engine import SeededAugment, epoch_batches, warmup_cosine_lr
+
+FORMAT_VERSION = 1
+FINETUNE_CONFIG = "tokcomp_finetune.json"
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+RUN_ENTRIES = (*PEFT_FILES, FINETUNE_CONFIG, "README.md", "*.safetensors", "*_config.json", "training")
+NO_METHOD = "none"
+AUGMENTS = ("crop-flip", "none")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class FinetuneConfig:
+    """The recipe. method: a method tag ('tome_high', 'pyra_high', 'pyra_r16', 'evit_r8', ...) or 'none';
+    method_args: more method parameters (e.g. {'form': 'pooled'}); lr is per batch of batch_size images (no
+    scaling); lora_alpha None = lora_rank (LoRA scaling 1); augment 'crop-flip': random resized crops of
+    crop_scale of the area and horizontal flips, 'none': the model's eval transform."""
+
+    method: str = NO_METHOD
+    method_args: Dict[str, Any] = field(default_factory=dict)
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    warmup_epochs: int = 1
+    lora_rank: int = 8
+    lora_alpha: Optional[float] = None
+    augment: str = "crop-flip"
+    crop_scale: Tuple[float, float] = (0.5, 1.0)
+    seed: int = 0
+    eval_batch_size: int = 64
+
+    def validate(self) -> None:
+        """Raise ValueError naming the command-line flag of the first bad setting, before any work."""
+        for name in ("epochs", "batch_size", "lora_rank", "eval_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
+        for name in ("seed", "warmup_epochs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{_flag(name)} must be an integer >= 0, got {value!r}")
+        if self.warmup_epochs >= self.epochs:
+            raise ValueError(f"--warmup-epochs must be in [0, epochs={self.epochs}), got {self.warmup_epochs}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay!r}")
+        if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ValueError(f"--lora-alpha must be a finite number > 0, got {self.lora_alpha!r}")
+        if self.augment not in AUGMENTS:
+            raise ValueError(f"--augment must be one of {AUGMENTS}, got {self.augment!r}")
+        lo, hi = self.crop_scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"--crop-min must be in (0, 1], got crop_scale {self.crop_scale}")
+        self.method_params()  # raises for an unknown tag or parameter
+
+    def method_params(self) -> Optional[Tuple[str, Dict[str, Any]]]:
+        """(method, parameters) from the tag and method_args; None for 'none'."""
+        if self.method == NO_METHOD:
+            if self.method_args:
+                raise ValueError(f"--method-arg needs a --method; got {self.method_args} with --method none")
+            return None
+        try:
+            name, params = parse_method_tag(self.method)
+        except ValueError as e:
+            raise ValueError(f"--method: {e}; or '{NO_METHOD}'") from None
+        learned = getattr(method_class(name), "learned_param", None)
+        if learned in self.method_args:
+            raise ValueError(f"--method-arg {learned} cannot be given: the method's parameters are trained here")
+        valid = method_class(name).param_names()
+        unknown = sorted(set(self.method_args) - set(valid))
+        if unknown:
+            raise ValueError(f"--method-arg: unknown parameter(s) {unknown} for {name}; valid: {list(valid)}")
+        return name, {**params, **self.method_args}
+
+
+@dataclass
+class FinetuneResult:
+    """The final evaluation of the saved (reloaded, LoRA merged) model on the evaluation images."""
+
+    top1: float
+    images: int
+    gmacs: float
+    images_per_second: float
+    train_seconds: float
+    epochs: int
+    trainable_parameters: int
+
+
+def dataset_labels(dataset: torch.utils.data.Dataset) -> List[int]:
+    """Class index of every image of a dataset open_dataset made (labels.csv or ImageFolder)."""
+    return [label for _, label in dataset.samples]
+
+
+def _transforms(model: nn.Module, config: FinetuneConfig):
+    import timm
+
+    data_config = timm.data.resolve_model_data_config(model)
+    evaluation = timm.data.create_transform(**data_config)
+    if config.augment == "none":
+        return evaluation, evaluation
+    train = timm.data.create_transform(
+        input_size=data_config["input_size"], is_training=True, scale=config.crop_scale, hflip=0.5, color_jitter=None,
+        interpolation=data_config["interpolation"], mean=data_config["mean"], std=data_config["std"])
+    return train, evaluation
+
+
+def _lora_config(config: FinetuneConfig, model: nn.Module, base_model: str):
+    from peft import LoraConfig
+
+    heads = [name for name in ("head", "head_dist") if isinstance(getattr(model, name, None), nn.Linear)]
+    return LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha or config.lora_rank, target_modules=["qkv"],
+                      lora_dropout=0.0, modules_to_save=heads, base_model_name_or_path=base_model)
+
+
+def _trainable(model: nn.Module) -> Dict[str, nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+@torch.no_grad()
+def predict(model: nn.Module, loader, device: str, show_progress: bool, desc: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(labels, predicted classes) of every image of the loader, in order."""
+    was_training = model.training
+    model.eval()
+    labels, preds = [], []
+    for x, y in tqdm(loader, desc=desc, disable=not show_progress, file=sys.stderr, leave=False):
+        preds.append(model(x.to(device)).argmax(dim=-1).cpu())
+        labels.append(y)
+    model.train(was_training)
+    return torch.cat(labels), torch.cat(preds)
+
+
+def _read_checkpoint(path: Path, config: FinetuneConfig, trainable: Dict[str, nn.Parameter],
+                     optimizer: torch.optim.Optimizer) -> Tuple[int, List[str], float]:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state["config"] != asdict(config):
+        raise ValueError(f"--resume: {path} was written with other settings ({state['config']}); give the same "
+                         f"ones or a new --out")
+    with torch.no_grad():
+        for name, p in trainable.items():
+            p.copy_(state["trainable"][name])
+    optimizer.load_state_dict(state["optimizer"])
+    return state["epoch"], list(state["log"]), state["seconds"]
+
+
+def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str] = None,
+             config: FinetuneConfig = FinetuneConfig(), checkpoint: Optional[str] = None, pretrained: bool = False,
+             resume: bool = False, overwrite: bool = False, device: str = "cpu", show_progress: bool = True,
+             num_workers: int = 2, stop_after_epoch: Optional[int] = None) -> Optional[FinetuneResult]:
+    """Fine-tune timm model `base_model` (weights from `checkpoint` or timm's `pretrained`) with config.method
+    on the labelled images of train_data (a labels.csv folder, a labels .csv file, or an ImageFolder tree),
+    evaluating on eval_data after every epoch, and save the folder described in the module docstring to `out`.
+    Seeded: the same config gives the same run. A non-empty `out` is refused unless resume (continue from
+    out/training/checkpoint.pt, written after every epoch) or overwrite. stop_after_epoch: leave after that
+    epoch with a checkpoint (resume continues); returns None then, else the final evaluation."""
+    from peft import get_peft_model
+
+    from ..bench import build_base_model
+
+    config.validate()
+    method = config.method_params()
+    if stop_after_epoch is not None and (isinstance(stop_after_epoch, bool) or not isinstance(stop_after_epoch, int)
+                                         or stop_after_epoch < 1):
+        raise ValueError(f"--stop-after must be an integer >= 1 (epochs), got {stop_after_epoch!r}")
+    eval_data = eval_data or train_data
+    claim_run_folder(out, resume, overwrite, RUN_ENTRIES)
+    torch.manual_seed(config.seed)  # the new head, the method's parameters and LoRA's A start from the seed
+    model = build_base_model(base_model, checkpoint, pretrained, "cpu")
+    train_tf, eval_tf = _transforms(model, config)
+    train_set, eval_set = open_dataset(train_data, train_tf), open_dataset(eval_data, eval_tf)
+    labels = dataset_labels(train_set)
+    num_classes = max(labels) + 1
+    if max(dataset_labels(eval_set)) >= num_classes:
+        raise ValueError(f"--eval-data has class indices >= {num_classes}, the classes of --data")
+    if len(train_set) < config.batch_size:
+        raise ValueError(f"--data has {len(train_set)} images, fewer than one batch (--batch-size {config.batch_size})")
+    model.reset_classifier(num_classes)
+    if method is not None:
+        apply(model, method[0], **method[1])
+    model.name_or_path = base_model  # what peft records as the adapter's base_model_name_or_path
+    peft_model = get_peft_model(model, _lora_config(config, model, base_model))
+    learned = getattr(model, "tokcomp", None)
+    if learned is not None:
+        learned.requires_grad_(True)  # peft freezes everything it does not own
+    peft_model.to(device)
+    trainable = _trainable(peft_model)
+    optimizer = torch.optim.AdamW(trainable.values(), lr=config.lr, weight_decay=config.weight_decay)
+
+    work = Path(out) / "training"
+    checkpoint_path = work / "checkpoint.pt"
+    start, log, seconds = 0, [], 0.0
+    if resume and checkpoint_path.is_file():
+        start, log, seconds = _read_checkpoint(checkpoint_path, config, trainable, optimizer)
+    elif resume:
+        print(f"note: --resume: no {checkpoint_path} yet, starting from epoch 0", file=sys.stderr)
+    seeded_train = SeededAugment(train_set, config.seed)
+    eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=config.eval_batch_size, num_workers=num_workers)
+    steps_per_epoch = len(train_set) // config.batch_size
+    total, warmup = config.epochs * steps_per_epoch, config.warmup_epochs * steps_per_epoch
+    last = config.epochs if stop_after_epoch is None else min(stop_after_epoch, config.epochs)
+    bar = tqdm(total=last * steps_per_epoch, initial=start * steps_per_epoch, desc=f"fine-tune {config.method}",
+               disable=not show_progress, file=sys.stderr)
+    began = time.time() - seconds
+    for epoch in range(start, last):
+        peft_model.train()
+        seeded_train.epoch = epoch
+        loader = torch.utils.data.DataLoader(seeded_train, num_workers=num_workers, batch_sampler=epoch_batches(
+            len(train_set), epoch, config.seed, config.batch_size))
+        losses = []
+        for i, (x, y) in enumerate(loader):
+            lr = warmup_cosine_lr(epoch * steps_per_epoch + i, total, warmup, config.lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = F.cross_entropy(peft_model(x.to(device)), y.to(device))
+            if not math.isfinite(loss.item()):
+                raise RuntimeError(f"training diverged: the loss is {loss.item()} in epoch {epoch + 1}; nothing of this "
+                                   f"epoch is saved. Lower --lr.")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            bar.set_postfix_str(f"epoch {epoch + 1} loss {sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
+            bar.update(1)
+        y, pred = predict(peft_model, eval_loader, device, show_progress, f"evaluate epoch {epoch + 1}")
+        top1 = 100.0 * (pred == y).float().mean().item()
+        log.append(f"{epoch + 1},{sum(losses) / len(losses):.5f},{top1:.2f},{lr:.6g},{time.time() - began:.1f}")
+        write_text(work / "log.csv", "\n".join(["epoch,train_loss,eval_top1,last_lr,seconds", *log]) + "\n")
+        bar.write(f"epoch {epoch + 1}/{config.epochs}: train loss {sum(losses) / len(losses):.4f}, "
+                  f"eval top-1 {top1:.2f}%", file=sys.stderr)
+        with replacing(checkpoint_path) as tmp:
+            torch.save({"epoch": epoch + 1, "trainable": {k: p.detach().cpu() for k, p in trainable.items()},
+                        "optimizer": optimizer.state_dict(), "config": asdict(config), "log": log,
+                        "seconds": time.time() - began}, tmp)
+    bar.close()
+    if last < config.epochs:
+        return None
+    train_seconds = time.time() - began
+    _save_folder(peft_model, model, out, base_model, num_classes, config)
+    result = _final_evaluation(out, checkpoint, pretrained, eval_set, eval_loader, device, show_progress,
+                               train_seconds, config, sum(p.numel() for p in trainable.values()))
+    _finish_folder(out, base_model, eval_data, train_data, len(train_set), config, result)
+    return result
+
+
+def _save_folder(peft_model, model: nn.Module, out: str, base_model: str, num_classes: int,
+                 config: FinetuneConfig) -> None:
+    """The adapter and the method's parameters; tokcomp_finetune.json (without results) last."""
+    with tempfile.TemporaryDirectory(dir=out) as staging:  # peft writes in place: stage, then rename
+        peft_model.save_pretrained(staging, save_embedding_layers=False)  # no Hub lookup of the base model
+        for name in PEFT_FILES:
+            os.replace(Path(staging) / name, Path(out) / name)
+    learned = getattr(model, "tokcomp", None)
+    method = config.method_params()
+    if learned is not None:
+        save_learned(learned[method[0]], method[0], out)
+    _write_config(out, {"base_model": base_model, "num_classes": num_classes, "recipe": asdict(config)})
+
+
+def _write_config(out: str, data: Dict[str, Any]) -> None:
+    write_text(Path(out) / FINETUNE_CONFIG, json.dumps({"format_version": FORMAT_VERSION, **data}, indent=2) + "\n")
+
+
+def _final_evaluation(out, checkpoint, pretrained, eval_set, eval_loader, device, show_progress, train_seconds,
+                      config, trainable_parameters) -> FinetuneResult:
+    """Reload the saved folder (LoRA merged), then top-1, per-image predictions, MACs counted from a run and
+    forward throughput on the evaluation images."""
+    from ..measure import count_macs, time_side_by_side
+
+    model = load_finetuned(out, checkpoint=checkpoint, pretrained=pretrained, device=device)
+    y, pred = predict(model, eval_loader, device, show_progress, "evaluate the saved model")
+    samples = [name for name, _ in eval_set.samples]
+    with replacing(Path(out) / "training" / "predictions.csv") as tmp, open(tmp, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["file", "label", "prediction"])
+        writer.writerows(zip(samples, y.tolist(), pred.tolist()))
+    x = torch.stack([eval_set[i][0] for i in range(min(config.eval_batch_size, len(eval_set)))]).to(device)
+    macs = count_macs(model, x) / len(x)
+    with torch.inference_mode():
+        seconds = time_side_by_side({"model": model}, x, rounds=3)["model"]
+    return FinetuneResult(top1=100.0 * (pred == y).float().mean().item(), images=len(y), gmacs=macs / 1e9,
+                          images_per_second=len(x) / seconds, train_seconds=train_seconds, epochs=config.epochs,
+                          trainable_parameters=trainable_parameters)
+
+
+def _finish_folder(out: str, base_model: str, eval_data: str, train_data: str, train_images: int,
+                   config: FinetuneConfig, result: FinetuneResult) -> None:
+    data = json.loads((Path(out) / FINETUNE_CONFIG).read_text())
+    data.pop("format_version")
+    data["results"] = {**asdict(result), "eval_data": str(eval_data), "train_data": str(train_data),
+                       "train_images": train_images}
+    write_text(Path(out) / "README.md", model_card(base_model, config, result, train_data, eval_data, train_images))
+    _write_config(out, data)
+
+
+def _resolve_folder(repo_id_or_path: str, revision: Optional[str] = None) -> Path:
+    path = Path(repo_id_or_path)
+    if path.is_dir():
+        return path
+    if path.exists() or repo_id_or_path.startswith((".", "/", "~")) or repo_id_or_path.count("/") > 1:
+        raise FileNotFoundError(f"{repo_id_or_path!r} is not a fine-tuned folder (and not a Hub repo id "
+                                f"'name' or 'namespace/name')")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id_or_path, revision=revision))
+
+
+def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretrained: bool = False,
+                   merge: bool = True, device: str = "cpu", revision: Optional[str] = None) -> nn.Module:
+    """The fine-tuned model saved by finetune, from a local folder or a Hub repository (snapshot_download:
+    the HF cache, HF_HUB_OFFLINE honoured): the base timm model (weights from `checkpoint`, or timm's
+    pretrained ones), its new head, the method with its learned parameters, and the LoRA adapter, merged
+    into the weights unless merge=False (then a peft model). In eval mode. Without checkpoint or pretrained the
+    base is timm's random initialisation under the recipe's seed, the one finetune started from then."""
+    from peft import PeftModel
+
+    from ..bench import build_base_model
+
+    folder = _resolve_folder(repo_id_or_path, revision)
+    config_path = folder / FINETUNE_CONFIG
+    if not config_path.is_file():
+        raise ValueError(f"{folder} has no {FINETUNE_CONFIG}: not a complete fine-tuned folder")
+    data = json.loads(config_path.read_text())
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{config_path}: format_version {data.get('format_version')!r} is not supported "
+                         f"(this version reads {FORMAT_VERSION})")
+    recipe = FinetuneConfig(**{**data["recipe"], "crop_scale": tuple(data["recipe"]["crop_scale"])})
+    if not checkpoint and not pretrained:  # timm's random init, as finetune drew it from the recipe's seed
+        torch.manual_seed(recipe.seed)
+    model = build_base_model(data["base_model"], checkpoint, pretrained, "cpu")
+    model.reset_classifier(data["num_classes"])
+    method = recipe.method_params()
+    if method is not None:
+        name, params = method
+        learned_param = getattr(method_class(name), "learned_param", None)
+        if learned_param is not None:
+            params = {**params, learned_param: load_learned(name, folder)}
+        apply(model, name, **params)
+    peft_model = PeftModel.from_pretrained(model, str(folder))
+    model = peft_model.merge_and_unload() if merge else peft_model
+    return model.to(device).eval()
+
