@@ -77,6 +77,7 @@ def test_the_folder_is_a_peft_adapter_that_reloads_to_the_same_predictions(train
     x = torch.stack([data[i][0] for i in range(len(data))])
     with torch.no_grad():
         assert model(x).argmax(-1).tolist() == [int(r["prediction"]) for r in rows]
+    assert result.method_parameters == 12 * 3 * 192 + 12 * 8  # PYRA at r = 8: LayerNorm, W_D, 8 rank weights
     assert result.images == 18 and result.epochs == 2 and 0 < result.gmacs < 1.26 and result.images_per_second > 0
     saved = json.loads((out / "tokcomp_finetune.json").read_text())
     assert saved["results"]["top1"] == pytest.approx(result.top1) and saved["recipe"]["method"] == "pyra_r8"

@@ -238,8 +238,8 @@ def _finetune(args: argparse.Namespace) -> int:
         print(f"stopped after epoch {args.stop_after} of {config.epochs}; continue with --resume")
         return 0
     print(f"saved {args.out}: top-1 {result.top1:.2f}% on {result.images} images, {result.gmacs:.4f} GMACs/image, "
-          f"{result.images_per_second:.1f} images/s, {result.trainable_parameters:,} trained parameters, "
-          f"{result.train_seconds / 60:.1f} min of training")
+          f"{result.images_per_second:.1f} images/s, {result.trainable_parameters:,} trained parameters "
+          f"({result.method_parameters:,} of them the method's), {result.train_seconds / 60:.1f} min of training")
     return 0
 
 

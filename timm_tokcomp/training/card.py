@@ -18,8 +18,8 @@ tags: [timm, token-reduction, timm_tokcomp, lora]
 
 A parameter-efficient fine-tune of the timm model `{base_model}` made by `tokcomp finetune`
 (timm_tokcomp): LoRA rank {config.lora_rank} (alpha {config.lora_alpha or config.lora_rank:g}) on every block's
-`qkv`, a new {result.trainable_parameters:,}-parameter set in all (LoRA, the new head and the method's own
-parameters), with the token-reduction method `{method}` active in training and inference.
+`qkv` and a new head, plus the method's own {result.method_parameters:,} parameters: {result.trainable_parameters:,}
+trained parameters in all, with the token-reduction method `{method}` active in training and inference.
 
 ## Results (the saved model reloaded, LoRA merged)
 

@@ -122,6 +122,7 @@ class FinetuneResult:
     train_seconds: float
     epochs: int
     trainable_parameters: int
+    method_parameters: int  # of them, the method's own (PYRA's); 0 for a training-free method
 
 
 def dataset_labels(dataset: torch.utils.data.Dataset) -> List[int]:
@@ -273,8 +274,9 @@ def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str
         return None
     train_seconds = time.time() - began
     _save_folder(peft_model, model, out, base_model, num_classes, config)
+    method_parameters = 0 if learned is None else sum(p.numel() for p in learned.parameters())
     result = _final_evaluation(out, checkpoint, pretrained, eval_set, eval_loader, device, show_progress,
-                               train_seconds, config, sum(p.numel() for p in trainable.values()))
+                               train_seconds, config, sum(p.numel() for p in trainable.values()), method_parameters)
     _finish_folder(out, base_model, eval_data, train_data, len(train_set), config, result)
     return result
 
@@ -298,7 +300,7 @@ def _write_config(out: str, data: Dict[str, Any]) -> None:
 
 
 def _final_evaluation(out, checkpoint, pretrained, eval_set, eval_loader, device, show_progress, train_seconds,
-                      config, trainable_parameters) -> FinetuneResult:
+                      config, trainable_parameters, method_parameters) -> FinetuneResult:
     """Reload the saved folder (LoRA merged), then top-1, per-image predictions, MACs counted from a run and
     forward throughput on the evaluation images."""
     from ..measure import count_macs, time_side_by_side
@@ -316,7 +318,7 @@ def _final_evaluation(out, checkpoint, pretrained, eval_set, eval_loader, device
         seconds = time_side_by_side({"model": model}, x, rounds=3)["model"]
     return FinetuneResult(top1=100.0 * (pred == y).float().mean().item(), images=len(y), gmacs=macs / 1e9,
                           images_per_second=len(x) / seconds, train_seconds=train_seconds, epochs=config.epochs,
-                          trainable_parameters=trainable_parameters)
+                          trainable_parameters=trainable_parameters, method_parameters=method_parameters)
 
 
 def _finish_folder(out: str, base_model: str, eval_data: str, train_data: str, train_images: int,

@@ -1,0 +1,53 @@
+"""The study's check values, and the metrics' behaviour on cases whose answer is known."""
+import numpy as np
+import pytest
+
+from timm_tokcomp.analysis.metrics import (assignment_agreement, depth_map_similarity, grid_emd, kept_overlap,
+                                           linear_cka, procrustes_distance, pwcca_distance)
+
+
+def test_clustering_check_values():
+    scores = assignment_agreement(np.array([0, 0, 0, 0, 1, 1, 1, 1]), np.array([0, 0, 1, 1, 2, 2, 3, 3]))
+    assert scores["homogeneity"] == pytest.approx(1.0)
+    assert scores["completeness"] == pytest.approx(0.5)
+    assert scores["nmi"] == pytest.approx(0.6667, abs=5e-5)
+
+
+def test_emd_check_value_corner_to_corner():
+    a, b = np.zeros((14, 14)), np.zeros((14, 14))
+    a[0, 0], b[13, 13] = 1.0, 1.0
+    assert grid_emd(a, b) == pytest.approx(18.3848, abs=5e-5) and grid_emd(a, a) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_kept_overlap_and_its_counting_bound():
+    a = np.zeros(10, bool)
+    b = np.zeros(10, bool)
+    a[:7], b[3:] = True, True  # 7 and 7 of 10 kept: at least 4 shared by counting; here exactly 4
+    got = kept_overlap(a, b)
+    assert got["iou"] == pytest.approx(4 / 10) and got["iou_bound"] == pytest.approx(4 / 10)
+    assert got["ioa"] == pytest.approx(4 / 7) and got["ioa_bound"] == pytest.approx(4 / 7)
+    got = kept_overlap(a, a)
+    assert got["iou"] == 1.0 and got["ioa"] == 1.0 and got["iou_bound"] == pytest.approx(4 / 10)
+
+
+def test_depth_maps_identical_and_opposite():
+    g = np.random.default_rng(0)
+    m = g.random((14, 14)) + 0.1
+    same = depth_map_similarity(m, m)
+    assert same["spearman"] == pytest.approx(1.0) and same["jsd"] == pytest.approx(0.0, abs=1e-12)
+    assert same["intersection"] == pytest.approx(1.0) and same["emd"] == pytest.approx(0.0, abs=1e-9)
+    flipped = depth_map_similarity(m, m.max() + m.min() - m)  # order reversed
+    assert flipped["spearman"] == pytest.approx(-1.0) and flipped["intersection"] < 1.0 and flipped["jsd"] > 0
+
+
+def test_feature_similarities():
+    g = np.random.default_rng(0)
+    x = g.standard_normal((300, 16))
+    rotation = np.linalg.qr(g.standard_normal((16, 16)))[0]
+    assert procrustes_distance(x, x @ rotation * 3.0 + 1.0) == pytest.approx(0.0, abs=1e-9)
+    assert linear_cka(x, x @ rotation * 3.0) == pytest.approx(1.0)
+    assert pwcca_distance(x, x @ g.standard_normal((16, 16))) == pytest.approx(0.0, abs=1e-9)  # any invertible map
+    noise = g.standard_normal((300, 16))
+    assert linear_cka(x, noise) < 0.2 and procrustes_distance(x, noise) > 1.0 and pwcca_distance(x, noise) > 0.5
+    with pytest.raises(ValueError, match="more images than feature dimensions"):
+        pwcca_distance(x[:10], x[:10])
