@@ -11,6 +11,11 @@ def test_clustering_check_values():
     assert scores["homogeneity"] == pytest.approx(1.0)
     assert scores["completeness"] == pytest.approx(0.5)
     assert scores["nmi"] == pytest.approx(0.6667, abs=5e-5)
+    from sklearn.metrics import normalized_mutual_info_score
+
+    g = np.random.default_rng(0)
+    c, k = g.integers(0, 30, 196), g.integers(0, 12, 196)
+    assert assignment_agreement(c, k)["nmi"] == pytest.approx(normalized_mutual_info_score(c, k))
 
 
 def test_emd_check_value_corner_to_corner():

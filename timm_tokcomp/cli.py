@@ -243,6 +243,17 @@ def _finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _analyze(args: argparse.Namespace) -> int:
+    from .analysis.report import run_analysis
+
+    methods = [item.strip() for item in args.methods.split(",") if item.strip()]
+    run_analysis(args.model, methods, args.data, args.out, limit=args.limit, checkpoint=args.checkpoint,
+                 pretrained=args.pretrained, batch_size=args.batch_size, overlays=args.overlays, device=args.device,
+                 resume=args.resume, overwrite=args.overwrite, show_progress=not args.no_progress)
+    print(f"wrote {args.out}/report.md (and metrics.csv, the pictures, records/)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokcomp", description="Token compression for timm ViTs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -372,6 +383,25 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--num-workers", type=int, default=2, help="data loading workers")
     ft.add_argument("--no-progress", action="store_true", help="hide progress bars")
     ft.set_defaults(func=_finetune)
+
+    an = sub.add_parser("analyze", help="record what several methods do to every patch, compare them with the "
+                                        "study's pattern metrics, draw pictures, write a Markdown report")
+    an.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
+    an.add_argument("--methods", default="tome_r8,evit_r8,atm",
+                    help=f"comma list of two or more method tags ({', '.join(TAG_FORMS)}) or presets; default %(default)s")
+    an.add_argument("--data", required=True, help="folder of images (labels.csv, ImageFolder or plain; labels unused)")
+    an.add_argument("--limit", type=int, default=256, help="first N images (default %(default)s)")
+    an.add_argument("--out", required=True, help="report folder")
+    an.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
+    an.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
+    an.add_argument("--batch-size", type=int, default=32)
+    an.add_argument("--overlays", type=int, default=4, help="images drawn with each method's groups (default %(default)s)")
+    an.add_argument("--device", default="cpu")
+    an.add_argument("--resume", action="store_true", help="reuse OUT: recordings with the same settings are kept, "
+                                                          "the rest is redrawn")
+    an.add_argument("--overwrite", action="store_true", help="delete the previous report in OUT first")
+    an.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    an.set_defaults(func=_analyze)
 
     ex = sub.add_parser("export", help="write a plain, ToMe, EViT or dense_tome model as ONNX (dynamic batch) "
                                        "and check it in onnxruntime")

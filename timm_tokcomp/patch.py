@@ -518,6 +518,18 @@ def unpatch(model: nn.Module) -> None:
     model._modules.pop(LEARNED_KEY, None)
 
 
+def trace_blocks(model: nn.Module, x: torch.Tensor,
+                 on_block: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    """Run a token-reducing model's features on x: (B, 3, H, W) with the source map traced, calling
+    on_block(i, tokens (B, N_i, C), source (B, N_i, N0)) after every block i. Returns what forward_features
+    returns (B, N', C), registered so that forward_head / pool on it use its token sizes."""
+    reducer_of(model)  # raises if not patched
+    if model._tokcomp_reducer.dense:
+        raise ValueError("dense methods keep every token (nothing to trace); trace a token-reducing method")
+    tokens = model._reduce_blocks(model._embed(x), for_intermediates=True, on_block=on_block)
+    return model._register_features(model.norm(tokens))
+
+
 def reducer_of(model: nn.Module) -> TokenReducer:
     if not is_patched(model):
         raise ValueError("model is not patched by timm_tokcomp; call timm_tokcomp.apply first")

@@ -1,0 +1,158 @@
+"""`tokcomp analyze`: record several methods on the same images, compare every pair, draw the pictures and
+write a self-contained Markdown report with a CSV of every metric.
+
+Output folder: records/<method>.npz (the recordings, reused by a re-run with the same settings, so --resume
+only redraws what changed), metrics.csv, depth_maps.png, metric_matrices.png, overlay_<method>.png, report.md.
+"""
+import copy
+import csv
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .. import apply
+from ..outputs import claim_run_folder, replacing, write_text
+from .compare import MetricRow, compare, compared_blocks
+from .plots import plot_depth_maps, plot_metric_matrices, plot_overlays
+from .record import Recording, record
+
+RUN_ENTRIES = ("records", "metrics.csv", "report.md", "*.png")
+MATRIX_METRICS = ("nmi", "iou", "depth_spearman", "cka")
+
+
+def _settings(model_name: str, checkpoint: Optional[str], pretrained: bool, data: str, limit: Optional[int],
+              method: str) -> Dict[str, object]:
+    return {"model": model_name, "checkpoint": str(checkpoint or ""), "pretrained": pretrained,
+            "data": str(Path(data).resolve()), "limit": limit, "method_tag": method}
+
+
+def _images_for_display(dataset, count: int, model) -> np.ndarray:
+    """The first count images as the model sees them, un-normalised to (n, H, W, 3) in [0, 1]."""
+    import timm
+
+    cfg = timm.data.resolve_model_data_config(model)
+    mean, std = torch.tensor(cfg["mean"]).view(3, 1, 1), torch.tensor(cfg["std"]).view(3, 1, 1)
+    pictures = [(dataset[i][0] * std + mean).clamp(0, 1).permute(1, 2, 0).numpy() for i in range(count)]
+    return np.stack(pictures)
+
+
+def run_analysis(model_name: str, methods: Sequence[str], data: str, out: str, limit: Optional[int] = 256,
+                 checkpoint: Optional[str] = None, pretrained: bool = False, batch_size: int = 32, overlays: int = 4,
+                 device: str = "cpu", resume: bool = False, overwrite: bool = False,
+                 show_progress: bool = True) -> List[MetricRow]:
+    """Record each method (tags as `tokcomp bench --methods` takes them) on the first `limit` images of `data`,
+    compare every pair and write the report folder `out` (see the module docstring). Returns the metric rows."""
+    import timm
+
+    from ..bench import build_base_model, method_spec
+    from ..data import open_images
+
+    if len(methods) < 2 or len(set(methods)) != len(methods):
+        raise ValueError(f"--methods needs two or more different methods to compare, got {list(methods)}")
+    if "none" in methods:
+        raise ValueError("--methods: 'none' reduces nothing (every patch stays its own token); list reducing methods")
+    try:
+        specs = {name: method_spec(name) for name in methods}  # an unknown tag fails before any work
+    except ValueError as e:
+        raise ValueError(f"--methods: {e}") from None
+    for name, (method, _) in specs.items():
+        if method == "dense_tome":
+            raise ValueError(f"--methods: {name} keeps every token (dense); analyze compares token-reducing methods")
+    if limit is not None and limit < 2:
+        raise ValueError(f"--limit must be >= 2 images, got {limit}")
+    if not 0 <= overlays:
+        raise ValueError(f"--overlays must be >= 0, got {overlays}")
+    claim_run_folder(out, resume, overwrite, RUN_ENTRIES)
+    for derived in [*Path(out).glob("*.png"), Path(out) / "metrics.csv", Path(out) / "report.md"]:
+        derived.unlink(missing_ok=True)  # redrawn below; nothing of an earlier run's settings may linger
+    base = build_base_model(model_name, checkpoint, pretrained, device)
+    dataset = open_images(data, timm.data.create_transform(**timm.data.resolve_model_data_config(base)))
+    count = len(dataset) if limit is None else min(limit, len(dataset))
+    if count < 2:
+        raise ValueError(f"--data {data} has {len(dataset)} image(s); analyze needs two or more")
+    subset = torch.utils.data.Subset(dataset, range(count))
+    records = Path(out) / "records"
+    recordings: Dict[str, Recording] = {}
+    for name, (method, params) in specs.items():
+        path = records / f"{name}.npz"
+        settings = _settings(model_name, checkpoint, pretrained, data, limit, name)
+        if path.is_file():
+            rec, meta = Recording.load(path)
+            if meta == settings and rec.images == count:
+                recordings[name] = rec
+                continue
+        model = apply(copy.deepcopy(base), method, **params)
+        loader = torch.utils.data.DataLoader(subset, batch_size=batch_size)
+        with tqdm(total=count, desc=f"record {name}", disable=not show_progress, file=sys.stderr) as bar:
+            rec = record(model, name, (x.to(device) for x, _ in loader), bar.update)
+        rec.save(path, settings)
+        recordings[name] = rec
+    depth = len(base.blocks)
+    blocks = compared_blocks(depth)
+    pairs = len(methods) * (len(methods) - 1) // 2
+    with tqdm(total=pairs, desc="compare", disable=not show_progress, file=sys.stderr) as bar:
+        rows = compare(recordings, blocks, bar.update)
+    _write_csv(rows, Path(out) / "metrics.csv")
+    plot_depth_maps(recordings, depth, Path(out) / "depth_maps.png")
+    last = blocks[-1] + 1
+    plot_metric_matrices(rows, list(methods), {m: (last if m in ("nmi", "iou") else None) for m in MATRIX_METRICS},
+                         Path(out) / "metric_matrices.png")
+    shown = min(overlays, count)
+    if shown:
+        pictures = _images_for_display(subset, shown, base)
+        for name, rec in recordings.items():
+            plot_overlays(pictures, rec, blocks, Path(out) / f"overlay_{name}.png")
+    write_text(Path(out) / "report.md", _report(model_name, data, count, recordings, rows, blocks, shown))
+    return rows
+
+
+def _write_csv(rows: Sequence[MetricRow], path: Path) -> None:
+    with replacing(path) as tmp, open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if v is None else v) for k, v in asdict(row).items()})
+
+
+def _report(model_name: str, data: str, count: int, recordings: Dict[str, Recording], rows: Sequence[MetricRow],
+            blocks: Sequence[int], overlays: int) -> str:
+    lines = [f"# Reduction patterns of {model_name}", "",
+             f"{count} images of `{data}`; methods: {', '.join(f'`{m}`' for m in recordings)}. Patterns are compared "
+             f"after blocks {', '.join(str(b + 1) for b in blocks)}. Every metric is in `metrics.csv`.", "",
+             "## Tokens and depth", "",
+             "| method | " + " | ".join(f"tokens after block {b + 1}" for b in blocks) + " | mean depth (blocks) |",
+             "| --- | " + " | ".join("---" for _ in blocks) + " | --- |"]
+    for name, rec in recordings.items():
+        tokens = [np.mean([len(np.unique(a[a >= 0])) for a in rec.assign[:, b]]) for b in blocks]
+        lines.append(f"| `{name}` | " + " | ".join(f"{t:.1f}" for t in tokens) + f" | {rec.depth.mean():.2f} |")
+    lines += ["", "A patch's depth is the number of blocks that processed it as its own token (a token holding "
+                  "that patch alone).", "", "![depth maps](depth_maps.png)", "",
+              "## Method against method", "", "![metric matrices](metric_matrices.png)", "",
+              "| methods | after block | NMI | homogeneity | completeness | IoU (counting bound) | IoA (bound) |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    by_key = {(r.method_a, r.method_b, r.block, r.metric): r for r in rows}
+    names = list(recordings)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            for block in blocks:
+                get = lambda m: by_key[(a, b, block + 1, m)]  # noqa: E731
+                lines.append(f"| `{a}` / `{b}` | {block + 1} | {get('nmi').value:.3f} | {get('homogeneity').value:.3f} | "
+                             f"{get('completeness').value:.3f} | {get('iou').value:.3f} ({get('iou').bound:.3f}) | "
+                             f"{get('ioa').value:.3f} ({get('ioa').bound:.3f}) |")
+    lines += ["", "| methods | depth Spearman | depth EMD | depth JSD | depth intersection | Procrustes | CKA | PWCCA |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            cells = [by_key.get((a, b, None, m)) for m in ("depth_spearman", "depth_emd", "depth_jsd", "depth_intersection",
+                                                           "procrustes", "cka", "pwcca")]
+            lines.append(f"| `{a}` / `{b}` | " + " | ".join("n/a" if c is None else f"{c.value:.3f}" for c in cells) + " |")
+    if overlays:
+        lines += ["", "## What each method did to the first images", "",
+                  "Each token holding two or more patches in its own colour, dropped patches grey, group borders white.", ""]
+        lines += [f"![{name}](overlay_{name}.png)" for name in recordings]
+    return "\n".join(lines) + "\n"
