@@ -139,3 +139,18 @@ def test_load_from_the_hub_cache_offline(trained, tmp_path):
     x = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
         assert torch.equal(torch.load(tmp_path / "hub.pt"), load_finetuned(str(out))(x))
+
+
+def test_a_second_process_on_the_same_folder_is_refused(labelled, tmp_path):
+    out = tmp_path / "busy"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / ".lock").write_text(str(holder.pid))
+        with pytest.raises(FileExistsError, match=f"in use by another run \\(process {holder.pid}\\)"):
+            _run(labelled, out, resume=True)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _run(labelled, out, resume=True, config=_config(epochs=1, warmup_epochs=0)) is not None  # stale: taken over
+    assert not (out / ".lock").exists()

@@ -43,7 +43,7 @@ def claim_run_folder(folder: PathLike, resume: bool, overwrite: bool, run_entrie
     there) but the temporary files of a killed writer; overwrite deletes the previous run's entries (and
     nothing else); neither raises FileExistsError."""
     folder = Path(folder)
-    present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    present = sorted(p.name for p in folder.iterdir() if p.name != ".lock") if folder.is_dir() else []
     if folder.exists() and not folder.is_dir():
         raise FileExistsError(f"--out {folder} is a file, not a folder")
     if resume:
@@ -58,3 +58,46 @@ def claim_run_folder(folder: PathLike, resume: bool, overwrite: bool, run_entrie
     for name in run_entries:
         for entry in sorted(folder.glob(name)):
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+
+@contextmanager
+def run_lock(folder: PathLike) -> Iterator[None]:
+    """Hold folder/.lock (this process's id) while a run writes into folder: a second process resuming the same
+    run is refused with FileExistsError instead of both writing checkpoints over each other. A lock whose
+    process is gone (a killed run) is taken over."""
+    path = Path(folder) / ".lock"
+    created = not path.parent.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            try:
+                owner = int(path.read_text() or "0")
+            except (OSError, ValueError):
+                owner = 0
+            if owner and owner != os.getpid() and _alive(owner):
+                raise FileExistsError(f"--out {folder} is in use by another run (process {owner}); wait for it or "
+                                      f"choose another folder") from None
+            path.unlink(missing_ok=True)  # stale: its process is gone
+    else:
+        raise FileExistsError(f"--out {folder}: cannot take {path}")
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        if created and not any(path.parent.iterdir()):
+            path.parent.rmdir()  # a run that failed before writing anything leaves no folder behind
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

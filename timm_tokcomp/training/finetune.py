@@ -29,7 +29,7 @@ from .. import apply
 from ..data import open_dataset
 from ..learned import load_learned, save_learned
 from ..methods import method_class, parse_method_tag
-from ..outputs import claim_run_folder, replacing, write_text
+from ..outputs import claim_run_folder, replacing, run_lock, write_text
 from .card import model_card
 from .engine import SeededAugment, epoch_batches, warmup_cosine_lr
 
@@ -190,18 +190,25 @@ def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str
     evaluating on eval_data after every epoch, and save the folder described in the module docstring to `out`.
     Seeded: the same config gives the same run. A non-empty `out` is refused unless resume (continue from
     out/training/checkpoint.pt, written after every epoch) or overwrite. stop_after_epoch: leave after that
-    epoch with a checkpoint (resume continues); returns None then, else the final evaluation."""
-    from peft import get_peft_model
-
-    from ..bench import build_base_model
-
+    epoch with a checkpoint (resume continues); returns None then, else the final evaluation. While it runs,
+    out/.lock refuses a second process on the same folder."""
     config.validate()
     method = config.method_params()
     if stop_after_epoch is not None and (isinstance(stop_after_epoch, bool) or not isinstance(stop_after_epoch, int)
                                          or stop_after_epoch < 1):
         raise ValueError(f"--stop-after must be an integer >= 1 (epochs), got {stop_after_epoch!r}")
-    eval_data = eval_data or train_data
-    claim_run_folder(out, resume, overwrite, RUN_ENTRIES)
+    with run_lock(out):  # a second process on the same --out is refused, before anything is deleted or written
+        claim_run_folder(out, resume, overwrite, RUN_ENTRIES)
+        return _finetune(base_model, train_data, out, eval_data or train_data, config, method, checkpoint, pretrained,
+                         resume, device, show_progress, num_workers, stop_after_epoch)
+
+
+def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint, pretrained, resume, device,
+              show_progress, num_workers, stop_after_epoch) -> Optional[FinetuneResult]:
+    from peft import get_peft_model
+
+    from ..bench import build_base_model
+
     torch.manual_seed(config.seed)  # the new head, the method's parameters and LoRA's A start from the seed
     model = build_base_model(base_model, checkpoint, pretrained, "cpu")
     train_tf, eval_tf = _transforms(model, config)
