@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from .tocom.train import TrainingDiverged
+    from .training.engine import TrainingDiverged
 
     args = build_parser().parse_args(argv)
     try:

@@ -25,17 +25,13 @@ from tqdm import tqdm
 from .. import apply, remove, set_params
 from ..outputs import claim_run_folder, replacing, write_text
 from ..patch import check_supported
-from ..training.engine import SeededAugment, epoch_batches, is_distributed, warmup_cosine_lr
+from ..training.engine import SeededAugment, TrainingDiverged, epoch_batches, is_distributed, warmup_cosine_lr
 from .compensator import Compensator, check_fits
 
 CHECKPOINT = "checkpoint.pt"
 LOSS_LOG = "loss_log.csv"
 LOG_HEADER = "step,r_src,r_tgt,loss,lr,seconds"
 RUN_ENTRIES = ("tocom_config.json", "README.md", "step_*", "training")  # what a run writes into --out
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or the plugins became non-finite; nothing non-finite was saved."""
 
 
 def _flag(name: str) -> str:

@@ -7,6 +7,10 @@ from typing import List
 import torch
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss or the trained parameters became non-finite; nothing non-finite was saved."""
+
+
 def is_distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 

@@ -31,7 +31,7 @@ from ..learned import load_learned, save_learned
 from ..methods import method_class, parse_method_tag
 from ..outputs import claim_run_folder, replacing, run_lock, write_text
 from .card import model_card
-from .engine import SeededAugment, epoch_batches, warmup_cosine_lr
+from .engine import SeededAugment, TrainingDiverged, epoch_batches, warmup_cosine_lr
 
 FORMAT_VERSION = 1
 FINETUNE_CONFIG = "tokcomp_finetune.json"
@@ -258,7 +258,7 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
                 group["lr"] = lr
             loss = F.cross_entropy(peft_model(x.to(device)), y.to(device))
             if not math.isfinite(loss.item()):
-                raise RuntimeError(f"training diverged: the loss is {loss.item()} in epoch {epoch + 1}; nothing of this "
+                raise TrainingDiverged(f"training diverged: the loss is {loss.item()} in epoch {epoch + 1}; nothing of this "
                                    f"epoch is saved. Lower --lr.")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -291,7 +291,7 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
 def _save_folder(peft_model, model: nn.Module, out: str, base_model: str, num_classes: int,
                  config: FinetuneConfig) -> None:
     """The adapter and the method's parameters; tokcomp_finetune.json (without results) last."""
-    with tempfile.TemporaryDirectory(dir=out) as staging:  # peft writes in place: stage, then rename
+    with tempfile.TemporaryDirectory(dir=out, prefix=".peft-") as staging:  # peft writes in place: stage, then rename
         peft_model.save_pretrained(staging, save_embedding_layers=False)  # no Hub lookup of the base model
         for name in PEFT_FILES:
             os.replace(Path(staging) / name, Path(out) / name)
