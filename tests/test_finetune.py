@@ -98,6 +98,8 @@ def test_a_resumed_run_equals_an_uninterrupted_one(trained, labelled, tmp_path):
         _run(labelled, tmp_path / "cut")
     with pytest.raises(ValueError, match="other settings"):
         _run(labelled, tmp_path / "cut", resume=True, config=_config(lr=1e-2))
+    with pytest.raises(ValueError, match="another eval_data"):
+        _run(labelled, tmp_path / "cut", resume=True, eval_data=str(labelled / "labels.csv"))
 
 
 @pytest.mark.parametrize("changes, match", [

@@ -27,8 +27,14 @@ MATRIX_METRICS = ("nmi", "iou", "depth_spearman", "cka")
 
 def _settings(model_name: str, checkpoint: Optional[str], pretrained: bool, data: str, limit: Optional[int],
               method: str) -> Dict[str, object]:
+    """What a cached recording must have been made with to be reused (the checkpoint by path, size and time,
+    so a replaced weights file is recorded again; the library version, so a changed method is too)."""
+    from .. import __version__
+
+    stat = Path(checkpoint).stat() if checkpoint else None
     return {"model": model_name, "checkpoint": str(checkpoint or ""), "pretrained": pretrained,
-            "data": str(Path(data).resolve()), "limit": limit, "method_tag": method}
+            "checkpoint_file": [stat.st_size, stat.st_mtime_ns] if stat else None,
+            "data": str(Path(data).resolve()), "limit": limit, "method_tag": method, "version": __version__}
 
 
 def _images_for_display(dataset, count: int, model) -> np.ndarray:

@@ -168,12 +168,18 @@ def predict(model: nn.Module, loader, device: str, show_progress: bool, desc: st
     return torch.cat(labels), torch.cat(preds)
 
 
-def _read_checkpoint(path: Path, config: FinetuneConfig, trainable: Dict[str, nn.Parameter],
+def _read_checkpoint(path: Path, config: FinetuneConfig, run: Dict[str, Any], trainable: Dict[str, nn.Parameter],
                      optimizer: torch.optim.Optimizer) -> Tuple[int, List[str], float]:
     state = torch.load(path, map_location="cpu", weights_only=False)
     if state["config"] != asdict(config):
         raise ValueError(f"--resume: {path} was written with other settings ({state['config']}); give the same "
                          f"ones or a new --out")
+    saved = state.get("run", run)  # checkpoints from before the run identity was kept carry none
+    if saved != run:
+        changed = sorted(k for k in run if saved.get(k) != run[k])
+        was = ", ".join(f"{k}={saved.get(k)!r}" for k in changed)
+        raise ValueError(f"--resume: {path} was written for another {', '.join(changed)} ({was}); give the same "
+                         f"or a new --out")
     with torch.no_grad():
         for name, p in trainable.items():
             p.copy_(state["trainable"][name])
@@ -234,8 +240,10 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
     work = Path(out) / "training"
     checkpoint_path = work / "checkpoint.pt"
     start, log, seconds = 0, [], 0.0
+    run = {"base_model": base_model, "data": str(train_data), "eval_data": str(eval_data),
+           "checkpoint": str(checkpoint or ""), "pretrained": pretrained}  # what a resumed run must share
     if resume and checkpoint_path.is_file():
-        start, log, seconds = _read_checkpoint(checkpoint_path, config, trainable, optimizer)
+        start, log, seconds = _read_checkpoint(checkpoint_path, config, run, trainable, optimizer)
     elif resume:
         print(f"note: --resume: no {checkpoint_path} yet, starting from epoch 0", file=sys.stderr)
     seeded_train = SeededAugment(train_set, config.seed)
@@ -274,7 +282,7 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
                   f"eval top-1 {top1:.2f}%", file=sys.stderr)
         with replacing(checkpoint_path) as tmp:
             torch.save({"epoch": epoch + 1, "trainable": {k: p.detach().cpu() for k, p in trainable.items()},
-                        "optimizer": optimizer.state_dict(), "config": asdict(config), "log": log,
+                        "optimizer": optimizer.state_dict(), "config": asdict(config), "run": run, "log": log,
                         "seconds": time.time() - began}, tmp)
     bar.close()
     if last < config.epochs:
