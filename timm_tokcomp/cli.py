@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
     ft.add_argument("--epochs", type=int, default=10, help="(default %(default)s)")
     ft.add_argument("--batch-size", type=int, default=32, help="(default %(default)s)")
-    ft.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default %(default)s)")
+    ft.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default %(default)s)")
     ft.add_argument("--weight-decay", type=float, default=1e-4, help="(default %(default)s)")
     ft.add_argument("--warmup-epochs", type=int, default=1, help="linear warm-up before the cosine decay "
                                                                  "(default %(default)s)")

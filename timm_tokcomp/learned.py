@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .methods import method_class
-from .outputs import replacing, write_text
+from .outputs import read_json, replacing, write_text
 
 FORMAT_VERSION = 1
 
@@ -41,10 +41,7 @@ def load_learned(method: str, folder: Union[str, Path]) -> nn.Module:
     for path in (config_path, weights_path):
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: not a folder with saved {method} parameters")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    config = read_json(config_path)
     if config.get("format_version") != FORMAT_VERSION or config.get("method") != method:
         raise ValueError(f"{config_path}: expected format_version {FORMAT_VERSION} and method {method!r}, got "
                          f"{config.get('format_version')!r} / {config.get('method')!r}")

@@ -1,6 +1,7 @@
 """The one writer of output files. Every file goes to a temporary name beside its target and is renamed into
 place, so a crash or Ctrl-C at any moment leaves the old file or the new one, never a half-written one; and
 nothing a user already has is replaced unless they asked for it (--overwrite, or --resume for a run)."""
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -23,6 +24,17 @@ def replacing(path: PathLike) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def read_json(path: PathLike) -> dict:
+    """A JSON object from a file this package wrote; ValueError naming the file when it is not valid JSON."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def write_text(path: PathLike, text: str) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..outputs import replacing, write_text
+from ..outputs import read_json, replacing, write_text
 from .compensator import Compensator, check_scale
 
 FORMAT_VERSION = 1
@@ -88,10 +88,7 @@ def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
     config_path = root / CONFIG_NAME
     if not config_path.is_file():
         raise ValueError(f"{root} has no {CONFIG_NAME}: not a ToCom compensator repository")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    config = read_json(config_path)
     if config.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{config_path}: format_version {config.get('format_version')!r} is not supported "
                          f"(this version reads {FORMAT_VERSION})")
