@@ -1,4 +1,5 @@
-"""timm_tokcomp: training-free token reduction (ToMe, EViT, ATM, dense ToMe) for timm Vision Transformers.
+"""timm_tokcomp: token reduction (ToMe, EViT, ATM, PYRA, the "Which Tokens to Use?" methods, dense ToMe) for timm
+Vision Transformers.
 
     import timm, timm_tokcomp
     model = timm.create_model("deit_small.tome_r16")          # registered names (also "deit_small.atm")
@@ -26,7 +27,7 @@ __all__ = ["apply", "remove", "set_params", "get_reducer", "last_stats", "is_red
 def apply(model: nn.Module, method: str = "tome", **params: Any) -> nn.Module:
     """Make a timm ViT reduce tokens inside its blocks (in place; returns the model).
 
-    method: one of METHODS ('tome', 'evit', 'atm', 'dense_tome'). params of tome / evit: r (int,
+    method: one of METHODS ('tome', 'evit', 'atm', 'pyra', 'topk', ..., 'dense_tome'). params of tome / evit: r (int,
     per-block list, or (r, inflection) tuple) or flops_ratio (> 1, solves a decreasing r schedule);
     of atm: alpha, beta, theta_min, split_layer, preset (fills the thresholds not given); these three
     also take prop_attn, trace_source, prefix_only_last_block. dense_tome (keeps every token): r
