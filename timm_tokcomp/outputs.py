@@ -37,6 +37,18 @@ def read_json(path: PathLike) -> dict:
     return data
 
 
+def read_versioned_json(folder: PathLike, name: str, version: int, what: str) -> dict:
+    """folder/name, which marks a complete folder of `what`, with format_version `version`; ValueError otherwise."""
+    path = Path(folder) / name
+    if not path.is_file():
+        raise ValueError(f"{folder} has no {name}: not {what}")
+    data = read_json(path)
+    if data.get("format_version") != version:
+        raise ValueError(f"{path}: format_version {data.get('format_version')!r} is not supported "
+                         f"(this version reads {version})")
+    return data
+
+
 def write_text(path: PathLike, text: str) -> None:
     with replacing(path) as tmp:
         tmp.write_text(text)

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..outputs import read_json, replacing, write_text
+from ..outputs import read_versioned_json, replacing, write_text
 from .compensator import Compensator, check_scale
 
 FORMAT_VERSION = 1
@@ -86,12 +86,7 @@ def _load_weights(path: Path) -> Dict[str, torch.Tensor]:
 
 def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
     config_path = root / CONFIG_NAME
-    if not config_path.is_file():
-        raise ValueError(f"{root} has no {CONFIG_NAME}: not a ToCom compensator repository")
-    config = read_json(config_path)
-    if config.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{config_path}: format_version {config.get('format_version')!r} is not supported "
-                         f"(this version reads {FORMAT_VERSION})")
+    config = read_versioned_json(root, CONFIG_NAME, FORMAT_VERSION, "a ToCom compensator repository")
     sizes = {key: config.get(key) for key in ("depth", "width", "attn_dim", "rank_per_projection", "groups")}
     bad = [k for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
     if bad:

@@ -29,7 +29,7 @@ from .. import apply
 from ..data import open_dataset
 from ..learned import load_learned, save_learned
 from ..methods import method_class, parse_method_tag
-from ..outputs import claim_run_folder, read_json, replacing, run_lock, write_text
+from ..outputs import claim_run_folder, read_json, read_versioned_json, replacing, run_lock, write_text
 from .card import model_card
 from .engine import SeededAugment, TrainingDiverged, epoch_batches, warmup_cosine_lr
 
@@ -370,13 +370,7 @@ def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretr
     from ..bench import build_base_model
 
     folder = _resolve_folder(repo_id_or_path, revision)
-    config_path = folder / FINETUNE_CONFIG
-    if not config_path.is_file():
-        raise ValueError(f"{folder} has no {FINETUNE_CONFIG}: not a complete fine-tuned folder")
-    data = read_json(config_path)
-    if data.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{config_path}: format_version {data.get('format_version')!r} is not supported "
-                         f"(this version reads {FORMAT_VERSION})")
+    data = read_versioned_json(folder, FINETUNE_CONFIG, FORMAT_VERSION, "a complete fine-tuned folder")
     recipe = FinetuneConfig(**{**data["recipe"], "crop_scale": tuple(data["recipe"]["crop_scale"])})
     if not checkpoint and not pretrained:  # timm's random init, as finetune drew it from the recipe's seed
         torch.manual_seed(recipe.seed)
