@@ -110,6 +110,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(trained, labelled, tmp_path):
     (dict(method_args={"shape": 1}), r"--method-arg: unknown parameter\(s\) \['shape'\]"),
     (dict(method="none", method_args={"form": "pooled"}), "--method-arg needs a --method"),
     (dict(augment="heavy"), "--augment must be one of"),
+    (dict(method_args={"form": "wide"}), "--method-arg: form must be one of"),
 ])
 def test_bad_settings_are_refused_naming_the_flag(changes, match, labelled, tmp_path):
     with pytest.raises(ValueError, match=match):

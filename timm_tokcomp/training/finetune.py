@@ -28,8 +28,8 @@ from tqdm import tqdm
 from .. import apply
 from ..data import open_dataset
 from ..learned import load_learned, save_learned
-from ..methods import method_class, parse_method_tag
-from ..outputs import claim_run_folder, read_json, read_versioned_json, replacing, run_lock, write_text
+from ..methods import make_reducer, method_class, parse_method_tag
+from ..outputs import claim_run_folder, read_versioned_json, replacing, run_lock, write_text
 from .card import model_card
 from .engine import SeededAugment, TrainingDiverged, epoch_batches, warmup_cosine_lr
 
@@ -89,7 +89,12 @@ class FinetuneConfig:
         lo, hi = self.crop_scale
         if not 0 < lo <= hi <= 1:
             raise ValueError(f"--crop-min must be in (0, 1], got crop_scale {self.crop_scale}")
-        self.method_params()  # raises for an unknown tag or parameter
+        method = self.method_params()  # raises for an unknown tag or parameter
+        if method is not None:
+            try:  # a bad value (e.g. form='wide') fails here, before --overwrite deletes an earlier run
+                make_reducer(method[0], **method[1])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"--method-arg: {e}") from None
 
     def method_params(self) -> Optional[Tuple[str, Dict[str, Any]]]:
         """(method, parameters) from the tag and method_args; None for 'none'."""
@@ -288,17 +293,18 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
     if last < config.epochs:
         return None
     train_seconds = time.time() - began
-    _save_folder(peft_model, model, out, base_model, num_classes, config)
+    saved = _save_folder(peft_model, model, out, base_model, num_classes, config)
     method_parameters = 0 if learned is None else sum(p.numel() for p in learned.parameters())
     result = _final_evaluation(out, checkpoint, pretrained, eval_set, eval_loader, device, show_progress,
                                train_seconds, config, sum(p.numel() for p in trainable.values()), method_parameters)
-    _finish_folder(out, base_model, eval_data, train_data, len(train_set), config, result)
+    _finish_folder(out, saved, base_model, eval_data, train_data, len(train_set), config, result)
     return result
 
 
 def _save_folder(peft_model, model: nn.Module, out: str, base_model: str, num_classes: int,
-                 config: FinetuneConfig) -> None:
-    """The adapter and the method's parameters; tokcomp_finetune.json (without results) last."""
+                 config: FinetuneConfig) -> Dict[str, Any]:
+    """The adapter and the method's parameters; tokcomp_finetune.json (without results) last. Returns what
+    that file holds."""
     with tempfile.TemporaryDirectory(dir=out, prefix=".peft-") as staging:  # peft writes in place: stage, then rename
         peft_model.save_pretrained(staging, save_embedding_layers=False)  # no Hub lookup of the base model
         for name in PEFT_FILES:
@@ -307,7 +313,9 @@ def _save_folder(peft_model, model: nn.Module, out: str, base_model: str, num_cl
     method = config.method_params()
     if learned is not None:
         save_learned(learned[method[0]], method[0], out)
-    _write_config(out, {"base_model": base_model, "num_classes": num_classes, "recipe": asdict(config)})
+    data = {"base_model": base_model, "num_classes": num_classes, "recipe": asdict(config)}
+    _write_config(out, data)
+    return data
 
 
 def _write_config(out: str, data: Dict[str, Any]) -> None:
@@ -336,10 +344,10 @@ def _final_evaluation(out, checkpoint, pretrained, eval_set, eval_loader, device
                           trainable_parameters=trainable_parameters, method_parameters=method_parameters)
 
 
-def _finish_folder(out: str, base_model: str, eval_data: str, train_data: str, train_images: int,
-                   config: FinetuneConfig, result: FinetuneResult) -> None:
-    data = read_json(Path(out) / FINETUNE_CONFIG)
-    data.pop("format_version")
+def _finish_folder(out: str, saved: Dict[str, Any], base_model: str, eval_data: str, train_data: str,
+                   train_images: int, config: FinetuneConfig, result: FinetuneResult) -> None:
+    """The model card, then tokcomp_finetune.json (saved: what _save_folder wrote) with the results."""
+    data = dict(saved)
     data["results"] = {**asdict(result), "eval_data": str(eval_data), "train_data": str(train_data),
                        "train_images": train_images}
     write_text(Path(out) / "README.md", model_card(base_model, config, result, train_data, eval_data, train_images))
