@@ -16,7 +16,7 @@ from PIL import Image
 import timm_tokcomp
 from timm_tokcomp.tocom import attach, compensate, load
 from timm_tokcomp.tocom.train import (
-    Mosaic, Plugins, TrainConfig, distill_loss, draw_pair, lr_at, train_tocom)
+    Mosaic, Plugins, TrainConfig, distill_loss, draw_pair, heldout_indices, lr_at, split_images, train_tocom)
 from timm_tokcomp.training.engine import SeededAugment, epoch_batches
 from conftest import make_model
 from test_tocom import _random_compensator
@@ -196,6 +196,43 @@ def test_resume_continues_to_the_same_plugins(image_folder, tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         train_tocom(_test_vit(), str(image_folder), str(tmp_path / "b"), "test_vit", TrainConfig(**{**TINY, "lr": 1.0}),
                     resume=True, show_progress=False, num_workers=0)
+
+
+def test_heldout_images_are_spread_through_a_sorted_folder_or_taken_from_its_end():
+    """3,000 photos sorted by class (150 per class): 'spread' holds out 15 of every class, 'end' the last two."""
+    spread = heldout_indices(3000, 300, "spread")
+    assert len(set(spread)) == 300 and all(0 <= i < 3000 for i in spread)
+    assert [sum(c * 150 <= i < (c + 1) * 150 for i in spread) for c in range(20)] == [15] * 20
+    assert heldout_indices(3000, 300, "end") == list(range(2700, 3000))
+    assert len(set(heldout_indices(10, 9, "spread"))) == 9
+    with pytest.raises(ValueError, match="--holdout-pick"):
+        TrainConfig(holdout_pick="first").validate()
+
+
+def test_split_images_trains_on_every_image_it_does_not_hold_out(image_folder):
+    model = timm_tokcomp.apply(_test_vit().eval(), "tome", r=0)
+    for pick in ("spread", "end"):
+        train, heldout = split_images(str(image_folder), model, TrainConfig(**{**TINY, "holdout": 5, "holdout_pick": pick}))
+        assert list(heldout.indices) == heldout_indices(20, 5, pick)
+        assert sorted([*train.dataset.images.indices, *heldout.indices]) == list(range(20))
+
+
+def test_a_checkpoint_from_before_holdout_pick_resumes_as_holding_out_the_end(image_folder, tmp_path):
+    """Checkpoints written before the option held out the last images: they resume with 'end' and are
+    refused with 'spread' (the split would change under the run)."""
+    end = TrainConfig(**{**TINY, "holdout_pick": "end"})
+    train_tocom(_test_vit(), str(image_folder), str(tmp_path / "b"), "test_vit", end, show_progress=False,
+                num_workers=0, stop_after=2)
+    path = tmp_path / "b" / "training" / "checkpoint.pt"
+    state = torch.load(path, weights_only=False)
+    del state["config"]["holdout_pick"]
+    torch.save(state, path)
+    with pytest.raises(ValueError, match="other settings"):
+        train_tocom(_test_vit(), str(image_folder), str(tmp_path / "b"), "test_vit", TrainConfig(**TINY), resume=True,
+                    show_progress=False, num_workers=0)
+    comp, _ = train_tocom(_test_vit(), str(image_folder), str(tmp_path / "b"), "test_vit", end, resume=True,
+                          show_progress=False, num_workers=0)
+    assert comp.lora_b.abs().sum() > 0
 
 
 def test_torchrun_two_processes_match_one_process(image_folder, tmp_path):

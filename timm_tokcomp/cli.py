@@ -171,6 +171,7 @@ def _train_tocom(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup_steps, temperature=args.temperature, scale=args.scale, rank=args.rank,
         groups=args.groups, method=args.method, crop_scale=(args.crop_min, 1.0),
         mosaic=_numbers("--mosaic", args.mosaic, int), holdout=args.holdout,
+        holdout_pick=args.holdout_pick,
         scale_grid=_numbers("--scale-grid", args.scale_grid, float),
         scale_targets=_numbers("--scale-targets", args.scale_targets, int),
         checkpoint_every=args.checkpoint_every, seed=args.seed, amp=args.amp)
@@ -332,8 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default %(default)s)")
     tr.add_argument("--mosaic", default="2,3", help="grid sizes g: each input is a g x g mosaic of crops, so small "
                                                     "images are upscaled less (1: plain crops; default %(default)s)")
-    tr.add_argument("--holdout", type=int, default=500, help="last N images: never trained on; held-out loss and "
-                                                             "the choice of the scale (default %(default)s)")
+    tr.add_argument("--holdout", type=int, default=500, help="N images never trained on: held-out loss and the "
+                                                             "choice of the scale (default %(default)s)")
+    tr.add_argument("--holdout-pick", choices=["spread", "end"], default="spread",
+                    help="which images are held out: evenly spaced through the sorted folder, so a folder sorted by "
+                         "class is held out across its classes, or its last N (default %(default)s)")
     tr.add_argument("--scale-grid", default="0.05,0.075,0.1,0.125,0.15", help="scales tried on the held-out images")
     tr.add_argument("--scale-targets", default="4,8,12,16", help="targets r (source 0) whose mean held-out loss "
                                                                  "chooses the scale (default %(default)s)")

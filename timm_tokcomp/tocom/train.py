@@ -31,6 +31,7 @@ from .compensator import Compensator, check_fits
 CHECKPOINT = "checkpoint.pt"
 LOSS_LOG = "loss_log.csv"
 LOG_HEADER = "step,r_src,r_tgt,loss,lr,seconds"
+HOLDOUT_PICKS = ("spread", "end")
 RUN_ENTRIES = ("tocom_config.json", "README.md", "step_*", "training")  # what a run writes into --out
 
 
@@ -41,8 +42,9 @@ def _flag(name: str) -> str:
 @dataclass
 class TrainConfig:
     """Hyper-parameters. lr is per 256 images (scaled by the global batch size); warmup_steps None =
-    5% of steps; holdout: the last images of the folder, never trained on, for the held-out loss and
-    for choosing the inference scale among scale_grid."""
+    5% of steps; holdout: images never trained on, for the held-out loss and for choosing the inference
+    scale among scale_grid, picked evenly spaced through the folder's sorted order (holdout_pick
+    "spread": a folder sorted by class is held out across its classes) or as its last images ("end")."""
 
     steps: int = 1100
     batch_size: int = 32
@@ -57,6 +59,7 @@ class TrainConfig:
     crop_scale: Tuple[float, float] = (0.5, 1.0)
     mosaic: Tuple[int, ...] = (2, 3)
     holdout: int = 500
+    holdout_pick: str = "spread"
     scale_grid: Tuple[float, ...] = (0.05, 0.075, 0.1, 0.125, 0.15)
     scale_targets: Tuple[int, ...] = (4, 8, 12, 16)
     checkpoint_every: int = 50
@@ -86,6 +89,8 @@ class TrainConfig:
             raise ValueError(f"--crop-min must be in (0, 1] (crop_scale (lo, hi), 0 < lo <= hi <= 1), got {self.crop_scale}")
         if not self.mosaic or min(self.mosaic) < 1:
             raise ValueError(f"--mosaic must hold grid sizes >= 1, got {self.mosaic}")
+        if self.holdout_pick not in HOLDOUT_PICKS:
+            raise ValueError(f"--holdout-pick must be one of {', '.join(HOLDOUT_PICKS)}, got {self.holdout_pick!r}")
         if self.method not in ("tome", "evit"):
             raise ValueError(f"--method must be 'tome' or 'evit', got {self.method!r}")
         if not self.scale_grid or not all(math.isfinite(s) and s > 0 for s in self.scale_grid):
@@ -292,8 +297,16 @@ def _save_checkpoint(path: Path, step: int, plugins: Plugins, optimizer: torch.o
                     "config": asdict(config), "world_size": world, "log": list(log)}, tmp)
 
 
+def heldout_indices(count: int, holdout: int, pick: str) -> List[int]:
+    """The `holdout` of `count` images never trained on: evenly spaced ("spread": index
+    floor((k + 0.5) count / holdout), k < holdout) or the last ones ("end")."""
+    if pick == "end":
+        return list(range(count - holdout, count))
+    return [int((k + 0.5) * count / holdout) for k in range(holdout)]
+
+
 def split_images(data: str, model: nn.Module, config: TrainConfig) -> Tuple[SeededAugment, torch.utils.data.Dataset]:
-    """(training mosaics, the last `holdout` images with the model's eval transform)."""
+    """(training mosaics, the held-out images with the model's eval transform)."""
     import timm
 
     from ..data import open_images
@@ -302,9 +315,10 @@ def split_images(data: str, model: nn.Module, config: TrainConfig) -> Tuple[Seed
     evaluation = open_images(data, timm.data.create_transform(**timm.data.resolve_model_data_config(model)))
     if config.holdout >= len(pil):
         raise ValueError(f"--holdout {config.holdout} leaves no training image: --data has {len(pil)} images")
-    cut = len(pil) - config.holdout
-    train = Mosaic(torch.utils.data.Subset(pil, range(cut)), model, config.mosaic, config.crop_scale)
-    return SeededAugment(train, config.seed), torch.utils.data.Subset(evaluation, range(cut, len(pil)))
+    heldout = heldout_indices(len(pil), config.holdout, config.holdout_pick)
+    kept = sorted(set(range(len(pil))) - set(heldout))
+    train = Mosaic(torch.utils.data.Subset(pil, kept), model, config.mosaic, config.crop_scale)
+    return SeededAugment(train, config.seed), torch.utils.data.Subset(evaluation, heldout)
 
 
 def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: TrainConfig = TrainConfig(),
@@ -356,7 +370,7 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
     checkpoint = work / CHECKPOINT
     if resume and checkpoint.is_file():
         state = torch.load(checkpoint, map_location=device, weights_only=False)
-        saved = state["config"]
+        saved = {"holdout_pick": "end", **state["config"]}  # checkpoints from before holdout_pick held out the end
         if saved != asdict(config) or state["world_size"] != world:
             raise ValueError(f"--resume: {checkpoint} was written with other settings ({saved}, {state['world_size']} "
                              f"processes); give the same ones or a new --out")
