@@ -102,6 +102,17 @@ def test_a_resumed_run_equals_an_uninterrupted_one(trained, labelled, tmp_path):
         _run(labelled, tmp_path / "cut", resume=True, eval_data=str(labelled / "labels.csv"))
 
 
+def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_open_its_data(trained, labelled, tmp_path):
+    import shutil
+
+    out = tmp_path / "earlier"
+    shutil.copytree(trained[0], out)
+    before = sorted(p.name for p in out.rglob("*"))
+    with pytest.raises(FileNotFoundError, match="missing"):
+        _run(labelled, out, overwrite=True, eval_data=str(tmp_path / "missing"))
+    assert sorted(p.name for p in out.rglob("*")) == before
+
+
 @pytest.mark.parametrize("changes, match", [
     (dict(epochs=0), "--epochs must be an integer >= 1"),
     (dict(warmup_epochs=2), r"--warmup-epochs must be in \[0, epochs=2\)"),

@@ -55,6 +55,15 @@ def test_overwrite_deletes_only_the_previous_runs_files(image_folder, tmp_path):
     assert not (out / "tocom_config.json").exists() and not list(out.glob("step_*"))
 
 
+def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_open_its_data(image_folder, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert _train(image_folder, out, "--steps", "2") == 0
+    before = sorted(p.name for p in out.rglob("*"))
+    assert main([*TRAIN, "--data", str(tmp_path / "missing"), "--out", str(out), "--steps", "2", "--overwrite"]) != 0
+    assert "missing" in capsys.readouterr().err
+    assert sorted(p.name for p in out.rglob("*")) == before
+
+
 def test_bench_and_calibrate_refuse_to_replace_an_output_file(tmp_path, capsys):
     csv = tmp_path / "r.csv"
     csv.write_text("keep")

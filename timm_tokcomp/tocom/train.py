@@ -338,13 +338,15 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
     if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
         raise ValueError(f"--stop-after must be an integer >= 1, got {stop_after!r}")
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if is_distributed() else (0, 1)
-    claim_run_folder(out, resume, overwrite, RUN_ENTRIES if rank == 0 else ())  # every rank refuses alike
-    if world > 1:
-        torch.distributed.barrier()
+    claim_run_folder(out, resume, overwrite, ())  # every rank refuses a non-empty --out alike; nothing deleted yet
     train_set, heldout_set = split_images(data, model, config)
     if len(train_set) < config.batch_size * world:
         raise ValueError(f"--data has {len(train_set) + len(heldout_set)} images; with --holdout {config.holdout} that "
                          f"leaves fewer than one global batch ({config.batch_size} x {world} processes)")
+    if rank == 0:  # --overwrite deletes the earlier run only now that the data has opened
+        claim_run_folder(out, resume, overwrite, RUN_ENTRIES)
+    if world > 1:
+        torch.distributed.barrier()
     work = Path(out) / "training"
     model = model.to(device).eval()
     for p in model.parameters():

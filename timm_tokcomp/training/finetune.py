@@ -209,12 +209,12 @@ def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str
                                          or stop_after_epoch < 1):
         raise ValueError(f"--stop-after must be an integer >= 1 (epochs), got {stop_after_epoch!r}")
     with run_lock(out):  # a second process on the same --out is refused, before anything is deleted or written
-        claim_run_folder(out, resume, overwrite, RUN_ENTRIES)
+        claim_run_folder(out, resume, overwrite, ())  # refuses a non-empty --out; deletes nothing yet
         return _finetune(base_model, train_data, out, eval_data or train_data, config, method, checkpoint, pretrained,
-                         resume, device, show_progress, num_workers, stop_after_epoch)
+                         resume, overwrite, device, show_progress, num_workers, stop_after_epoch)
 
 
-def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint, pretrained, resume, device,
+def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint, pretrained, resume, overwrite, device,
               show_progress, num_workers, stop_after_epoch) -> Optional[FinetuneResult]:
     from peft import get_peft_model
 
@@ -241,6 +241,8 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
     peft_model.to(device)
     trainable = _trainable(peft_model)
     optimizer = torch.optim.AdamW(trainable.values(), lr=config.lr, weight_decay=config.weight_decay)
+    claim_run_folder(out, resume, overwrite, RUN_ENTRIES)  # --overwrite deletes the earlier run only now that
+    # the weights, the data and the method have all opened
 
     work = Path(out) / "training"
     checkpoint_path = work / "checkpoint.pt"
