@@ -75,6 +75,26 @@ class ClusterPlan:
 
 
 @dataclass
+class SoftPlan:
+    """Soft merging: every output token is a convex combination of the non-prefix tokens.
+
+    num_prefix: leading tokens copied unchanged.
+    weight: (B, M, n) mixing weights, each output row summing to 1 over the n inputs (x_out = weight @ x).
+    Each input's size and source map are shared out over the outputs in proportion to the weights it
+    gives them (the weights' columns normalised to 1), so sizes still count patches and every patch
+    stays held with total weight 1. Output order: prefix tokens, then the M outputs.
+    """
+
+    num_prefix: int
+    weight: torch.Tensor
+
+    @property
+    def shares(self) -> torch.Tensor:
+        """(B, M, n) the weights with every column normalised to sum 1: how each input is shared out."""
+        return self.weight / self.weight.sum(dim=1, keepdim=True).clamp_min(torch.finfo(self.weight.dtype).tiny)
+
+
+@dataclass
 class TruncatePlan:
     """Keep the first num_keep tokens and drop the rest, with no matching: the lower bound on the cost
     of any reduction to num_keep tokens (the 'limit' rows of `tokcomp speed`)."""

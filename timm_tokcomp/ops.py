@@ -6,7 +6,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .matching import ClusterPlan, MergePlan, PrunePlan, TruncatePlan
+from .matching import ClusterPlan, MergePlan, PrunePlan, SoftPlan, TruncatePlan
 from .matching import gather_tokens as _gather
 from .matching import split_tokens
 
@@ -67,6 +67,12 @@ def cluster_sum(t: torch.Tensor, plan: ClusterPlan) -> torch.Tensor:
     return torch.cat([t[:, :p], sums], dim=1)
 
 
+def soft_mix(t: torch.Tensor, plan: SoftPlan, weight: torch.Tensor) -> torch.Tensor:
+    """Prefix rows unchanged, then weight @ the non-prefix rows: (B, N, C) -> (B, p + M, C)."""
+    p = plan.num_prefix
+    return torch.cat([t[:, :p], weight.to(t.dtype) @ t[:, p:]], dim=1)
+
+
 def weighted_mean(x: torch.Tensor, size: Optional[torch.Tensor], reduce_sum) -> Tuple[torch.Tensor, torch.Tensor]:
     """Size-weighted mean of every group a summing reduction forms, in one pass over (B, N, C + 1) rows.
     x: (B, N, C); size: (B, N, 1) or None (all ones). Returns x (B, M, C), size (B, M, 1)."""
@@ -77,7 +83,7 @@ def weighted_mean(x: torch.Tensor, size: Optional[torch.Tensor], reduce_sum) -> 
 
 
 def apply_plan(
-    plan: Union[MergePlan, PrunePlan, ClusterPlan, TruncatePlan],
+    plan: Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan],
     x: torch.Tensor,
     size: Optional[torch.Tensor],
     source: Optional[torch.Tensor],
@@ -86,6 +92,12 @@ def apply_plan(
     if isinstance(plan, TruncatePlan):
         keep = plan.num_keep
         return x[:, :keep], None if size is None else size[:, :keep], None if source is None else source[:, :keep]
+    if isinstance(plan, SoftPlan):
+        shares = plan.shares
+        if size is None:
+            size = x.new_ones(x.shape[0], x.shape[1], 1)
+        return (soft_mix(x, plan, plan.weight), soft_mix(size, plan, shares),
+                None if source is None else soft_mix(source, plan, shares))
     if isinstance(plan, MergePlan):
         x, size = merge_mean(x, size, plan)
         reduce_sum = merge_sum

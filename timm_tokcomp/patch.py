@@ -107,7 +107,8 @@ class ReducingBlock(Block):
 
     @staticmethod
     def _reduce(x, size, source, metric, setting, reducer: TokenReducer, num_prefix: int):
-        plan = reducer.plan(x.detach() if reducer.plan_on_tokens else metric, setting, num_prefix, size)
+        tokens = x if reducer.plan_differentiable else x.detach()
+        plan = reducer.plan(tokens if reducer.plan_on_tokens else metric, setting, num_prefix, size)
         return (x, size, source) if plan is None else reducer.reduce(plan, x, size, source, setting)
 
 

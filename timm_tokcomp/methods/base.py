@@ -15,12 +15,12 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..matching import ClusterPlan, MergePlan, PrunePlan, TruncatePlan
+from ..matching import ClusterPlan, MergePlan, PrunePlan, SoftPlan, TruncatePlan
 from ..ops import apply_plan
 from ..schedules import (NAMED_SCHEDULES, STUDY_STAGES, BlockCost, RSpec, check_keep_rate, check_stages, resolve_r,
                          solve_flops_schedule, stage_schedule, validate_r)
 
-Plan = Union[MergePlan, PrunePlan, ClusterPlan, TruncatePlan]
+Plan = Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan]
 
 
 def parse_r_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
@@ -75,6 +75,8 @@ class TokenReducer(ABC):
     dense: ClassVar[bool] = False  # True: keeps every token (merge before the MLP, unmerge after)
     needs_class_token: ClassVar[bool] = False  # ranks tokens by the class token's attention
     plan_on_tokens: ClassVar[bool] = False  # plan() gets the block's tokens (B, N, C), not the metric
+    plan_differentiable: ClassVar[bool] = False  # with plan_on_tokens: the tokens keep their gradient (a learned
+    # soft assignment such as PatchMerger's); otherwise plan() sees them detached
     reduce_after_mlp: bool = False  # reduce at the end of the block (after its MLP), not between attention and MLP
     metric_reads_values: ClassVar[bool] = False  # metric() also gets v: (B, H, N, d)
     masks_by_size: ClassVar[bool] = False  # pads images to one count with size-0 tokens (needs prop_attn)

@@ -1,0 +1,143 @@
+"""PatchMerger (Renggli et al., 2022; a soft-merging method of "Which Tokens to Use?"): each reducing block
+replaces its n patch tokens by M learned mixtures of them. With learned queries W (M, D),
+    weights = softmax over the n inputs of W LayerNorm(x)^T / sqrt(D)      (M, n)
+    output  = weights @ x                                                    (M, D)
+and the prefix tokens (class, distillation, registers) are passed on unchanged. M is the count the schedule
+leaves (the study's protocol: floor(196 keep_rate^s) patch tokens after stage s), so the queries fit the
+schedule they were made for. Learned: an untrained PatchMerger (queries ~ N(0, 0.02^2)) mixes every output to
+nearly the mean token; it needs training (`tokcomp finetune --method patchmerger_k70 --distill ...`).
+The 1 / sqrt(D) scale is ours (as in attention); sizes and source maps are shared out by the weights (SoftPlan).
+"""
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..matching import SoftPlan
+from ..schedules import STUDY_STAGES, RSpec
+from .base import ScheduledReducer
+
+
+class MergerSetting(NamedTuple):
+    """A reducing block's setting: r tokens fewer, M = outputs patch tokens out, in block `layer` (0-based)."""
+
+    r: int
+    outputs: int
+    layer: int
+
+
+class MergerLayer(nn.Module):
+    """One block's parameters: norm LayerNorm(dim) and queries (outputs, dim)."""
+
+    def __init__(self, dim: int, outputs: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.queries = nn.Parameter(torch.empty(outputs, dim).normal_(0.0, 0.02))
+
+    def weights(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (B, n, D) -> (B, M, n) mixing weights, each row summing to 1."""
+        keys = self.norm(tokens)
+        scores = torch.einsum("md,bnd->bmn", self.queries.to(keys.dtype), keys) * keys.shape[-1] ** -0.5
+        return scores.float().softmax(dim=-1).to(tokens.dtype)
+
+
+class PatchMergerParams(nn.Module):
+    """PatchMerger's parameters for a model of len(outputs) blocks and width dim: layers[str(l)] for every
+    block l with outputs[l] > 0 (the patch tokens it leaves; 0: the block merges nothing)."""
+
+    def __init__(self, dim: int, outputs: Sequence[int]) -> None:
+        super().__init__()
+        self.dim, self.outputs = dim, [int(m) for m in outputs]
+        self.layers = nn.ModuleDict({str(l): MergerLayer(dim, m) for l, m in enumerate(self.outputs) if m > 0})
+
+    def config(self) -> Dict[str, Any]:
+        """What from_config needs to rebuild these parameters (saved beside them as JSON)."""
+        return {"dim": self.dim, "outputs": list(self.outputs)}
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "PatchMergerParams":
+        """Parameters of the shape config describes (values to be loaded). Raises ValueError naming a bad field."""
+        dim, outputs = config.get("dim"), config.get("outputs")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
+        if not isinstance(outputs, list) or not outputs or not all(isinstance(m, int) and m >= 0 for m in outputs):
+            raise ValueError(f"outputs must be a non-empty list of integers >= 0 (tokens left per block), got {outputs!r}")
+        return cls(dim, outputs)
+
+
+def _outputs(settings: Sequence[Optional[MergerSetting]]) -> List[int]:
+    return [0 if s is None else s.outputs for s in settings]
+
+
+def check_fits(params: PatchMergerParams, dim: int, settings: Sequence[Optional[MergerSetting]]) -> None:
+    """Raise ValueError unless params fit a model of width dim whose blocks have these settings."""
+    if params.dim != dim:
+        raise ValueError(f"these PatchMerger parameters are for width {params.dim}; the model has width {dim}")
+    if len(params.outputs) != len(settings):
+        raise ValueError(f"these PatchMerger parameters are for {len(params.outputs)} blocks; the model has {len(settings)}")
+    if _outputs(settings) != params.outputs:
+        raise ValueError(f"these PatchMerger parameters leave {params.outputs} patch tokens per block; the method's "
+                         f"schedule on this model leaves {_outputs(settings)} (learned queries fit their schedule only)")
+
+
+class PatchMerger(ScheduledReducer):
+    """Learned soft merging (see the module docstring): r / flops_ratio / keep_rate say how many patch tokens
+    each block leaves, as for every scheduled method. The parameters are made at apply (untrained) or given as
+    `merger_params`, and live on the model as model.tokcomp['patchmerger']. Proportional attention is off
+    unless asked."""
+
+    name = "patchmerger"
+    plan_on_tokens = True
+    plan_differentiable = True
+    learned_class = PatchMergerParams
+    learned_param = "merger_params"
+
+    def __init__(
+        self,
+        r: RSpec = 0,
+        flops_ratio: Optional[float] = None,
+        keep_rate: Optional[float] = None,
+        stages: Tuple[int, ...] = STUDY_STAGES,
+        merger_params: Optional[PatchMergerParams] = None,
+        prop_attn: Optional[bool] = None,
+        trace_source: bool = False,
+        prefix_only_last_block: Optional[bool] = None,
+    ) -> None:
+        super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
+        if merger_params is not None and not isinstance(merger_params, PatchMergerParams):
+            raise ValueError(f"merger_params must be PatchMergerParams (e.g. from timm_tokcomp.learned.load_learned), "
+                             f"got {type(merger_params).__name__}")
+        self.merger_params = merger_params
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None and k != "merger_params")
+        count = "none yet" if self.merger_params is None else str(sum(p.numel() for p in self.merger_params.parameters()))
+        return f"PatchMerger({shown}, parameters={count})"
+
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost) -> List[Optional[MergerSetting]]:
+        settings, n = [], num_tokens - num_prefix
+        for layer, r in enumerate(super().block_settings(num_blocks, num_tokens, num_prefix, cost)):
+            r = None if r is None else min(r, n - 1)
+            settings.append(None if not r else MergerSetting(r, n - r, layer))
+            n -= r or 0
+        return settings
+
+    def bind(self, dim: int, settings: List[Any]) -> None:
+        if self.merger_params is None:
+            self.merger_params = PatchMergerParams(dim, _outputs(settings))
+        else:
+            check_fits(self.merger_params, dim, settings)
+
+    def learned_module(self) -> Optional[nn.Module]:
+        return self.merger_params
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        return k  # unused: the plan reads the tokens
+
+    def plan(self, tokens: torch.Tensor, setting: MergerSetting, num_prefix: int,
+             size: Optional[torch.Tensor]) -> Optional[SoftPlan]:
+        n = tokens.shape[1] - num_prefix
+        if n != setting.r + setting.outputs:
+            raise ValueError(f"PatchMerger block {setting.layer} was set up for {setting.r + setting.outputs} patch "
+                             f"tokens and got {n}: its learned queries fit one input size (the model's default)")
+        return SoftPlan(num_prefix, self.merger_params.layers[str(setting.layer)].weights(tokens[:, num_prefix:]))
