@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import timm_tokcomp
 from timm_tokcomp.cli import main
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
 from test_tocom_hub import _hub_cache
@@ -84,6 +85,45 @@ def test_the_folder_is_a_peft_adapter_that_reloads_to_the_same_predictions(train
     log = (out / "training" / "log.csv").read_text().splitlines()
     assert log[0].startswith("epoch,") and len(log) == 3
     assert "| 18 (" in (out / "README.md").read_text()
+
+
+def test_distill_learns_the_unreduced_model_on_unlabelled_images_and_keeps_the_head(image_folder, tmp_path, capsys):
+    """--distill on a plain image folder with PatchMerger: the head is the base model's, the adapter has no
+    modules_to_save, the merger's queries are saved and trained, the results carry agreement and no top-1, and
+    the reloaded model gives the saved predictions."""
+    from peft import LoraConfig
+    import timm
+
+    out = tmp_path / "distilled"
+    assert main(["finetune", MODEL, "--data", str(image_folder), "--out", str(out), "--method", "patchmerger_k70",
+                 "--distill", "--epochs", "2", "--warmup-epochs", "1", "--batch-size", "5", "--lr", "1e-2",
+                 "--num-workers", "0", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "agreement with the unreduced model" in printed and "top-1" not in printed
+    assert not LoraConfig.from_pretrained(str(out)).modules_to_save
+    saved = json.loads((out / "tokcomp_finetune.json").read_text())
+    assert saved["results"]["top1"] is None and 0 <= saved["results"]["agreement"] <= 100
+    assert saved["num_classes"] == 1000 and saved["recipe"]["distill"] is True
+    untrained = timm_tokcomp.apply(timm.create_model(MODEL), "patchmerger", keep_rate=0.7).tokcomp["patchmerger"]
+    trained = load_file(str(out / "patchmerger.safetensors"))
+    assert not torch.equal(trained["layers.2.queries"], untrained.layers["2"].queries.detach())
+
+    model = load_finetuned(str(out))
+    torch.manual_seed(0)
+    base = timm.create_model(MODEL)
+    assert torch.equal(model.head.weight, base.head.weight)
+    with open(out / "training" / "predictions.csv") as f:
+        rows = list(csv.DictReader(f))
+    from timm_tokcomp.data import open_images
+
+    data = open_images(image_folder, timm.data.create_transform(**timm.data.resolve_model_data_config(model)))
+    x = torch.stack([data[i][0] for i in range(len(data))])
+    with torch.no_grad():
+        assert model(x).argmax(-1).tolist() == [int(r["prediction"]) for r in rows]
+        assert base.eval()(x).argmax(-1).tolist() == [int(r["unreduced_prediction"]) for r in rows]
+    log = (out / "training" / "log.csv").read_text().splitlines()
+    assert log[0] == "epoch,train_loss,eval_top1,eval_agreement,last_lr,seconds"
+    assert all(line.split(",")[2] == "" and float(line.split(",")[3]) >= 0 for line in log[1:])
 
 
 def test_a_resumed_run_equals_an_uninterrupted_one(trained, labelled, tmp_path):

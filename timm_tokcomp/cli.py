@@ -228,7 +228,7 @@ def _finetune(args: argparse.Namespace) -> int:
         method=args.method, method_args=_method_args(args.method_arg), epochs=args.epochs, batch_size=args.batch_size,
         lr=args.lr, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs, lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha, augment=args.augment, crop_scale=(args.crop_min, 1.0), seed=args.seed,
-        eval_batch_size=args.eval_batch_size)
+        eval_batch_size=args.eval_batch_size, distill=args.distill)
     config.validate()
     if not args.checkpoint and not args.pretrained:
         print("note: no --checkpoint or --pretrained: fine-tuning random weights", file=sys.stderr)
@@ -238,7 +238,9 @@ def _finetune(args: argparse.Namespace) -> int:
     if result is None:
         print(f"stopped after epoch {args.stop_after} of {config.epochs}; continue with --resume")
         return 0
-    print(f"saved {args.out}: top-1 {result.top1:.2f}% on {result.images} images, {result.gmacs:.4f} GMACs/image, "
+    scores = ([] if result.top1 is None else [f"top-1 {result.top1:.2f}%"]) + \
+        ([] if result.agreement is None else [f"agreement with the unreduced model {result.agreement:.2f}%"])
+    print(f"saved {args.out}: {', '.join(scores)} on {result.images} images, {result.gmacs:.4f} GMACs/image, "
           f"{result.images_per_second:.1f} images/s, {result.trainable_parameters:,} trained parameters "
           f"({result.method_parameters:,} of them the method's), {result.train_seconds / 60:.1f} min of training")
     return 0
@@ -355,15 +357,19 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=_train_tocom)
 
     ft = sub.add_parser("finetune", help="parameter-efficient fine-tuning on labelled images: LoRA on qkv, a new "
-                                         "head and the method's own parameters (PYRA's recipe)")
+                                         "head and the method's own parameters (PYRA's recipe); with --distill, on "
+                                         "unlabelled images, learning the unreduced model's outputs")
     ft.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
     ft.add_argument("--method", default="none", help=f"token reduction trained with: a method tag ({', '.join(TAG_FORMS)}) "
                                                      f"or none (default %(default)s)")
     ft.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="another method parameter, e.g. form=pooled (repeatable)")
     ft.add_argument("--data", required=True, help="training images: a labels.csv folder, a labels .csv file, or an "
-                                                  "ImageFolder tree")
+                                                  "ImageFolder tree (with --distill also a plain image folder)")
     ft.add_argument("--eval-data", help="images evaluated after every epoch and at the end (default: --data)")
+    ft.add_argument("--distill", action="store_true", help="no labels: keep the model's head and learn the unreduced "
+                                                          "model's outputs (KL, temperature 1); --data may be any image "
+                                                          "folder; the evaluation reports agreement with the unreduced model")
     ft.add_argument("--out", required=True, help="folder to write: peft adapter, method parameters, card, training/")
     ft.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
     ft.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")

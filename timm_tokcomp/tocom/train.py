@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
 from .. import apply, remove, set_params
 from ..outputs import claim_run_folder, replacing, write_text
 from ..patch import check_supported
-from ..training.engine import SeededAugment, TrainingDiverged, epoch_batches, is_distributed, warmup_cosine_lr
+from ..training.engine import (SeededAugment, TrainingDiverged, distill_loss, epoch_batches, is_distributed,
+                               warmup_cosine_lr)
 from .compensator import Compensator, check_fits
 
 CHECKPOINT = "checkpoint.pt"
@@ -148,15 +148,6 @@ class Plugins(nn.Module):
 
     def to_compensator(self, scale: float) -> Compensator:
         return Compensator(self.lora_a.detach().cpu().clone(), self.lora_b.detach().cpu().clone(), scale)
-
-
-def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float, has_head: bool) -> torch.Tensor:
-    """student / teacher: (B, classes) logits, or (B, D) features when has_head is False (L1)."""
-    if not has_head:
-        return F.l1_loss(student.float(), teacher.float())
-    t = temperature
-    return F.kl_div(F.log_softmax(student.float() / t, -1), F.log_softmax(teacher.float() / t, -1),
-                    reduction="batchmean", log_target=True) * t * t
 
 
 def draw_pair(step: int, seed: int, groups: int) -> Tuple[int, int]:

@@ -18,20 +18,20 @@ tags: [timm, token-reduction, timm_tokcomp, lora]
 
 A parameter-efficient fine-tune of the timm model `{base_model}` made by `tokcomp finetune`
 (timm_tokcomp): LoRA rank {config.lora_rank} (alpha {config.lora_alpha or config.lora_rank:g}) on every block's
-`qkv` and a new head, plus the method's own {result.method_parameters:,} parameters: {result.trainable_parameters:,}
+`qkv`{" (the model's own head kept)" if config.distill else " and a new head"}, plus the method's own {result.method_parameters:,} parameters: {result.trainable_parameters:,}
 trained parameters in all, with the token-reduction method `{method}` active in training and inference.
 
 ## Results (the saved model reloaded, LoRA merged)
 
-| evaluation images | top-1 | GMACs / image | images / s (forward, batch {config.eval_batch_size}) |
-| --- | --- | --- | --- |
-| {result.images} (`{eval_data}`) | {result.top1:.2f}% | {result.gmacs:.4f} | {result.images_per_second:.1f} |
+| evaluation images | top-1 | agreement with the unreduced model | GMACs / image | images / s (forward, batch {config.eval_batch_size}) |
+| --- | --- | --- | --- | --- |
+| {result.images} (`{eval_data}`) | {_percent(result.top1)} | {_percent(result.agreement)} | {result.gmacs:.4f} | {result.images_per_second:.1f} |
 
 GMACs are counted from a run (timm_tokcomp.measure). Throughput is from the machine that trained it.
 
 ## Recipe
 
-{train_images} labelled images (`{train_data}`); {config.epochs} epochs of batch {config.batch_size}, AdamW (lr
+{train_images} {"images, labels unused: the unreduced model's outputs learned by KL (temperature 1)" if config.distill else "labelled images"} (`{train_data}`); {config.epochs} epochs of batch {config.batch_size}, AdamW (lr
 {config.lr:g}, weight decay {config.weight_decay:g}), {config.warmup_epochs} warm-up epoch(s) then cosine decay;
 augmentation `{config.augment}` (crop area {config.crop_scale[0]:g}-{config.crop_scale[1]:g}); seed {config.seed}.
 Training took {result.train_seconds / 60:.1f} minutes.
@@ -43,7 +43,10 @@ from timm_tokcomp.training import load_finetuned
 model = load_finetuned("path/or/hub-repo", pretrained=True)  # or checkpoint="base_weights.safetensors"
 ```
 
-The folder is a standard peft adapter (`adapter_config.json`, `adapter_model.safetensors`, with the head in
-`modules_to_save`); the method's parameters, if it has any, are in `<method>.safetensors` with
+The folder is a standard peft adapter (`adapter_config.json`, `adapter_model.safetensors`{"" if config.distill else ", with the head in `modules_to_save`"}); the method's parameters, if it has any, are in `<method>.safetensors` with
 `<method>_config.json`, and `tokcomp_finetune.json` records the base model, the method and this recipe.
 """
+
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{value:.2f}%"

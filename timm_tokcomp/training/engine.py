@@ -1,10 +1,11 @@
 """Pieces every trainer shares: the learning-rate schedule, seeded epoch batches and augmentations, and
-the distributed-run helpers. ToCom's self-distillation and the supervised fine-tuning both use them."""
+the distributed-run helpers, the distillation loss. ToCom's self-distillation and the fine-tuning both use them."""
 import math
 import random
 from typing import List
 
 import torch
+import torch.nn.functional as F
 
 
 class TrainingDiverged(RuntimeError):
@@ -52,3 +53,13 @@ class SeededAugment(torch.utils.data.Dataset):
                 return self.dataset[i]
         finally:
             random.setstate(python_state)
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float, has_head: bool) -> torch.Tensor:
+    """KL(teacher || student) on softmax(logits / T) times T^2 for (B, classes) logits, or L1 between (B, D)
+    features when has_head is False."""
+    if not has_head:
+        return F.l1_loss(student.float(), teacher.float())
+    t = temperature
+    return F.kl_div(F.log_softmax(student.float() / t, -1), F.log_softmax(teacher.float() / t, -1),
+                    reduction="batchmean", log_target=True) * t * t

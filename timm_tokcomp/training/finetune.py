@@ -1,6 +1,8 @@
-"""Parameter-efficient supervised fine-tuning of a token-reducing timm ViT (PYRA's recipe): LoRA via peft on
-every block's qkv, a new classification head, and the method's own parameters (PYRA's), trained with AdamW
-and a warm-up + cosine schedule on a labelled image folder, evaluated every epoch.
+"""Parameter-efficient fine-tuning of a token-reducing timm ViT (PYRA's recipe): LoRA via peft on every block's
+qkv, a new classification head, and the method's own parameters (PYRA's, PatchMerger's), trained with AdamW
+and a warm-up + cosine schedule on a labelled image folder, evaluated every epoch. With `distill` the labels
+are not used: the model keeps its head and learns the unreduced model's outputs (KL at temperature 1) on any
+image folder, and the evaluation reports agreement with the unreduced model (and top-1 where there are labels).
 
 The result is one folder, loadable with load_finetuned from a local path or the Hugging Face Hub:
   adapter_config.json, adapter_model.safetensors   a standard peft LoRA adapter (LoRA on qkv + the head)
@@ -9,6 +11,7 @@ The result is one folder, loadable with load_finetuned from a local path or the 
   README.md                                        a model card
   training/                                        checkpoint.pt (resume), log.csv, predictions.csv
 """
+import copy
 import csv
 import json
 import math
@@ -26,18 +29,19 @@ from torch import nn
 from tqdm import tqdm
 
 from .. import apply
-from ..data import open_dataset
+from ..data import open_dataset, open_images
 from ..learned import load_learned, save_learned
 from ..methods import make_reducer, method_class, parse_method_tag
 from ..outputs import claim_run_folder, read_versioned_json, replacing, run_lock, write_text
 from .card import model_card
-from .engine import SeededAugment, TrainingDiverged, epoch_batches, warmup_cosine_lr
+from .engine import SeededAugment, TrainingDiverged, distill_loss, epoch_batches, warmup_cosine_lr
 
 FORMAT_VERSION = 1
 FINETUNE_CONFIG = "tokcomp_finetune.json"
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 RUN_ENTRIES = (*PEFT_FILES, FINETUNE_CONFIG, "README.md", "*.safetensors", "*_config.json", "training")
 NO_METHOD = "none"
+LOG_HEADER = "epoch,train_loss,eval_top1,eval_agreement,last_lr,seconds"
 AUGMENTS = ("crop-flip", "none")
 
 
@@ -50,7 +54,8 @@ class FinetuneConfig:
     """The recipe. method: a method tag ('tome_high', 'pyra_high', 'pyra_r16', 'evit_r8', ...) or 'none';
     method_args: more method parameters (e.g. {'form': 'pooled'}); lr is per batch of batch_size images (no
     scaling; 3e-3 beat PYRA's 1e-3 for 8-epoch runs, chosen on Caltech-101's train / val lists); lora_alpha None = lora_rank (LoRA scaling 1); augment 'crop-flip': random resized crops of
-    crop_scale of the area and horizontal flips, 'none': the model's eval transform."""
+    crop_scale of the area and horizontal flips, 'none': the model's eval transform; distill: learn the unreduced
+    model's outputs instead of labels (the head is kept, not replaced)."""
 
     method: str = NO_METHOD
     method_args: Dict[str, Any] = field(default_factory=dict)
@@ -65,6 +70,7 @@ class FinetuneConfig:
     crop_scale: Tuple[float, float] = (0.5, 1.0)
     seed: int = 0
     eval_batch_size: int = 64
+    distill: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the command-line flag of the first bad setting, before any work."""
@@ -84,6 +90,8 @@ class FinetuneConfig:
             raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay!r}")
         if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
             raise ValueError(f"--lora-alpha must be a finite number > 0, got {self.lora_alpha!r}")
+        if not isinstance(self.distill, bool):
+            raise ValueError(f"--distill must be True or False, got {self.distill!r}")
         if self.augment not in AUGMENTS:
             raise ValueError(f"--augment must be one of {AUGMENTS}, got {self.augment!r}")
         lo, hi = self.crop_scale
@@ -118,9 +126,10 @@ class FinetuneConfig:
 
 @dataclass
 class FinetuneResult:
-    """The final evaluation of the saved (reloaded, LoRA merged) model on the evaluation images."""
+    """The final evaluation of the saved (reloaded, LoRA merged) model on the evaluation images: top-1 (None when
+    they have no labels) and, for a distilled model, agreement with the unreduced model's top-1 class."""
 
-    top1: float
+    top1: Optional[float]
     images: int
     gmacs: float
     images_per_second: float
@@ -128,6 +137,7 @@ class FinetuneResult:
     epochs: int
     trainable_parameters: int
     method_parameters: int  # of them, the method's own (PYRA's); 0 for a training-free method
+    agreement: Optional[float] = None
 
 
 def dataset_labels(dataset: torch.utils.data.Dataset) -> List[int]:
@@ -151,7 +161,7 @@ def _transforms(model: nn.Module, config: FinetuneConfig):
 def _lora_config(config: FinetuneConfig, model: nn.Module, base_model: str):
     from peft import LoraConfig
 
-    heads = [name for name in ("head", "head_dist") if isinstance(getattr(model, name, None), nn.Linear)]
+    heads = [] if config.distill else [name for name in ("head", "head_dist") if isinstance(getattr(model, name, None), nn.Linear)]
     return LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha or config.lora_rank, target_modules=["qkv"],
                       lora_dropout=0.0, modules_to_save=heads, base_model_name_or_path=base_model)
 
@@ -189,7 +199,14 @@ def _read_checkpoint(path: Path, config: FinetuneConfig, run: Dict[str, Any], tr
         for name, p in trainable.items():
             p.copy_(state["trainable"][name])
     optimizer.load_state_dict(state["optimizer"])
-    return state["epoch"], list(state["log"]), state["seconds"]
+    log = [line if line.count(",") == 5 else _with_empty_agreement(line) for line in state["log"]]
+    return state["epoch"], log, state["seconds"]
+
+
+def _with_empty_agreement(line: str) -> str:
+    """A log line of a checkpoint from before the eval_agreement column, in today's columns."""
+    cells = line.split(",")
+    return ",".join([*cells[:3], "", *cells[3:]])
 
 
 def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str] = None,
@@ -223,14 +240,21 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
     torch.manual_seed(config.seed)  # the new head, the method's parameters and LoRA's A start from the seed
     model = build_base_model(base_model, checkpoint, pretrained, "cpu")
     train_tf, eval_tf = _transforms(model, config)
-    train_set, eval_set = open_dataset(train_data, train_tf), open_dataset(eval_data, eval_tf)
-    labels = dataset_labels(train_set)
-    num_classes = max(labels) + 1
-    if max(dataset_labels(eval_set)) >= num_classes:
-        raise ValueError(f"--eval-data has class indices >= {num_classes}, the classes of --data")
+    if config.distill:
+        if not getattr(model, "num_classes", 0):
+            raise ValueError("--distill learns the unreduced model's class outputs; this model has no head")
+        train_set, eval_set = open_images(train_data, train_tf), open_images(eval_data, eval_tf)
+        num_classes = model.num_classes
+        teacher = copy.deepcopy(model).to(device).eval().requires_grad_(False)  # the unreduced model
+    else:
+        train_set, eval_set = open_dataset(train_data, train_tf), open_dataset(eval_data, eval_tf)
+        num_classes = max(dataset_labels(train_set)) + 1
+        if max(dataset_labels(eval_set)) >= num_classes:
+            raise ValueError(f"--eval-data has class indices >= {num_classes}, the classes of --data")
+        model.reset_classifier(num_classes)
+        teacher = None
     if len(train_set) < config.batch_size:
         raise ValueError(f"--data has {len(train_set)} images, fewer than one batch (--batch-size {config.batch_size})")
-    model.reset_classifier(num_classes)
     if method is not None:
         apply(model, method[0], **method[1])
     model.name_or_path = base_model  # what peft records as the adapter's base_model_name_or_path
@@ -255,6 +279,8 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
         print(f"note: --resume: no {checkpoint_path} yet, starting from epoch 0", file=sys.stderr)
     seeded_train = SeededAugment(train_set, config.seed)
     eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=config.eval_batch_size, num_workers=num_workers)
+    reference = None if teacher is None else predict(teacher, eval_loader, device, show_progress,
+                                                     "evaluate the unreduced model")[1]
     steps_per_epoch = len(train_set) // config.batch_size
     total, warmup = config.epochs * steps_per_epoch, config.warmup_epochs * steps_per_epoch
     last = config.epochs if stop_after_epoch is None else min(stop_after_epoch, config.epochs)
@@ -271,7 +297,13 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
             lr = warmup_cosine_lr(epoch * steps_per_epoch + i, total, warmup, config.lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss = F.cross_entropy(peft_model(x.to(device)), y.to(device))
+            x = x.to(device)
+            if teacher is None:
+                loss = F.cross_entropy(peft_model(x), y.to(device))
+            else:
+                with torch.no_grad():
+                    target = teacher(x)
+                loss = distill_loss(peft_model(x), target, 1.0, True)
             if not math.isfinite(loss.item()):
                 raise TrainingDiverged(f"training diverged: the loss is {loss.item()} in epoch {epoch + 1}; nothing of this "
                                    f"epoch is saved. Lower --lr.")
@@ -282,11 +314,13 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
             bar.set_postfix_str(f"epoch {epoch + 1} loss {sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
             bar.update(1)
         y, pred = predict(peft_model, eval_loader, device, show_progress, f"evaluate epoch {epoch + 1}")
-        top1 = 100.0 * (pred == y).float().mean().item()
-        log.append(f"{epoch + 1},{sum(losses) / len(losses):.5f},{top1:.2f},{lr:.6g},{time.time() - began:.1f}")
-        write_text(work / "log.csv", "\n".join(["epoch,train_loss,eval_top1,last_lr,seconds", *log]) + "\n")
-        bar.write(f"epoch {epoch + 1}/{config.epochs}: train loss {sum(losses) / len(losses):.4f}, "
-                  f"eval top-1 {top1:.2f}%", file=sys.stderr)
+        top1, agreement = _scores(y, pred, reference)
+        shown = {"top1": top1, "agreement": agreement}
+        log.append(f"{epoch + 1},{sum(losses) / len(losses):.5f},{_cell(top1)},{_cell(agreement)},{lr:.6g},"
+                   f"{time.time() - began:.1f}")
+        write_text(work / "log.csv", "\n".join([LOG_HEADER, *log]) + "\n")
+        bar.write(f"epoch {epoch + 1}/{config.epochs}: train loss {sum(losses) / len(losses):.4f}, " + ", ".join(
+            f"eval {k} {v:.2f}%" for k, v in shown.items() if v is not None), file=sys.stderr)
         with replacing(checkpoint_path) as tmp:
             torch.save({"epoch": epoch + 1, "trainable": {k: p.detach().cpu() for k, p in trainable.items()},
                         "optimizer": optimizer.state_dict(), "config": asdict(config), "run": run, "log": log,
@@ -297,10 +331,22 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
     train_seconds = time.time() - began
     saved = _save_folder(peft_model, model, out, base_model, num_classes, config)
     method_parameters = 0 if learned is None else sum(p.numel() for p in learned.parameters())
-    result = _final_evaluation(out, checkpoint, pretrained, eval_set, eval_loader, device, show_progress,
+    result = _final_evaluation(out, checkpoint, pretrained, eval_set, eval_loader, reference, device, show_progress,
                                train_seconds, config, sum(p.numel() for p in trainable.values()), method_parameters)
     _finish_folder(out, saved, base_model, eval_data, train_data, len(train_set), config, result)
     return result
+
+
+def _scores(labels: torch.Tensor, pred: torch.Tensor, reference: Optional[torch.Tensor]):
+    """(top-1 %, None when no image has a label (-1); agreement % with the reference predictions, or None)."""
+    labelled = labels >= 0
+    top1 = 100.0 * (pred[labelled] == labels[labelled]).float().mean().item() if labelled.any() else None
+    agreement = None if reference is None else 100.0 * (pred == reference).float().mean().item()
+    return top1, agreement
+
+
+def _cell(value: Optional[float]) -> str:
+    return "" if value is None else f"{value:.2f}"
 
 
 def _save_folder(peft_model, model: nn.Module, out: str, base_model: str, num_classes: int,
@@ -324,26 +370,29 @@ def _write_config(out: str, data: Dict[str, Any]) -> None:
     write_text(Path(out) / FINETUNE_CONFIG, json.dumps({"format_version": FORMAT_VERSION, **data}, indent=2) + "\n")
 
 
-def _final_evaluation(out, checkpoint, pretrained, eval_set, eval_loader, device, show_progress, train_seconds,
-                      config, trainable_parameters, method_parameters) -> FinetuneResult:
-    """Reload the saved folder (LoRA merged), then top-1, per-image predictions, MACs counted from a run and
-    forward throughput on the evaluation images."""
+def _final_evaluation(out, checkpoint, pretrained, eval_set, eval_loader, reference, device, show_progress,
+                      train_seconds, config, trainable_parameters, method_parameters) -> FinetuneResult:
+    """Reload the saved folder (LoRA merged), then top-1 (and agreement with the reference predictions),
+    per-image predictions, MACs counted from a run and forward throughput on the evaluation images."""
     from ..measure import count_macs, time_side_by_side
 
     model = load_finetuned(out, checkpoint=checkpoint, pretrained=pretrained, device=device)
     y, pred = predict(model, eval_loader, device, show_progress, "evaluate the saved model")
-    samples = [name for name, _ in eval_set.samples]
+    samples = [name for name, _ in eval_set.samples] if hasattr(eval_set, "samples") else \
+        [path.name for path in eval_set.files]
+    columns = [samples, y.tolist(), pred.tolist()] + ([] if reference is None else [reference.tolist()])
     with replacing(Path(out) / "training" / "predictions.csv") as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["file", "label", "prediction"])
-        writer.writerows(zip(samples, y.tolist(), pred.tolist()))
+        writer.writerow(["file", "label", "prediction"] + ([] if reference is None else ["unreduced_prediction"]))
+        writer.writerows(zip(*columns))
     x = torch.stack([eval_set[i][0] for i in range(min(config.eval_batch_size, len(eval_set)))]).to(device)
     macs = count_macs(model, x) / len(x)
     with torch.inference_mode():
         seconds = time_side_by_side({"model": model}, x, rounds=3)["model"]
-    return FinetuneResult(top1=100.0 * (pred == y).float().mean().item(), images=len(y), gmacs=macs / 1e9,
-                          images_per_second=len(x) / seconds, train_seconds=train_seconds, epochs=config.epochs,
-                          trainable_parameters=trainable_parameters, method_parameters=method_parameters)
+    top1, agreement = _scores(y, pred, reference)
+    return FinetuneResult(top1=top1, images=len(y), gmacs=macs / 1e9, images_per_second=len(x) / seconds,
+                          train_seconds=train_seconds, epochs=config.epochs, trainable_parameters=trainable_parameters,
+                          method_parameters=method_parameters, agreement=agreement)
 
 
 def _finish_folder(out: str, saved: Dict[str, Any], base_model: str, eval_data: str, train_data: str,
@@ -385,7 +434,8 @@ def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretr
     if not checkpoint and not pretrained:  # timm's random init, as finetune drew it from the recipe's seed
         torch.manual_seed(recipe.seed)
     model = build_base_model(data["base_model"], checkpoint, pretrained, "cpu")
-    model.reset_classifier(data["num_classes"])
+    if not recipe.distill:  # a distilled model keeps the base model's head
+        model.reset_classifier(data["num_classes"])
     method = recipe.method_params()
     if method is not None:
         name, params = method
