@@ -50,3 +50,36 @@ def test_dense_backbone_example_builds_the_pyramid_and_counts_fewer_macs(capsys)
     assert "(192, 32, 32) (stride 4)" in out and "(192, 4, 4) (stride 32)" in out
     plain, dense = map(float, re.search(r"plain ([\d.]+), dense_tome_r1 ([\d.]+)", out).groups())
     assert dense < plain
+
+
+def test_learned_methods_example_trains_and_compares_with_the_untrained_start(tmp_path, capsys):
+    """A stand-in data folder (random DeiT-Tiny weights, 10 photos, two labelled sets of 3 images): the run
+    trains, the untrained start is rebuilt, and the table and paired notes are written."""
+    import csv
+
+    import timm
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    data = tmp_path / "data"
+    torch.manual_seed(0)
+    save_file(timm.create_model("deit_tiny_patch16_224").state_dict(), str(data.mkdir() or data / "deit_tiny_patch16_224.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    (data / "photos-3000").mkdir()
+    for i in range(10):
+        pixels = (torch.rand(64, 64, 3, generator=g) * 255).to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(data / "photos-3000" / f"p{i:02d}.jpg")
+    for name in ("imagenet-val-1300", "nips17-1000"):
+        (data / name / "images").mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray((torch.rand(48, 48, 3, generator=g) * 255).to(torch.uint8).numpy()).save(
+                data / name / "images" / f"{i}.jpg")
+        with open(data / name / "labels.csv", "w", newline="") as f:
+            csv.writer(f).writerows([("file", "label"), *((f"{i}.jpg", i) for i in range(3))])
+    argv = ["--data", str(data), "--out", str(tmp_path / "out"), "--methods", "patchmerger_k70", "--epochs", "1",
+            "--batch-size", "4", "--holdout", "2"]
+    assert _load("learned_methods").main(argv) == 0
+    text = (tmp_path / "out" / "results.md").read_text()
+    assert "| `patchmerger_k70` | untrained |" in text and "| `patchmerger_k70` | trained |" in text
+    assert "pooled: trained vs untrained, top-1 +" in text
+    assert len(list((tmp_path / "out" / "photos" / "heldout").iterdir())) == 2
