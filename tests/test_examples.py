@@ -76,10 +76,10 @@ def test_learned_methods_example_trains_and_compares_with_the_untrained_start(tm
                 data / name / "images" / f"{i}.jpg")
         with open(data / name / "labels.csv", "w", newline="") as f:
             csv.writer(f).writerows([("file", "label"), *((f"{i}.jpg", i) for i in range(3))])
-    argv = ["--data", str(data), "--out", str(tmp_path / "out"), "--methods", "patchmerger_k70", "--epochs", "1",
+    argv = ["--data", str(data), "--out", str(tmp_path / "out"), "--methods", "patchmerger_k70,dynamicvit_k70", "--epochs", "1",
             "--batch-size", "4", "--holdout", "2"]
     assert _load("learned_methods").main(argv) == 0
     text = (tmp_path / "out" / "results.md").read_text()
     assert "| `patchmerger_k70` | untrained |" in text and "| `patchmerger_k70` | trained |" in text
-    assert "pooled: trained vs untrained, top-1 +" in text
+    assert "pooled: trained vs untrained, top-1 +" in text and "| `dynamicvit_k70` | trained |" in text
     assert len(list((tmp_path / "out" / "photos" / "heldout").iterdir())) == 2

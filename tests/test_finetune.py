@@ -208,3 +208,21 @@ def test_a_second_process_on_the_same_folder_is_refused(labelled, tmp_path):
         holder.wait()
     assert _run(labelled, out, resume=True, config=_config(epochs=1, warmup_epochs=0)) is not None  # stale: taken over
     assert not (out / ".lock").exists()
+
+
+def test_the_methods_own_loss_is_added_to_the_training_loss(image_folder, tmp_path, monkeypatch):
+    """DynamicViT's ratio loss reaches the optimiser: a method loss of 100 shows in every logged training loss."""
+    from timm_tokcomp.methods.dynamicvit import DynamicViT
+
+    calls = []
+
+    def constant(self):
+        calls.append(1)
+        return torch.tensor(100.0, requires_grad=True)
+
+    monkeypatch.setattr(DynamicViT, "method_loss", constant)
+    config = FinetuneConfig(method="dynamicvit_k70", epochs=1, warmup_epochs=0, batch_size=10, distill=True)
+    finetune(MODEL, str(image_folder), str(tmp_path / "dvit"), config=config, show_progress=False, num_workers=0)
+    assert len(calls) == 2  # 20 images, batches of 10
+    log = (tmp_path / "dvit" / "training" / "log.csv").read_text().splitlines()
+    assert float(log[1].split(",")[1]) >= 100

@@ -253,7 +253,8 @@ class _ReducingViT:
         for i, (blk, setting) in enumerate(zip(blocks, settings)):
             stats.tokens_per_block.append(x.shape[1])
             if reducer.masks_by_size:
-                real = x.shape[1] if size is None else (size[..., 0] > 0).sum(dim=1)
+                # size-0 padding (ATS) and tokens dropped in training (DynamicViT, size 1e-6) hold no patch
+                real = x.shape[1] if size is None else (size[..., 0] >= 0.5).sum(dim=1)
                 stats.real_tokens_per_block.append(real if torch.is_tensor(real) else torch.full((x.shape[0],), real))
             args = (x, size, source, setting, reducer, self._tokcomp_prop_attn, num_prefix, prefix_only_last and i == last)
             if use_checkpoint:
@@ -469,13 +470,14 @@ LEARNED_KEY = "tokcomp"  # a learned method's parameters: model.tokcomp[<method>
 
 
 def _attach_learned(model: nn.Module, module: Optional[nn.Module], method: str) -> None:
-    """Put the method's parameters (or none) under model.tokcomp, on the model's device and dtype."""
+    """Put the method's parameters (or none) under model.tokcomp, on the model's device and dtype, in the model's
+    train / eval mode."""
     model._modules.pop(LEARNED_KEY, None)
     if module is not None:
         ref = next(model.parameters(), None)
         if ref is not None:
             module.to(device=ref.device, dtype=ref.dtype)
-        model.add_module(LEARNED_KEY, nn.ModuleDict({method: module}))
+        model.add_module(LEARNED_KEY, nn.ModuleDict({method: module}).train(model.training))
 
 
 def _swap_classes(model: nn.Module, block_class: type, model_classes: Dict[type, type]) -> None:

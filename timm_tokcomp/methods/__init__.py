@@ -1,5 +1,5 @@
 """Token-reduction methods by name, and their name tags (`tome_r16`, `evit_r8`, `topk_k70`, `atm`,
-`atm_<preset>`, `dense_tome_r8`, `patchmerger_k70`, ...)."""
+`atm_<preset>`, `dense_tome_r8`, `patchmerger_k70`, `dynamicvit_k70`, ...)."""
 from typing import Any, Dict, Tuple, Type
 
 from .ats import ATS
@@ -7,6 +7,7 @@ from .atm import ATM
 from .base import TokenReducer
 from .dense_tome import DenseToMe
 from .dpcknn import DPCKNN
+from .dynamicvit import DynamicViT
 from .evit import EViT
 from .kmedoids import KMedoids
 from .patchmerger import PatchMerger
@@ -17,7 +18,7 @@ from .topk import TopK
 
 METHODS: Dict[str, Type[TokenReducer]] = {
     cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids,
-                               DPCKNN, PYRA, PatchMerger)}
+                               DPCKNN, PYRA, PatchMerger, DynamicViT)}
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

@@ -170,6 +170,11 @@ class TokenReducer(ABC):
         and train with the model); None for a training-free method."""
         return None
 
+    def method_loss(self) -> Optional[torch.Tensor]:
+        """The method's own training loss from the last training forward (e.g. DynamicViT's ratio loss), already
+        weighted, to add to the task loss; None if it has none. Reading it clears it."""
+        return None
+
 
 class RTagged:
     """Mixin for methods named by '<name>_r<k>' tags (r = k)."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from .. import apply
+from .. import apply, get_reducer
 from ..data import open_dataset, open_images
 from ..learned import load_learned, save_learned
 from ..methods import make_reducer, method_class, parse_method_tag
@@ -304,6 +304,9 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
                 with torch.no_grad():
                     target = teacher(x)
                 loss = distill_loss(peft_model(x), target, 1.0, True)
+            method_loss = None if method is None else get_reducer(model).method_loss()
+            if method_loss is not None:
+                loss = loss + method_loss
             if not math.isfinite(loss.item()):
                 raise TrainingDiverged(f"training diverged: the loss is {loss.item()} in epoch {epoch + 1}; nothing of this "
                                    f"epoch is saved. Lower --lr.")

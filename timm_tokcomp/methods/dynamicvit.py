@@ -1,0 +1,202 @@
+"""DynamicViT (Rao et al., 2021; a learned pruning method of "Which Tokens to Use?"): before each stage a small
+predictor scores every patch token as keep / drop from its own features and the mean of the kept tokens',
+    h = GELU(Linear(LayerNorm(x)))                       (n, D); local = h[:, :D/2], global = mean of h[:, D/2:]
+    log p = LogSoftmax(MLP(cat(local, global)))          (n, 2): [keep, drop]; MLP: D -> D/2 -> D/4 -> 2, GELU
+In eval mode a stage keeps the schedule's count of patch tokens with the highest keep probability and drops
+the others (a fixed count, as in the study's protocol). In training mode nothing is removed: a hard
+Gumbel-softmax sample (straight-through gradient) decides keep / drop per token, a dropped token stays in
+place with size eps = 1e-6 (so the log-size attention bias keeps it out of every other token's attention while
+gradients still reach the predictor), and decisions accumulate over the stages. `method_loss()` then gives
+the ratio loss, sum over stages of (keep_rate^s - kept share)^2 averaged over images; the fine-tuning command
+adds it (weight 2, as in the paper) to its KL distillation loss. Prefix tokens are never scored or dropped.
+"""
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..matching import PrunePlan
+from ..schedules import STUDY_STAGES, RSpec
+from .base import Plan, ScheduledReducer
+
+EPS = 1e-6  # the size a token dropped in training keeps (log-size bias log(EPS) ~ -13.8)
+RATIO_WEIGHT = 2.0  # the paper's weight of the ratio loss
+
+
+class StageSetting(NamedTuple):
+    """A reducing block's setting: the patch tokens it keeps (`keep`), its share of the 196 (`ratio`, the ratio
+    loss's target), and its stage's index into the predictors."""
+
+    keep: int
+    ratio: float
+    stage: int
+
+
+class Predictor(nn.Module):
+    """One stage's keep / drop predictor (see the module docstring); about 1.6 D^2 parameters."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, dim)
+        self.head = nn.Sequential(nn.Linear(dim, dim // 2), nn.GELU(), nn.Linear(dim // 2, dim // 4), nn.GELU(),
+                                  nn.Linear(dim // 4, 2))
+
+    def forward(self, tokens: torch.Tensor, policy: torch.Tensor) -> torch.Tensor:
+        """tokens: (B, n, D) patch tokens; policy: (B, n, 1) 1 = kept so far -> (B, n, 2) log [keep, drop]."""
+        h = F.gelu(self.proj(self.norm(tokens)))
+        half = h.shape[-1] // 2
+        glob = (h[..., half:] * policy).sum(dim=1, keepdim=True) / policy.sum(dim=1, keepdim=True).clamp_min(1.0)
+        return self.head(torch.cat([h[..., :half], glob.expand(-1, h.shape[1], -1)], dim=-1)).log_softmax(dim=-1)
+
+
+class DynamicViTParams(nn.Module):
+    """The predictors of a model of width dim, one per stage (predictors[str(s)]), and the blocks they follow."""
+
+    def __init__(self, dim: int, blocks: Sequence[int]) -> None:
+        super().__init__()
+        self.dim, self.blocks = dim, [int(b) for b in blocks]
+        self.predictors = nn.ModuleDict({str(s): Predictor(dim) for s in range(len(self.blocks))})
+        self._ratios: List[torch.Tensor] = []  # the last training forward's (B,) kept shares, one per stage
+        self._targets: List[float] = []
+
+    def config(self) -> Dict[str, Any]:
+        return {"dim": self.dim, "blocks": list(self.blocks)}
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "DynamicViTParams":
+        dim, blocks = config.get("dim"), config.get("blocks")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 4:
+            raise ValueError(f"dim must be an integer >= 4, got {dim!r}")
+        if not isinstance(blocks, list) or not blocks or not all(isinstance(b, int) and b >= 0 for b in blocks):
+            raise ValueError(f"blocks must be a non-empty list of block indices >= 0, got {blocks!r}")
+        return cls(dim, blocks)
+
+
+def _blocks(settings: Sequence[Optional[StageSetting]]) -> List[int]:
+    return [layer for layer, s in enumerate(settings) if s is not None]
+
+
+def check_fits(params: DynamicViTParams, dim: int, settings: Sequence[Optional[StageSetting]]) -> None:
+    if params.dim != dim:
+        raise ValueError(f"these DynamicViT predictors are for width {params.dim}; the model has width {dim}")
+    if _blocks(settings) != params.blocks:
+        raise ValueError(f"these DynamicViT predictors follow blocks {params.blocks}; the method's schedule on this "
+                         f"model reduces after blocks {_blocks(settings)}")
+
+
+class DynamicViT(ScheduledReducer):
+    """Learned pruning (see the module docstring). keep_rate / r / flops_ratio give the count each stage keeps
+    in eval mode (and the ratio loss's targets in training). The predictors are made at apply (untrained) or
+    given as `predictor_params`, and live on the model as model.tokcomp['dynamicvit']. Proportional attention
+    is always on: it is what keeps the tokens dropped in training out of attention (kept tokens have size 1)."""
+
+    name = "dynamicvit"
+    plan_on_tokens = True
+    plan_differentiable = True
+    masks_by_size = True
+    learned_class = DynamicViTParams
+    learned_param = "predictor_params"
+
+    def __init__(
+        self,
+        r: RSpec = 0,
+        flops_ratio: Optional[float] = None,
+        keep_rate: Optional[float] = None,
+        stages: Tuple[int, ...] = STUDY_STAGES,
+        predictor_params: Optional[DynamicViTParams] = None,
+        prop_attn: Optional[bool] = None,
+        trace_source: bool = False,
+        prefix_only_last_block: Optional[bool] = None,
+    ) -> None:
+        super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
+        if predictor_params is not None and not isinstance(predictor_params, DynamicViTParams):
+            raise ValueError(f"predictor_params must be DynamicViTParams (e.g. from timm_tokcomp.learned.load_learned), "
+                             f"got {type(predictor_params).__name__}")
+        self.predictor_params = predictor_params
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None and k != "predictor_params")
+        count = "none yet" if self.predictor_params is None else str(sum(p.numel() for p in self.predictor_params.parameters()))
+        return f"DynamicViT({shown}, parameters={count})"
+
+    def default_prop_attn(self, global_pool: str) -> bool:
+        return True
+
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost) -> List[Optional[StageSetting]]:
+        settings, n, total, stage = [], num_tokens - num_prefix, num_tokens - num_prefix, 0
+        for r in super().block_settings(num_blocks, num_tokens, num_prefix, cost):
+            if r is None:
+                settings.append(None)
+                continue
+            n = max(n - r, 1)
+            settings.append(StageSetting(n, n / total, stage))
+            stage += 1
+        return settings
+
+    def bind(self, dim: int, settings: List[Any]) -> None:
+        if self.predictor_params is None:
+            self.predictor_params = DynamicViTParams(dim, _blocks(settings))
+        else:
+            check_fits(self.predictor_params, dim, settings)
+
+    def learned_module(self) -> Optional[nn.Module]:
+        return self.predictor_params
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        return k  # unused: the predictor reads the tokens
+
+    def plan(self, tokens: torch.Tensor, setting: StageSetting, num_prefix: int,
+             size: Optional[torch.Tensor]) -> Optional[PrunePlan]:
+        """Eval mode: keep the setting's count of patch tokens with the highest keep probability (policy: all
+        present tokens, the dropped ones being gone)."""
+        params = self.predictor_params
+        if params.training:
+            return _MaskPlan(num_prefix, setting)  # decisions are sampled in reduce()
+        patches = tokens[:, num_prefix:]
+        policy = patches.new_ones(patches.shape[0], patches.shape[1], 1)
+        score = params.predictors[str(setting.stage)](patches, policy)[..., 0]
+        keep = min(setting.keep, patches.shape[1])
+        with torch.no_grad():
+            order = score.argsort(dim=-1, descending=True, stable=True)[:, :keep]
+        return PrunePlan(num_prefix, order.sort(dim=-1).values)
+
+    def reduce(self, plan: Plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
+               setting: StageSetting):
+        if not isinstance(plan, _MaskPlan):
+            return super().reduce(plan, x, size, source, setting)
+        return x, self._mask(plan, x, size), source
+
+    def _mask(self, plan: "_MaskPlan", x: torch.Tensor, size: Optional[torch.Tensor]) -> torch.Tensor:
+        """Training: the sizes after this stage's sampled decisions, (B, N, 1) (kept 1, dropped EPS)."""
+        p, params = plan.num_prefix, self.predictor_params
+        patches = x[:, p:]
+        before = patches.new_ones(patches.shape[0], patches.shape[1], 1) if size is None else \
+            (size[:, p:] - EPS) / (1 - EPS)  # 0 / 1 decisions so far, with their gradient
+        log_p = params.predictors[str(plan.setting.stage)](patches, before)
+        keep = F.gumbel_softmax(log_p, hard=True)[..., :1]  # (B, n, 1), straight-through
+        policy = before * keep
+        if plan.setting.stage == 0:
+            params._ratios, params._targets = [], []
+        params._ratios.append(policy[..., 0].mean(dim=1))
+        params._targets.append(plan.setting.ratio)
+        prefix = x.new_ones(x.shape[0], p, 1) if size is None else size[:, :p]
+        return torch.cat([prefix, policy * (1 - EPS) + EPS], dim=1)
+
+    def method_loss(self) -> Optional[torch.Tensor]:
+        """The ratio loss of the last training forward, weighted by 2 (None if none ran since the last call):
+        mean over images of sum over stages of (target share - kept share)^2."""
+        params = self.predictor_params
+        if params is None or not params._ratios:
+            return None
+        loss = sum((share - target) ** 2 for share, target in zip(params._ratios, params._targets)).mean()
+        params._ratios, params._targets = [], []
+        return RATIO_WEIGHT * loss
+
+
+class _MaskPlan(NamedTuple):
+    """Training mode: decisions are sampled in reduce(); no token is removed."""
+
+    num_prefix: int
+    setting: StageSetting
