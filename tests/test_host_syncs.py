@@ -22,7 +22,8 @@ def _count(method=None, **params):
 
 @pytest.mark.parametrize("method, params", [("tome", {"r": 16}), ("tome", {"r": 8}), ("evit", {"r": 8}),
                                             ("dense_tome", {"r": 1}), ("tome", {"flops_ratio": 2.0}),
-                                            ("pyra", {"r": 16}), ("pyra", {"r": 16, "form": "pooled"})])
+                                            ("pyra", {"r": 16}), ("pyra", {"r": 16, "form": "pooled"}),
+                                            ("patchmerger", {"keep_rate": 0.7}), ("dynamicvit", {"keep_rate": 0.7})])
 def test_fixed_r_methods_never_wait_for_the_device(method, params):
     assert _count(method, **params).host_syncs == 0
 
