@@ -3,8 +3,9 @@ then the verdict on the 2,300 labelled ImageNet images (imagenet-val-1300 + nips
 
 1. Selection (written to OUT/selection.md before any labelled image is read): on the images a run held
    out (`--select-on` folder, `--holdout` of them picked as `tokcomp train-tocom --holdout-pick spread`
-   picks them), the mean distillation loss KL(r = 0 || r = t + ToCom) over t in 4, 8, 12, 16 and the
-   agreement with the r = 0 model. The lowest mean loss is the choice.
+   picks them), the distillation loss KL(r = 0 || r = t + ToCom) for t in 4, 8, 12, 16, relative to ToMe
+   alone's, and the agreement with the r = 0 model. The lowest mean relative loss is the choice (every
+   target counts alike; the plain mean would be decided by r = 16, whose losses are the largest).
 2. Evaluation: for r in 4, 8, 12, 16, ToMe alone and ToMe + each compensator (source r = 0): agreement
    with the r = 0 model and top-1, with images gained / lost against ToMe alone and exact McNemar p,
    per set and pooled; and every pair of compensators against each other (pooled agreement).
@@ -12,6 +13,7 @@ then the verdict on the 2,300 labelled ImageNet images (imagenet-val-1300 + nips
 
     python examples/tocom_imagenet_eval.py --data $TOKCOMP_DATA --out runs/tocom_eval \\
         --adapter old=hub_cards/deit_tiny_patch16_224-tocom --adapter new=runs/tocom_photos \\
+        --adapter new075=runs/tocom_photos@0.075 \\
         --select-on $TOKCOMP_DATA/photos-3000 --holdout 300
 """
 import argparse
@@ -47,11 +49,12 @@ def loader_for(dataset, batch_size: int = 100) -> torch.utils.data.DataLoader:
 
 @torch.inference_mode()
 def logits_at(model: torch.nn.Module, loader, r: int, compensator=None, desc: str = "") -> torch.Tensor:
-    """(images, classes) logits at ToMe r, with the compensator for 0 -> r when one is given."""
+    """(images, classes) logits at ToMe r, with the compensator for 0 -> r when one is given: a
+    (Compensator, scale) pair."""
     if compensator is None:
         timm_tokcomp.set_params(model, r=r)
     else:
-        attach(model, compensator, source_r=0)
+        attach(model, compensator[0], source_r=0, scale=compensator[1])
         set_compression(model, r=r)
     try:
         return torch.cat([model(x) for x, _ in tqdm(loader, desc=desc, leave=False, file=sys.stderr)])
@@ -65,22 +68,23 @@ def select(model, adapters: Dict[str, object], folder: Path, holdout: int) -> Tu
     images = open_images(folder, timm.data.create_transform(**timm.data.resolve_model_data_config(model)))
     loader = loader_for(torch.utils.data.Subset(images, heldout_indices(len(images), holdout, "spread")))
     teacher = logits_at(model, loader, 0, desc="held-out r = 0")
-    rows, mean_loss = [], {}
+    rows, relative, plain = [], {}, None
     for name, compensator in {"ToMe alone": None, **adapters}.items():
         losses, agreements = [], []
         for r in TARGETS:
             student = logits_at(model, loader, r, compensator, f"held-out {name} r = {r}")
             losses.append(distill_loss(student, teacher, 1.0, True).item())
             agreements.append(100 * (student.argmax(-1) == teacher.argmax(-1)).float().mean().item())
-        mean_loss[name] = sum(losses) / len(losses)
-        rows.append(f"| {name} | " + " | ".join(f"{l:.4f}" for l in losses) + f" | {mean_loss[name]:.4f} | "
+        plain = plain or losses
+        relative[name] = sum(l / p for l, p in zip(losses, plain)) / len(losses)
+        rows.append(f"| {name} | " + " | ".join(f"{l:.4f}" for l in losses) + f" | {relative[name]:.3f} | "
                     + " | ".join(f"{a:.2f}" for a in agreements) + " |")
-    chosen = min(adapters, key=mean_loss.get)
-    head = ("| compensator | " + " | ".join(f"KL r={r}" for r in TARGETS) + " | mean KL | "
+    chosen = min(adapters, key=relative.get)
+    head = ("| compensator | " + " | ".join(f"KL r={r}" for r in TARGETS) + " | mean KL / ToMe's | "
             + " | ".join(f"agree r={r}" for r in TARGETS) + " |")
     table = "\n".join([head, "|" + " --- |" * (2 + 2 * len(TARGETS)), *rows])
     note = (f"{len(loader.dataset)} held-out images of {folder.name} (never trained on by a run with --holdout "
-            f"{holdout} --holdout-pick spread), source r = 0. Chosen: **{chosen}** (lowest mean KL).")
+            f"{holdout} --holdout-pick spread), source r = 0. Chosen: **{chosen}** (lowest mean relative KL).")
     return chosen, note + "\n\n" + table
 
 
@@ -144,8 +148,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, required=True, help="TOKCOMP_DATA folder")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--adapter", action="append", required=True, metavar="NAME=FOLDER",
-                        help="a compensator to judge (repeatable)")
+    parser.add_argument("--adapter", action="append", required=True, metavar="NAME=FOLDER[@SCALE]",
+                        help="a compensator to judge, at its own scale or SCALE (repeatable)")
     parser.add_argument("--select-on", type=Path, help="folder whose held-out images choose among the adapters")
     parser.add_argument("--holdout", type=int, default=300, help="held-out images of --select-on (default %(default)s)")
     args = parser.parse_args(argv)
@@ -153,8 +157,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     for spec in args.adapter:
         name, sep, folder = spec.partition("=")
         if not sep or not name or "_r" in name:
-            raise SystemExit(f"--adapter must be NAME=FOLDER with a NAME free of '_r', got {spec!r}")
-        adapters[name] = load(folder)[0]
+            raise SystemExit(f"--adapter must be NAME=FOLDER[@SCALE] with a NAME free of '_r', got {spec!r}")
+        folder, _, scale = folder.partition("@")
+        compensator = load(folder)[0]
+        adapters[name] = (compensator, float(scale) if scale else compensator.scale)
     torch.set_grad_enabled(False)
     model = build_model(args.data)
     args.out.mkdir(parents=True, exist_ok=True)
