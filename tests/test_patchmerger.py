@@ -1,4 +1,4 @@
-"""PatchMerger: the soft merge against a hand computation, SoftPlan against the hard-cluster contract, the
+"""PatchMerger, Sinkhorn and SiT: the soft merges against hand computations, SoftPlan against the hard-cluster contract, the
 parameters' shape on DeiT-Tiny at the study's keep rate 0.7, saving / loading, and schedule mismatches refused."""
 import pytest
 import timm
@@ -77,3 +77,57 @@ def test_gradients_reach_the_queries_and_the_blocks_before_the_merge(images):
     model(images).sum().backward()
     assert model.tokcomp["patchmerger"].layers["0"].queries.grad.abs().sum() > 0
     assert model.blocks[0].mlp.fc2.weight.grad.abs().sum() > 0
+
+
+def test_sinkhorn_balances_the_assignment_in_three_iterations():
+    """Against the algorithm written out in probabilities: K = exp(S), 3 x (columns to 1, rows to n / M),
+    then rows to 1."""
+    from timm_tokcomp.methods.sinkhorn import SinkhornLayer
+
+    torch.manual_seed(2)
+    layer = SinkhornLayer(16, 4)
+    with torch.no_grad():
+        layer.queries.mul_(50)  # far from uniform, so the balancing has work to do
+    x = torch.randn(2, 12, 16)
+    keys = torch.nn.functional.layer_norm(x, (16,), layer.norm.weight, layer.norm.bias)
+    k = torch.exp(torch.einsum("md,bnd->bmn", layer.queries, keys).double() / 4.0)
+    for _ in range(3):
+        k = k / k.sum(1, keepdim=True)
+        k = k / k.sum(2, keepdim=True) * (12 / 4)
+    expected = k / k.sum(2, keepdim=True)
+    weights = layer.weights(x)
+    torch.testing.assert_close(weights.double(), expected, rtol=1e-4, atol=1e-6)
+    plain = MergerLayer(16, 4)
+    plain.load_state_dict(layer.state_dict())
+    spread = lambda w: (w.sum(1) - w.sum(1).mean()).abs().max()  # how unequal the inputs' total weights are
+    assert spread(weights) < spread(plain.weights(x))
+
+
+def test_sit_weights_are_a_softmax_over_tokens_of_a_token_mlp():
+    from timm_tokcomp.methods.sit import SlimmingLayer
+
+    torch.manual_seed(3)
+    layer = SlimmingLayer(16, 5)
+    x = torch.randn(2, 12, 16)
+    norm = lambda t: torch.nn.functional.layer_norm(t, (16,), layer.norm.weight, layer.norm.bias)
+    for b in range(2):
+        scores = torch.stack([layer.fc2(torch.nn.functional.gelu(layer.fc1(norm(x[b, j])))) for j in range(12)], 1)
+        torch.testing.assert_close(layer.weights(x)[b], scores.softmax(dim=-1))  # (5 outputs, 12 tokens)
+
+
+@pytest.mark.parametrize("method, count", [("sinkhorn", (137 + 96 + 67) * 192 + 3 * 2 * 192),
+                                           ("sit", 3 * (2 * 192 + 192 * 96 + 96) + (137 + 96 + 67) * 96 + 137 + 96 + 67)])
+def test_sinkhorn_and_sit_live_on_the_model_and_reload(method, count, tmp_path, images):
+    deit = timm_tokcomp.apply(timm.create_model("deit_tiny_patch16_224"), method, keep_rate=0.7)
+    assert sum(p.numel() for p in deit.tokcomp[method].parameters()) == count
+    model = timm_tokcomp.apply(make_model("cls"), method, keep_rate=0.6, stages=(2, 3))
+    with torch.no_grad():
+        expected = model(images)
+    save_learned(model.tokcomp[method], method, tmp_path)
+    again = timm_tokcomp.apply(make_model("cls"), method, keep_rate=0.6, stages=(2, 3),
+                               merger_params=load_learned(method, tmp_path))
+    with torch.no_grad():
+        assert torch.equal(again(images), expected)
+    with pytest.raises(ValueError, match="merger_params must be"):
+        timm_tokcomp.apply(make_model("cls"), "patchmerger", keep_rate=0.6, stages=(2, 3),
+                           merger_params=load_learned(method, tmp_path))

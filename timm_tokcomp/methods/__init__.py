@@ -13,12 +13,14 @@ from .kmedoids import KMedoids
 from .patchmerger import PatchMerger
 from .pyra import PYRA
 from .radial import RadialL1, RadialL2, RadialLInf
+from .sinkhorn import Sinkhorn
+from .sit import SiT
 from .tome import ToMe
 from .topk import TopK
 
 METHODS: Dict[str, Type[TokenReducer]] = {
     cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids,
-                               DPCKNN, PYRA, PatchMerger, DynamicViT)}
+                               DPCKNN, PYRA, PatchMerger, DynamicViT, Sinkhorn, SiT)}
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

@@ -7,6 +7,9 @@ leaves (the study's protocol: floor(196 keep_rate^s) patch tokens after stage s)
 schedule they were made for. Learned: an untrained PatchMerger (queries ~ N(0, 0.02^2)) mixes every output to
 nearly the mean token; it needs training (`tokcomp finetune --method patchmerger_k70 --distill ...`).
 The 1 / sqrt(D) scale is ours (as in attention); sizes and source maps are shared out by the weights (SoftPlan).
+
+The other learned soft-merging methods of the study (Sinkhorn, SiT) subclass PatchMerger with their own layer:
+everything but how a layer turns its tokens into mixing weights is shared.
 """
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -42,13 +45,15 @@ class MergerLayer(nn.Module):
 
 
 class PatchMergerParams(nn.Module):
-    """PatchMerger's parameters for a model of len(outputs) blocks and width dim: layers[str(l)] for every
-    block l with outputs[l] > 0 (the patch tokens it leaves; 0: the block merges nothing)."""
+    """PatchMerger's parameters for a model of len(outputs) blocks and width dim: layers[str(l)] (a layer_class)
+    for every block l with outputs[l] > 0 (the patch tokens it leaves; 0: the block merges nothing)."""
+
+    layer_class = MergerLayer
 
     def __init__(self, dim: int, outputs: Sequence[int]) -> None:
         super().__init__()
         self.dim, self.outputs = dim, [int(m) for m in outputs]
-        self.layers = nn.ModuleDict({str(l): MergerLayer(dim, m) for l, m in enumerate(self.outputs) if m > 0})
+        self.layers = nn.ModuleDict({str(l): self.layer_class(dim, m) for l, m in enumerate(self.outputs) if m > 0})
 
     def config(self) -> Dict[str, Any]:
         """What from_config needs to rebuild these parameters (saved beside them as JSON)."""
@@ -69,15 +74,15 @@ def _outputs(settings: Sequence[Optional[MergerSetting]]) -> List[int]:
     return [0 if s is None else s.outputs for s in settings]
 
 
-def check_fits(params: PatchMergerParams, dim: int, settings: Sequence[Optional[MergerSetting]]) -> None:
+def check_fits(params: PatchMergerParams, dim: int, settings: Sequence[Optional[MergerSetting]], method: str) -> None:
     """Raise ValueError unless params fit a model of width dim whose blocks have these settings."""
     if params.dim != dim:
-        raise ValueError(f"these PatchMerger parameters are for width {params.dim}; the model has width {dim}")
+        raise ValueError(f"these {method} parameters are for width {params.dim}; the model has width {dim}")
     if len(params.outputs) != len(settings):
-        raise ValueError(f"these PatchMerger parameters are for {len(params.outputs)} blocks; the model has {len(settings)}")
+        raise ValueError(f"these {method} parameters are for {len(params.outputs)} blocks; the model has {len(settings)}")
     if _outputs(settings) != params.outputs:
-        raise ValueError(f"these PatchMerger parameters leave {params.outputs} patch tokens per block; the method's "
-                         f"schedule on this model leaves {_outputs(settings)} (learned queries fit their schedule only)")
+        raise ValueError(f"these {method} parameters leave {params.outputs} patch tokens per block; the method's "
+                         f"schedule on this model leaves {_outputs(settings)} (learned layers fit their schedule only)")
 
 
 class PatchMerger(ScheduledReducer):
@@ -104,15 +109,15 @@ class PatchMerger(ScheduledReducer):
         prefix_only_last_block: Optional[bool] = None,
     ) -> None:
         super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
-        if merger_params is not None and not isinstance(merger_params, PatchMergerParams):
-            raise ValueError(f"merger_params must be PatchMergerParams (e.g. from timm_tokcomp.learned.load_learned), "
-                             f"got {type(merger_params).__name__}")
+        if merger_params is not None and type(merger_params) is not self.learned_class:
+            raise ValueError(f"merger_params must be {self.learned_class.__name__} (e.g. from timm_tokcomp.learned."
+                             f"load_learned), got {type(merger_params).__name__}")
         self.merger_params = merger_params
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None and k != "merger_params")
         count = "none yet" if self.merger_params is None else str(sum(p.numel() for p in self.merger_params.parameters()))
-        return f"PatchMerger({shown}, parameters={count})"
+        return f"{type(self).__name__}({shown}, parameters={count})"
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost) -> List[Optional[MergerSetting]]:
         settings, n = [], num_tokens - num_prefix
@@ -124,9 +129,9 @@ class PatchMerger(ScheduledReducer):
 
     def bind(self, dim: int, settings: List[Any]) -> None:
         if self.merger_params is None:
-            self.merger_params = PatchMergerParams(dim, _outputs(settings))
+            self.merger_params = self.learned_class(dim, _outputs(settings))
         else:
-            check_fits(self.merger_params, dim, settings)
+            check_fits(self.merger_params, dim, settings, type(self).__name__)
 
     def learned_module(self) -> Optional[nn.Module]:
         return self.merger_params
@@ -138,6 +143,6 @@ class PatchMerger(ScheduledReducer):
              size: Optional[torch.Tensor]) -> Optional[SoftPlan]:
         n = tokens.shape[1] - num_prefix
         if n != setting.r + setting.outputs:
-            raise ValueError(f"PatchMerger block {setting.layer} was set up for {setting.r + setting.outputs} patch "
-                             f"tokens and got {n}: its learned queries fit one input size (the model's default)")
+            raise ValueError(f"{type(self).__name__} block {setting.layer} was set up for {setting.r + setting.outputs} "
+                             f"patch tokens and got {n}: its learned layer fits one input size (the model's default)")
         return SoftPlan(num_prefix, self.merger_params.layers[str(setting.layer)].weights(tokens[:, num_prefix:]))
