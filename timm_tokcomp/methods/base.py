@@ -176,6 +176,32 @@ class TokenReducer(ABC):
         return None
 
 
+class LearnedParams:
+    """Mixin for a method with learned parameters: learned_class is their nn.Module class (with config() /
+    from_config() for timm_tokcomp.learned), learned_param the constructor argument that takes saved ones and
+    the attribute that holds them (None until bind makes untrained ones)."""
+
+    learned_class: ClassVar[type]
+    learned_param: ClassVar[str]
+    params: Dict[str, Any]
+
+    def checked_learned(self, value: Any) -> Any:
+        """value itself, or ValueError naming the class it must be."""
+        if value is not None and type(value) is not self.learned_class:
+            raise ValueError(f"{self.learned_param} must be {self.learned_class.__name__} (e.g. from "
+                             f"timm_tokcomp.learned.load_learned), got {type(value).__name__}")
+        return value
+
+    def learned_module(self) -> Optional[nn.Module]:
+        return getattr(self, self.learned_param)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None and k != self.learned_param)
+        module = self.learned_module()
+        count = "none yet" if module is None else str(sum(p.numel() for p in module.parameters()))
+        return f"{type(self).__name__}({shown}, parameters={count})"
+
+
 class RTagged:
     """Mixin for methods named by '<name>_r<k>' tags (r = k)."""
 

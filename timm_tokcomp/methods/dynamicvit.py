@@ -18,7 +18,7 @@ from torch import nn
 
 from ..matching import PrunePlan
 from ..schedules import STUDY_STAGES, RSpec
-from .base import Plan, ScheduledReducer
+from .base import LearnedParams, Plan, ScheduledReducer
 
 EPS = 1e-6  # the size a token dropped in training keeps (log-size bias log(EPS) ~ -13.8)
 RATIO_WEIGHT = 2.0  # the paper's weight of the ratio loss
@@ -86,7 +86,7 @@ def check_fits(params: DynamicViTParams, dim: int, settings: Sequence[Optional[S
                          f"model reduces after blocks {_blocks(settings)}")
 
 
-class DynamicViT(ScheduledReducer):
+class DynamicViT(LearnedParams, ScheduledReducer):
     """Learned pruning (see the module docstring). keep_rate / r / flops_ratio give the count each stage keeps
     in eval mode (and the ratio loss's targets in training). The predictors are made at apply (untrained) or
     given as `predictor_params`, and live on the model as model.tokcomp['dynamicvit']. Proportional attention
@@ -111,15 +111,7 @@ class DynamicViT(ScheduledReducer):
         prefix_only_last_block: Optional[bool] = None,
     ) -> None:
         super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
-        if predictor_params is not None and not isinstance(predictor_params, DynamicViTParams):
-            raise ValueError(f"predictor_params must be DynamicViTParams (e.g. from timm_tokcomp.learned.load_learned), "
-                             f"got {type(predictor_params).__name__}")
-        self.predictor_params = predictor_params
-
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None and k != "predictor_params")
-        count = "none yet" if self.predictor_params is None else str(sum(p.numel() for p in self.predictor_params.parameters()))
-        return f"DynamicViT({shown}, parameters={count})"
+        self.predictor_params = self.checked_learned(predictor_params)
 
     def default_prop_attn(self, global_pool: str) -> bool:
         return True
@@ -140,9 +132,6 @@ class DynamicViT(ScheduledReducer):
             self.predictor_params = DynamicViTParams(dim, _blocks(settings))
         else:
             check_fits(self.predictor_params, dim, settings)
-
-    def learned_module(self) -> Optional[nn.Module]:
-        return self.predictor_params
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k  # unused: the predictor reads the tokens

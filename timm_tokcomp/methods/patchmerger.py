@@ -18,7 +18,7 @@ from torch import nn
 
 from ..matching import SoftPlan
 from ..schedules import STUDY_STAGES, RSpec
-from .base import ScheduledReducer
+from .base import LearnedParams, ScheduledReducer
 
 
 class MergerSetting(NamedTuple):
@@ -85,7 +85,7 @@ def check_fits(params: PatchMergerParams, dim: int, settings: Sequence[Optional[
                          f"schedule on this model leaves {_outputs(settings)} (learned layers fit their schedule only)")
 
 
-class PatchMerger(ScheduledReducer):
+class PatchMerger(LearnedParams, ScheduledReducer):
     """Learned soft merging (see the module docstring): r / flops_ratio / keep_rate say how many patch tokens
     each block leaves, as for every scheduled method. The parameters are made at apply (untrained) or given as
     `merger_params`, and live on the model as model.tokcomp['patchmerger']. Proportional attention is off
@@ -109,15 +109,7 @@ class PatchMerger(ScheduledReducer):
         prefix_only_last_block: Optional[bool] = None,
     ) -> None:
         super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
-        if merger_params is not None and type(merger_params) is not self.learned_class:
-            raise ValueError(f"merger_params must be {self.learned_class.__name__} (e.g. from timm_tokcomp.learned."
-                             f"load_learned), got {type(merger_params).__name__}")
-        self.merger_params = merger_params
-
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None and k != "merger_params")
-        count = "none yet" if self.merger_params is None else str(sum(p.numel() for p in self.merger_params.parameters()))
-        return f"{type(self).__name__}({shown}, parameters={count})"
+        self.merger_params = self.checked_learned(merger_params)
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost) -> List[Optional[MergerSetting]]:
         settings, n = [], num_tokens - num_prefix
@@ -132,9 +124,6 @@ class PatchMerger(ScheduledReducer):
             self.merger_params = self.learned_class(dim, _outputs(settings))
         else:
             check_fits(self.merger_params, dim, settings, type(self).__name__)
-
-    def learned_module(self) -> Optional[nn.Module]:
-        return self.merger_params
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k  # unused: the plan reads the tokens

@@ -22,7 +22,7 @@ from torch import nn
 from ..matching import MergePlan, gather_tokens, split_tokens
 from ..ops import merge_sum
 from ..schedules import STUDY_STAGES, RSpec
-from .base import Plan
+from .base import LearnedParams, Plan
 from .tome import ToMe, tome_plan
 
 FORMS = ("paper", "pooled")
@@ -134,7 +134,7 @@ def pyra_merge(x: torch.Tensor, size: Optional[torch.Tensor], plan: MergePlan, p
     return total / new_size, new_size
 
 
-class PYRA(ToMe):
+class PYRA(LearnedParams, ToMe):
     """ToMe with PYRA's learned source modulation (see the module docstring). The parameters are made at
     apply (untrained: equal to ToMe) or given as `pyra_params`, and live on the model as model.tokcomp['pyra'].
     form: 'paper' (fits its training schedule) or 'pooled' (any r); set_params keeps the parameters."""
@@ -158,18 +158,11 @@ class PYRA(ToMe):
         super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
         if form not in FORMS:
             raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-        if pyra_params is not None and not isinstance(pyra_params, PyraParams):
-            raise ValueError(f"pyra_params must be PyraParams (e.g. from timm_tokcomp.learned.load_learned), "
-                             f"got {type(pyra_params).__name__}")
+        self.checked_learned(pyra_params)
         if pyra_params is not None and pyra_params.form != form:
             form = pyra_params.form  # the parameters decide; form only chooses what apply creates
         self.form = form
         self.pyra_params = pyra_params
-
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None and k != "pyra_params")
-        trained = "none yet" if self.pyra_params is None else f"{sum(p.numel() for p in self.pyra_params.parameters())}"
-        return f"PYRA({shown}, parameters={trained})"
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost) -> List[Optional[PyraSetting]]:
         return [None if r is None else PyraSetting(r, layer)
@@ -180,9 +173,6 @@ class PYRA(ToMe):
             self.pyra_params = PyraParams(dim, [0 if s is None else s.r for s in settings], self.form)
         else:
             check_fits(self.pyra_params, dim, settings)
-
-    def learned_module(self) -> Optional[nn.Module]:
-        return self.pyra_params
 
     def plan(self, metric: torch.Tensor, setting: PyraSetting, num_prefix: int,
              size: Optional[torch.Tensor]) -> Optional[MergePlan]:
