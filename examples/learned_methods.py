@@ -79,6 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lora-rank", type=int, default=8, help="0: only the method's parameters train")
     parser.add_argument("--holdout", type=int, default=300, help="photos held out for the per-epoch evaluation")
     args = parser.parse_args(argv)
     checkpoint = str(args.data / f"{MODEL}.safetensors")
@@ -97,7 +98,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         done = (run / FINETUNE_CONFIG).is_file() and "results" in json.loads((run / FINETUNE_CONFIG).read_text())
         if not done:
             config = FinetuneConfig(method=tag, epochs=args.epochs, lr=args.lr, seed=args.seed, distill=True,
-                                    batch_size=args.batch_size, warmup_epochs=min(1, args.epochs - 1))
+                                    batch_size=args.batch_size, warmup_epochs=min(1, args.epochs - 1),
+                                    lora_rank=args.lora_rank)
             finetune(MODEL, str(folders["train"]), str(run), str(folders["heldout"]), config, checkpoint=checkpoint,
                      resume=run.exists())
         flags = {}

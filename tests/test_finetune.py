@@ -226,3 +226,26 @@ def test_the_methods_own_loss_is_added_to_the_training_loss(image_folder, tmp_pa
     assert len(calls) == 2  # 20 images, batches of 10
     log = (tmp_path / "dvit" / "training" / "log.csv").read_text().splitlines()
     assert float(log[1].split(",")[1]) >= 100
+
+
+def test_lora_rank_0_trains_only_the_methods_parameters(image_folder, tmp_path):
+    """--lora-rank 0 --distill: no adapter files, the backbone's weights untouched, the predictors trained, and
+    the folder reloads to the saved predictions; without --distill it is refused naming the flag."""
+    import timm
+
+    out = tmp_path / "frozen"
+    config = FinetuneConfig(method="dynamicvit_k70", epochs=1, warmup_epochs=0, batch_size=10, distill=True, lora_rank=0)
+    finetune(MODEL, str(image_folder), str(out), config=config, show_progress=False, num_workers=0)
+    assert not (out / "adapter_config.json").exists() and (out / "dynamicvit.safetensors").is_file()
+    model = load_finetuned(str(out))
+    torch.manual_seed(0)
+    base = timm.create_model(MODEL)
+    assert torch.equal(model.blocks[5].attn.qkv.weight, base.blocks[5].attn.qkv.weight)
+    torch.manual_seed(0)  # the start finetune drew: the seed, the base model, then the method's parameters
+    untrained = timm_tokcomp.apply(timm.create_model(MODEL), "dynamicvit", keep_rate=0.7).tokcomp["dynamicvit"]
+    trained = model.tokcomp["dynamicvit"].predictors["0"]
+    moved = (trained.proj.weight - untrained.predictors["0"].proj.weight).abs().max()
+    assert 0 < moved < 0.1  # trained, from that start
+    assert "no LoRA" in (out / "README.md").read_text()
+    with pytest.raises(ValueError, match="--lora-rank 0"):
+        FinetuneConfig(method="dynamicvit_k70", lora_rank=0).validate()

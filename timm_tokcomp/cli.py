@@ -379,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--weight-decay", type=float, default=1e-4, help="(default %(default)s)")
     ft.add_argument("--warmup-epochs", type=int, default=1, help="linear warm-up before the cosine decay "
                                                                  "(default %(default)s)")
-    ft.add_argument("--lora-rank", type=int, default=8, help="(default %(default)s)")
+    ft.add_argument("--lora-rank", type=int, default=8, help="0: no LoRA, the backbone stays frozen and only the "
+                                                             "method's parameters train (with --distill; default "
+                                                             "%(default)s)")
     ft.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: the rank, i.e. scaling 1)")
     ft.add_argument("--augment", choices=("crop-flip", "none"), default="crop-flip",
                     help="random resized crops and flips, or none (default %(default)s)")

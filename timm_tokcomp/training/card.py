@@ -17,8 +17,7 @@ tags: [timm, token-reduction, timm_tokcomp, lora]
 # {base_model} + LoRA, token reduction `{method}`
 
 A parameter-efficient fine-tune of the timm model `{base_model}` made by `tokcomp finetune`
-(timm_tokcomp): LoRA rank {config.lora_rank} (alpha {config.lora_alpha or config.lora_rank:g}) on every block's
-`qkv`{" (the model's own head kept)" if config.distill else " and a new head"}, plus the method's own {result.method_parameters:,} parameters: {result.trainable_parameters:,}
+(timm_tokcomp): {f"LoRA rank {config.lora_rank} (alpha {config.lora_alpha or config.lora_rank:g}) on every block's `qkv`" if config.lora_rank else "no LoRA (the backbone frozen)"}{" (the model's own head kept)" if config.distill else " and a new head"}, plus the method's own {result.method_parameters:,} parameters: {result.trainable_parameters:,}
 trained parameters in all, with the token-reduction method `{method}` active in training and inference.
 
 ## Results (the saved model reloaded, LoRA merged)
@@ -43,10 +42,17 @@ from timm_tokcomp.training import load_finetuned
 model = load_finetuned("path/or/hub-repo", pretrained=True)  # or checkpoint="base_weights.safetensors"
 ```
 
-The folder is a standard peft adapter (`adapter_config.json`, `adapter_model.safetensors`{"" if config.distill else ", with the head in `modules_to_save`"}); the method's parameters, if it has any, are in `<method>.safetensors` with
+{_adapter_files(config)}; the method's parameters, if it has any, are in `<method>.safetensors` with
 `<method>_config.json`, and `tokcomp_finetune.json` records the base model, the method and this recipe.
 """
 
 
 def _percent(value) -> str:
     return "-" if value is None else f"{value:.2f}%"
+
+
+def _adapter_files(config: "FinetuneConfig") -> str:
+    if not config.lora_rank:
+        return "The folder holds no LoRA adapter (the backbone was not changed)"
+    head = "" if config.distill else ", with the head in `modules_to_save`"
+    return f"The folder is a standard peft adapter (`adapter_config.json`, `adapter_model.safetensors`{head})"

@@ -64,7 +64,7 @@ class FinetuneConfig:
     lr: float = 3e-3
     weight_decay: float = 1e-4
     warmup_epochs: int = 1
-    lora_rank: int = 8
+    lora_rank: int = 8  # 0: no LoRA, only the method's parameters train (with distill)
     lora_alpha: Optional[float] = None
     augment: str = "crop-flip"
     crop_scale: Tuple[float, float] = (0.5, 1.0)
@@ -74,11 +74,11 @@ class FinetuneConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the command-line flag of the first bad setting, before any work."""
-        for name in ("epochs", "batch_size", "lora_rank", "eval_batch_size"):
+        for name in ("epochs", "batch_size", "eval_batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
-        for name in ("seed", "warmup_epochs"):
+        for name in ("seed", "warmup_epochs", "lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{_flag(name)} must be an integer >= 0, got {value!r}")
@@ -98,6 +98,10 @@ class FinetuneConfig:
         if not 0 < lo <= hi <= 1:
             raise ValueError(f"--crop-min must be in (0, 1], got crop_scale {self.crop_scale}")
         method = self.method_params()  # raises for an unknown tag or parameter
+        if self.lora_rank == 0 and not (self.distill and method is not None
+                                        and getattr(method_class(method[0]), "learned_param", None)):
+            raise ValueError("--lora-rank 0 (no LoRA: only the method's parameters train) needs --distill and a method "
+                             "with learned parameters (pyra, patchmerger, sinkhorn, sit, dynamicvit)")
         if method is not None:
             try:  # a bad value (e.g. form='wide') fails here, before --overwrite deletes an earlier run
                 make_reducer(method[0], **method[1])
@@ -258,7 +262,10 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
     if method is not None:
         apply(model, method[0], **method[1])
     model.name_or_path = base_model  # what peft records as the adapter's base_model_name_or_path
-    peft_model = get_peft_model(model, _lora_config(config, model, base_model))
+    if config.lora_rank:
+        peft_model = get_peft_model(model, _lora_config(config, model, base_model))
+    else:  # the backbone stays frozen: only the method's parameters train
+        peft_model = model.requires_grad_(False)
     learned = getattr(model, "tokcomp", None)
     if learned is not None:
         learned.requires_grad_(True)  # peft freezes everything it does not own
@@ -356,10 +363,11 @@ def _save_folder(peft_model, model: nn.Module, out: str, base_model: str, num_cl
                  config: FinetuneConfig) -> Dict[str, Any]:
     """The adapter and the method's parameters; tokcomp_finetune.json (without results) last. Returns what
     that file holds."""
-    with tempfile.TemporaryDirectory(dir=out, prefix=".peft-") as staging:  # peft writes in place: stage, then rename
-        peft_model.save_pretrained(staging, save_embedding_layers=False)  # no Hub lookup of the base model
-        for name in PEFT_FILES:
-            os.replace(Path(staging) / name, Path(out) / name)
+    if config.lora_rank:
+        with tempfile.TemporaryDirectory(dir=out, prefix=".peft-") as staging:  # peft writes in place: stage, rename
+            peft_model.save_pretrained(staging, save_embedding_layers=False)  # no Hub lookup of the base model
+            for name in PEFT_FILES:
+                os.replace(Path(staging) / name, Path(out) / name)
     learned = getattr(model, "tokcomp", None)
     method = config.method_params()
     if learned is not None:
@@ -446,7 +454,8 @@ def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretr
         if learned_param is not None:
             params = {**params, learned_param: load_learned(name, folder)}
         apply(model, name, **params)
-    peft_model = PeftModel.from_pretrained(model, str(folder))
-    model = peft_model.merge_and_unload() if merge else peft_model
+    if recipe.lora_rank:
+        peft_model = PeftModel.from_pretrained(model, str(folder))
+        model = peft_model.merge_and_unload() if merge else peft_model
     return model.to(device).eval()
 
