@@ -5,7 +5,8 @@ are not used: the model keeps its head and learns the unreduced model's outputs 
 image folder, and the evaluation reports agreement with the unreduced model (and top-1 where there are labels).
 
 The result is one folder, loadable with load_finetuned from a local path or the Hugging Face Hub:
-  adapter_config.json, adapter_model.safetensors   a standard peft LoRA adapter (LoRA on qkv + the head)
+  adapter_config.json, adapter_model.safetensors   a standard peft LoRA adapter (LoRA on qkv + the head; none
+                                                   with lora_rank 0)
   <method>.safetensors, <method>_config.json       the method's learned parameters (if it has any)
   tokcomp_finetune.json                            base model, method, classes, recipe, results (written last)
   README.md                                        a model card
@@ -190,7 +191,7 @@ def predict(model: nn.Module, loader, device: str, show_progress: bool, desc: st
 def _read_checkpoint(path: Path, config: FinetuneConfig, run: Dict[str, Any], trainable: Dict[str, nn.Parameter],
                      optimizer: torch.optim.Optimizer) -> Tuple[int, List[str], float]:
     state = torch.load(path, map_location="cpu", weights_only=False)
-    if state["config"] != asdict(config):
+    if {"distill": False, **state["config"]} != asdict(config):  # checkpoints from before distill did not distil
         raise ValueError(f"--resume: {path} was written with other settings ({state['config']}); give the same "
                          f"ones or a new --out")
     saved = state.get("run", run)  # checkpoints from before the run identity was kept carry none
