@@ -3,13 +3,13 @@ start ("Which Tokens to Use?" protocol, keep rate 0.7).
 
 Each method is fine-tuned by `tokcomp finetune --distill` on `photos-3000` (3,000 unlabelled in-domain ImageNet
 train photos): LoRA on qkv plus the method's parameters learn the unreduced model's outputs. 300 of the photos
-(evenly spaced through the sorted folder) are held out for the per-epoch evaluation; the labelled sets are read
-only at the end. Then the untrained start (the same seed, so the same initial parameters) and the trained model
+(evenly spaced through the sorted folder) are held out for the per-epoch evaluation; the labelled sets play no
+part in training or in any choice. Then the untrained start (the same seed, so the same initial parameters) and the trained model
 are evaluated on `imagenet-val-1300` and `nips17-1000`: top-1 and agreement with the plain model, with images
 gained / lost and exact McNemar p, per set and pooled.
 
-    python examples/learned_methods.py --data $TOKCOMP_DATA --out runs/learned --methods patchmerger_k70 \\
-        --epochs 10 --lr 5e-3                              # resumable: run it again to continue
+    python examples/learned_methods.py --data $TOKCOMP_DATA --out runs/learned --methods dynamicvit_k70 \\
+        --epochs 10 --lr 5e-3 --lora-rank 0                # resumable: run it again to continue
 """
 import argparse
 import json
