@@ -107,8 +107,9 @@ class ReducingBlock(Block):
 
     @staticmethod
     def _reduce(x, size, source, metric, setting, reducer: TokenReducer, num_prefix: int):
-        tokens = x if reducer.plan_differentiable else x.detach()
-        plan = reducer.plan(tokens if reducer.plan_on_tokens else metric, setting, num_prefix, size)
+        if reducer.plan_on_tokens:  # the block's tokens, detached unless the plan learns through them
+            metric = x if reducer.plan_differentiable else x.detach()
+        plan = reducer.plan(metric, setting, num_prefix, size)
         return (x, size, source) if plan is None else reducer.reduce(plan, x, size, source, setting)
 
 
