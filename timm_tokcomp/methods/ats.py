@@ -34,12 +34,7 @@ class ATS(ScheduledReducer):
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[int]]:
         """The patch tokens each reducing block samples: the count the schedule leaves after it. An absolute
         target, so an image samples the same points in a batch (padded to the batch's largest count) as alone."""
-        settings, n = [], num_tokens - num_prefix
-        for r in super().block_settings(num_blocks, num_tokens, num_prefix, cost):
-            if r is not None:
-                n = max(n - r, 1)
-            settings.append(None if r is None else n)
-        return settings
+        return [None if c is None else c[1] for c in self.patch_counts(num_blocks, num_tokens, num_prefix, cost)]
 
     def plan(self, metric: torch.Tensor, target: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[PrunePlan]:
         if metric.shape[1] - num_prefix < 2:

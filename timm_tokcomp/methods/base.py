@@ -292,6 +292,17 @@ class ScheduledReducer(RTagged, TokenReducer):
         return self._settings_cache[key]
 
 
+    def patch_counts(self, num_blocks: int, num_tokens: int, num_prefix: int,
+                     cost: BlockCost) -> List[Optional[Tuple[int, int]]]:
+        """Per block: None where the schedule reduces nothing, else (patch tokens in, patch tokens left), at
+        least one left. For methods whose settings are counts rather than r (ATS, PatchMerger, DynamicViT)."""
+        counts, n = [], num_tokens - num_prefix
+        for r in ScheduledReducer.block_settings(self, num_blocks, num_tokens, num_prefix, cost):
+            counts.append(None if r is None else (n, max(n - r, 1)))
+            n = n if r is None else max(n - r, 1)
+        return counts
+
+
 class ClusterMerging(ScheduledReducer):
     """A method that merges each reducing block's patch tokens (the block's features, not a metric) into as
     many clusters as tokens stay; every cluster becomes its size-weighted mean. Subclasses give cluster()."""

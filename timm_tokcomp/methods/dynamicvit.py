@@ -117,14 +117,10 @@ class DynamicViT(LearnedParams, ScheduledReducer):
         return True
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost) -> List[Optional[StageSetting]]:
-        settings, n, total, stage = [], num_tokens - num_prefix, num_tokens - num_prefix, 0
-        for r in super().block_settings(num_blocks, num_tokens, num_prefix, cost):
-            if r is None:
-                settings.append(None)
-                continue
-            n = max(n - r, 1)
-            settings.append(StageSetting(n, n / total, stage))
-            stage += 1
+        settings, total = [], num_tokens - num_prefix
+        for counts in self.patch_counts(num_blocks, num_tokens, num_prefix, cost):
+            stage = sum(s is not None for s in settings)
+            settings.append(None if counts is None else StageSetting(counts[1], counts[1] / total, stage))
         return settings
 
     def bind(self, dim: int, settings: List[Any]) -> None:

@@ -112,12 +112,8 @@ class PatchMerger(LearnedParams, ScheduledReducer):
         self.merger_params = self.checked_learned(merger_params)
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost) -> List[Optional[MergerSetting]]:
-        settings, n = [], num_tokens - num_prefix
-        for layer, r in enumerate(super().block_settings(num_blocks, num_tokens, num_prefix, cost)):
-            r = None if r is None else min(r, n - 1)
-            settings.append(None if not r else MergerSetting(r, n - r, layer))
-            n -= r or 0
-        return settings
+        return [None if c is None or c[0] == c[1] else MergerSetting(c[0] - c[1], c[1], layer)
+                for layer, c in enumerate(self.patch_counts(num_blocks, num_tokens, num_prefix, cost))]
 
     def bind(self, dim: int, settings: List[Any]) -> None:
         if self.merger_params is None:
