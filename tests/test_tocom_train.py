@@ -135,6 +135,28 @@ def test_training_writes_a_loadable_repository_and_leaves_the_model_untouched(im
     assert "Distillation loss on 4 held-out images" in (tmp_path / "out" / "README.md").read_text()
 
 
+def test_a_second_process_on_the_same_folder_is_refused(image_folder, tmp_path):
+    """A run in progress holds out/.lock: another train-tocom on that folder (even with --overwrite, which would
+    delete the running run's files) is refused; a lock whose process is gone is taken over."""
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "training").mkdir()
+    (out / "training" / "checkpoint.pt").write_text("the running run's")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / ".lock").write_text(str(holder.pid))
+        with pytest.raises(FileExistsError, match=f"in use by another run \\(process {holder.pid}\\)"):
+            train_tocom(_test_vit(), str(image_folder), str(out), "test_vit", TrainConfig(**TINY), overwrite=True,
+                        show_progress=False, num_workers=0)
+        assert (out / "training" / "checkpoint.pt").read_text() == "the running run's"
+    finally:
+        holder.kill()
+        holder.wait()
+    train_tocom(_test_vit(), str(image_folder), str(out), "test_vit", TrainConfig(**TINY), overwrite=True,
+                show_progress=False, num_workers=0)  # its process is gone: the lock is stale and taken over
+    assert load(str(out))[0] is not None and not (out / ".lock").exists()
+
+
 def test_heldout_batches_are_shared_out_between_ranks(image_folder):
     """10 held-out images in batches of 4: rank 0 of 2 takes batches 0 and 2 (6 images), rank 1 batch 1;
     without an initialised process group nothing is summed, so each report counts its own share."""

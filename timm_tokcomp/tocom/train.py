@@ -22,7 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .. import apply, remove, set_params
-from ..outputs import claim_run_folder, replacing, write_text
+from ..outputs import claim_run_folder, replacing, run_lock, write_text
 from ..patch import check_supported
 from ..training.engine import (SeededAugment, TrainingDiverged, distill_loss, epoch_batches, is_distributed,
                                warmup_cosine_lr)
@@ -321,7 +321,8 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
     arguments; rank 0 writes. Returns the compensator (at the chosen scale) and the held-out report.
     stop_after: leave after that step with a checkpoint and nothing else written (resume continues);
     the report is then None. A non-empty `out` is refused (FileExistsError) unless resume (continue the
-    run there) or overwrite (delete the previous run's files first). Every file is written under a temporary
+    run there) or overwrite (delete the previous run's files first), and so is a second process while this run
+    holds `out` (FileExistsError). Every file is written under a temporary
     name and renamed into place; a loss or plugins that become non-finite raise TrainingDiverged and
     nothing non-finite is saved."""
     config.validate()
@@ -329,6 +330,14 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
     if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
         raise ValueError(f"--stop-after must be an integer >= 1, got {stop_after!r}")
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if is_distributed() else (0, 1)
+    # rank 0 (the writer) holds out/.lock: a second process on the same --out is refused before anything is deleted
+    with run_lock(out) if rank == 0 else contextlib.nullcontext():
+        return _train(model, data, out, base_model, config, resume, device, show_progress, num_workers, stop_after,
+                      overwrite, rank, world)
+
+
+def _train(model, data, out, base_model, config, resume, device, show_progress, num_workers, stop_after, overwrite,
+           rank, world):
     claim_run_folder(out, resume, overwrite, ())  # every rank refuses a non-empty --out alike; nothing deleted yet
     train_set, heldout_set = split_images(data, model, config)
     if len(train_set) < config.batch_size * world:
