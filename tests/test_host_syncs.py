@@ -23,7 +23,9 @@ def _count(method=None, **params):
 @pytest.mark.parametrize("method, params", [("tome", {"r": 16}), ("tome", {"r": 8}), ("evit", {"r": 8}),
                                             ("dense_tome", {"r": 1}), ("tome", {"flops_ratio": 2.0}),
                                             ("pyra", {"r": 16}), ("pyra", {"r": 16, "form": "pooled"}),
-                                            ("patchmerger", {"keep_rate": 0.7}), ("dynamicvit", {"keep_rate": 0.7})])
+                                            ("patchmerger", {"keep_rate": 0.7}), ("dynamicvit", {"keep_rate": 0.7}),
+                                            ("topk", {"keep_rate": 0.7}), ("l2", {"keep_rate": 0.7}),
+                                            ("dpcknn", {"keep_rate": 0.7}), ("kmedoids", {"keep_rate": 0.7})])
 def test_fixed_r_methods_never_wait_for_the_device(method, params):
     assert _count(method, **params).host_syncs == 0
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -297,7 +296,8 @@ def k_medoids(x: torch.Tensor, num_clusters: int, iterations: int = 3) -> torch.
         dist = pairwise_distances(x)
         medoids = torch.linspace(0, n - 1, num_clusters, device=x.device).round().long().expand(B, -1)
         for _ in range(iterations):
-            members = F.one_hot(nearest_centre(dist, medoids), num_clusters).to(dist.dtype)  # (B, n, K)
+            # (B, n, K) one-hot membership by scatter: F.one_hot checks its range on the host (a device sync)
+            members = dist.new_zeros(B, n, num_clusters).scatter_(2, nearest_centre(dist, medoids).unsqueeze(-1), 1.0)
             cost = torch.bmm(dist, members).masked_fill(members == 0, float("inf"))  # member's cost per cluster
             medoids = cost.argmin(dim=1)
         return nearest_centre(dist, medoids)

@@ -158,7 +158,9 @@ class MacCounter:
 
 
 # aten ops that wait for the device: a Python scalar from a tensor, or an output shape that depends on data
-HOST_SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive")
+# lift_fresh: a tensor built from Python data (torch.tensor) in the forward; on a GPU a blocking host-to-device copy
+HOST_SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
+                 "lift_fresh")
 
 
 class OpCounter(TorchDispatchMode):

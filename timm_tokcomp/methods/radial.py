@@ -23,14 +23,33 @@ def centre_order(num_patches: int, norm: float) -> Tuple[int, ...]:
     return tuple(dist.argsort(stable=True).tolist())
 
 
-@functools.lru_cache(maxsize=256)
+@torch.compiler.assume_constant_result  # torch.compile runs it while tracing instead of tracing it: no graph break
 def _keep_positions(num_patches: int, norm: float, n: int, keep: int) -> Tuple[int, ...]:
     """Among the n current tokens (the n patches nearest the centre, in patch order), the indices of the keep
     nearest ones."""
+    return _find_keep_positions(num_patches, norm, n, keep)
+
+
+@functools.lru_cache(maxsize=256)
+def _find_keep_positions(num_patches: int, norm: float, n: int, keep: int) -> Tuple[int, ...]:
     order = centre_order(num_patches, norm)
     current = sorted(order[:n])
     kept = set(order[:keep])
     return tuple(i for i, patch in enumerate(current) if patch in kept)
+
+
+def _keep_index(keep: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """keep as a (K,) int64 tensor on device. Under torch.compile a constant of the graph; in eager made once per
+    device and pattern (on a GPU, a tensor built from host data is a blocking copy: a host synchronisation)."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(keep, device=device)
+    return _cached_index(keep, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_index(keep: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # a normal tensor, usable later with autograd too
+        return torch.tensor(keep, device=device)
 
 
 class Radial(ScheduledReducer):
@@ -54,9 +73,8 @@ class Radial(ScheduledReducer):
         r = max(min(r, n - 1), 0)
         if r == 0:
             return None
-        keep = _keep_positions(num_patches, self.ord, n, n - r)
-        idx = torch.tensor(keep, device=metric.device).expand(metric.shape[0], -1)
-        return PrunePlan(num_prefix, idx)
+        keep = _keep_index(_keep_positions(num_patches, self.ord, n, n - r), metric.device)
+        return PrunePlan(num_prefix, keep.expand(metric.shape[0], -1))
 
 
 class RadialL1(Radial):
