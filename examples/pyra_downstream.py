@@ -2,9 +2,10 @@
 without reduction, with ToMe and with PYRA at the paper's "low" and "high" schedules, and the r-agnostic
 ('pooled') PYRA trained at "high" and run at "low". Every arm uses the same recipe; each run is resumable
 (re-run the script after an interruption). Then a results table, with an exact McNemar test (image by image)
-between ToMe-high and PYRA-high per seed.
+between ToMe-high and PYRA-high per seed, and their mean gain over the seeds.
 
     python examples/pyra_downstream.py --data $TOKCOMP_DATA --out runs/pyra_caltech --epochs 15 --lr 3e-3
+    # --high-seeds 4: arms (c) and (e) with seeds 0-3 (the others keep seed 0)
 """
 import argparse
 import csv
@@ -25,20 +26,24 @@ from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
 from timm_tokcomp.training.finetune import FINETUNE_CONFIG, predict
 
 MODEL = "deit_tiny_patch16_224"
-# (arm, method tag, method arguments, seeds)
+# (arm, method tag, method arguments, seeds); None: the --high-seeds seeds (the two arms compared per seed)
 ARMS = [
     ("a_lora", "none", {}, (0,)),
     ("b_tome_low", "tome_low", {}, (0,)),
-    ("c_tome_high", "tome_high", {}, (0, 1)),
+    ("c_tome_high", "tome_high", {}, None),
     ("d_pyra_low", "pyra_low", {}, (0,)),
-    ("e_pyra_high", "pyra_high", {}, (0, 1)),
+    ("e_pyra_high", "pyra_high", {}, None),
     ("f_pyra_pooled_high", "pyra_high", {"form": "pooled"}, (0,)),
 ]
 
 
-def run_arms(data: Path, out: Path, epochs: int, lr: float, workers: int) -> None:
+def arm_seeds(seeds: Optional[tuple], high_seeds: int) -> tuple:
+    return tuple(range(high_seeds)) if seeds is None else seeds
+
+
+def run_arms(data: Path, out: Path, epochs: int, lr: float, workers: int, high_seeds: int) -> None:
     for arm, method, args, seeds in ARMS:
-        for seed in seeds:
+        for seed in arm_seeds(seeds, high_seeds):
             folder = out / f"{arm}_seed{seed}"
             if (folder / FINETUNE_CONFIG).is_file() and "results" in json.loads((folder / FINETUNE_CONFIG).read_text()):
                 continue
@@ -67,12 +72,12 @@ def evaluate_at(folder: Path, data: Path, r: List[int]) -> Dict[str, float]:
             "correct": (pred == y)}
 
 
-def report(data: Path, out: Path) -> str:
+def report(data: Path, out: Path, high_seeds: int) -> str:
     lines = ["| arm | method (training schedule -> run schedule) | seed | test top-1 | GMACs | train min |",
              "| --- | --- | --- | --- | --- | --- |"]
     results = {}
     for arm, method, args, seeds in ARMS:
-        for seed in seeds:
+        for seed in arm_seeds(seeds, high_seeds):
             folder = out / f"{arm}_seed{seed}"
             res = json.loads((folder / FINETUNE_CONFIG).read_text())["results"]
             results[(arm, seed)] = res
@@ -84,10 +89,14 @@ def report(data: Path, out: Path) -> str:
                  f"{pooled['gmacs']:.4f} | |")
     lines += ["", "Paired (image by image) on the test split, PYRA-high against ToMe-high:", "",
               "| seed | ToMe-high right only | PYRA-high right only | exact McNemar p |", "| --- | --- | --- | --- |"]
-    for seed in (0, 1):
+    for seed in range(high_seeds):
         tome, pyra = correct_flags(out / f"c_tome_high_seed{seed}"), correct_flags(out / f"e_pyra_high_seed{seed}")
         gained, lost = int((pyra & ~tome).sum()), int((tome & ~pyra).sum())
         lines.append(f"| {seed} | {lost} | {gained} | {mcnemar_exact_p(gained, lost):.3g} |")
+    mean = {arm: sum(results[(arm, s)]["top1"] for s in range(high_seeds)) / high_seeds
+            for arm in ("c_tome_high", "e_pyra_high")}
+    lines += ["", f"Mean over seeds 0-{high_seeds - 1}: PYRA-high {mean['e_pyra_high']:.2f}, ToMe-high "
+                  f"{mean['c_tome_high']:.2f}, gain {mean['e_pyra_high'] - mean['c_tome_high']:+.2f} points."]
     d = correct_flags(out / "d_pyra_low_seed0")
     gained, lost = int((pooled["correct"] & ~d).sum()), int((d & ~pooled["correct"]).sum())
     lines += ["", f"Pooled PYRA trained at high and run at low against PYRA trained at low (paper form): "
@@ -103,11 +112,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--high-seeds", type=int, default=2, help="seeds 0..N-1 for ToMe-high and PYRA-high (>= 1)")
     parser.add_argument("--report-only", action="store_true", help="only build the table from finished runs")
     args = parser.parse_args(argv)
+    if args.high_seeds < 1:
+        parser.error(f"--high-seeds must be >= 1, got {args.high_seeds}")
     if not args.report_only:
-        run_arms(args.data, args.out, args.epochs, args.lr, args.num_workers)
-    table = report(args.data, args.out)
+        run_arms(args.data, args.out, args.epochs, args.lr, args.num_workers, args.high_seeds)
+    table = report(args.data, args.out, args.high_seeds)
     (args.out / "results.md").write_text(table + "\n")
     print(table)
     return 0

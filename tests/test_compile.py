@@ -46,7 +46,9 @@ def _counting_backend(compiles):
 @pytest.mark.skipif(not WHOLE_GRAPH, reason="torch < 2.10's dynamo breaks the graph inside the reduced forward")
 @pytest.mark.parametrize("method, params", [("tome", {"r": 16}), ("evit", {"r": 8}), ("dense_tome", {"r": 2}),
                                             ("tome", {"flops_ratio": 2.0}), ("l2", {"keep_rate": 0.7}),
-                                            ("topk", {"keep_rate": 0.7})])
+                                            ("topk", {"keep_rate": 0.7}), ("kmedoids", {"keep_rate": 0.7}),
+                                            ("pyra", {"r": 16}), ("patchmerger", {"keep_rate": 0.7}),
+                                            ("dynamicvit", {"keep_rate": 0.7})])
 def test_fixed_settings_compile_without_graph_breaks(method, params):
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(_deit_tiny(method, **params))(torch.randn(2, 3, 224, 224))
