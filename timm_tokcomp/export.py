@@ -1,10 +1,11 @@
 """ONNX export of reduced models (`tokcomp export`), for onnxruntime and other ONNX runtimes.
 
 Fixed-setting methods export (with an r, flops_ratio or keep_rate schedule): plain, ToMe, EViT, Top-K, DPC-KNN,
-and dense_tome; each is checked against onnxruntime by the tests. ATM and ATS do not: how many tokens they keep
-is read from the data (a host-side count per block), which a static graph cannot express. Not yet: the radial
-patterns (torch.export fails on their constant index tables) and K-Medoids (its exported graph disagrees with
-PyTorch). Needs the `export` extra (onnx, onnxscript; onnxruntime to check the result)."""
+the radial patterns, dense_tome, and the learned PYRA, PatchMerger, Sinkhorn, SiT and DynamicViT (inference
+form, with their parameters); each is checked against onnxruntime by the tests. ATM and ATS do not: how many
+tokens they keep is read from the data (a host-side count per block), which a static graph cannot express. Not
+yet: K-Medoids (its exported graph disagrees with PyTorch). Needs the `export` extra (onnx, onnxscript;
+onnxruntime to check the result)."""
 import contextlib
 import copy
 import io
@@ -17,7 +18,8 @@ from . import get_reducer, is_reduced
 from .outputs import refuse_existing, replacing
 
 OPSET = 18
-EXPORTABLE = ("tome", "evit", "topk", "dpcknn", "dense_tome")
+EXPORTABLE = ("tome", "evit", "topk", "dpcknn", "l1", "l2", "linf", "dense_tome", "pyra", "patchmerger", "sinkhorn",
+              "sit", "dynamicvit")
 
 
 def _require(module: str):
@@ -34,7 +36,7 @@ def check_exportable(model: nn.Module) -> None:
         why = {"atm": "the number of tokens it merges is counted from the data in every forward",
                "ats": "the number of tokens it keeps is counted from the data in every forward",
                "kmedoids": "its exported graph does not match PyTorch yet",
-               }.get(name, "torch.export cannot trace it yet")
+               }.get(name, "it has not been checked against onnxruntime")
         raise ValueError(f"method {name!r} cannot be exported to ONNX: {why}; exportable: plain models and "
                          f"{', '.join(EXPORTABLE)} (fixed r, flops_ratio or keep_rate)")
 

@@ -2,6 +2,7 @@
 image centre under the l1, l2 or l-infinity norm and drops the others. The pattern ignores the image, so
 the kept set only depends on the token counts (ties: the lower patch index is kept)."""
 import functools
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -13,14 +14,18 @@ from .base import ScheduledReducer
 
 @functools.lru_cache(maxsize=64)
 def centre_order(num_patches: int, norm: float) -> Tuple[int, ...]:
-    """Patch indices of a square grid, nearest the centre first (stable: ties by index)."""
-    side = int(round(num_patches ** 0.5))
+    """Patch indices of a square grid, nearest the centre first (stable: ties by index). Plain Python, so
+    tracers (torch.compile, torch.export) never see it."""
+    side = math.isqrt(num_patches)
     if side * side != num_patches:
         raise ValueError(f"radial patterns need a square patch grid, got {num_patches} patches")
-    coords = torch.arange(side, dtype=torch.float64) - (side - 1) / 2
-    offsets = torch.stack(torch.meshgrid(coords, coords, indexing="ij"), dim=-1).reshape(-1, 2)
-    dist = torch.linalg.vector_norm(offsets, ord=norm, dim=-1)
-    return tuple(dist.argsort(stable=True).tolist())
+    centre = (side - 1) / 2
+    offsets = [(abs(i - centre), abs(j - centre)) for i in range(side) for j in range(side)]
+    if norm == float("inf"):
+        dist = [max(dy, dx) for dy, dx in offsets]
+    else:
+        dist = [(dy ** norm + dx ** norm) ** (1 / norm) for dy, dx in offsets]
+    return tuple(sorted(range(num_patches), key=dist.__getitem__))
 
 
 @torch.compiler.assume_constant_result  # torch.compile runs it while tracing instead of tracing it: no graph break
