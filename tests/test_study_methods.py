@@ -79,6 +79,16 @@ def test_radial_patterns_keep_the_patches_nearest_the_centre():
         assert set(held[b].nonzero().flatten().tolist()) == set(centre_order(64, 2.0)[:16])  # 64 -> 32 -> 16
 
 
+def test_radial_index_made_under_inference_mode_still_serves_training():
+    """The keep index is made once per device and reused: one first made inside inference_mode must not be an
+    inference tensor, or a later training forward could not save it for backward."""
+    model = timm_tokcomp.apply(make_model("registers"), "linf", keep_rate=0.5, stages=(2, 3))
+    with torch.inference_mode():
+        model.eval()(torch.randn(2, 3, 32, 32))
+    model.train()(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert model.patch_embed.proj.weight.grad is not None
+
+
 def _blobs(seed=0):
     g = torch.Generator().manual_seed(seed)
     centres = torch.tensor([[8.0, 0, 0, 0], [0, 8.0, 0, 0], [0, 0, 8.0, 0]])
