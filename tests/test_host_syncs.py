@@ -25,7 +25,8 @@ def _count(method=None, **params):
                                             ("pyra", {"r": 16}), ("pyra", {"r": 16, "form": "pooled"}),
                                             ("patchmerger", {"keep_rate": 0.7}), ("dynamicvit", {"keep_rate": 0.7}),
                                             ("topk", {"keep_rate": 0.7}), ("l2", {"keep_rate": 0.7}),
-                                            ("dpcknn", {"keep_rate": 0.7}), ("kmedoids", {"keep_rate": 0.7})])
+                                            ("dpcknn", {"keep_rate": 0.7}), ("kmedoids", {"keep_rate": 0.7}),
+                                            ("sinkhorn", {"keep_rate": 0.7}), ("sit", {"keep_rate": 0.7})])
 def test_fixed_r_methods_never_wait_for_the_device(method, params):
     assert _count(method, **params).host_syncs == 0
 
