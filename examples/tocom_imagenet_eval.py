@@ -3,7 +3,8 @@ then the verdict on the 2,300 labelled ImageNet images (imagenet-val-1300 + nips
 
 1. Selection (written to OUT/selection.md before any labelled image is read): on the images a run held
    out (`--select-on` folder, `--holdout` of them picked as `tokcomp train-tocom --holdout-pick spread`
-   picks them), the distillation loss KL(r = 0 || r = t + ToCom) for t in 4, 8, 12, 16, relative to ToMe
+   picks them; a --holdout of at least the folder's size takes every image, for compensators all trained on
+   other images), the distillation loss KL(r = 0 || r = t + ToCom) for t in 4, 8, 12, 16, relative to ToMe
    alone's, and the agreement with the r = 0 model. The lowest mean relative loss is the choice (every
    target counts alike; the plain mean would be decided by r = 16, whose losses are the largest).
 2. Evaluation: for r in 4, 8, 12, 16, ToMe alone and ToMe + each compensator (source r = 0): agreement
@@ -67,7 +68,8 @@ def logits_at(model: torch.nn.Module, loader, r: int, compensator=None, desc: st
 def select(model, adapters: Dict[str, object], folder: Path, holdout: int) -> Tuple[str, str]:
     """(chosen adapter name, markdown table) from the label-free rule on the held-out images."""
     images = open_images(folder, timm.data.create_transform(**timm.data.resolve_model_data_config(model)))
-    loader = loader_for(torch.utils.data.Subset(images, heldout_indices(len(images), holdout, "spread")))
+    loader = loader_for(torch.utils.data.Subset(images, heldout_indices(len(images), min(holdout, len(images)),
+                                                                        "spread")))
     teacher = logits_at(model, loader, 0, desc="held-out r = 0")
     rows, relative, plain = [], {}, None
     for name, compensator in {"ToMe alone": None, **adapters}.items():
@@ -84,8 +86,10 @@ def select(model, adapters: Dict[str, object], folder: Path, holdout: int) -> Tu
     head = ("| compensator | " + " | ".join(f"KL r={r}" for r in TARGETS) + " | mean KL / ToMe's | "
             + " | ".join(f"agree r={r}" for r in TARGETS) + " |")
     table = "\n".join([head, "|" + " --- |" * (2 + 2 * len(TARGETS)), *rows])
-    note = (f"{len(loader.dataset)} held-out images of {folder.name} (never trained on by a run with --holdout "
-            f"{holdout} --holdout-pick spread), source r = 0. Chosen: **{chosen}** (lowest mean relative KL).")
+    which = (f"all {len(images)} images of {folder.name} (for compensators trained on other images)"
+             if holdout >= len(images) else f"{len(loader.dataset)} held-out images of {folder.name} (never trained "
+             f"on by a run with --holdout {holdout} --holdout-pick spread)")
+    note = f"{which}, source r = 0. Chosen: **{chosen}** (lowest mean relative KL)."
     return chosen, note + "\n\n" + table
 
 
