@@ -338,6 +338,7 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
 
 def _train(model, data, out, base_model, config, resume, device, show_progress, num_workers, stop_after, overwrite,
            rank, world):
+    """train_tocom's run, once rank 0 holds the folder's lock."""
     claim_run_folder(out, resume, overwrite, ())  # every rank refuses a non-empty --out alike; nothing deleted yet
     train_set, heldout_set = split_images(data, model, config)
     if len(train_set) < config.batch_size * world:
