@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from timm_tokcomp.bench import mcnemar_exact_p, parse_methods
+from timm_tokcomp.bench import mcnemar_exact_p, method_spec, parse_methods
 from timm_tokcomp.calibrate import CalibrationResult, save_preset
 from timm_tokcomp.cli import main
 
@@ -126,6 +126,16 @@ def test_parse_methods_puts_baseline_first():
         parse_methods("tome")
     with pytest.raises(FileNotFoundError, match="missing.json"):
         parse_methods("none,missing.json")
+
+
+def test_method_items_choose_a_kernel():
+    assert method_spec("tome_r16@triton") == ("tome", {"r": 16, "kernel": "triton"})
+    assert method_spec("dense_tome_r1@torch") == ("dense_tome", {"r": 1, "kernel": "torch"})
+    assert parse_methods("tome_r8,tome_r8@triton") == ["none", "tome_r8", "tome_r8@triton"]
+    with pytest.raises(ValueError, match="evit has no kernel choice"):
+        method_spec("evit_r8@triton")
+    with pytest.raises(ValueError, match="must be one of auto, torch, triton"):
+        parse_methods("tome_r8@cuda")
 
 
 def test_bench_adds_tocom_rows_after_tome_and_evit_rows(tmp_path, capsys):

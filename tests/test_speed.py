@@ -65,7 +65,8 @@ def test_limit_reducer_refuses_bad_schedules():
 
 def test_speed_table_and_csv(tmp_path, capsys):
     out = tmp_path / "speed.csv"
-    assert main(["speed", "deit_tiny_patch16_224", "--methods", "tome_r8,atm,dense_tome_r1", "--batches", "1,2",
+    assert main(["speed", "deit_tiny_patch16_224", "--methods", "tome_r8,atm,dense_tome_r1,tome_r16@triton",
+                 "--batches", "1,2",
                  "--out", str(out)] + FAST) == 0
     printed = capsys.readouterr().out
     assert "deit_tiny_patch16_224 on CPU" in printed and "fp32 (no autocast)" in printed
@@ -78,6 +79,7 @@ def test_speed_table_and_csv(tmp_path, capsys):
     assert float(by["2", "none"]["vs_plain"]) == 1.0 and by["2", "none"]["vs_limit"] == ""
     assert float(by["2", "tome_r8"]["vs_limit"]) > 0 and by["2", "dense_tome_r1"]["vs_limit"] == ""
     assert {r["mode"] for r in rows} == {"eager"} and {r["dtype"] for r in rows} == {"fp32"}
+    assert float(by["2", "tome_r16@triton"]["vs_limit"]) > 0  # ToMe's kernels (in the CPU interpreter here)
 
 
 def test_speed_compiled_mode_skips_data_dependent_methods_and_never_falls_back_silently(monkeypatch, capsys):

@@ -19,7 +19,8 @@ from . import apply, is_reduced, last_stats
 from .data import UnlabeledImages, open_images
 from .calibrate import load_preset
 from .measure import count_macs, forward_counting, no_silent_eager_fallback, time_runs
-from .methods import parse_method_tag
+from . import kernels
+from .methods import method_class, parse_method_tag
 from .outputs import replacing
 
 BASELINE = "none"
@@ -145,7 +146,7 @@ def parse_methods(spec: str) -> List[str]:
             load_preset(name)
         elif name != BASELINE:
             try:
-                parse_method_tag(name)
+                method_spec(name)
             except ValueError as e:
                 raise ValueError(f"--methods: {e}; or '{BASELINE}', or a preset .json file") from None
     if BASELINE in names:
@@ -185,8 +186,19 @@ def check_device(device: str) -> None:
 
 
 def method_spec(name: str) -> Tuple[str, Dict[str, Any]]:
-    """A --methods item (a method tag or a preset .json saved by `tokcomp calibrate`) -> (method, params)."""
-    return load_preset(name) if name.endswith(".json") else parse_method_tag(name)
+    """A --methods item -> (method, params): a preset .json saved by `tokcomp calibrate`, or a method tag,
+    optionally as '<tag>@<kernel>' for a method with a kernel choice ('tome_r16@triton')."""
+    if name.endswith(".json"):
+        return load_preset(name)
+    tag, at, kernel = name.partition("@")
+    method, params = parse_method_tag(tag)
+    if at:
+        if "kernel" not in method_class(method).param_names():
+            raise ValueError(f"{name}: {method} has no kernel choice ('@<kernel>' is for tome and dense_tome)")
+        if kernel not in kernels.BACKENDS:
+            raise ValueError(f"{name}: the kernel after '@' must be one of {', '.join(kernels.BACKENDS)}")
+        params = {**params, "kernel": kernel}
+    return method, params
 
 
 def build_method_models(base: nn.Module, methods: Sequence[str]) -> Dict[str, nn.Module]:
@@ -214,7 +226,7 @@ def add_tocom_models(models: Dict[str, nn.Module], tocom: str, source_r: int,
         out[name] = model
         if name == BASELINE or name.endswith(".json"):
             continue
-        method, params = parse_method_tag(name)
+        method, params = method_spec(name)
         r = params.get("r")
         if method not in ("tome", "evit") or not isinstance(r, int) or r > compensator.steps:
             print(f"note: no +ToCom row for {name} (compensators serve tome / evit with one r in "

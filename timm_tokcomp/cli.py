@@ -54,6 +54,10 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+SPEED_METHODS = "tome_r8,tome_r16,evit_r8,evit_r16"
+SPEED_METHODS_CUDA = ",tome_r8@triton,tome_r16@triton"  # ToMe's fused kernels, timed beside its torch path
+
+
 def _speed(args: argparse.Namespace) -> int:
     from .bench import describe_settings
     from .outputs import refuse_existing
@@ -62,7 +66,8 @@ def _speed(args: argparse.Namespace) -> int:
     if args.out:
         refuse_existing(args.out, args.overwrite, "--out")
     batches = _numbers("--batches", args.batches, int)
-    rows = run_speed(args.model, methods=args.methods.split(","), batches=batches, modes=args.modes.split(","),
+    methods = args.methods or SPEED_METHODS + (SPEED_METHODS_CUDA if args.device.startswith("cuda") else "")
+    rows = run_speed(args.model, methods=methods.split(","), batches=batches, modes=args.modes.split(","),
                      device=args.device, dtype=args.dtype, tf32=args.tf32, rounds=args.rounds,
                      checkpoint=args.checkpoint, pretrained=args.pretrained, data=args.data,
                      show_progress=not args.no_progress)
@@ -428,8 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("speed", help="forward time of each method against the plain model and against its limit "
                                       "(no matching), per batch size, in eager / compiled / CUDA-graph mode")
     sp.add_argument("model", nargs="?", default="deit_base_patch16_224", help="timm architecture (default %(default)s)")
-    sp.add_argument("--methods", default="tome_r8,tome_r16,evit_r8,evit_r16",
-                    help=f"comma list of method tags ({', '.join(TAG_FORMS)}) or calibrated presets; default %(default)s")
+    sp.add_argument("--methods", help=f"comma list of method tags ({', '.join(TAG_FORMS)}), '<tag>@<kernel>' "
+                                      f"(tome_r16@triton) or calibrated presets; default {SPEED_METHODS}, and on "
+                                      f"CUDA also {SPEED_METHODS_CUDA[1:]}")
     sp.add_argument("--batches", default="1,32,64,256", help="batch sizes (default %(default)s)")
     sp.add_argument("--modes", default="eager", help="comma list of eager, compile (torch.compile), cudagraph "
                                                      "(torch.compile mode='reduce-overhead', CUDA only); default %(default)s")

@@ -9,6 +9,7 @@ missing or doubled formula raises `AttentionCountError` instead of giving a wron
 import statistics
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -101,6 +102,24 @@ class _AttentionRecorder(TorchDispatchMode):
         return out
 
 
+# callbacks (name, macs) of the counters now open, told of every launch of the package's Triton kernels: dispatch
+# modes never see a launch, and FlopCounterMode cannot count its multiply-accumulates
+_KERNEL_LISTENERS: List[Callable[[str, int], None]] = []
+_LAUNCHING = [0]  # > 0 while a kernel launches: the aten ops Triton's CPU interpreter runs then are not counted
+
+
+@contextmanager
+def kernel_launch(name: str, macs: int):
+    """Wrap each launch of one of the package's Triton kernels: open counters see one launch and its MACs."""
+    _LAUNCHING[0] += 1
+    try:
+        yield
+    finally:
+        _LAUNCHING[0] -= 1
+    for listener in _KERNEL_LISTENERS:
+        listener(name, macs)
+
+
 class MacCounter:
     """Context manager counting the MACs of every op run inside it.
 
@@ -112,13 +131,19 @@ class MacCounter:
     def __init__(self):
         self._counter = flop_counter.FlopCounterMode(display=False, custom_mapping=_missing_formulas())
         self._recorder = _AttentionRecorder()
+        self._kernel_macs = 0
+
+    def _on_kernel(self, name: str, macs: int) -> None:
+        self._kernel_macs += macs
 
     def __enter__(self) -> "MacCounter":
         self._counter.__enter__()
         self._recorder.__enter__()
+        _KERNEL_LISTENERS.append(self._on_kernel)
         return self
 
     def __exit__(self, *exc):
+        _KERNEL_LISTENERS.remove(self._on_kernel)
         self._recorder.__exit__(*exc)
         self._counter.__exit__(*exc)
         if exc[0] is None:
@@ -127,13 +152,16 @@ class MacCounter:
 
     @property
     def total(self) -> float:
-        """MACs of everything that ran."""
-        return self._counter.get_total_flops() / 2
+        """MACs of everything that ran, the package's Triton kernels included."""
+        return self._counter.get_total_flops() / 2 + self._kernel_macs
 
     @property
     def by_module(self) -> Dict[str, float]:
-        """MACs per module name as FlopCounterMode tracks them ('Global' is the total)."""
-        return {name: sum(ops.values()) / 2 for name, ops in self._counter.get_flop_counts().items()}
+        """MACs per module name as FlopCounterMode tracks them ('Global' is the total; the package's Triton
+        kernels count in 'Global' only)."""
+        macs = {name: sum(ops.values()) / 2 for name, ops in self._counter.get_flop_counts().items()}
+        macs["Global"] = self.total
+        return macs
 
     def _check_attention(self) -> None:
         expected: Dict[object, int] = defaultdict(int)
@@ -164,18 +192,31 @@ HOST_SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique2", 
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops run inside it (what the CPU dispatches and, for the non-view ones, a GPU launches).
+    """Counts the aten ops run inside it (what the CPU dispatches and, for the non-view ones, a GPU launches),
+    and the launches of the package's Triton kernels.
 
     with OpCounter() as ops: model(x)
-    then ops.counts maps 'aten.<op>.<overload>' to calls, ops.total is their sum and ops.host_syncs the
-    calls that make the host wait for the device (HOST_SYNC_OPS)."""
+    then ops.counts maps 'aten.<op>.<overload>' and 'triton.<kernel>' to calls, ops.total is their sum and
+    ops.host_syncs the calls that make the host wait for the device (HOST_SYNC_OPS)."""
 
     def __init__(self):
         super().__init__()
         self.counts: Dict[str, int] = defaultdict(int)
 
+    def _on_kernel(self, name: str, macs: int) -> None:
+        self.counts[f"triton.{name}"] += 1
+
+    def __enter__(self) -> "OpCounter":
+        _KERNEL_LISTENERS.append(self._on_kernel)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _KERNEL_LISTENERS.remove(self._on_kernel)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func)] += 1
+        if not _LAUNCHING[0]:
+            self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
     @property

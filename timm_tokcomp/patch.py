@@ -109,6 +109,9 @@ class ReducingBlock(Block):
     def _reduce(x, size, source, metric, setting, reducer: TokenReducer, num_prefix: int):
         if reducer.plan_on_tokens:  # the block's tokens, detached unless the plan learns through them
             metric = x if reducer.plan_differentiable else x.detach()
+        fused = reducer.reduce_fused(metric, x, size, source, setting, num_prefix)
+        if fused is not None:
+            return fused
         plan = reducer.plan(metric, setting, num_prefix, size)
         return (x, size, source) if plan is None else reducer.reduce(plan, x, size, source, setting)
 

@@ -1,11 +1,12 @@
-"""Backends of the dense variant's merge (LayerNorm + group mean) and unmerge (+ LayerScale + residual):
-the torch reference in `ops` and the fused Triton kernels in `triton_dense` (imported on first use).
+"""Backends of ToMe's reduction step (matching + size-weighted merge) and of the dense variant's merge
+(LayerNorm + group mean) and unmerge (+ LayerScale + residual): the torch reference in `matching` / `ops`
+and the fused Triton kernels in `triton_tome` / `triton_dense` (imported on first use).
 
 backend 'auto' picks Triton for CUDA tensors when no gradient is needed, torch otherwise; 'triton'
 forces the kernels (CUDA, or any device under TRITON_INTERPRET=1), 'torch' the reference.
 """
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -51,3 +52,12 @@ def unmerge_add(x: torch.Tensor, y: torch.Tensor, group: torch.Tensor, gamma: Op
     from . import triton_dense
 
     return triton_dense.unmerge_add(x, y, group, gamma)
+
+
+def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int,
+               num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """ToMe's bipartite matching of r merges on metric (B, N, D) and the size-weighted merge of x (B, N, C),
+    size (B, N, 1) or None, in two Triton launches: -> x (B, N - r, C), size (B, N - r, 1)."""
+    from . import triton_tome
+
+    return triton_tome.tome_merge(metric, x, size, r, num_prefix)

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..measure import kernel_launch
+
 
 @triton.jit
 def _merge_kernel(
@@ -93,11 +95,12 @@ def merge(
     has_norm = norm_weight is not None
     w = norm_weight if has_norm else x  # placeholders are never read when HAS_NORM is False
     bias = norm_bias if has_norm else x
-    _merge_kernel[(B, num_groups)](
-        x, y, w, bias, order, offsets, N, num_groups, C,
-        *x.stride(), *y.stride(), eps,
-        HAS_NORM=has_norm, BLOCK_C=triton.next_power_of_2(C),
-    )
+    with kernel_launch("dense_merge", macs=0):
+        _merge_kernel[(B, num_groups)](
+            x, y, w, bias, order, offsets, N, num_groups, C,
+            *x.stride(), *y.stride(), eps,
+            HAS_NORM=has_norm, BLOCK_C=triton.next_power_of_2(C),
+        )
     return y
 
 
@@ -105,9 +108,10 @@ def unmerge_add(x: torch.Tensor, y: torch.Tensor, group: torch.Tensor, gamma: Op
     """x (B, N, C) + gamma (C,) * y (B, M, C)[group (B, N)] in one pass; output contiguous in x's dtype."""
     B, N, C = x.shape
     out = torch.empty(B, N, C, dtype=x.dtype, device=x.device)
-    _unmerge_add_kernel[(B, N)](
-        x, y, group.to(torch.int32).contiguous(), gamma if gamma is not None else x, out, N, C,
-        *x.stride(), *y.stride(), *out.stride(),
-        HAS_GAMMA=gamma is not None, BLOCK_C=triton.next_power_of_2(C),
-    )
+    with kernel_launch("dense_unmerge_add", macs=0):
+        _unmerge_add_kernel[(B, N)](
+            x, y, group.to(torch.int32).contiguous(), gamma if gamma is not None else x, out, N, C,
+            *x.stride(), *y.stride(), *out.stride(),
+            HAS_GAMMA=gamma is not None, BLOCK_C=triton.next_power_of_2(C),
+        )
     return out

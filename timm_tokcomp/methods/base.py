@@ -160,6 +160,13 @@ class TokenReducer(ABC):
         (ops.apply_plan; a learned merge such as PYRA's overrides it)."""
         return apply_plan(plan, x, size, source)
 
+    def reduce_fused(self, metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor],
+                     source: Optional[torch.Tensor], setting: Any, num_prefix: int
+                     ) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]:
+        """plan() and reduce() of one block in fused kernels, or None where the method has none for these
+        inputs (then plan() and reduce() run)."""
+        return None
+
     def bind(self, dim: int, settings: List[Any]) -> None:
         """Called by patch before the model changes, with the model's width and the block settings for its
         default input: a learned method creates its parameters here, or raises ValueError if given ones do not

@@ -3,17 +3,40 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from .. import kernels
 from ..matching import MergePlan, bipartite_soft_matching, max_merges
+from ..schedules import STUDY_STAGES, RSpec
 from .base import ScheduledReducer, parse_named_schedule_tag
 
 
 class ToMe(ScheduledReducer):
     """Metric: keys averaged over heads (cosine similarity). Merge: size-weighted mean.
     Proportional attention is on by default, off for avg-pooled (MAE-style) models. Tags also name
-    PYRA's 12-block schedules: '<name>_low', '<name>_high' (schedules.NAMED_SCHEDULES)."""
+    PYRA's 12-block schedules: '<name>_low', '<name>_high' (schedules.NAMED_SCHEDULES).
+
+    kernel: 'torch' (default), 'triton' or 'auto' (Triton for CUDA tensors when no gradient is needed). The
+    Triton path fuses each block's matching and merging into two launches (kernels.tome_merge); it serves
+    inference outside torch.compile / export and without trace_source, and falls back to torch elsewhere
+    under 'auto'. It is not the default until it has been timed on a GPU."""
 
     name = "tome"
     min_keep_rate = 0.5  # bipartite matching merges at most half of a block's tokens
+
+    def __init__(
+        self,
+        r: RSpec = 0,
+        flops_ratio: Optional[float] = None,
+        keep_rate: Optional[float] = None,
+        stages: Tuple[int, ...] = STUDY_STAGES,
+        prop_attn: Optional[bool] = None,
+        trace_source: bool = False,
+        prefix_only_last_block: Optional[bool] = None,
+        kernel: str = "torch",
+    ) -> None:
+        super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
+        if kernel not in kernels.BACKENDS:
+            raise ValueError(f"kernel must be one of {kernels.BACKENDS}, got {kernel!r}")
+        self.kernel = kernel
 
     @classmethod
     def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
@@ -31,6 +54,16 @@ class ToMe(ScheduledReducer):
 
     def plan(self, metric: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[MergePlan]:
         return tome_plan(metric, r, num_prefix)
+
+    def reduce_fused(self, metric, x, size, source, r, num_prefix):
+        if self.kernel == "torch" or source is not None or torch.compiler.is_compiling():
+            return None
+        if kernels.resolve_backend(self.kernel, x) != "triton":
+            return None
+        r = min(r, max_merges(x.shape[1], num_prefix))
+        if r <= 0:
+            return x, size, source
+        return (*kernels.tome_merge(metric, x, size, r, num_prefix), None)
 
 
 def tome_plan(metric: torch.Tensor, r: int, num_prefix: int) -> Optional[MergePlan]:

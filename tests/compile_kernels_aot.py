@@ -1,0 +1,38 @@
+"""Compile every Triton kernel of the package to a cubin for one GPU architecture, in each dtype, without a GPU:
+`python tests/compile_kernels_aot.py 90`. Run without TRITON_INTERPRET (interpreted kernels cannot be compiled).
+Prints one line per kernel; exits non-zero on the first kernel the GPU compiler rejects."""
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from timm_tokcomp.kernels import triton_dense, triton_tome
+
+
+def kernels(dtype):
+    ptr = "*" + dtype
+    yield triton_tome._match_and_plan_kernel, {"METRIC": ptr, "WS": "*i32"}, {"BLOCK": 32, "BLOCK_D": 64}
+    for has_size in (True, False):
+        yield (triton_tome._merge_kernel, {"X": ptr, "SIZE": ptr, "WS": "*i32", "Y": ptr, "SIZE_OUT": ptr},
+               {"HAS_SIZE": has_size, "BLOCK_C": 1024})
+    for has_norm in (True, False):
+        yield (triton_dense._merge_kernel, {"X": ptr, "Y": ptr, "W": ptr, "BIAS": ptr, "ORDER": "*i32",
+                                            "OFFSETS": "*i32", "eps": "fp32"}, {"HAS_NORM": has_norm, "BLOCK_C": 1024})
+    yield (triton_dense._unmerge_add_kernel, {"X": ptr, "Y": ptr, "GROUP": "*i32", "GAMMA": ptr, "OUT": ptr},
+           {"HAS_GAMMA": True, "BLOCK_C": 1024})
+
+
+def main(arch: int) -> None:
+    target = GPUTarget("cuda", arch, 32)
+    for dtype in ("fp32", "fp16", "bf16"):
+        for fn, pointers, constexprs in kernels(dtype):
+            signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in fn.arg_names}
+            compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target)
+            assert compiled.asm["cubin"], (fn.__name__, dtype)
+            print(f"sm_{arch} {dtype} {fn.__name__} {constexprs}: cubin {len(compiled.asm['cubin'])} bytes, "
+                  f"shared memory {compiled.metadata.shared} bytes")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

@@ -1,0 +1,179 @@
+"""ToMe's fused Triton reduction step (kernel='triton'): against the torch reference in Triton's CPU interpreter,
+on whole models, in the counters (aten ops + launches, MACs), where it falls back to torch, and compiled for
+real GPUs ahead of time (no GPU needed)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+import timm_tokcomp
+from timm_tokcomp import ops
+from timm_tokcomp.kernels import triton_tome
+from timm_tokcomp.matching import best_matches, bipartite_soft_matching, merge_top_r
+from timm_tokcomp.measure import OpCounter, count_macs
+from conftest import make_model
+
+CASES = [  # (batch, tokens, prefix, r, metric dim, channels)
+    (2, 197, 1, 16, 64, 48),  # DeiT-Tiny's first block
+    (3, 50, 2, 10, 8, 40),  # distillation token: A starts at the first non-prefix token
+    (1, 11, 0, 5, 16, 20),  # no prefix, the maximum r
+    (2, 198, 2, 49, 64, 32),
+    (2, 70, 4, 1, 24, 1000),  # registers; channels above a power of two
+]
+
+
+def _inputs(batch, tokens, dim, channels, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    metric = torch.randn(batch, tokens, dim, generator=g).to(dtype)
+    x = torch.randn(batch, channels, tokens, generator=g).to(dtype).transpose(1, 2)  # non-contiguous
+    size = (torch.rand(batch, tokens, 1, generator=g) * 3 + 0.5).to(dtype)
+    return metric, x, size
+
+
+@pytest.mark.parametrize("batch, tokens, num_prefix, r, dim, channels", CASES)
+@pytest.mark.parametrize("with_size", [False, True])
+def test_fused_step_matches_reference_fp32(batch, tokens, num_prefix, r, dim, channels, with_size):
+    metric, x, size = _inputs(batch, tokens, dim, channels)
+    size = size if with_size else None
+    plan = bipartite_soft_matching(metric, r, num_prefix)
+    want_x, want_size = ops.merge_mean(x, size, plan)
+    got_x, got_size = triton_tome.tome_merge(metric, x, size, r, num_prefix)
+    torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_size, want_size, rtol=0, atol=1e-5)
+
+
+def test_fused_step_fp16_within_rounding():
+    metric, x, size = _inputs(2, 197, 64, 48, dtype=torch.float16)
+    plan = bipartite_soft_matching(metric.float(), 16, 1)
+    want_x, want_size = ops.merge_mean(x.float(), size.float(), plan)
+    got_x, got_size = triton_tome.tome_merge(metric, x, size, 16, 1)
+    assert got_x.dtype == got_size.dtype == torch.float16
+    torch.testing.assert_close(got_x.float(), want_x, rtol=2e-3, atol=2e-3)  # one fp16 rounding of an fp32 sum
+    torch.testing.assert_close(got_size.float(), want_size, rtol=2e-3, atol=0)
+
+
+def _kernel_plan(metric, r, num_prefix):
+    """Run the matching kernel alone -> its node_max, node_idx and the plan it wrote (as a MergePlan)."""
+    B, N, D = metric.shape
+    n = N - num_prefix
+    a_start = num_prefix % 2
+    n_a = (n - a_start + 1) // 2
+    n_b = n - n_a
+    ws = torch.empty(B, 4 * n_a + n_b + 1, dtype=torch.int32)
+    triton_tome._match_and_plan_kernel[(B,)](metric, ws, n_a, n_b, r, D, ws.shape[1], *metric.stride(),
+                                             num_prefix + a_start, num_prefix + 1 - a_start, BLOCK=32, BLOCK_D=16)
+    node_max, node_idx = ws[:, :n_a].view(torch.float32), ws[:, n_a:2 * n_a].long()
+    kept = ws[:, 3 * n_a:4 * n_a - r].long()
+    merged = ws[:, 4 * n_a - r:4 * n_a].long()
+    offsets = ws[:, 4 * n_a:].long()
+    return node_max, node_idx, kept, merged, offsets
+
+
+def test_plan_on_exact_ties_follows_the_reference_rules():
+    """Duplicated tokens give exact ties (and self-similarities 1 +- 1 ulp, which round differently in the
+    kernel and in torch's bmm, so the choice among them may differ from torch's). The kernel's plan must follow
+    the reference rules on its own similarities, and the merge must be the reference merge of that plan."""
+    g = torch.Generator().manual_seed(3)
+    batch, tokens, num_prefix, dim = 2, 65, 1, 16
+    metric = torch.randn(batch, 4, dim, generator=g)[:, torch.randint(0, 4, (tokens,), generator=g)]
+    x = torch.randn(batch, tokens, 24, generator=g)
+    ref_max, _ = best_matches(metric, num_prefix)
+    m = metric / metric.norm(dim=-1, keepdim=True)
+    sim = m[:, num_prefix + 1::2] @ m[:, num_prefix::2].transpose(1, 2)  # (B, Na, Nb): A odd, B even positions
+    for r in (1, 7, 16, 32):
+        node_max, node_idx, kept, merged, offsets = _kernel_plan(metric, r, num_prefix)
+        torch.testing.assert_close(node_max, ref_max, rtol=0, atol=1e-6)
+        torch.testing.assert_close(sim.gather(2, node_idx.unsqueeze(-1))[..., 0], ref_max, rtol=0, atol=1e-6)
+        plan = merge_top_r(node_max, node_idx, r, num_prefix)
+        assert torch.equal(kept, plan.unm_idx)
+        assert torch.equal(merged.sort(dim=1).values, plan.src_idx.sort(dim=1).values)
+        dst = node_idx.gather(1, merged)  # merged tokens sorted by destination, then index
+        assert torch.equal(dst, dst.sort(dim=1).values)
+        assert torch.equal(offsets[:, 1:] - offsets[:, :-1],
+                           torch.stack([torch.bincount(d, minlength=offsets.shape[1] - 1) for d in plan.dst_idx]))
+        want_x, want_size = ops.merge_mean(x, None, plan)
+        got_x, got_size = triton_tome.tome_merge(metric, x, None, r, num_prefix)
+        torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-6)
+        assert torch.equal(got_size, want_size)
+
+
+@pytest.mark.parametrize("variant", ["cls", "distilled", "registers", "avgpool_noclass", "layerscale_qknorm"])
+def test_model_with_triton_kernel_matches_torch(variant):
+    model = make_model(variant).eval()
+    x = torch.randn(3, 3, 32, 32)
+    timm_tokcomp.apply(model, "tome", r=12)
+    with torch.no_grad():
+        want = model(x)
+        sizes_want = timm_tokcomp.last_stats(model).size
+        timm_tokcomp.set_params(model, kernel="triton")
+        with OpCounter() as launched:
+            got = model(x)
+        sizes_got = timm_tokcomp.last_stats(model).size
+    assert launched.counts["triton.tome_merge"] > 0
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(sizes_got, sizes_want, rtol=0, atol=1e-5)
+
+
+def _ops(model, x):
+    with torch.no_grad():
+        model(x)
+        with OpCounter() as ops_:
+            model(x)
+    return ops_
+
+
+def test_deit_tiny_tome_r16_counts_and_macs():
+    """What a GPU pays for: aten ops + Triton launches per DeiT-Tiny forward at batch 2, ToMe r16 against plain
+    (the GPU issue's target: at most 1.5x). Measured: plain 334, torch path 706, Triton path 440 (1.32x). The
+    MACs counted are the same on both paths (the kernel reports its matching MACs)."""
+    plain = timm.create_model("deit_tiny_patch16_224").eval()
+    x = torch.randn(2, 3, 224, 224)
+    plain_ops = _ops(plain, x)
+    model = timm.create_model("deit_tiny_patch16_224.tome_r16").eval()
+    torch_macs = count_macs(model, x)
+    timm_tokcomp.set_params(model, kernel="triton")
+    fused = _ops(model, x)
+    assert fused.host_syncs == 0
+    assert fused.counts["triton.tome_match_and_plan"] == fused.counts["triton.tome_merge"] == 12
+    print(plain_ops.total, fused.total)
+    assert fused.total <= 1.5 * plain_ops.total
+    assert count_macs(model, x) == torch_macs
+
+
+def test_kernel_choice_and_fallbacks():
+    model = make_model("cls").eval()
+    x = torch.randn(2, 3, 32, 32)
+    timm_tokcomp.apply(model, "tome", r=8, kernel="auto")
+    assert _ops(model, x).counts["triton.tome_merge"] == 0  # auto: CPU tensors run the torch reference
+    timm_tokcomp.set_params(model, kernel="triton", trace_source=True)
+    assert _ops(model, x).counts["triton.tome_merge"] == 0  # a source map needs the plan: torch path
+    timm_tokcomp.set_params(model, trace_source=False)
+    model.train()
+    with pytest.raises(ValueError, match="inference-only"):
+        model(x)  # parameters need gradients: the kernels have no backward
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        timm_tokcomp.set_params(model, kernel="cuda")
+
+
+def test_triton_forced_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    model = make_model("cls").eval()
+    timm_tokcomp.apply(model, "tome", r=8, kernel="triton")
+    with pytest.raises(ValueError, match="needs CUDA tensors"), torch.no_grad():
+        model(torch.randn(1, 3, 32, 32))
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_kernels_compile_for_real_gpus(arch):
+    """Every kernel of the package compiles to a cubin for sm_80 / sm_90 in fp32, fp16 and bf16, ahead of time
+    and without a GPU: the CPU interpreter accepts programs that the GPU compiler rejects."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_kernels_aot.py")
+    done = subprocess.run([sys.executable, str(script), str(arch)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("cubin") == 3 * 6

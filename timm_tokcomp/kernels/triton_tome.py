@@ -1,0 +1,198 @@
+"""Fused Triton kernels of ToMe's reduction step (bipartite soft matching on the alternate split, then the
+size-weighted merge), implementing the contract of matching.bipartite_soft_matching + ops.merge_mean in two
+launches per block instead of about 16 kernels and 15 views:
+
+1. `_match_and_plan_kernel`, one program per batch row: every A token's best cosine similarity to a B token
+   (fp32, IEEE dot products; the lowest B index on ties), then the plan as the torch reference makes it (the r
+   best-matched A tokens merge, ties to the lower index), written as index lists into an int32 workspace.
+2. `_merge_kernel`, one program per (batch row, output token): the size-weighted mean of the output token's
+   group and its size, accumulated in fp32 in a fixed order (no atomics: deterministic).
+
+Set TRITON_INTERPRET=1 before importing this module to run the kernels on the CPU (fp32 / fp16 only).
+"""
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..measure import kernel_launch
+
+# workspace row (int32): node_max (float32 bits) [n_a] | node_idx [n_a] | rank [n_a] | kept A [n_a - r] |
+# merged A sorted by (destination, index) [r] | per-B offsets into that list [n_b + 1]
+
+
+@triton.jit
+def _load_rows(base, first, idx, mask, stride_n, stride_d, dcols, dmask):
+    """fp32 rows first + 2 * idx of the metric, each divided by its L2 norm: (BLOCK, BLOCK_D)."""
+    rows = tl.load(base + (first + 2 * idx)[:, None] * stride_n + dcols[None, :] * stride_d,
+                   mask=mask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    norm = tl.sqrt(tl.sum(rows * rows, axis=1))
+    return rows / tl.where(mask, norm, 1.0)[:, None]
+
+
+@triton.jit
+def _match_and_plan_kernel(
+    METRIC, WS,
+    n_a, n_b, r, D, W,
+    stride_mb, stride_mn, stride_md,
+    a_first, b_first,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    base = METRIC + b * stride_mb
+    ws = WS + b * W
+    node_max_ptr = ws
+    node_idx_ptr = ws + n_a
+    rank_ptr = ws + 2 * n_a
+    kept_ptr = ws + 3 * n_a
+    merged_ptr = kept_ptr + (n_a - r)
+    offsets_ptr = merged_ptr + r
+    lane = tl.arange(0, BLOCK)
+    dcols = tl.arange(0, BLOCK_D)
+    dmask = dcols < D
+
+    # 1. best match of every A token among the B tokens
+    for a0 in range(0, n_a, BLOCK):
+        ai = a0 + lane
+        amask = ai < n_a
+        a = _load_rows(base, a_first, ai, amask, stride_mn, stride_md, dcols, dmask)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_idx = tl.zeros([BLOCK], tl.int32)
+        for b0 in range(0, n_b, BLOCK):
+            bj = b0 + lane
+            bmask = bj < n_b
+            bt = _load_rows(base, b_first, bj, bmask, stride_mn, stride_md, dcols, dmask)
+            sim = tl.dot(a, tl.trans(bt), input_precision="ieee")
+            sim = tl.where(bmask[None, :], sim, float("-inf"))
+            tile_max = tl.max(sim, axis=1)
+            tile_idx = tl.argmax(sim, axis=1, tie_break_left=True).to(tl.int32) + b0
+            better = tile_max > best  # strict: an earlier tile keeps its tie
+            best = tl.where(better, tile_max, best)
+            best_idx = tl.where(better, tile_idx, best_idx)
+        tl.store(node_max_ptr + ai, best.to(tl.int32, bitcast=True), mask=amask)
+        tl.store(node_idx_ptr + ai, best_idx, mask=amask)
+    tl.debug_barrier()
+
+    # 2. rank of every A token by best similarity, descending, ties to the lower index (a stable sort)
+    for i0 in range(0, n_a, BLOCK):
+        ii = i0 + lane
+        imask = ii < n_a
+        vi = tl.load(node_max_ptr + ii, mask=imask, other=0).to(tl.float32, bitcast=True)
+        ahead = tl.zeros([BLOCK], tl.int32)
+        for j0 in range(0, n_a, BLOCK):
+            jj = j0 + lane
+            jmask = jj < n_a
+            vj = tl.load(node_max_ptr + jj, mask=jmask, other=0).to(tl.float32, bitcast=True)
+            before = (vj[None, :] > vi[:, None]) | ((vj[None, :] == vi[:, None]) & (jj[None, :] < ii[:, None]))
+            ahead += tl.sum((before & jmask[None, :]).to(tl.int32), axis=1)
+        tl.store(rank_ptr + ii, ahead, mask=imask)
+    tl.debug_barrier()
+
+    # 3. kept A tokens in their order; merged A tokens sorted by (destination, index)
+    for i0 in range(0, n_a, BLOCK):
+        ii = i0 + lane
+        imask = ii < n_a
+        merged_i = (tl.load(rank_ptr + ii, mask=imask, other=0) < r) & imask
+        dst_i = tl.load(node_idx_ptr + ii, mask=imask, other=0)
+        merged_before = tl.zeros([BLOCK], tl.int32)  # merged tokens of lower index
+        list_pos = tl.zeros([BLOCK], tl.int32)  # merged tokens before it in (destination, index) order
+        for j0 in range(0, n_a, BLOCK):
+            jj = j0 + lane
+            jmask = jj < n_a
+            merged_j = (tl.load(rank_ptr + jj, mask=jmask, other=0) < r) & jmask
+            dst_j = tl.load(node_idx_ptr + jj, mask=jmask, other=0)
+            lower = jj[None, :] < ii[:, None]
+            merged_before += tl.sum((merged_j[None, :] & lower).to(tl.int32), axis=1)
+            first = (dst_j[None, :] < dst_i[:, None]) | ((dst_j[None, :] == dst_i[:, None]) & lower)
+            list_pos += tl.sum((merged_j[None, :] & first).to(tl.int32), axis=1)
+        tl.store(kept_ptr + (ii - merged_before), ii, mask=imask & ~merged_i)
+        tl.store(merged_ptr + list_pos, ii, mask=merged_i)
+    for j0 in range(0, n_b + 1, BLOCK):
+        jj = j0 + lane
+        jmask = jj < n_b + 1
+        count = tl.zeros([BLOCK], tl.int32)
+        for i0 in range(0, n_a, BLOCK):
+            ii = i0 + lane
+            imask = ii < n_a
+            merged_i = (tl.load(rank_ptr + ii, mask=imask, other=0) < r) & imask
+            dst_i = tl.load(node_idx_ptr + ii, mask=imask, other=0)
+            count += tl.sum((merged_i[None, :] & (dst_i[None, :] < jj[:, None])).to(tl.int32), axis=1)
+        tl.store(offsets_ptr + jj, count, mask=jmask)
+
+
+@triton.jit
+def _merge_kernel(
+    X, SIZE, WS, Y, SIZE_OUT,
+    C, n_a, r, W, num_prefix, a_first, b_first,
+    stride_xb, stride_xn, stride_xc,
+    stride_sb, stride_sn,
+    stride_yb, stride_yn, stride_yc,
+    stride_ob, stride_on,
+    HAS_SIZE: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    ws = WS + b * W
+    kept_ptr = ws + 3 * n_a
+    merged_ptr = kept_ptr + (n_a - r)
+    offsets_ptr = merged_ptr + r
+    num_kept = n_a - r
+    in_a = (g >= num_prefix) & (g < num_prefix + num_kept)
+    in_b = g >= num_prefix + num_kept
+    j = g - num_prefix - num_kept  # B index of an output in the B part
+    kept = tl.load(kept_ptr + (g - num_prefix), mask=in_a, other=0)
+    token = tl.where(in_b, b_first + 2 * j, tl.where(in_a, a_first + 2 * kept, g))
+    start = tl.load(offsets_ptr + j, mask=in_b, other=0)
+    end = tl.load(offsets_ptr + j + 1, mask=in_b, other=0)
+
+    cols = tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    x_row = X + b * stride_xb
+    s_row = SIZE + b * stride_sb
+    total = tl.full([], 1.0, tl.float32)
+    if HAS_SIZE:
+        total = tl.load(s_row + token * stride_sn).to(tl.float32)
+    acc = tl.load(x_row + token * stride_xn + cols * stride_xc, mask=cmask, other=0.0).to(tl.float32) * total
+    k = start
+    while k < end:  # the A tokens merged into this B token (a while loop: loaded bounds)
+        t = a_first + 2 * tl.load(merged_ptr + k)
+        s = tl.full([], 1.0, tl.float32)
+        if HAS_SIZE:
+            s = tl.load(s_row + t * stride_sn).to(tl.float32)
+        acc += tl.load(x_row + t * stride_xn + cols * stride_xc, mask=cmask, other=0.0).to(tl.float32) * s
+        total += s
+        k += 1
+    tl.store(Y + b * stride_yb + g * stride_yn + cols * stride_yc, (acc / total).to(Y.dtype.element_ty), mask=cmask)
+    tl.store(SIZE_OUT + b * stride_ob + g * stride_on, total.to(SIZE_OUT.dtype.element_ty))
+
+
+def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int,
+               num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """ToMe's reduction step on the alternate split: metric (B, N, D), x (B, N, C), size (B, N, 1) or None
+    (all ones), 0 < r <= max_merges(N, num_prefix) -> x (B, N - r, C), size (B, N - r, 1) in x's dtype, in
+    merge_mean's order (prefix tokens, kept A tokens, B tokens)."""
+    B, N, C = x.shape
+    D = metric.shape[-1]
+    n = N - num_prefix
+    a_start = num_prefix % 2
+    n_a = (n - a_start + 1) // 2
+    n_b = n - n_a
+    a_first, b_first = num_prefix + a_start, num_prefix + 1 - a_start
+    width = 4 * n_a + n_b + 1
+    ws = torch.empty(B, width, dtype=torch.int32, device=x.device)
+    with kernel_launch("tome_match_and_plan", macs=B * n_a * n_b * D):
+        _match_and_plan_kernel[(B,)](
+            metric, ws, n_a, n_b, r, D, width, *metric.stride(), a_first, b_first,
+            BLOCK=32, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        )
+    y = torch.empty(B, N - r, C, dtype=x.dtype, device=x.device)
+    size_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)
+    s = size if size is not None else size_out  # a placeholder never read when HAS_SIZE is False
+    with kernel_launch("tome_merge", macs=0):
+        _merge_kernel[(B, N - r)](
+            x, s, ws, y, size_out, C, n_a, r, width, num_prefix, a_first, b_first,
+            *x.stride(), s.stride(0), s.stride(1), *y.stride(), size_out.stride(0), size_out.stride(1),
+            HAS_SIZE=size is not None, BLOCK_C=triton.next_power_of_2(C),
+        )
+    return y, size_out
