@@ -7,7 +7,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from timm_tokcomp.kernels import triton_dense, triton_tome
+from timm_tokcomp.kernels import triton_dense, triton_evit, triton_tome
 
 
 def kernels(dtype):
@@ -16,6 +16,11 @@ def kernels(dtype):
     for has_size in (True, False):
         yield (triton_tome._merge_kernel, {"X": ptr, "SIZE": ptr, "WS": "*i32", "Y": ptr, "SIZE_OUT": ptr},
                {"HAS_SIZE": has_size, "BLOCK_C": 1024})
+    for has_flag in (True, False):
+        yield (triton_evit._class_attention_plan_kernel, {"Q": ptr, "K": ptr, "BIAS": ptr, "WS": "*i32", "scale": "fp32"},
+               {"HAS_BIAS": has_flag, "BLOCK": 64, "BLOCK_D": 64})
+        yield (triton_evit._prune_fuse_kernel, {"X": ptr, "SIZE": ptr, "WS": "*i32", "Y": ptr, "SIZE_OUT": ptr},
+               {"HAS_SIZE": has_flag, "BLOCK_C": 1024})
     for has_norm in (True, False):
         yield (triton_dense._merge_kernel, {"X": ptr, "Y": ptr, "W": ptr, "BIAS": ptr, "ORDER": "*i32",
                                             "OFFSETS": "*i32", "eps": "fp32"}, {"HAS_NORM": has_norm, "BLOCK_C": 1024})

@@ -20,7 +20,7 @@ from .data import UnlabeledImages, open_images
 from .calibrate import load_preset
 from .measure import count_macs, forward_counting, no_silent_eager_fallback, time_runs
 from . import kernels
-from .methods import method_class, parse_method_tag
+from .methods import METHODS, method_class, parse_method_tag
 from .outputs import replacing
 
 BASELINE = "none"
@@ -194,7 +194,8 @@ def method_spec(name: str) -> Tuple[str, Dict[str, Any]]:
     method, params = parse_method_tag(tag)
     if at:
         if "kernel" not in method_class(method).param_names():
-            raise ValueError(f"{name}: {method} has no kernel choice ('@<kernel>' is for tome and dense_tome)")
+            with_kernel = [m for m in METHODS if "kernel" in method_class(m).param_names()]
+            raise ValueError(f"{name}: {method} has no kernel choice ('@<kernel>' is for {', '.join(with_kernel)})")
         if kernel not in kernels.BACKENDS:
             raise ValueError(f"{name}: the kernel after '@' must be one of {', '.join(kernels.BACKENDS)}")
         params = {**params, "kernel": kernel}

@@ -55,7 +55,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 SPEED_METHODS = "tome_r8,tome_r16,evit_r8,evit_r16"
-SPEED_METHODS_CUDA = ",tome_r8@triton,tome_r16@triton"  # ToMe's fused kernels, timed beside its torch path
+SPEED_METHODS_CUDA = ",tome_r8@triton,tome_r16@triton,evit_r8@triton,evit_r16@triton"  # fused kernels vs torch path
 
 
 def _speed(args: argparse.Namespace) -> int:

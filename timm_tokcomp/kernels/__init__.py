@@ -16,10 +16,22 @@ from .. import ops
 BACKENDS = ("auto", "torch", "triton")
 
 
-def resolve_backend(kernel: str, x: torch.Tensor) -> str:
-    """'torch' or 'triton' for a tensor x. Raises ValueError when 'triton' is forced where it cannot run."""
+def check_kernel(kernel: str) -> str:
+    """kernel itself, or ValueError naming the valid choices."""
     if kernel not in BACKENDS:
         raise ValueError(f"kernel must be one of {BACKENDS}, got {kernel!r}")
+    return kernel
+
+
+def use_triton(kernel: str, x: torch.Tensor) -> bool:
+    """Whether a method's fused Triton step runs on x: 'triton' or 'auto' resolved to Triton, and not inside
+    torch.compile / export (which trace the torch path). Raises as resolve_backend does."""
+    return kernel != "torch" and not torch.compiler.is_compiling() and resolve_backend(kernel, x) == "triton"
+
+
+def resolve_backend(kernel: str, x: torch.Tensor) -> str:
+    """'torch' or 'triton' for a tensor x. Raises ValueError when 'triton' is forced where it cannot run."""
+    check_kernel(kernel)
     needs_grad = torch.is_grad_enabled() and x.requires_grad
     if kernel == "auto":
         return "triton" if x.is_cuda and not needs_grad else "torch"
@@ -61,3 +73,12 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
     from . import triton_tome
 
     return triton_tome.tome_merge(metric, x, size, r, num_prefix)
+
+
+def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, x: torch.Tensor,
+               size: Optional[torch.Tensor], r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """EViT's class attention (q, k: (B, H, N, d)), pruning of r tokens and fusion of x (B, N, C), size (B, N, 1)
+    or None, in two Triton launches: -> x (B, N - r, C), size (B, N - r, 1)."""
+    from . import triton_evit
+
+    return triton_evit.evit_prune(q, k, attn_bias, scale, x, size, r, num_prefix)

@@ -5,7 +5,7 @@ from typing import List, Optional
 
 import torch
 
-from ..kernels import BACKENDS
+from ..kernels import check_kernel
 from ..matching import MergePlan
 from ..schedules import BlockCost
 from .base import RTagged, TokenReducer
@@ -28,9 +28,7 @@ class DenseToMe(RTagged, TokenReducer):
             if (value is None and not optional) or (
                     value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0)):
                 raise ValueError(f"{label} must be an int >= 0{' or None' if optional else ''}, got {value!r}")
-        if kernel not in BACKENDS:
-            raise ValueError(f"kernel must be one of {BACKENDS}, got {kernel!r}")
-        self.r, self.k, self.kernel = r, k, kernel
+        self.r, self.k, self.kernel = r, k, check_kernel(kernel)
 
     @property
     def merges(self) -> int:

@@ -1,25 +1,72 @@
 """EViT (Liang et al.) as ToCom uses it: each block removes r tokens by keeping the patch tokens the
 class token attends to most and fusing the r + 1 least attended ones into one token."""
-from typing import Optional
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from .. import kernels
 from ..matching import PrunePlan, attentive_pruning, class_attention
+from ..schedules import STUDY_STAGES, RSpec
 from .base import ScheduledReducer
+
+
+class ClassAttentionInputs(NamedTuple):
+    """What the fused kernel reads instead of the metric: q, k (B, H, N, d), attn_bias (B, 1, 1, N) or None."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    attn_bias: Optional[torch.Tensor]
+    scale: float
+
+    def class_attention(self) -> torch.Tensor:
+        """(B, N) the metric the torch path uses."""
+        return class_attention(self.q, self.k, self.attn_bias, self.scale).mean(dim=1)
 
 
 class EViT(ScheduledReducer):
     """Metric: the class token's attention row, softmaxed and averaged over heads (computed next to
     SDPA at O(N) cost). The fused token is the attention-weighted mean of the pruned tokens and is
-    an ordinary token in later blocks. Proportional attention is off unless asked."""
+    an ordinary token in later blocks. Proportional attention is off unless asked.
+
+    kernel: 'torch' (default), 'triton' or 'auto', as for ToMe: the Triton path computes the class attention,
+    the plan and the fusion in two launches per block (kernels.evit_prune), for inference outside
+    torch.compile / export and without trace_source."""
 
     name = "evit"
     needs_class_token = True
 
-    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-        return class_attention(q, k, attn_bias, scale).mean(dim=1)
+    def __init__(
+        self,
+        r: RSpec = 0,
+        flops_ratio: Optional[float] = None,
+        keep_rate: Optional[float] = None,
+        stages: Tuple[int, ...] = STUDY_STAGES,
+        prop_attn: Optional[bool] = None,
+        trace_source: bool = False,
+        prefix_only_last_block: Optional[bool] = None,
+        kernel: str = "torch",
+    ) -> None:
+        super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
+        self.kernel = kernels.check_kernel(kernel)
 
-    def plan(self, metric: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[PrunePlan]:
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor],
+               scale: float) -> Union[torch.Tensor, ClassAttentionInputs]:
+        inputs = ClassAttentionInputs(q, k, attn_bias, scale)
+        return inputs if kernels.use_triton(self.kernel, q) else inputs.class_attention()
+
+    def plan(self, metric: Union[torch.Tensor, ClassAttentionInputs], r: int, num_prefix: int,
+             size: Optional[torch.Tensor]) -> Optional[PrunePlan]:
+        if isinstance(metric, ClassAttentionInputs):  # the fused step declined (a source map is traced)
+            metric = metric.class_attention()
         if r <= 0 or metric.shape[1] - num_prefix < 2:
             return None
         return attentive_pruning(metric, r, num_prefix)
+
+    def reduce_fused(self, metric, x, size, source, r, num_prefix):
+        if not isinstance(metric, ClassAttentionInputs) or source is not None:
+            return None
+        n = x.shape[1] - num_prefix
+        r = min(r, n - 1)
+        if r <= 0:
+            return x, size, source
+        return (*kernels.evit_prune(*metric, x, size, r, num_prefix), None)

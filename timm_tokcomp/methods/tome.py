@@ -34,9 +34,7 @@ class ToMe(ScheduledReducer):
         kernel: str = "torch",
     ) -> None:
         super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
-        if kernel not in kernels.BACKENDS:
-            raise ValueError(f"kernel must be one of {kernels.BACKENDS}, got {kernel!r}")
-        self.kernel = kernel
+        self.kernel = kernels.check_kernel(kernel)
 
     @classmethod
     def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
@@ -56,9 +54,7 @@ class ToMe(ScheduledReducer):
         return tome_plan(metric, r, num_prefix)
 
     def reduce_fused(self, metric, x, size, source, r, num_prefix):
-        if self.kernel == "torch" or source is not None or torch.compiler.is_compiling():
-            return None
-        if kernels.resolve_backend(self.kernel, x) != "triton":
+        if source is not None or not kernels.use_triton(self.kernel, x):
             return None
         r = min(r, max_merges(x.shape[1], num_prefix))
         if r <= 0:

@@ -4,9 +4,8 @@ from typing import Optional
 
 import torch
 
-from ..matching import PrunePlan, top_k_pruning
+from ..matching import PrunePlan, class_attention, top_k_pruning
 from .base import ScheduledReducer
-from .evit import EViT
 
 
 class TopK(ScheduledReducer):
@@ -15,7 +14,8 @@ class TopK(ScheduledReducer):
 
     name = "topk"
     needs_class_token = True
-    metric = EViT.metric
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        return class_attention(q, k, attn_bias, scale).mean(dim=1)
 
     def plan(self, metric: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[PrunePlan]:
         if r <= 0 or metric.shape[1] - num_prefix < 2:

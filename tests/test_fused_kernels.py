@@ -1,5 +1,5 @@
-"""ToMe's fused Triton reduction step (kernel='triton'): against the torch reference in Triton's CPU interpreter,
-on whole models, in the counters (aten ops + launches, MACs), where it falls back to torch, and compiled for
+"""ToMe's and EViT's fused Triton reduction steps (kernel='triton'): against the torch reference in Triton's CPU
+interpreter, on whole models, in the counters (aten ops + launches, MACs), where it falls back to torch, and compiled for
 real GPUs ahead of time (no GPU needed)."""
 import os
 import subprocess
@@ -12,8 +12,9 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp import ops
-from timm_tokcomp.kernels import triton_tome
-from timm_tokcomp.matching import best_matches, bipartite_soft_matching, merge_top_r
+from timm_tokcomp.kernels import triton_evit, triton_tome
+from timm_tokcomp.matching import (attentive_pruning, best_matches, bipartite_soft_matching, class_attention,
+                                   merge_top_r)
 from timm_tokcomp.measure import OpCounter, count_macs
 from conftest import make_model
 
@@ -118,6 +119,61 @@ def test_model_with_triton_kernel_matches_torch(variant):
     torch.testing.assert_close(sizes_got, sizes_want, rtol=0, atol=1e-5)
 
 
+EVIT_CASES = [  # (batch, heads, tokens, prefix, r, head dim, channels, attention bias)
+    (2, 3, 197, 1, 8, 64, 48, False),  # DeiT-Tiny's first block
+    (3, 2, 50, 2, 10, 8, 40, True),  # distillation token; proportional attention
+    (1, 1, 11, 1, 9, 16, 20, False),  # every patch token fused into one
+    (2, 4, 70, 5, 1, 24, 1000, True),  # registers; channels above a power of two
+]
+
+
+@pytest.mark.parametrize("batch, heads, tokens, num_prefix, r, dim, channels, with_bias", EVIT_CASES)
+@pytest.mark.parametrize("with_size", [False, True])
+def test_evit_fused_step_matches_reference_fp32(batch, heads, tokens, num_prefix, r, dim, channels, with_bias,
+                                                with_size):
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(batch, tokens, heads, dim, generator=g).transpose(1, 2) for _ in range(2))  # strided
+    x = torch.randn(batch, tokens, channels, generator=g)
+    size = torch.rand(batch, tokens, 1, generator=g) * 3 + 0.5
+    bias = size.log().view(batch, 1, 1, tokens) if with_bias else None
+    size = size if with_size else None
+    plan = attentive_pruning(class_attention(q, k, bias, 0.3).mean(dim=1), r, num_prefix)
+    want_x, want_size, _ = ops.apply_plan(plan, x, size, None)
+    got_x, got_size = triton_evit.evit_prune(q, k, bias, 0.3, x, size, r, num_prefix)
+    torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_size, want_size, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["cls", "distilled", "registers", "layerscale_qknorm"])
+@pytest.mark.parametrize("prop_attn", [False, True])
+def test_evit_model_with_triton_kernel_matches_torch(variant, prop_attn):
+    model = make_model(variant).eval()
+    x = torch.randn(3, 3, 32, 32)
+    timm_tokcomp.apply(model, "evit", r=6, prop_attn=prop_attn)
+    with torch.no_grad():
+        want = model(x)
+        sizes_want = timm_tokcomp.last_stats(model).size
+        timm_tokcomp.set_params(model, kernel="triton")
+        with OpCounter() as launched:
+            got = model(x)
+        sizes_got = timm_tokcomp.last_stats(model).size
+    assert launched.counts["triton.evit_prune_fuse"] > 0
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(sizes_got, sizes_want, rtol=0, atol=1e-5)
+
+
+def test_evit_trace_source_falls_back_to_torch():
+    model = make_model("cls").eval()
+    timm_tokcomp.apply(model, "evit", r=6, kernel="triton", trace_source=True)
+    x = torch.randn(2, 3, 32, 32)
+    assert _ops(model, x).counts["triton.evit_prune_fuse"] == 0
+    timm_tokcomp.set_params(model, kernel="torch")
+    with torch.no_grad():
+        want = model(x)
+        timm_tokcomp.set_params(model, kernel="triton")
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+
+
 def _ops(model, x):
     with torch.no_grad():
         model(x)
@@ -140,6 +196,21 @@ def test_deit_tiny_tome_r16_counts_and_macs():
     assert fused.host_syncs == 0
     assert fused.counts["triton.tome_match_and_plan"] == fused.counts["triton.tome_merge"] == 12
     print(plain_ops.total, fused.total)
+    assert fused.total <= 1.5 * plain_ops.total
+    assert count_macs(model, x) == torch_macs
+
+
+def test_deit_tiny_evit_r8_counts_and_macs():
+    """As above for EViT r8. Measured: torch path 864, Triton path 395 (1.18x plain)."""
+    plain_ops = _ops(timm.create_model("deit_tiny_patch16_224").eval(), torch.randn(2, 3, 224, 224))
+    model = timm.create_model("deit_tiny_patch16_224.evit_r8").eval()
+    x = torch.randn(2, 3, 224, 224)
+    torch_macs = count_macs(model, x)
+    timm_tokcomp.set_params(model, kernel="triton")
+    fused = _ops(model, x)
+    print(plain_ops.total, fused.total)
+    assert fused.host_syncs == 0
+    assert fused.counts["triton.evit_class_attention_plan"] == fused.counts["triton.evit_prune_fuse"] == 12
     assert fused.total <= 1.5 * plain_ops.total
     assert count_macs(model, x) == torch_macs
 
@@ -176,4 +247,4 @@ def test_kernels_compile_for_real_gpus(arch):
     done = subprocess.run([sys.executable, str(script), str(arch)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("cubin") == 3 * 6
+    assert done.stdout.count("cubin") == 3 * 10

@@ -1,0 +1,205 @@
+"""Fused Triton kernels of EViT's reduction step, implementing the contract of matching.class_attention (averaged
+over heads) + matching.attentive_pruning + ops.prune_fuse / prune_sum in two launches per block:
+
+1. `_class_attention_plan_kernel`, one program per batch row: the class token's softmax attention row of every
+   head (fp32, online max / sum over token tiles), averaged over heads; the rank of every non-prefix token by it
+   (descending, ties to the lower index, as a stable sort); the kept tokens in their order and the fused ones in
+   rank order, with the sum of the fused tokens' attention, into a workspace.
+2. `_prune_fuse_kernel`, one program per (batch row, output token): a kept token's row and size, or for the last
+   output the attention-weighted mean of the fused tokens and the sum of their sizes (fp32, fixed order).
+
+Set TRITON_INTERPRET=1 before importing this module to run the kernels on the CPU (fp32 / fp16 only).
+"""
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..measure import kernel_launch
+
+# workspace row (int32): attention (float32 bits) [n] | rank [n] | kept [n - f] | fused, by rank [f] |
+# per-head softmax max and sum (float32 bits) [2 H] | fused attention sum (float32 bits) [1]
+
+
+@triton.jit
+def _head_scores(q_row, k_row, bias_row, cols, cmask, dcols, dmask, stride_kn, stride_kd, stride_bias_n, scale,
+                 HAS_BIAS: tl.constexpr):
+    """Scaled scores of the class query against the tokens cols: (BLOCK_N,), -inf outside cmask."""
+    q = tl.load(q_row + dcols, mask=dmask, other=0.0).to(tl.float32)
+    k = tl.load(k_row + cols[:, None] * stride_kn + dcols[None, :] * stride_kd,
+                mask=cmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    s = tl.sum(k * q[None, :], axis=1) * scale
+    if HAS_BIAS:
+        s += tl.load(bias_row + cols * stride_bias_n, mask=cmask, other=0.0).to(tl.float32)
+    return tl.where(cmask, s, float("-inf"))
+
+
+@triton.jit
+def _class_attention_plan_kernel(
+    Q, K, BIAS, WS,
+    H, N, D, W, num_prefix, num_fused, scale,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_bias_b, stride_bias_n,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    n = N - num_prefix
+    ws = WS + b * W
+    attn_ptr = ws
+    rank_ptr = ws + n
+    kept_ptr = ws + 2 * n
+    fused_ptr = kept_ptr + (n - num_fused)
+    stats_ptr = ws + 3 * n
+    wsum_ptr = stats_ptr + 2 * H
+    lane = tl.arange(0, BLOCK)
+    dcols = tl.arange(0, BLOCK_D)
+    dmask = dcols < D
+    bias_row = BIAS + b * stride_bias_b
+
+    # 1. every head's softmax max and sum over all tokens (online), then the head-averaged attention
+    for h in range(H):
+        q_row = Q + b * stride_qb + h * stride_qh  # the class token: token 0
+        k_row = K + b * stride_kb + h * stride_kh
+        m = tl.full([], float("-inf"), tl.float32)
+        l = tl.zeros([], tl.float32)
+        for c0 in range(0, N, BLOCK):
+            cols = c0 + lane
+            s = _head_scores(q_row, k_row, bias_row, cols, cols < N, dcols, dmask, stride_kn, stride_kd, stride_bias_n, scale,
+                             HAS_BIAS)
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
+            m = m_new
+        tl.store(stats_ptr + 2 * h, m.to(tl.int32, bitcast=True))
+        tl.store(stats_ptr + 2 * h + 1, l.to(tl.int32, bitcast=True))
+    tl.debug_barrier()
+    for c0 in range(0, n, BLOCK):
+        cols = num_prefix + c0 + lane
+        cmask = cols < N
+        acc = tl.zeros([BLOCK], tl.float32)
+        for h in range(H):
+            q_row = Q + b * stride_qb + h * stride_qh
+            k_row = K + b * stride_kb + h * stride_kh
+            s = _head_scores(q_row, k_row, bias_row, cols, cmask, dcols, dmask, stride_kn, stride_kd, stride_bias_n, scale,
+                             HAS_BIAS)
+            m = tl.load(stats_ptr + 2 * h).to(tl.float32, bitcast=True)
+            l = tl.load(stats_ptr + 2 * h + 1).to(tl.float32, bitcast=True)
+            acc += tl.exp(s - m) / l
+        tl.store(attn_ptr + c0 + lane, (acc / H).to(tl.int32, bitcast=True), mask=cmask)
+    tl.debug_barrier()
+
+    # 2. rank by attention, descending, ties to the lower index
+    for i0 in range(0, n, BLOCK):
+        ii = i0 + lane
+        imask = ii < n
+        vi = tl.load(attn_ptr + ii, mask=imask, other=0).to(tl.float32, bitcast=True)
+        ahead = tl.zeros([BLOCK], tl.int32)
+        for j0 in range(0, n, BLOCK):
+            jj = j0 + lane
+            jmask = jj < n
+            vj = tl.load(attn_ptr + jj, mask=jmask, other=0).to(tl.float32, bitcast=True)
+            before = (vj[None, :] > vi[:, None]) | ((vj[None, :] == vi[:, None]) & (jj[None, :] < ii[:, None]))
+            ahead += tl.sum((before & jmask[None, :]).to(tl.int32), axis=1)
+        tl.store(rank_ptr + ii, ahead, mask=imask)
+    tl.debug_barrier()
+
+    # 3. kept tokens in their order, fused tokens in rank order, and the fused tokens' attention sum
+    num_kept = n - num_fused
+    wsum = tl.zeros([], tl.float32)
+    for i0 in range(0, n, BLOCK):
+        ii = i0 + lane
+        imask = ii < n
+        rank_i = tl.load(rank_ptr + ii, mask=imask, other=0)
+        kept_i = (rank_i < num_kept) & imask
+        fused_i = (rank_i >= num_kept) & imask
+        kept_before = tl.zeros([BLOCK], tl.int32)
+        for j0 in range(0, n, BLOCK):
+            jj = j0 + lane
+            jmask = jj < n
+            kept_j = (tl.load(rank_ptr + jj, mask=jmask, other=0) < num_kept) & jmask
+            kept_before += tl.sum((kept_j[None, :] & (jj[None, :] < ii[:, None])).to(tl.int32), axis=1)
+        tl.store(kept_ptr + kept_before, ii, mask=kept_i)
+        tl.store(fused_ptr + (rank_i - num_kept), ii, mask=fused_i)
+        attn_i = tl.load(attn_ptr + ii, mask=imask, other=0).to(tl.float32, bitcast=True)
+        wsum += tl.sum(tl.where(fused_i, attn_i, 0.0), axis=0)
+    tl.store(wsum_ptr, wsum.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _prune_fuse_kernel(
+    X, SIZE, WS, Y, SIZE_OUT,
+    C, N, H, W, num_prefix, num_fused,
+    stride_xb, stride_xn, stride_xc,
+    stride_sb, stride_sn,
+    stride_yb, stride_yn, stride_yc,
+    stride_ob, stride_on,
+    HAS_SIZE: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    n = N - num_prefix
+    ws = WS + b * W
+    kept_ptr = ws + 2 * n
+    fused_ptr = kept_ptr + (n - num_fused)
+    wsum_ptr = ws + 3 * n + 2 * H
+    num_kept = n - num_fused
+    cols = tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    x_row = X + b * stride_xb
+    s_row = SIZE + b * stride_sb
+    in_kept = (g >= num_prefix) & (g < num_prefix + num_kept)
+    is_fused = g >= num_prefix + num_kept
+    kept = tl.load(kept_ptr + (g - num_prefix), mask=in_kept, other=0)
+    token = tl.where(in_kept, num_prefix + kept, g)  # a prefix or kept token's input row
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    total = tl.zeros([], tl.float32)
+    if is_fused:
+        wsum = tl.maximum(tl.load(wsum_ptr).to(tl.float32, bitcast=True), 1.1754943508222875e-38)
+        for k in range(0, num_fused):
+            i = tl.load(fused_ptr + k)
+            w = tl.load(ws + i).to(tl.float32, bitcast=True) / wsum
+            acc += tl.load(x_row + (num_prefix + i) * stride_xn + cols * stride_xc, mask=cmask, other=0.0
+                           ).to(tl.float32) * w
+            if HAS_SIZE:
+                total += tl.load(s_row + (num_prefix + i) * stride_sn).to(tl.float32)
+            else:
+                total += 1.0
+    else:
+        acc = tl.load(x_row + token * stride_xn + cols * stride_xc, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_SIZE:
+            total = tl.load(s_row + token * stride_sn).to(tl.float32)
+        else:
+            total = tl.full([], 1.0, tl.float32)
+    tl.store(Y + b * stride_yb + g * stride_yn + cols * stride_yc, acc.to(Y.dtype.element_ty), mask=cmask)
+    tl.store(SIZE_OUT + b * stride_ob + g * stride_on, total.to(SIZE_OUT.dtype.element_ty))
+
+
+def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, x: torch.Tensor,
+               size: Optional[torch.Tensor], r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """EViT's reduction step: q, k (B, H, N, d) after q/k norm, attn_bias (B, 1, 1, N) or None, x (B, N, C), size
+    (B, N, 1) or None (all ones), 0 < r <= N - num_prefix - 1 -> x (B, N - r, C), size (B, N - r, 1) in x's
+    dtype: prefix tokens, kept tokens, the fused token."""
+    B, H, N, D = k.shape
+    C = x.shape[-1]
+    n = N - num_prefix
+    num_fused = r + 1
+    width = 3 * n + 2 * H + 1
+    ws = torch.empty(B, width, dtype=torch.int32, device=x.device)
+    bias = attn_bias if attn_bias is not None else x
+    with kernel_launch("evit_class_attention_plan", macs=B * H * N * D):
+        _class_attention_plan_kernel[(B,)](
+            q, k, bias, ws, H, N, D, width, num_prefix, num_fused, scale,
+            q.stride(0), q.stride(1), q.stride(3), *k.stride(), bias.stride(0), bias.stride(-1),
+            HAS_BIAS=attn_bias is not None, BLOCK=64, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        )
+    y = torch.empty(B, N - r, C, dtype=x.dtype, device=x.device)
+    size_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)
+    s = size if size is not None else size_out  # a placeholder never read when HAS_SIZE is False
+    with kernel_launch("evit_prune_fuse", macs=0):
+        _prune_fuse_kernel[(B, N - r)](
+            x, s, ws, y, size_out, C, N, H, width, num_prefix, num_fused,
+            *x.stride(), s.stride(0), s.stride(1), *y.stride(), size_out.stride(0), size_out.stride(1),
+            HAS_SIZE=size is not None, BLOCK_C=triton.next_power_of_2(C),
+        )
+    return y, size_out
