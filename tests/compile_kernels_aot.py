@@ -12,10 +12,18 @@ from timm_tokcomp.kernels import triton_dense, triton_evit, triton_tome
 
 def kernels(dtype):
     ptr = "*" + dtype
-    yield triton_tome._match_and_plan_kernel, {"METRIC": ptr, "WS": "*i32"}, {"BLOCK": 32, "BLOCK_D": 64}
+    for match, plan, split in ((True, True, False), (True, True, True), (True, False, False), (True, False, True),
+                               (False, True, False), (False, True, True)):
+        pos = "*i64" if split else "*i32"  # a size-distinctive split's index lists, or the workspace as placeholder
+        yield (triton_tome._match_and_plan_kernel,
+               {"METRIC": ptr, "WS": "*i32", "A_POS": pos, "B_POS": pos, "threshold": "fp32"},
+               {"MATCH": match, "PLAN": plan, "HAS_SPLIT": split, "BLOCK": 32, "BLOCK_D": 64})
     for has_size in (True, False):
-        yield (triton_tome._merge_kernel, {"X": ptr, "SIZE": ptr, "WS": "*i32", "Y": ptr, "SIZE_OUT": ptr},
-               {"HAS_SIZE": has_size, "BLOCK_C": 1024})
+        for split in (True, False):
+            pos = "*i64" if split else "*i32"
+            yield (triton_tome._merge_kernel,
+                   {"X": ptr, "SIZE": ptr, "WS": "*i32", "Y": ptr, "SIZE_OUT": ptr, "A_POS": pos, "B_POS": pos},
+                   {"HAS_SIZE": has_size, "HAS_SPLIT": split, "BLOCK_C": 1024})
     for has_flag in (True, False):
         yield (triton_evit._class_attention_plan_kernel, {"Q": ptr, "K": ptr, "BIAS": ptr, "WS": "*i32", "scale": "fp32"},
                {"HAS_BIAS": has_flag, "BLOCK": 64, "BLOCK_D": 64})

@@ -75,6 +75,15 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
     return triton_tome.tome_merge(metric, x, size, r, num_prefix)
 
 
+def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], threshold: float, num_prefix: int,
+              split: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """ATM's matching, batch-adaptive merge count (one host synchronisation) and merge in three Triton launches:
+    -> x (B, N - r, C), size (B, N - r, 1), or None when nothing merges. split: (a_idx, b_idx) or None."""
+    from . import triton_tome
+
+    return triton_tome.atm_merge(metric, x, size, threshold, num_prefix, split)
+
+
 def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, x: torch.Tensor,
                size: Optional[torch.Tensor], r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """EViT's class attention (q, k: (B, H, N, d)), pruning of r tokens and fusion of x (B, N, C), size (B, N, 1)

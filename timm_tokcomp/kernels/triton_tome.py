@@ -1,16 +1,20 @@
-"""Fused Triton kernels of ToMe's reduction step (bipartite soft matching on the alternate split, then the
-size-weighted merge), implementing the contract of matching.bipartite_soft_matching + ops.merge_mean in two
-launches per block instead of about 16 kernels and 15 views:
+"""Fused Triton kernels of ToMe's reduction step (bipartite soft matching, then the size-weighted merge),
+implementing the contract of matching.best_matches + merge_top_r + ops.merge_mean in two launches per block
+instead of about 16 kernels and 15 views:
 
 1. `_match_and_plan_kernel`, one program per batch row: every A token's best cosine similarity to a B token
    (fp32, IEEE dot products; the lowest B index on ties), then the plan as the torch reference makes it (the r
    best-matched A tokens merge, ties to the lower index), written as index lists into an int32 workspace.
+   ATM runs it twice: matching only (with each image's count of similarities above its threshold), then, once
+   the host has the batch's merge count, the plan only.
 2. `_merge_kernel`, one program per (batch row, output token): the size-weighted mean of the output token's
    group and its size, accumulated in fp32 in a fixed order (no atomics: deterministic).
 
+A and B are the alternate positions, or the positions a size-distinctive split lists (ATM's late blocks).
 Set TRITON_INTERPRET=1 before importing this module to run the kernels on the CPU (fp32 / fp16 only).
 """
-from typing import Optional, Tuple
+import math
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -19,13 +23,21 @@ import triton.language as tl
 from ..measure import kernel_launch
 
 # workspace row (int32): node_max (float32 bits) [n_a] | node_idx [n_a] | rank [n_a] | kept A [n_a - r] |
-# merged A sorted by (destination, index) [r] | per-B offsets into that list [n_b + 1]
+# merged A sorted by (destination, index) [r] | per-B offsets into that list [n_b + 1] | count above threshold [1]
 
 
 @triton.jit
-def _load_rows(base, first, idx, mask, stride_n, stride_d, dcols, dmask):
-    """fp32 rows first + 2 * idx of the metric, each divided by its L2 norm: (BLOCK, BLOCK_D)."""
-    rows = tl.load(base + (first + 2 * idx)[:, None] * stride_n + dcols[None, :] * stride_d,
+def _positions(pos_row, first, idx, mask, num_prefix, HAS_SPLIT: tl.constexpr):
+    """Token positions of the A (or B) tokens idx: listed in pos_row (after the prefix), or first + 2 * idx."""
+    if HAS_SPLIT:
+        return num_prefix + tl.load(pos_row + idx, mask=mask, other=0).to(tl.int32)
+    return first + 2 * idx
+
+
+@triton.jit
+def _load_rows(base, positions, mask, stride_n, stride_d, dcols, dmask):
+    """fp32 rows of the metric at positions, each divided by its L2 norm: (BLOCK, BLOCK_D)."""
+    rows = tl.load(base + positions[:, None] * stride_n + dcols[None, :] * stride_d,
                    mask=mask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     norm = tl.sqrt(tl.sum(rows * rows, axis=1))
     return rows / tl.where(mask, norm, 1.0)[:, None]
@@ -33,15 +45,18 @@ def _load_rows(base, first, idx, mask, stride_n, stride_d, dcols, dmask):
 
 @triton.jit
 def _match_and_plan_kernel(
-    METRIC, WS,
-    n_a, n_b, r, D, W,
-    stride_mb, stride_mn, stride_md,
-    a_first, b_first,
+    METRIC, WS, A_POS, B_POS,
+    n_a, n_b, r, D, W, num_prefix,
+    stride_mb, stride_mn, stride_md, stride_pos_a, stride_pos_b,
+    a_first, b_first, threshold,
+    MATCH: tl.constexpr, PLAN: tl.constexpr, HAS_SPLIT: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     base = METRIC + b * stride_mb
     ws = WS + b * W
+    a_pos_row = A_POS + b * stride_pos_a
+    b_pos_row = B_POS + b * stride_pos_b
     node_max_ptr = ws
     node_idx_ptr = ws + n_a
     rank_ptr = ws + 2 * n_a
@@ -52,28 +67,41 @@ def _match_and_plan_kernel(
     dcols = tl.arange(0, BLOCK_D)
     dmask = dcols < D
 
-    # 1. best match of every A token among the B tokens
-    for a0 in range(0, n_a, BLOCK):
-        ai = a0 + lane
-        amask = ai < n_a
-        a = _load_rows(base, a_first, ai, amask, stride_mn, stride_md, dcols, dmask)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_idx = tl.zeros([BLOCK], tl.int32)
-        for b0 in range(0, n_b, BLOCK):
-            bj = b0 + lane
-            bmask = bj < n_b
-            bt = _load_rows(base, b_first, bj, bmask, stride_mn, stride_md, dcols, dmask)
-            sim = tl.dot(a, tl.trans(bt), input_precision="ieee")
-            sim = tl.where(bmask[None, :], sim, float("-inf"))
-            tile_max = tl.max(sim, axis=1)
-            tile_idx = tl.argmax(sim, axis=1, tie_break_left=True).to(tl.int32) + b0
-            better = tile_max > best  # strict: an earlier tile keeps its tie
-            best = tl.where(better, tile_max, best)
-            best_idx = tl.where(better, tile_idx, best_idx)
-        tl.store(node_max_ptr + ai, best.to(tl.int32, bitcast=True), mask=amask)
-        tl.store(node_idx_ptr + ai, best_idx, mask=amask)
-    tl.debug_barrier()
+    # 1. best match of every A token among the B tokens (and how many exceed the threshold)
+    if MATCH:
+        above = tl.zeros([], tl.int32)
+        for a0 in range(0, n_a, BLOCK):
+            ai = a0 + lane
+            amask = ai < n_a
+            a_at = _positions(a_pos_row, a_first, ai, amask, num_prefix, HAS_SPLIT)
+            a = _load_rows(base, a_at, amask, stride_mn, stride_md, dcols, dmask)
+            best = tl.full([BLOCK], float("-inf"), tl.float32)
+            best_idx = tl.zeros([BLOCK], tl.int32)
+            for b0 in range(0, n_b, BLOCK):
+                bj = b0 + lane
+                bmask = bj < n_b
+                b_at = _positions(b_pos_row, b_first, bj, bmask, num_prefix, HAS_SPLIT)
+                bt = _load_rows(base, b_at, bmask, stride_mn, stride_md, dcols, dmask)
+                sim = tl.dot(a, tl.trans(bt), input_precision="ieee")
+                sim = tl.where(bmask[None, :], sim, float("-inf"))
+                tile_max = tl.max(sim, axis=1)
+                tile_idx = tl.argmax(sim, axis=1, tie_break_left=True).to(tl.int32) + b0
+                better = tile_max > best  # strict: an earlier tile keeps its tie
+                best = tl.where(better, tile_max, best)
+                best_idx = tl.where(better, tile_idx, best_idx)
+            tl.store(node_max_ptr + ai, best.to(tl.int32, bitcast=True), mask=amask)
+            tl.store(node_idx_ptr + ai, best_idx, mask=amask)
+            above += tl.sum((amask & (best > threshold)).to(tl.int32), axis=0)
+        tl.store(ws + W - 1, above)
+        tl.debug_barrier()
+    if PLAN:
+        _plan(node_max_ptr, node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_ptr, n_a, n_b, r, lane, BLOCK)
 
+
+@triton.jit
+def _plan(node_max_ptr, node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_ptr, n_a, n_b, r, lane,
+          BLOCK: tl.constexpr):
+    """The merge plan of r merges from the best matches, as index lists (see the workspace layout)."""
     # 2. rank of every A token by best similarity, descending, ties to the lower index (a stable sort)
     for i0 in range(0, n_a, BLOCK):
         ii = i0 + lane
@@ -123,17 +151,19 @@ def _match_and_plan_kernel(
 
 @triton.jit
 def _merge_kernel(
-    X, SIZE, WS, Y, SIZE_OUT,
+    X, SIZE, WS, Y, SIZE_OUT, A_POS, B_POS,
     C, n_a, r, W, num_prefix, a_first, b_first,
     stride_xb, stride_xn, stride_xc,
     stride_sb, stride_sn,
     stride_yb, stride_yn, stride_yc,
-    stride_ob, stride_on,
-    HAS_SIZE: tl.constexpr, BLOCK_C: tl.constexpr,
+    stride_ob, stride_on, stride_pos_a, stride_pos_b,
+    HAS_SIZE: tl.constexpr, HAS_SPLIT: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
     ws = WS + b * W
+    a_pos_row = A_POS + b * stride_pos_a
+    b_pos_row = B_POS + b * stride_pos_b
     kept_ptr = ws + 3 * n_a
     merged_ptr = kept_ptr + (n_a - r)
     offsets_ptr = merged_ptr + r
@@ -142,7 +172,9 @@ def _merge_kernel(
     in_b = g >= num_prefix + num_kept
     j = g - num_prefix - num_kept  # B index of an output in the B part
     kept = tl.load(kept_ptr + (g - num_prefix), mask=in_a, other=0)
-    token = tl.where(in_b, b_first + 2 * j, tl.where(in_a, a_first + 2 * kept, g))
+    a_token = _positions(a_pos_row, a_first, kept, in_a, num_prefix, HAS_SPLIT)
+    b_token = _positions(b_pos_row, b_first, j, in_b, num_prefix, HAS_SPLIT)
+    token = tl.where(in_b, b_token, tl.where(in_a, a_token, g))
     start = tl.load(offsets_ptr + j, mask=in_b, other=0)
     end = tl.load(offsets_ptr + j + 1, mask=in_b, other=0)
 
@@ -156,7 +188,7 @@ def _merge_kernel(
     acc = tl.load(x_row + token * stride_xn + cols * stride_xc, mask=cmask, other=0.0).to(tl.float32) * total
     k = start
     while k < end:  # the A tokens merged into this B token (a while loop: loaded bounds)
-        t = a_first + 2 * tl.load(merged_ptr + k)
+        t = _positions(a_pos_row, a_first, tl.load(merged_ptr + k), k < end, num_prefix, HAS_SPLIT)
         s = tl.full([], 1.0, tl.float32)
         if HAS_SIZE:
             s = tl.load(s_row + t * stride_sn).to(tl.float32)
@@ -167,32 +199,76 @@ def _merge_kernel(
     tl.store(SIZE_OUT + b * stride_ob + g * stride_on, total.to(SIZE_OUT.dtype.element_ty))
 
 
-def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int,
-               num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """ToMe's reduction step on the alternate split: metric (B, N, D), x (B, N, C), size (B, N, 1) or None
-    (all ones), 0 < r <= max_merges(N, num_prefix) -> x (B, N - r, C), size (B, N - r, 1) in x's dtype, in
-    merge_mean's order (prefix tokens, kept A tokens, B tokens)."""
-    B, N, C = x.shape
-    D = metric.shape[-1]
-    n = N - num_prefix
+class _Layout(NamedTuple):
+    n_a: int
+    n_b: int
+    a_first: int  # position of the first A / B token on the alternate split
+    b_first: int
+    width: int  # of a workspace row
+
+
+def _layout(num_tokens: int, num_prefix: int) -> _Layout:
+    n = num_tokens - num_prefix
     a_start = num_prefix % 2
     n_a = (n - a_start + 1) // 2
-    n_b = n - n_a
-    a_first, b_first = num_prefix + a_start, num_prefix + 1 - a_start
-    width = 4 * n_a + n_b + 1
-    ws = torch.empty(B, width, dtype=torch.int32, device=x.device)
-    with kernel_launch("tome_match_and_plan", macs=B * n_a * n_b * D):
+    return _Layout(n_a, n - n_a, num_prefix + a_start, num_prefix + 1 - a_start, 4 * n_a + (n - n_a) + 2)
+
+
+def _match_and_plan(metric: torch.Tensor, ws: torch.Tensor, lay: _Layout, r: int, num_prefix: int,
+                    split: Optional[Tuple[torch.Tensor, torch.Tensor]], threshold: float, match: bool, plan: bool,
+                    name: str) -> None:
+    B, _, D = metric.shape
+    a_pos, b_pos = split if split is not None else (ws, ws)  # placeholders never read without a split
+    with kernel_launch(name, macs=B * lay.n_a * lay.n_b * D if match else 0):
         _match_and_plan_kernel[(B,)](
-            metric, ws, n_a, n_b, r, D, width, *metric.stride(), a_first, b_first,
+            metric, ws, a_pos, b_pos, lay.n_a, lay.n_b, r, D, lay.width, num_prefix,
+            *metric.stride(), a_pos.stride(0), b_pos.stride(0), lay.a_first, lay.b_first, threshold,
+            MATCH=match, PLAN=plan, HAS_SPLIT=split is not None,
             BLOCK=32, BLOCK_D=max(16, triton.next_power_of_2(D)),
         )
+
+
+def _merge(ws: torch.Tensor, lay: _Layout, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
+           split: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    B, N, C = x.shape
     y = torch.empty(B, N - r, C, dtype=x.dtype, device=x.device)
     size_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)
     s = size if size is not None else size_out  # a placeholder never read when HAS_SIZE is False
+    a_pos, b_pos = split if split is not None else (ws, ws)
     with kernel_launch("tome_merge", macs=0):
         _merge_kernel[(B, N - r)](
-            x, s, ws, y, size_out, C, n_a, r, width, num_prefix, a_first, b_first,
+            x, s, ws, y, size_out, a_pos, b_pos, C, lay.n_a, r, lay.width, num_prefix, lay.a_first, lay.b_first,
             *x.stride(), s.stride(0), s.stride(1), *y.stride(), size_out.stride(0), size_out.stride(1),
-            HAS_SIZE=size is not None, BLOCK_C=triton.next_power_of_2(C),
+            a_pos.stride(0), b_pos.stride(0),
+            HAS_SIZE=size is not None, HAS_SPLIT=split is not None, BLOCK_C=triton.next_power_of_2(C),
         )
     return y, size_out
+
+
+def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
+               split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """ToMe's reduction step: metric (B, N, D), x (B, N, C), size (B, N, 1) or None (all ones),
+    0 < r <= max_merges(N, num_prefix), split (a_idx, b_idx) from matching.size_distinctive_split or None (the
+    alternate split) -> x (B, N - r, C), size (B, N - r, 1) in x's dtype, in merge_mean's order (prefix tokens,
+    kept A tokens, B tokens)."""
+    lay = _layout(x.shape[1], num_prefix)
+    ws = torch.empty(x.shape[0], lay.width, dtype=torch.int32, device=x.device)
+    _match_and_plan(metric, ws, lay, r, num_prefix, split, 0.0, True, True, "tome_match_and_plan")
+    return _merge(ws, lay, x, size, r, num_prefix, split)
+
+
+def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], threshold: float, num_prefix: int,
+              split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+              ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """ATM's reduction step, as tome_merge with r = the batch-adaptive count of best similarities above threshold
+    (matching.batch_adaptive_r, at most max_merges): one host synchronisation, for that count. None when r = 0.
+    B >= 1."""
+    B = x.shape[0]
+    lay = _layout(x.shape[1], num_prefix)
+    ws = torch.empty(B, lay.width, dtype=torch.int32, device=x.device)
+    _match_and_plan(metric, ws, lay, 0, num_prefix, split, threshold, True, False, "tome_match")
+    r = min(math.floor(int(ws[:, -1].sum()) / B + 0.5), (x.shape[1] - num_prefix) // 2)
+    if r <= 0:
+        return None
+    _match_and_plan(metric, ws, lay, r, num_prefix, split, threshold, False, True, "tome_plan")
+    return _merge(ws, lay, x, size, r, num_prefix, split)

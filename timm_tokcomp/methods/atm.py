@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .. import kernels
 from ..matching import MergePlan, batch_adaptive_r, best_matches, count_above, max_merges, merge_top_r, size_distinctive_split
 from ..schedules import BlockCost
 from .base import TokenReducer, warn_if_compiling
@@ -123,6 +124,9 @@ class ATM(TokenReducer):
 
     Through apply() / set_params(), `preset` (one of PRESETS, default 'lossless', chosen per model by
     embedding width) fills in whichever of alpha, beta, theta_min is not given.
+
+    kernel: 'torch' (default), 'triton' or 'auto', as for ToMe: the Triton path matches, counts and merges in
+    three launches per merging block with one host synchronisation (the batch's merge count).
     """
 
     name = "atm"
@@ -137,8 +141,10 @@ class ATM(TokenReducer):
         prop_attn: Optional[bool] = None,
         trace_source: bool = False,
         prefix_only_last_block: Optional[bool] = None,
+        kernel: str = "torch",
     ) -> None:
         super().__init__(prop_attn, trace_source, prefix_only_last_block)
+        self.kernel = kernels.check_kernel(kernel)
         self.alpha = _check_real("alpha", alpha)
         self.beta = _check_real("beta", beta, low=0.0)
         self.theta_min = _check_real("theta_min", theta_min)
@@ -209,3 +215,12 @@ class ATM(TokenReducer):
         warn_if_compiling(self.name)
         r = min(batch_adaptive_r(count_above(node_max, step.threshold)), cap)
         return merge_top_r(node_max, node_idx, r, num_prefix, split) if r > 0 else None
+
+    def reduce_fused(self, metric, x, size, source, step, num_prefix):
+        if source is not None or x.shape[0] == 0 or not kernels.use_triton(self.kernel, x):
+            return None
+        if max_merges(x.shape[1], num_prefix) == 0:
+            return x, size, source
+        split = size_distinctive_split(size, num_prefix) if step.size_split and size is not None else None
+        merged = kernels.atm_merge(metric, x, size, step.threshold, num_prefix, split)
+        return (x, size, source) if merged is None else (*merged, None)
