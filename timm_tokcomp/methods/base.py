@@ -5,6 +5,8 @@ A method is driven by the patched model in three steps per forward:
   settings = reducer.block_settings(L, N, num_prefix, cost)   # once: what each block does (None: nothing)
   metric = reducer.metric(q, k, ...)                           # inside attention of an active block
   plan = reducer.plan(metric, settings[l], num_prefix, size)   # after attention; None: no reduction
+and then reducer.reduce(plan, x, size, source, setting) carries the plan out. A method with fused kernels
+(ToMe, EViT, ATM with kernel='triton') does plan and reduce in one reducer.reduce_fused call where it can.
 """
 import inspect
 import math
