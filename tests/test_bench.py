@@ -133,7 +133,7 @@ def test_method_items_choose_a_kernel():
     assert method_spec("dense_tome_r1@torch") == ("dense_tome", {"r": 1, "kernel": "torch"})
     assert parse_methods("tome_r8,tome_r8@triton") == ["none", "tome_r8", "tome_r8@triton"]
     assert method_spec("evit_r8@auto") == ("evit", {"r": 8, "kernel": "auto"})
-    with pytest.raises(ValueError, match=r"topk has no kernel choice \('@<kernel>' is for tome, evit, dense_tome\)"):
+    with pytest.raises(ValueError, match=r"topk has no kernel choice \('@<kernel>' is for tome, evit, atm, dense_tome\)"):
         method_spec("topk_k70@triton")
     with pytest.raises(ValueError, match="must be one of auto, torch, triton"):
         parse_methods("tome_r8@cuda")
