@@ -16,8 +16,11 @@ def kernels(dtype):
                                (False, True, False), (False, True, True)):
         pos = "*i64" if split else "*i32"  # a size-distinctive split's index lists, or the workspace as placeholder
         yield (triton_tome._match_and_plan_kernel,
-               {"METRIC": ptr, "WS": "*i32", "A_POS": pos, "B_POS": pos, "threshold": "fp32"},
-               {"MATCH": match, "PLAN": plan, "HAS_SPLIT": split, "BLOCK": 32, "BLOCK_D": 64})
+               {"METRIC": ptr, "WS": "*i32", "A_POS": pos, "B_POS": pos, "GROUPS": "*i32", "threshold": "fp32"},
+               {"MATCH": match, "PLAN": plan, "HAS_SPLIT": split, "GROUP_LISTS": False, "BLOCK": 32, "BLOCK_D": 64})
+    yield (triton_tome._match_and_plan_kernel,  # the dense variant's groups
+           {"METRIC": ptr, "WS": "*i32", "A_POS": "*i32", "B_POS": "*i32", "GROUPS": "*i32", "threshold": "fp32"},
+           {"MATCH": True, "PLAN": True, "HAS_SPLIT": False, "GROUP_LISTS": True, "BLOCK": 32, "BLOCK_D": 64})
     for has_size in (True, False):
         for split in (True, False):
             pos = "*i64" if split else "*i32"

@@ -13,7 +13,7 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp import ops
-from timm_tokcomp.kernels import triton_evit, triton_tome
+from timm_tokcomp.kernels import triton_dense, triton_evit, triton_tome
 from timm_tokcomp.matching import (attentive_pruning, batch_adaptive_r, best_matches, bipartite_soft_matching,
                                    class_attention, count_above, merge_top_r, size_distinctive_split)
 from timm_tokcomp.measure import OpCounter, count_macs
@@ -127,6 +127,37 @@ def test_fused_step_on_a_size_distinctive_split(batch, tokens, num_prefix, r, di
     got_x, got_size = triton_tome.tome_merge(metric, x, size, r, num_prefix, split)
     torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_size, want_size, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch, tokens, num_prefix, r, dim, channels", CASES)
+def test_dense_groups_match_group_index(batch, tokens, num_prefix, r, dim, channels):
+    """The dense variant's groups from the matching kernel: every token's group as ops.group_index gives it, and
+    member lists that hold each group's tokens (its B token first) for the merge kernel."""
+    metric, x, _ = _inputs(batch, tokens, dim, channels, seed=3)
+    want_group, num_groups = ops.group_index(bipartite_soft_matching(metric, r, num_prefix), tokens)
+    group, order, starts = triton_tome.tome_groups(metric, r, num_prefix)
+    assert torch.equal(group.long(), want_group) and starts.shape == (batch, num_groups + 1)
+    assert torch.equal(starts[:, -1], torch.full((batch,), tokens, dtype=torch.int32))
+    for b in range(batch):
+        for g in range(num_groups):
+            members = order[b, starts[b, g]:starts[b, g + 1]].long()
+            assert torch.equal(members.sort().values, (want_group[b] == g).nonzero()[:, 0])
+    ln = torch.nn.LayerNorm(channels)
+    torch.testing.assert_close(triton_dense.merge(x, group, num_groups, ln.weight, ln.bias, ln.eps, (order, starts)),
+                               ops.group_mean(ln(x), want_group, num_groups), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("variant", ["cls", "distilled", "registers", "avgpool_noclass"])
+def test_dense_model_with_triton_groups_matches_torch(variant):
+    model = timm_tokcomp.apply(make_model(variant).eval(), "dense_tome", k=12, kernel="torch")
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        want = model(x)
+        timm_tokcomp.set_params(model, kernel="triton")
+        with OpCounter() as launched:
+            got = model(x)
+    assert launched.counts["triton.tome_match_and_group"] == len(model.blocks)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("threshold", [-1.0, 0.1, 0.3, 2.0])
@@ -269,6 +300,19 @@ def test_deit_tiny_atm_counts_on_real_images():
     assert fused.total <= 1.5 * plain_ops.total
 
 
+def test_deit_tiny_dense_tome_counts():
+    """dense_tome r1 (32 merges per block): torch path 874 ops, Triton path 418 (1.25x plain)."""
+    plain_ops = _ops(timm.create_model("deit_tiny_patch16_224").eval(), torch.randn(2, 3, 224, 224))
+    model = timm.create_model("deit_tiny_patch16_224.dense_tome_r1").eval()
+    x = torch.randn(2, 3, 224, 224)
+    torch_macs = count_macs(model, x)
+    timm_tokcomp.set_params(model, kernel="triton")
+    fused = _ops(model, x)
+    print(plain_ops.total, fused.total)
+    assert fused.host_syncs == 0 and fused.total <= 1.3 * plain_ops.total
+    assert count_macs(model, x) == torch_macs
+
+
 def test_deit_tiny_evit_r8_counts_and_macs():
     """As above for EViT r8. Measured: torch path 864, Triton path 395 (1.18x plain)."""
     plain_ops = _ops(timm.create_model("deit_tiny_patch16_224").eval(), torch.randn(2, 3, 224, 224))
@@ -316,4 +360,4 @@ def test_kernels_compile_for_real_gpus(arch):
     done = subprocess.run([sys.executable, str(script), str(arch)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("cubin") == 3 * 17
+    assert done.stdout.count("cubin") == 3 * 18

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import kernels
-from .matching import gather_tokens
+from .matching import gather_tokens, max_merges
 from .methods.base import TokenReducer
 from .ops import group_index, unmerge
 from .schedules import BlockCost
@@ -132,17 +132,30 @@ class DenseBlock(Block):
         reducer, setting, num_prefix = self._tokcomp_reducer, self._tokcomp_setting, self._tokcomp_num_prefix
         h, metric = self.attn.forward_reduce(self.norm1(x), None, reducer if setting is not None else None)
         x = x + self.drop_path1(self.ls1(h))
-        plan = reducer.plan(metric, setting, num_prefix, None) if metric is not None else None
-        if plan is None:
+        groups = None if metric is None else self._groups(x, metric, reducer, setting, num_prefix)
+        if groups is None:
             return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        group, num_groups = group_index(plan, x.shape[1])
+        group, num_groups, members = groups
         backend = kernels.resolve_backend(reducer.kernel, x)
-        y = self.mlp(kernels.merge_normed(x, self.norm2, group, num_groups, backend))
+        y = self.mlp(kernels.merge_normed(x, self.norm2, group, num_groups, backend, members))
         fusable_scale = isinstance(self.ls2, nn.Identity) or (isinstance(self.ls2, LayerScale) and not self.ls2.inplace)
         if fusable_scale and (isinstance(self.drop_path2, nn.Identity) or not self.training):
             gamma = self.ls2.gamma if isinstance(self.ls2, LayerScale) else None
             return kernels.unmerge_add(x, y, group, gamma, backend)
         return x + self.drop_path2(self.ls2(unmerge(y, group)))
+
+    @staticmethod
+    def _groups(x: torch.Tensor, metric: torch.Tensor, reducer: TokenReducer, setting: Any, num_prefix: int):
+        """(group (B, N), number of groups, members for the merge kernel or None), or None when nothing merges.
+        The Triton path matches and lists the groups in one launch; the torch path plans, then indexes."""
+        if kernels.use_triton(reducer.kernel, x):
+            r = min(setting, max_merges(x.shape[1], num_prefix))
+            if r <= 0:
+                return None
+            group, *members = kernels.tome_groups(metric, r, num_prefix)
+            return group, x.shape[1] - r, tuple(members)
+        plan = reducer.plan(metric, setting, num_prefix, None)
+        return None if plan is None else (*group_index(plan, x.shape[1]), None)
 
 
 class _DenseViT:

@@ -44,16 +44,18 @@ def resolve_backend(kernel: str, x: torch.Tensor) -> str:
     return kernel
 
 
-def merge_normed(x: torch.Tensor, norm: nn.Module, group: torch.Tensor, num_groups: int, backend: str) -> torch.Tensor:
+def merge_normed(x: torch.Tensor, norm: nn.Module, group: torch.Tensor, num_groups: int, backend: str,
+                 members: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """Group means of norm(x): x (B, N, C), group (B, N) -> (B, M, C). The Triton path fuses an affine
-    nn.LayerNorm into the merge; other norms run first in torch."""
+    nn.LayerNorm into the merge; other norms run first in torch. members: the groups' member lists from
+    tome_groups (Triton path), or None."""
     if backend == "torch":
         return ops.group_mean(norm(x), group, num_groups)
     from . import triton_dense
 
     if isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and norm.bias is not None:
-        return triton_dense.merge(x, group, num_groups, norm.weight, norm.bias, norm.eps)
-    return triton_dense.merge(norm(x), group, num_groups)
+        return triton_dense.merge(x, group, num_groups, norm.weight, norm.bias, norm.eps, members)
+    return triton_dense.merge(norm(x), group, num_groups, members=members)
 
 
 def unmerge_add(x: torch.Tensor, y: torch.Tensor, group: torch.Tensor, gamma: Optional[torch.Tensor],
@@ -73,6 +75,14 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
     from . import triton_tome
 
     return triton_tome.tome_merge(metric, x, size, r, num_prefix)
+
+
+def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ToMe's matching of r merges on metric (B, N, D) as the dense variant's groups, in one Triton launch:
+    group (B, N) (as ops.group_index), and the members (order (B, N), starts (B, N - r + 1)) merge_normed takes."""
+    from . import triton_tome
+
+    return triton_tome.tome_groups(metric, r, num_prefix)
 
 
 def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], threshold: float, num_prefix: int,

@@ -4,7 +4,7 @@ fixed (destination-sorted) order and accumulates in fp32; no atomics.
 
 Set TRITON_INTERPRET=1 before importing this module to run the kernels on the CPU (fp32 / fp16 only).
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -16,7 +16,7 @@ from ..measure import kernel_launch
 @triton.jit
 def _merge_kernel(
     X, Y, W, BIAS, ORDER, OFFSETS,
-    N, M, C,
+    N, M, C, stride_order_b, stride_offsets_b,
     stride_xb, stride_xn, stride_xc,
     stride_yb, stride_ym, stride_yc,
     eps,
@@ -25,14 +25,14 @@ def _merge_kernel(
     """One program per (batch row, group): mean over the group's tokens of LayerNorm(x) (or of x)."""
     b = tl.program_id(0)
     m = tl.program_id(1)
-    start = tl.load(OFFSETS + b * (M + 1) + m)
-    end = tl.load(OFFSETS + b * (M + 1) + m + 1)
+    start = tl.load(OFFSETS + b * stride_offsets_b + m)
+    end = tl.load(OFFSETS + b * stride_offsets_b + m + 1)
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     i = start
     while i < end:  # a while loop: older Triton interpreters cannot take loaded values as range() bounds
-        n = tl.load(ORDER + b * N + i)
+        n = tl.load(ORDER + b * stride_order_b + i)
         row = tl.load(X + b * stride_xb + n * stride_xn + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
         if HAS_NORM:
             mean = tl.sum(row, axis=0) / C
@@ -51,7 +51,7 @@ def _merge_kernel(
 @triton.jit
 def _unmerge_add_kernel(
     X, Y, GROUP, GAMMA, OUT,
-    N, C,
+    N, C, stride_group_b,
     stride_xb, stride_xn, stride_xc,
     stride_yb, stride_ym, stride_yc,
     stride_ob, stride_on, stride_oc,
@@ -60,7 +60,7 @@ def _unmerge_add_kernel(
     """One program per (batch row, token): out = x + gamma * y[group], in fp32, one rounding."""
     b = tl.program_id(0)
     n = tl.program_id(1)
-    g = tl.load(GROUP + b * N + n)
+    g = tl.load(GROUP + b * stride_group_b + n)
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
     x = tl.load(X + b * stride_xb + n * stride_xn + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
@@ -86,18 +86,21 @@ def merge(
     norm_weight: Optional[torch.Tensor] = None,
     norm_bias: Optional[torch.Tensor] = None,
     eps: float = 1e-5,
+    members: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """x (B, N, C), group (B, N) -> (B, M, C): group means of LayerNorm(x) when norm_weight / norm_bias
-    are given (fused), else of x. Any strides; output contiguous in x's dtype."""
+    are given (fused), else of x. members: (order (B, N), starts (B, M + 1)) int32 with unit column stride, the
+    tokens grouped and where each group begins (triton_tome.tome_groups); None: sorted from group here. Any
+    strides; output contiguous in x's dtype."""
     B, N, C = x.shape
-    order, offsets = _sorted_members(group, num_groups)
+    order, offsets = members if members is not None else _sorted_members(group, num_groups)
     y = torch.empty(B, num_groups, C, dtype=x.dtype, device=x.device)
     has_norm = norm_weight is not None
     w = norm_weight if has_norm else x  # placeholders are never read when HAS_NORM is False
     bias = norm_bias if has_norm else x
     with kernel_launch("dense_merge", macs=0):
         _merge_kernel[(B, num_groups)](
-            x, y, w, bias, order, offsets, N, num_groups, C,
+            x, y, w, bias, order, offsets, N, num_groups, C, order.stride(0), offsets.stride(0),
             *x.stride(), *y.stride(), eps,
             HAS_NORM=has_norm, BLOCK_C=triton.next_power_of_2(C),
         )
@@ -108,9 +111,11 @@ def unmerge_add(x: torch.Tensor, y: torch.Tensor, group: torch.Tensor, gamma: Op
     """x (B, N, C) + gamma (C,) * y (B, M, C)[group (B, N)] in one pass; output contiguous in x's dtype."""
     B, N, C = x.shape
     out = torch.empty(B, N, C, dtype=x.dtype, device=x.device)
+    if group.dtype != torch.int32 or group.stride(1) != 1:
+        group = group.to(torch.int32).contiguous()
     with kernel_launch("dense_unmerge_add", macs=0):
         _unmerge_add_kernel[(B, N)](
-            x, y, group.to(torch.int32).contiguous(), gamma if gamma is not None else x, out, N, C,
+            x, y, group, gamma if gamma is not None else x, out, N, C, group.stride(0),
             *x.stride(), *y.stride(), *out.stride(),
             HAS_GAMMA=gamma is not None, BLOCK_C=triton.next_power_of_2(C),
         )

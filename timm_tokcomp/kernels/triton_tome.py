@@ -45,11 +45,11 @@ def _load_rows(base, positions, mask, stride_n, stride_d, dcols, dmask):
 
 @triton.jit
 def _match_and_plan_kernel(
-    METRIC, WS, A_POS, B_POS,
-    n_a, n_b, r, D, W, num_prefix,
+    METRIC, WS, A_POS, B_POS, GROUPS,
+    n_a, n_b, r, D, W, num_prefix, groups_width,
     stride_mb, stride_mn, stride_md, stride_pos_a, stride_pos_b,
     a_first, b_first, threshold,
-    MATCH: tl.constexpr, PLAN: tl.constexpr, HAS_SPLIT: tl.constexpr,
+    MATCH: tl.constexpr, PLAN: tl.constexpr, HAS_SPLIT: tl.constexpr, GROUP_LISTS: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -95,13 +95,30 @@ def _match_and_plan_kernel(
         tl.store(ws + W - 1, above)
         tl.debug_barrier()
     if PLAN:
-        _plan(node_max_ptr, node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_ptr, n_a, n_b, r, lane, BLOCK)
+        _plan(node_max_ptr, node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_ptr, n_a, n_b, r, lane,
+              GROUPS + b * groups_width, a_pos_row, b_pos_row, a_first, b_first, num_prefix,
+              HAS_SPLIT, GROUP_LISTS, BLOCK)
 
 
 @triton.jit
 def _plan(node_max_ptr, node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_ptr, n_a, n_b, r, lane,
-          BLOCK: tl.constexpr):
-    """The merge plan of r merges from the best matches, as index lists (see the workspace layout)."""
+          groups_row, a_pos_row, b_pos_row, a_first, b_first, num_prefix,
+          HAS_SPLIT: tl.constexpr, GROUP_LISTS: tl.constexpr, BLOCK: tl.constexpr):
+    """The merge plan of r merges from the best matches, as index lists (see the workspace layout). With
+    GROUP_LISTS, also every token's group and the groups' members, as ops.group_index and the dense merge kernel
+    take them: groups_row holds group [N] | members, grouped [N] | offsets [N - r + 1] (one row of GROUPS)."""
+    num_tokens = num_prefix + n_a + n_b
+    num_kept = n_a - r
+    group_ptr = groups_row
+    order_ptr = groups_row + num_tokens
+    starts_ptr = order_ptr + num_tokens
+    if GROUP_LISTS:  # prefix tokens: groups of their own
+        for t0 in range(0, num_prefix, BLOCK):
+            tt = t0 + lane
+            tmask = tt < num_prefix
+            tl.store(group_ptr + tt, tt, mask=tmask)
+            tl.store(order_ptr + tt, tt, mask=tmask)
+            tl.store(starts_ptr + tt, tt, mask=tmask)
     # 2. rank of every A token by best similarity, descending, ties to the lower index (a stable sort)
     for i0 in range(0, n_a, BLOCK):
         ii = i0 + lane
@@ -136,6 +153,15 @@ def _plan(node_max_ptr, node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_pt
             list_pos += tl.sum((merged_j[None, :] & first).to(tl.int32), axis=1)
         tl.store(kept_ptr + (ii - merged_before), ii, mask=imask & ~merged_i)
         tl.store(merged_ptr + list_pos, ii, mask=merged_i)
+        if GROUP_LISTS:
+            a_at = _positions(a_pos_row, a_first, ii, imask, num_prefix, HAS_SPLIT)
+            kept_group = num_prefix + ii - merged_before
+            tl.store(group_ptr + a_at, tl.where(merged_i, num_prefix + num_kept + dst_i, kept_group), mask=imask)
+            # a kept token alone in its group; a merged one after its destination's B token and the merged
+            # tokens before it in (destination, index) order
+            tl.store(order_ptr + tl.where(merged_i, num_prefix + num_kept + dst_i + 1 + list_pos, kept_group), a_at,
+                     mask=imask)
+            tl.store(starts_ptr + kept_group, kept_group, mask=imask & ~merged_i)
     for j0 in range(0, n_b + 1, BLOCK):
         jj = j0 + lane
         jmask = jj < n_b + 1
@@ -147,6 +173,13 @@ def _plan(node_max_ptr, node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_pt
             dst_i = tl.load(node_idx_ptr + ii, mask=imask, other=0)
             count += tl.sum((merged_i[None, :] & (dst_i[None, :] < jj[:, None])).to(tl.int32), axis=1)
         tl.store(offsets_ptr + jj, count, mask=jmask)
+        if GROUP_LISTS:  # B token j: group num_prefix + num_kept + j, listed first in its group
+            b_group = num_prefix + num_kept + jj
+            is_b = jj < n_b
+            b_at = _positions(b_pos_row, b_first, jj, is_b, num_prefix, HAS_SPLIT)
+            tl.store(group_ptr + b_at, b_group, mask=is_b)
+            tl.store(order_ptr + b_group + count, b_at, mask=is_b)
+            tl.store(starts_ptr + b_group, b_group + count, mask=jmask)  # j = n_b: the end, num_tokens
 
 
 @triton.jit
@@ -216,14 +249,15 @@ def _layout(num_tokens: int, num_prefix: int) -> _Layout:
 
 def _match_and_plan(metric: torch.Tensor, ws: torch.Tensor, lay: _Layout, r: int, num_prefix: int,
                     split: Optional[Tuple[torch.Tensor, torch.Tensor]], threshold: float, match: bool, plan: bool,
-                    name: str) -> None:
+                    name: str, groups: Optional[torch.Tensor] = None) -> None:
     B, _, D = metric.shape
     a_pos, b_pos = split if split is not None else (ws, ws)  # placeholders never read without a split
     with kernel_launch(name, macs=B * lay.n_a * lay.n_b * D if match else 0):
         _match_and_plan_kernel[(B,)](
-            metric, ws, a_pos, b_pos, lay.n_a, lay.n_b, r, D, lay.width, num_prefix,
+            metric, ws, a_pos, b_pos, groups if groups is not None else ws,
+            lay.n_a, lay.n_b, r, D, lay.width, num_prefix, groups.shape[1] if groups is not None else 0,
             *metric.stride(), a_pos.stride(0), b_pos.stride(0), lay.a_first, lay.b_first, threshold,
-            MATCH=match, PLAN=plan, HAS_SPLIT=split is not None,
+            MATCH=match, PLAN=plan, HAS_SPLIT=split is not None, GROUP_LISTS=groups is not None,
             BLOCK=32, BLOCK_D=max(16, triton.next_power_of_2(D)),
         )
 
@@ -272,3 +306,17 @@ def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor
         return None
     _match_and_plan(metric, ws, lay, r, num_prefix, split, threshold, False, True, "tome_plan")
     return _merge(ws, lay, x, size, r, num_prefix, split)
+
+
+def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ToMe's matching of r merges on metric (B, N, D) (alternate split, 0 < r <= max_merges), as the groups the
+    dense variant merges: group (B, N) int32, each token's group in merge_mean's output order (as
+    ops.group_index); order (B, N) int32, the tokens grouped, each group's B token first; starts (B, N - r + 1)
+    int32, where each group begins in order (the last entry N). One launch."""
+    B, N, _ = metric.shape
+    lay = _layout(N, num_prefix)
+    ws = torch.empty(B, lay.width, dtype=torch.int32, device=metric.device)
+    groups = torch.empty(B, 3 * N - r + 1, dtype=torch.int32, device=metric.device)
+    _match_and_plan(metric, ws, lay, r, num_prefix, None, 0.0, True, True, "tome_match_and_group", groups)
+    group, order, starts = groups.split([N, N, N - r + 1], dim=1)
+    return group, order, starts
