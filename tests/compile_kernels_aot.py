@@ -1,6 +1,7 @@
 """Compile every Triton kernel of the package to a cubin for one GPU architecture, in each dtype, without a GPU:
 `python tests/compile_kernels_aot.py 90`. Run without TRITON_INTERPRET (interpreted kernels cannot be compiled).
 Prints one line per kernel; exits non-zero on the first kernel the GPU compiler rejects."""
+import itertools
 import sys
 
 import triton
@@ -12,15 +13,19 @@ from timm_tokcomp.kernels import triton_dense, triton_evit, triton_tome
 
 def kernels(dtype):
     ptr = "*" + dtype
-    for match, plan, split in ((True, True, False), (True, True, True), (True, False, False), (True, False, True),
-                               (False, True, False), (False, True, True)):
+    # the phases one program per image runs (ToMe, ATM's matching, ATM's plan), then those of a launch per phase
+    phases = ((True, True, True), (True, False, False), (False, True, True), (False, True, False), (False, False, True))
+    for (match, rank, lists), split in itertools.product(phases, (False, True)):
         pos = "*i64" if split else "*i32"  # a size-distinctive split's index lists, or the workspace as placeholder
         yield (triton_tome._match_and_plan_kernel,
                {"METRIC": ptr, "WS": "*i32", "A_POS": pos, "B_POS": pos, "GROUPS": "*i32", "threshold": "fp32"},
-               {"MATCH": match, "PLAN": plan, "HAS_SPLIT": split, "GROUP_LISTS": False, "BLOCK": 32, "BLOCK_D": 64})
-    yield (triton_tome._match_and_plan_kernel,  # the dense variant's groups
-           {"METRIC": ptr, "WS": "*i32", "A_POS": "*i32", "B_POS": "*i32", "GROUPS": "*i32", "threshold": "fp32"},
-           {"MATCH": True, "PLAN": True, "HAS_SPLIT": False, "GROUP_LISTS": True, "BLOCK": 32, "BLOCK_D": 64})
+               {"MATCH": match, "RANK": rank, "LISTS": lists, "HAS_SPLIT": split, "GROUP_LISTS": False,
+                "BLOCK": 32, "BLOCK_D": 64})
+    for match, rank, lists in (phases[0], phases[-1]):  # the dense variant's groups
+        yield (triton_tome._match_and_plan_kernel,
+               {"METRIC": ptr, "WS": "*i32", "A_POS": "*i32", "B_POS": "*i32", "GROUPS": "*i32", "threshold": "fp32"},
+               {"MATCH": match, "RANK": rank, "LISTS": lists, "HAS_SPLIT": False, "GROUP_LISTS": True,
+                "BLOCK": 32, "BLOCK_D": 64})
     for has_size in (True, False):
         for split in (True, False):
             pos = "*i64" if split else "*i32"

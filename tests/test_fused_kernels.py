@@ -25,6 +25,8 @@ CASES = [  # (batch, tokens, prefix, r, metric dim, channels)
     (1, 11, 0, 5, 16, 20),  # no prefix, the maximum r
     (2, 198, 2, 49, 64, 32),
     (2, 70, 4, 1, 24, 1000),  # registers; channels above a power of two
+    (2, 301, 1, 40, 16, 24),  # 150 A tokens: a launch per phase, a program per tile
+    (1, 321, 1, 100, 16, 24),  # 161 B offsets: more list programs than A tiles
 ]
 
 
@@ -67,7 +69,7 @@ def _kernel_plan(metric, r, num_prefix):
     node_max, node_idx = ws[:, :n_a].view(torch.float32), ws[:, n_a:2 * n_a].long()
     kept = ws[:, 3 * n_a:4 * n_a - r].long()
     merged = ws[:, 4 * n_a - r:4 * n_a].long()
-    offsets = ws[:, 4 * n_a:-1].long()
+    offsets = ws[:, 4 * n_a:4 * n_a + lay.n_b + 1].long()
     return node_max, node_idx, kept, merged, offsets
 
 
@@ -97,6 +99,20 @@ def test_plan_on_exact_ties_follows_the_reference_rules():
         got_x, got_size = triton_tome.tome_merge(metric, x, None, r, num_prefix)
         torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-6)
         assert torch.equal(got_size, want_size)
+
+
+@pytest.mark.parametrize("tokens, launches", [(197, ["tome_match_and_plan"]),
+                                              (301, ["tome_match_and_plan.match", "tome_match_and_plan.rank",
+                                                     "tome_match_and_plan.lists"])])
+def test_matching_launches_per_image_or_per_tile(tokens, launches):
+    """Up to 4 tiles of A tokens one program per image runs every phase; above, each phase is a launch of a
+    program per tile (the 301-token case of CASES checks those launches' plan against the reference)."""
+    metric, x, _ = _inputs(2, tokens, 16, 8)
+    with OpCounter() as launched:
+        triton_tome.tome_merge(metric, x, None, 16, 1)
+    assert {k: n for k, n in launched.counts.items() if k.startswith("triton.tome_match")} == {
+        f"triton.{name}": 1 for name in launches}
+    assert triton_tome._layout(tokens, 1).programs == (1 if tokens == 197 else 5)
 
 
 @pytest.mark.parametrize("variant", ["cls", "distilled", "registers", "avgpool_noclass", "layerscale_qknorm"])
@@ -162,14 +178,15 @@ def test_dense_model_with_triton_groups_matches_torch(variant):
 
 @pytest.mark.parametrize("threshold", [-1.0, 0.1, 0.3, 2.0])
 @pytest.mark.parametrize("split", [False, True])
-def test_atm_step_matches_reference(threshold, split):
+@pytest.mark.parametrize("tokens", [61, 301])  # one program per image; a launch per phase (counts per program)
+def test_atm_step_matches_reference(threshold, split, tokens):
     """The batch-adaptive count (mean of the images' counts above the threshold, rounded half up, capped) and the
     merge it gives, on both splits; None where nothing merges."""
-    metric, x, size = _inputs(3, 61, 16, 24, seed=4)
+    metric, x, size = _inputs(3, tokens, 16, 24, seed=4)
     size = size.round()
     sp = size_distinctive_split(size, 1) if split else None
     node_max, node_idx = best_matches(metric, 1, sp)
-    r = min(batch_adaptive_r(count_above(node_max, threshold)), 30)
+    r = min(batch_adaptive_r(count_above(node_max, threshold)), (tokens - 1) // 2)
     got = triton_tome.atm_merge(metric, x, size, threshold, 1, sp)
     if r == 0:
         assert got is None
@@ -360,4 +377,4 @@ def test_kernels_compile_for_real_gpus(arch):
     done = subprocess.run([sys.executable, str(script), str(arch)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("cubin") == 3 * 18
+    assert done.stdout.count("cubin") == 3 * 23

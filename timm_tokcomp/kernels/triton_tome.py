@@ -1,12 +1,14 @@
 """Fused Triton kernels of ToMe's reduction step (bipartite soft matching, then the size-weighted merge),
 implementing the contract of matching.best_matches + merge_top_r + ops.merge_mean in two launches per block
-instead of about 16 kernels and 15 views:
+(four above MATCH_TILES_IN_ONE_PROGRAM tiles of A tokens) instead of about 16 kernels and 15 views:
 
-1. `_match_and_plan_kernel`, one program per batch row: every A token's best cosine similarity to a B token
-   (fp32, IEEE dot products; the lowest B index on ties), then the plan as the torch reference makes it (the r
+1. `_match_and_plan_kernel`: every A token's best cosine similarity to a B token (fp32, IEEE dot products; the
+   lowest B index on ties), each A token's rank by it, then the plan as the torch reference makes it (the r
    best-matched A tokens merge, ties to the lower index), written as index lists into an int32 workspace.
-   ATM runs it twice: matching only (with each image's count of similarities above its threshold), then, once
-   the host has the batch's merge count, the plan only.
+   Up to MATCH_TILES_IN_ONE_PROGRAM tiles of A tokens (224 px ViTs), one program per batch row runs all three
+   phases; above that (larger images, where one program per image would leave most of the GPU idle) each phase
+   is a launch of one program per (batch row, tile). ATM launches the matching alone (with each image's count of
+   similarities above its threshold), then, once the host has the batch's merge count, the rest.
 2. `_merge_kernel`, one program per (batch row, output token): the size-weighted mean of the output token's
    group and its size, accumulated in fp32 in a fixed order (no atomics: deterministic).
 
@@ -23,7 +25,10 @@ import triton.language as tl
 from ..measure import kernel_launch
 
 # workspace row (int32): node_max (float32 bits) [n_a] | node_idx [n_a] | rank [n_a] | kept A [n_a - r] |
-# merged A sorted by (destination, index) [r] | per-B offsets into that list [n_b + 1] | count above threshold [1]
+# merged A sorted by (destination, index) [r] | per-B offsets into that list [n_b + 1] |
+# count above threshold, per matching program [programs]
+BLOCK = 32  # tokens per tile
+MATCH_TILES_IN_ONE_PROGRAM = 4  # up to n_a = 128 (DeiT at 224 px: 98), one program per image runs every phase
 
 
 @triton.jit
@@ -49,10 +54,13 @@ def _match_and_plan_kernel(
     n_a, n_b, r, D, W, num_prefix, groups_width,
     stride_mb, stride_mn, stride_md, stride_pos_a, stride_pos_b,
     a_first, b_first, threshold,
-    MATCH: tl.constexpr, PLAN: tl.constexpr, HAS_SPLIT: tl.constexpr, GROUP_LISTS: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    MATCH: tl.constexpr, RANK: tl.constexpr, LISTS: tl.constexpr, HAS_SPLIT: tl.constexpr,
+    GROUP_LISTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """Grid (batch, programs): program p of a row runs tiles p, p + programs, ... of each phase it is given."""
     b = tl.program_id(0)
+    p = tl.program_id(1)
+    step = tl.num_programs(1) * BLOCK
     base = METRIC + b * stride_mb
     ws = WS + b * W
     a_pos_row = A_POS + b * stride_pos_a
@@ -63,6 +71,7 @@ def _match_and_plan_kernel(
     kept_ptr = ws + 3 * n_a
     merged_ptr = kept_ptr + (n_a - r)
     offsets_ptr = merged_ptr + r
+    counts_ptr = offsets_ptr + n_b + 1
     lane = tl.arange(0, BLOCK)
     dcols = tl.arange(0, BLOCK_D)
     dmask = dcols < D
@@ -70,7 +79,7 @@ def _match_and_plan_kernel(
     # 1. best match of every A token among the B tokens (and how many exceed the threshold)
     if MATCH:
         above = tl.zeros([], tl.int32)
-        for a0 in range(0, n_a, BLOCK):
+        for a0 in range(p * BLOCK, n_a, step):
             ai = a0 + lane
             amask = ai < n_a
             a_at = _positions(a_pos_row, a_first, ai, amask, num_prefix, HAS_SPLIT)
@@ -92,50 +101,51 @@ def _match_and_plan_kernel(
             tl.store(node_max_ptr + ai, best.to(tl.int32, bitcast=True), mask=amask)
             tl.store(node_idx_ptr + ai, best_idx, mask=amask)
             above += tl.sum((amask & (best > threshold)).to(tl.int32), axis=0)
-        tl.store(ws + W - 1, above)
+        tl.store(counts_ptr + p, above)
         tl.debug_barrier()
-    if PLAN:
-        _plan(node_max_ptr, node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_ptr, n_a, n_b, r, lane,
-              GROUPS + b * groups_width, a_pos_row, b_pos_row, a_first, b_first, num_prefix,
-              HAS_SPLIT, GROUP_LISTS, BLOCK)
+    # 2. rank of every A token by best similarity, descending, ties to the lower index (a stable sort)
+    if RANK:
+        for i0 in range(p * BLOCK, n_a, step):
+            ii = i0 + lane
+            imask = ii < n_a
+            vi = tl.load(node_max_ptr + ii, mask=imask, other=0).to(tl.float32, bitcast=True)
+            ahead = tl.zeros([BLOCK], tl.int32)
+            for j0 in range(0, n_a, BLOCK):
+                jj = j0 + lane
+                jmask = jj < n_a
+                vj = tl.load(node_max_ptr + jj, mask=jmask, other=0).to(tl.float32, bitcast=True)
+                before = (vj[None, :] > vi[:, None]) | ((vj[None, :] == vi[:, None]) & (jj[None, :] < ii[:, None]))
+                ahead += tl.sum((before & jmask[None, :]).to(tl.int32), axis=1)
+            tl.store(rank_ptr + ii, ahead, mask=imask)
+        tl.debug_barrier()
+    if LISTS:
+        _lists(node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_ptr, n_a, n_b, r, lane, p, step,
+               GROUPS + b * groups_width, a_pos_row, b_pos_row, a_first, b_first, num_prefix,
+               HAS_SPLIT, GROUP_LISTS, BLOCK)
 
 
 @triton.jit
-def _plan(node_max_ptr, node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_ptr, n_a, n_b, r, lane,
-          groups_row, a_pos_row, b_pos_row, a_first, b_first, num_prefix,
-          HAS_SPLIT: tl.constexpr, GROUP_LISTS: tl.constexpr, BLOCK: tl.constexpr):
-    """The merge plan of r merges from the best matches, as index lists (see the workspace layout). With
-    GROUP_LISTS, also every token's group and the groups' members, as ops.group_index and the dense merge kernel
-    take them: groups_row holds group [N] | members, grouped [N] | offsets [N - r + 1] (one row of GROUPS)."""
+def _lists(node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_ptr, n_a, n_b, r, lane, p, step,
+           groups_row, a_pos_row, b_pos_row, a_first, b_first, num_prefix,
+           HAS_SPLIT: tl.constexpr, GROUP_LISTS: tl.constexpr, BLOCK: tl.constexpr):
+    """The merge plan of r merges from the ranks, as index lists (see the workspace layout), tiles p, p + step /
+    BLOCK, ... of each list. With GROUP_LISTS, also every token's group and the groups' members, as
+    ops.group_index and the dense merge kernel take them: groups_row holds group [N] | members, grouped [N] |
+    offsets [N - r + 1] (one row of GROUPS)."""
     num_tokens = num_prefix + n_a + n_b
     num_kept = n_a - r
     group_ptr = groups_row
     order_ptr = groups_row + num_tokens
     starts_ptr = order_ptr + num_tokens
     if GROUP_LISTS:  # prefix tokens: groups of their own
-        for t0 in range(0, num_prefix, BLOCK):
+        for t0 in range(p * BLOCK, num_prefix, step):
             tt = t0 + lane
             tmask = tt < num_prefix
             tl.store(group_ptr + tt, tt, mask=tmask)
             tl.store(order_ptr + tt, tt, mask=tmask)
             tl.store(starts_ptr + tt, tt, mask=tmask)
-    # 2. rank of every A token by best similarity, descending, ties to the lower index (a stable sort)
-    for i0 in range(0, n_a, BLOCK):
-        ii = i0 + lane
-        imask = ii < n_a
-        vi = tl.load(node_max_ptr + ii, mask=imask, other=0).to(tl.float32, bitcast=True)
-        ahead = tl.zeros([BLOCK], tl.int32)
-        for j0 in range(0, n_a, BLOCK):
-            jj = j0 + lane
-            jmask = jj < n_a
-            vj = tl.load(node_max_ptr + jj, mask=jmask, other=0).to(tl.float32, bitcast=True)
-            before = (vj[None, :] > vi[:, None]) | ((vj[None, :] == vi[:, None]) & (jj[None, :] < ii[:, None]))
-            ahead += tl.sum((before & jmask[None, :]).to(tl.int32), axis=1)
-        tl.store(rank_ptr + ii, ahead, mask=imask)
-    tl.debug_barrier()
-
     # 3. kept A tokens in their order; merged A tokens sorted by (destination, index)
-    for i0 in range(0, n_a, BLOCK):
+    for i0 in range(p * BLOCK, n_a, step):
         ii = i0 + lane
         imask = ii < n_a
         merged_i = (tl.load(rank_ptr + ii, mask=imask, other=0) < r) & imask
@@ -162,7 +172,7 @@ def _plan(node_max_ptr, node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_pt
             tl.store(order_ptr + tl.where(merged_i, num_prefix + num_kept + dst_i + 1 + list_pos, kept_group), a_at,
                      mask=imask)
             tl.store(starts_ptr + kept_group, kept_group, mask=imask & ~merged_i)
-    for j0 in range(0, n_b + 1, BLOCK):
+    for j0 in range(p * BLOCK, n_b + 1, step):
         jj = j0 + lane
         jmask = jj < n_b + 1
         count = tl.zeros([BLOCK], tl.int32)
@@ -237,6 +247,7 @@ class _Layout(NamedTuple):
     n_b: int
     a_first: int  # position of the first A / B token on the alternate split
     b_first: int
+    programs: int  # per batch row and phase: 1 (every phase in one launch) or one per tile of A tokens
     width: int  # of a workspace row
 
 
@@ -244,22 +255,40 @@ def _layout(num_tokens: int, num_prefix: int) -> _Layout:
     n = num_tokens - num_prefix
     a_start = num_prefix % 2
     n_a = (n - a_start + 1) // 2
-    return _Layout(n_a, n - n_a, num_prefix + a_start, num_prefix + 1 - a_start, 4 * n_a + (n - n_a) + 2)
+    tiles = triton.cdiv(n_a, BLOCK)
+    programs = 1 if tiles <= MATCH_TILES_IN_ONE_PROGRAM else tiles
+    return _Layout(n_a, n - n_a, num_prefix + a_start, num_prefix + 1 - a_start, programs,
+                   4 * n_a + (n - n_a) + 1 + programs)
 
 
 def _match_and_plan(metric: torch.Tensor, ws: torch.Tensor, lay: _Layout, r: int, num_prefix: int,
                     split: Optional[Tuple[torch.Tensor, torch.Tensor]], threshold: float, match: bool, plan: bool,
                     name: str, groups: Optional[torch.Tensor] = None) -> None:
+    """The matching (match) and / or the plan (plan: ranks, then lists) into ws: one launch with one program per
+    batch row, or, on a layout of several programs, one launch per phase."""
     B, _, D = metric.shape
     a_pos, b_pos = split if split is not None else (ws, ws)  # placeholders never read without a split
-    with kernel_launch(name, macs=B * lay.n_a * lay.n_b * D if match else 0):
-        _match_and_plan_kernel[(B,)](
-            metric, ws, a_pos, b_pos, groups if groups is not None else ws,
-            lay.n_a, lay.n_b, r, D, lay.width, num_prefix, groups.shape[1] if groups is not None else 0,
-            *metric.stride(), a_pos.stride(0), b_pos.stride(0), lay.a_first, lay.b_first, threshold,
-            MATCH=match, PLAN=plan, HAS_SPLIT=split is not None, GROUP_LISTS=groups is not None,
-            BLOCK=32, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        )
+
+    def launch(phase_name: str, programs: int, macs: int, **phases: bool) -> None:
+        with kernel_launch(phase_name, macs=macs):
+            _match_and_plan_kernel[(B, programs)](
+                metric, ws, a_pos, b_pos, groups if groups is not None else ws,
+                lay.n_a, lay.n_b, r, D, lay.width, num_prefix, groups.shape[1] if groups is not None else 0,
+                *metric.stride(), a_pos.stride(0), b_pos.stride(0), lay.a_first, lay.b_first, threshold,
+                **phases, HAS_SPLIT=split is not None, GROUP_LISTS=groups is not None,
+                BLOCK=BLOCK, BLOCK_D=max(16, triton.next_power_of_2(D)),
+            )
+
+    macs = B * lay.n_a * lay.n_b * D if match else 0
+    if lay.programs == 1:
+        launch(name, 1, macs, MATCH=match, RANK=plan, LISTS=plan)
+        return
+    if match:
+        launch(f"{name}.match", lay.programs, macs, MATCH=True, RANK=False, LISTS=False)
+    if plan:
+        launch(f"{name}.rank", lay.programs, 0, MATCH=False, RANK=True, LISTS=False)
+        list_programs = max(lay.programs, triton.cdiv(lay.n_b + 1, BLOCK), triton.cdiv(num_prefix, BLOCK))
+        launch(f"{name}.lists", list_programs, 0, MATCH=False, RANK=False, LISTS=True)
 
 
 def _merge(ws: torch.Tensor, lay: _Layout, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
@@ -301,7 +330,7 @@ def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor
     lay = _layout(x.shape[1], num_prefix)
     ws = torch.empty(B, lay.width, dtype=torch.int32, device=x.device)
     _match_and_plan(metric, ws, lay, 0, num_prefix, split, threshold, True, False, "tome_match")
-    r = min(math.floor(int(ws[:, -1].sum()) / B + 0.5), (x.shape[1] - num_prefix) // 2)
+    r = min(math.floor(int(ws[:, -lay.programs:].sum()) / B + 0.5), (x.shape[1] - num_prefix) // 2)
     if r <= 0:
         return None
     _match_and_plan(metric, ws, lay, r, num_prefix, split, threshold, False, True, "tome_plan")
@@ -312,7 +341,7 @@ def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Te
     """ToMe's matching of r merges on metric (B, N, D) (alternate split, 0 < r <= max_merges), as the groups the
     dense variant merges: group (B, N) int32, each token's group in merge_mean's output order (as
     ops.group_index); order (B, N) int32, the tokens grouped, each group's B token first; starts (B, N - r + 1)
-    int32, where each group begins in order (the last entry N). One launch."""
+    int32, where each group begins in order (the last entry N). One launch (three on larger images)."""
     B, N, _ = metric.shape
     lay = _layout(N, num_prefix)
     ws = torch.empty(B, lay.width, dtype=torch.int32, device=metric.device)
