@@ -84,7 +84,7 @@ def test_speed_table_and_csv(tmp_path, capsys):
 
 def test_speed_compiled_mode_skips_data_dependent_methods_and_never_falls_back_silently(monkeypatch, capsys):
     # dynamo's capture with the 'eager' backend: the harness's wiring without inductor's minutes on a CPU
-    monkeypatch.setattr(speed, "_compiled", lambda m, mode: torch.compile(m, backend="eager", dynamic=False))
+    monkeypatch.setattr(speed, "_runner", lambda m, mode, x: torch.compile(m, backend="eager", dynamic=False))
     rows = speed.run_speed("deit_tiny_patch16_224", methods=["tome_r8", "tome_r16", "evit_r8", "atm", "ats_k70"],
                            batches=[2], modes=["compile"], rounds=1, show_progress=False)
     assert [r.method for r in rows] == ["none", "tome_r8", "tome_r8 limit", "tome_r16", "tome_r16 limit",
@@ -94,6 +94,8 @@ def test_speed_compiled_mode_skips_data_dependent_methods_and_never_falls_back_s
 def test_speed_errors_name_the_flag(capsys):
     assert main(["speed", "deit_tiny_patch16_224", "--modes", "cudagraph"] + FAST) == 2
     assert "--modes cudagraph needs --device cuda" in capsys.readouterr().err
+    assert main(["speed", "deit_tiny_patch16_224", "--modes", "eager,graph"] + FAST) == 2
+    assert "--modes graph needs --device cuda" in capsys.readouterr().err
     assert main(["speed", "deit_tiny_patch16_224", "--modes", "jit"] + FAST) == 2
     assert "--modes" in capsys.readouterr().err
     assert main(["speed", "deit_tiny_patch16_224", "--batches", "0"] + FAST) == 2

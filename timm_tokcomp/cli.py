@@ -438,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       f"CUDA also {SPEED_METHODS_CUDA[1:]}")
     sp.add_argument("--batches", default="1,32,64,256", help="batch sizes (default %(default)s)")
     sp.add_argument("--modes", default="eager", help="comma list of eager, compile (torch.compile), cudagraph "
-                                                     "(torch.compile mode='reduce-overhead', CUDA only); default %(default)s")
+                                                     "(torch.compile mode='reduce-overhead', CUDA only), graph (the "
+                                                     "eager forward in a CUDA graph, CUDA only); default %(default)s")
     sp.add_argument("--device", default="cpu")
     sp.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                     help="fp32, or bf16 / fp16 autocast (default %(default)s)")

@@ -1,5 +1,5 @@
 """`tokcomp speed`: how fast each method runs against the plain model and against its limit, per batch size
-and execution mode (eager, torch.compile, CUDA graphs).
+and execution mode (eager, torch.compile, torch.compile's CUDA graphs, the eager forward in a CUDA graph).
 
 A method's limit is the same blocks on the same token schedule with no matching at all: after attention each
 block keeps its first tokens and drops the others (LimitReducer). No implementation of that schedule can be
@@ -18,6 +18,7 @@ from tqdm import tqdm
 from . import apply, get_reducer, last_stats
 from .bench import BASELINE, build_base_model, check_dtype, method_spec, parse_methods, precision
 from .data import open_images
+from .graphs import GraphedForward
 from .matching import TruncatePlan
 from .measure import no_silent_eager_fallback, time_side_by_side
 from .methods.base import TokenReducer
@@ -25,7 +26,8 @@ from .outputs import replacing
 from .patch import patch
 from .schedules import BlockCost
 
-MODES = ("eager", "compile", "cudagraph")
+MODES = ("eager", "compile", "cudagraph", "graph")
+CUDA_MODES = ("cudagraph", "graph")
 DATA_DEPENDENT = ("atm", "ats")  # token counts read from the data: compiled, they would recompile per batch
 LIMIT_SUFFIX = " limit"
 
@@ -81,9 +83,13 @@ class SpeedRow:
     vs_limit: Optional[float]
 
 
-def _compiled(model: nn.Module, mode: str) -> nn.Module:
+def _runner(model: nn.Module, mode: str, x: torch.Tensor):
+    """model as the mode runs it on x: eager, torch.compile (cudagraph: mode='reduce-overhead'), or the eager
+    forward captured in a CUDA graph (graph)."""
     if mode == "eager":
         return model
+    if mode == "graph":
+        return GraphedForward(model, x)
     return torch.compile(model, dynamic=False, mode="reduce-overhead" if mode == "cudagraph" else None)
 
 
@@ -91,8 +97,8 @@ def check_modes(modes: Sequence[str], device: str) -> None:
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"--modes: each must be one of {', '.join(MODES)}, got {mode!r}")
-    if "cudagraph" in modes and torch.device(device).type != "cuda":
-        raise ValueError("--modes cudagraph needs --device cuda (CUDA graphs replay GPU work)")
+        if mode in CUDA_MODES and torch.device(device).type != "cuda":
+            raise ValueError(f"--modes {mode} needs --device cuda (CUDA graphs replay GPU work)")
 
 
 def run_speed(
@@ -111,7 +117,8 @@ def run_speed(
 ) -> List[SpeedRow]:
     """Median forward times of the plain model, every method and every method's limit, interleaved per
     (mode, batch) so that machine noise hits them alike. Data-dependent methods (ATM, ATS) run in eager
-    mode only. data: a folder of images whose first batch is timed (random inputs without it)."""
+    mode only. modes: eager, compile, cudagraph (torch.compile mode='reduce-overhead'), graph (the eager
+    forward captured in a CUDA graph, graphs.GraphedForward). data: a folder of images whose first batch is timed (random inputs without it)."""
     if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches) or not batches:
         raise ValueError(f"--batches must be integers >= 1, got {list(batches)}")
     if rounds < 1:
@@ -128,11 +135,11 @@ def run_speed(
             precision(device, dtype, tf32):
         for mode, batch in groups:
             x = inputs[:batch]
-            models = _models(base, names, x, compiled=mode != "eager")
+            models = _models(base, names, x, static=mode != "eager")
             torch._dynamo.reset()
             with no_silent_eager_fallback(len(models)):
-                compiled = {name: _compiled(m, mode) for name, m in models.items()}
-                seconds = time_side_by_side(compiled, x, rounds=rounds, warmup=1 if mode == "eager" else 3)
+                runners = {name: _runner(m, mode, x) for name, m in models.items()}
+                seconds = time_side_by_side(runners, x, rounds=rounds, warmup=1 if mode == "eager" else 3)
             rows += _rows(mode, batch, seconds)
             bar.update(1)
     return rows
@@ -147,12 +154,13 @@ def _inputs(data: Optional[str], cfg: Dict, count: int, device: str) -> torch.Te
     return torch.stack([dataset[i][0] for i in range(count)]).to(device)
 
 
-def _models(base: nn.Module, names: Sequence[str], x: torch.Tensor, compiled: bool) -> Dict[str, nn.Module]:
-    """plain, then each method followed by its limit (the token schedule its forward on x ran)."""
+def _models(base: nn.Module, names: Sequence[str], x: torch.Tensor, static: bool) -> Dict[str, nn.Module]:
+    """plain, then each method followed by its limit (the token schedule its forward on x ran); static (compiled
+    or graph modes): without the data-dependent methods."""
     models = {BASELINE: base}
     for name in names:
         method, params = method_spec(name)
-        if compiled and method in DATA_DEPENDENT:
+        if static and method in DATA_DEPENDENT:
             continue
         model = apply(copy.deepcopy(base), method, **params)
         models[name] = model

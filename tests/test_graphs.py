@@ -1,0 +1,62 @@
+"""The CUDA-graph path (timm_tokcomp.graphs): what decides capturability is checked on the CPU; the capture
+itself and its replays run where CUDA is available."""
+import time
+
+import pytest
+import timm
+import torch
+
+import timm_tokcomp
+from timm_tokcomp.graphs import GraphedForward, check_capturable, host_syncs
+from conftest import make_model
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+@pytest.mark.parametrize("name", ["tome_r8", "evit_r4", "dense_tome_r1", "topk_k70", None])
+def test_fixed_count_forwards_are_capturable(name):
+    model = timm.create_model("deit_tiny_patch16_224" + (f".{name}" if name else "")).eval()
+    x = torch.randn(1, 3, 224, 224)
+    assert host_syncs(model, x) == {}
+    check_capturable(model, x)
+
+
+def test_data_dependent_counts_and_training_mode_are_refused():
+    model = timm.create_model("deit_tiny_patch16_224.atm").eval()
+    x = torch.randn(1, 3, 224, 224)
+    syncs = host_syncs(model, x)
+    assert syncs.get("aten._local_scalar_dense.default", 0) > 0
+    with pytest.raises(ValueError, match=r"waits for the device \d+ times .*\(ATM, ATS\)"):
+        check_capturable(model, x)
+    model = timm_tokcomp.apply(make_model("cls"), "tome", r=4).train()
+    with pytest.raises(ValueError, match=r"eval mode"):
+        check_capturable(model, torch.randn(1, 3, 32, 32))
+
+
+def test_capture_needs_a_cuda_example_and_a_positive_warmup():
+    model = timm_tokcomp.apply(make_model("cls").eval(), "tome", r=4)
+    with pytest.raises(ValueError, match="example must be a CUDA tensor"):
+        GraphedForward(model, torch.randn(1, 3, 32, 32))
+    with pytest.raises(ValueError, match="warmup must be an integer >= 1, got 0"):
+        GraphedForward(model, torch.randn(1, 3, 32, 32), warmup=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_graph_replays_the_eager_forward(kernel):
+    """Replays equal eager forwards on new inputs (the same kernels, so the same bits), each call returns its own
+    tensor, the capture takes well under the issue's 60 s, and other shapes are refused."""
+    model = timm.create_model("deit_small_patch16_224").cuda().eval()
+    timm_tokcomp.apply(model, "tome", r=16, kernel=kernel)
+    example = torch.randn(4, 3, 224, 224, device="cuda")
+    start = time.perf_counter()
+    graphed = GraphedForward(model, example)
+    assert time.perf_counter() - start < 60
+    with torch.no_grad():
+        for seed in range(3):
+            x = torch.randn(4, 3, 224, 224, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+            first = graphed(x)
+            torch.testing.assert_close(first, model(x), rtol=0, atol=1e-5)
+        assert graphed(x).data_ptr() != first.data_ptr()
+    with pytest.raises(ValueError, match="capture another GraphedForward"):
+        graphed(torch.randn(2, 3, 224, 224, device="cuda"))
