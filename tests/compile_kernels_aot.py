@@ -36,7 +36,7 @@ def kernels(dtype):
         yield (triton_evit._class_attention_plan_kernel, {"Q": ptr, "K": ptr, "BIAS": ptr, "WS": "*i32", "scale": "fp32"},
                {"HAS_BIAS": has_flag, "BLOCK": 64, "BLOCK_D": 64})
         yield (triton_evit._prune_fuse_kernel, {"X": ptr, "SIZE": ptr, "WS": "*i32", "Y": ptr, "SIZE_OUT": ptr},
-               {"HAS_SIZE": has_flag, "BLOCK_C": 1024})
+               {"HAS_SIZE": has_flag, "BLOCK_C": 1024, "FUSE_ROWS": 8})
     for has_norm in (True, False):
         yield (triton_dense._merge_kernel, {"X": ptr, "Y": ptr, "W": ptr, "BIAS": ptr, "ORDER": "*i32",
                                             "OFFSETS": "*i32", "eps": "fp32"}, {"HAS_NORM": has_norm, "BLOCK_C": 1024})

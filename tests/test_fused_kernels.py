@@ -218,6 +218,7 @@ EVIT_CASES = [  # (batch, heads, tokens, prefix, r, head dim, channels, attentio
     (3, 2, 50, 2, 10, 8, 40, True),  # distillation token; proportional attention
     (1, 1, 11, 1, 9, 16, 20, False),  # every patch token fused into one
     (2, 4, 70, 5, 1, 24, 1000, True),  # registers; channels above a power of two
+    (1, 2, 130, 1, 60, 16, 2100, True),  # 61 fused tokens read 2 rows at a time (wide channels)
 ]
 
 

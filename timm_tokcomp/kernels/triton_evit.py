@@ -6,7 +6,8 @@ over heads) + matching.attentive_pruning + ops.prune_fuse / prune_sum in two lau
    (descending, ties to the lower index, as a stable sort); the kept tokens in their order and the fused ones in
    rank order, with the sum of the fused tokens' attention, into a workspace.
 2. `_prune_fuse_kernel`, one program per (batch row, output token): a kept token's row and size, or for the last
-   output the attention-weighted mean of the fused tokens and the sum of their sizes (fp32, fixed order).
+   output the attention-weighted mean of the fused tokens (read 8 rows at a time) and the sum of their sizes
+   (fp32, fixed order).
 
 Set TRITON_INTERPRET=1 before importing this module to run the kernels on the CPU (fp32 / fp16 only).
 """
@@ -134,7 +135,7 @@ def _prune_fuse_kernel(
     stride_sb, stride_sn,
     stride_yb, stride_yn, stride_yc,
     stride_ob, stride_on,
-    HAS_SIZE: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, FUSE_ROWS: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -156,15 +157,20 @@ def _prune_fuse_kernel(
     total = tl.zeros([], tl.float32)
     if is_fused:
         wsum = tl.maximum(tl.load(wsum_ptr).to(tl.float32, bitcast=True), 1.1754943508222875e-38)
-        for k in range(0, num_fused):
-            i = tl.load(fused_ptr + k)
-            w = tl.load(ws + i).to(tl.float32, bitcast=True) / wsum
-            acc += tl.load(x_row + (num_prefix + i) * stride_xn + cols * stride_xc, mask=cmask, other=0.0
-                           ).to(tl.float32) * w
+        rows = tl.arange(0, FUSE_ROWS)
+        for k0 in range(0, num_fused, FUSE_ROWS):  # FUSE_ROWS fused tokens per step, their loads in parallel
+            kk = k0 + rows
+            kmask = kk < num_fused
+            i = tl.load(fused_ptr + kk, mask=kmask, other=0)
+            w = tl.load(ws + i, mask=kmask, other=0).to(tl.float32, bitcast=True) / wsum
+            tile = tl.load(x_row + (num_prefix + i)[:, None] * stride_xn + cols[None, :] * stride_xc,
+                           mask=kmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(tile * w[:, None], axis=0)
             if HAS_SIZE:
-                total += tl.load(s_row + (num_prefix + i) * stride_sn).to(tl.float32)
+                total += tl.sum(tl.load(s_row + (num_prefix + i) * stride_sn, mask=kmask, other=0.0).to(tl.float32),
+                                axis=0)
             else:
-                total += 1.0
+                total += tl.sum(kmask.to(tl.float32), axis=0)
     else:
         acc = tl.load(x_row + token * stride_xn + cols * stride_xc, mask=cmask, other=0.0).to(tl.float32)
         if HAS_SIZE:
@@ -196,10 +202,11 @@ def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tenso
     y = torch.empty(B, N - r, C, dtype=x.dtype, device=x.device)
     size_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)
     s = size if size is not None else size_out  # a placeholder never read when HAS_SIZE is False
+    block_c = triton.next_power_of_2(C)
     with kernel_launch("evit_prune_fuse", macs=0):
         _prune_fuse_kernel[(B, N - r)](
             x, s, ws, y, size_out, C, N, H, width, num_prefix, num_fused,
             *x.stride(), s.stride(0), s.stride(1), *y.stride(), size_out.stride(0), size_out.stride(1),
-            HAS_SIZE=size is not None, BLOCK_C=triton.next_power_of_2(C),
+            HAS_SIZE=size is not None, BLOCK_C=block_c, FUSE_ROWS=max(1, min(8, 8192 // block_c)),
         )
     return y, size_out
