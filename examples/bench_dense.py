@@ -131,7 +131,9 @@ def main(argv: List[str]) -> None:
 
 @torch.inference_mode()
 def block_parts(base: nn.Module, x: torch.Tensor, rs: List[int], backends: List[str], rounds: int, name: str) -> None:
-    """Time the MLP part of the first block, and merge / unmerge alone, on that block's real input."""
+    """Time the MLP part of the first block (matching included), and the matching, merge and unmerge alone, on that
+    block's real input. The merge alone is the merge kernel (triton: with the member lists the matching kernel
+    wrote; torch: the group mean)."""
     device, num_tokens = x.device, base.patch_embed.num_patches + base.num_prefix_tokens
     blk = base.blocks[0]
     h = base.norm_pre(base.patch_drop(base._pos_embed(base.patch_embed(x))))
@@ -144,21 +146,36 @@ def block_parts(base: nn.Module, x: torch.Tensor, rs: List[int], backends: List[
     peak = next((v for k, v in PEAK_GBPS.items() if k in name), None)
     itemsize = h.element_size()
     for r in rs:
-        group, m = ops.group_index(bipartite_soft_matching(metric, 32 * r, base.num_prefix_tokens), num_tokens)
+        k = 32 * r
         for backend in backends:
-            merge_s = median_time(lambda: kernels.merge_normed(h, blk.norm2, group, m, backend), device, rounds)
-            y = blk.mlp(kernels.merge_normed(h, blk.norm2, group, m, backend))
+            if backend == "triton":  # the matching kernel also lists each group's members for the merge kernel
+                def groups():
+                    group, *members = kernels.tome_groups(metric, k, base.num_prefix_tokens)
+                    return group, num_tokens - k, tuple(members)
+            else:
+                def groups():
+                    return (*ops.group_index(bipartite_soft_matching(metric, k, base.num_prefix_tokens), num_tokens),
+                            None)
+            match_s = median_time(groups, device, rounds)
+            group, m, members = groups()
+            merge_s = median_time(lambda: kernels.merge_normed(h, blk.norm2, group, m, backend, members), device, rounds)
+            y = blk.mlp(kernels.merge_normed(h, blk.norm2, group, m, backend, members))
             unmerge_s = median_time(lambda: kernels.unmerge_add(h, y, group, gamma, backend), device, rounds)
-            part_s = median_time(lambda: kernels.unmerge_add(
-                h, blk.mlp(kernels.merge_normed(h, blk.norm2, group, m, backend)), group, gamma, backend), device, rounds)
+
+            def part():
+                group, m, members = groups()
+                y = blk.mlp(kernels.merge_normed(h, blk.norm2, group, m, backend, members))
+                return kernels.unmerge_add(h, y, group, gamma, backend)
+
+            part_s = median_time(part, device, rounds)
             merge_gb = (h.numel() + y.numel()) * itemsize / 1e9  # read x, write y
             unmerge_gb = (2 * h.numel() + y.numel()) * itemsize / 1e9  # read x and y, write out
-            line = (f"r={r} {backend:<7} MLP part {1000 * part_s:7.2f} ms; merge {1000 * merge_s:6.3f} ms "
-                    f"({merge_gb / merge_s:7.1f} GB/s), unmerge {1000 * unmerge_s:6.3f} ms ({unmerge_gb / unmerge_s:7.1f} GB/s)")
+            line = (f"r={r} {backend:<7} MLP part {1000 * part_s:7.2f} ms (matching {1000 * match_s:6.3f} ms); merge "
+                    f"{1000 * merge_s:6.3f} ms ({merge_gb / merge_s:7.1f} GB/s), unmerge {1000 * unmerge_s:6.3f} ms "
+                    f"({unmerge_gb / unmerge_s:7.1f} GB/s)")
             if peak:
                 line += f"; {merge_gb / merge_s / peak:.0%} / {unmerge_gb / unmerge_s / peak:.0%} of {peak:.0f} GB/s"
             print(line)
-
 
 if __name__ == "__main__":
     main(sys.argv[1:])
