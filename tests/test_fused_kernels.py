@@ -2,6 +2,7 @@
 interpreter, on whole models, in the counters (aten ops + launches, MACs), where it falls back to torch, and compiled for
 real GPUs ahead of time (no GPU needed)."""
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -379,3 +380,24 @@ def test_kernels_compile_for_real_gpus(arch):
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("cubin") == 3 * 23
+
+
+def test_selfcheck_compares_every_step_and_fails_loudly(tmp_path, monkeypatch, capsys):
+    """`python -m timm_tokcomp.kernels.selfcheck`, the GPU check of the kernels, run here in the interpreter (fp32,
+    untimed): every step within tolerance; a step beyond it makes the exit status 1; bad dtypes are refused."""
+    from timm_tokcomp.kernels import selfcheck
+
+    out = tmp_path / "check.json"
+    assert selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--batch", "1", "--no-timing", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["step"].split(",")[0] for r in rows] == ["tome r16", "tome r256", "atm threshold 0.3", "evit r16",
+                                                       "dense k256"]
+    assert all(r["ok"] and r["max_abs_diff"] <= 1e-5 for r in rows)
+    monkeypatch.setattr(triton_tome, "tome_merge", lambda metric, x, size, r, p: ops.merge_mean(
+        x * 1.001, size, bipartite_soft_matching(metric, r, p)))  # off by about 1e-3
+    assert selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--batch", "1", "--no-timing"]) == 1
+    flagged = [line.split(",")[0] for line in capsys.readouterr().out.splitlines() if line.endswith("OFF")]
+    assert flagged == ["tome r16", "tome r256"]
+    with pytest.raises(SystemExit):
+        selfcheck.main(["--device", "cpu", "--dtypes", "fp8"])
+    assert "--dtypes: each must be one of fp32, bf16, fp16" in capsys.readouterr().err

@@ -1,0 +1,197 @@
+"""The fused kernels against the torch reference on one device, at DeiT-B's shapes, with both paths timed:
+
+    python -m timm_tokcomp.kernels.selfcheck --device cuda --dtypes fp32,bf16,fp16 [--batch 256] [--out check.json]
+
+On a GPU run it without TRITON_INTERPRET (the compiled kernels); on the CPU it needs TRITON_INTERPRET=1 and fp32
+/ fp16 (the interpreter has no bf16), and its times are the interpreter's. Each step's inputs are rounded to the
+dtype first; the reference then runs in fp32 on them, so a kernel in bf16 may differ only by its output's
+rounding. Exit status 1 when any step is off by more than its tolerance.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import ops
+from ..matching import (attentive_pruning, batch_adaptive_r, best_matches, bipartite_soft_matching, class_attention,
+                        count_above, max_merges, merge_top_r)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 4e-3}  # absolute, on outputs of magnitude about 1 to 4
+
+
+@dataclass
+class StepCheck:
+    """One reduction step in one dtype: the largest |kernel - reference| over its outputs, the tolerance, and
+    the median milliseconds of the torch path and of the kernels on the same inputs (None: not timed)."""
+
+    step: str
+    dtype: str
+    max_abs_diff: float
+    tolerance: float
+    torch_ms: Optional[float]
+    triton_ms: Optional[float]
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= self.tolerance
+
+
+def _median_ms(fn: Callable[[], object], device: torch.device, rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def _diff(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float:
+    return max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))
+
+
+def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Dict[str, Tuple[Callable, Callable, Callable]]:
+    """step name -> (kernel (), reference in fp32 (), torch path in dtype ()), each returning its outputs."""
+    from . import triton_dense, triton_evit, triton_tome
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
+
+    def sizes(n):
+        return torch.randint(1, 4, (batch, n, 1), generator=g).to(device, dtype)
+
+    steps = {}
+    for tokens, r, label in ((197, 16, "tome r16, 197 tokens"), (1025, 256, "tome r256, 1025 tokens (tiled)")):
+        metric, x, size = randn(batch, tokens, 64), randn(batch, tokens, 768), sizes(tokens)
+
+        def tome_ref(metric=metric, x=x, size=size, r=r):
+            return ops.merge_mean(x.float(), size.float(), bipartite_soft_matching(metric.float(), r, 1))
+
+        def tome_torch(metric=metric, x=x, size=size, r=r):
+            return ops.merge_mean(x, size, bipartite_soft_matching(metric, r, 1))
+
+        steps[label] = (lambda metric=metric, x=x, size=size, r=r: triton_tome.tome_merge(metric, x, size, r, 1),
+                        tome_ref, tome_torch)
+
+    metric, x, size = randn(batch, 197, 64), randn(batch, 197, 768), sizes(197)
+
+    def atm_ref(threshold=0.3):
+        node_max, node_idx = best_matches(metric.float(), 1)
+        r = min(batch_adaptive_r(count_above(node_max, threshold)), max_merges(197, 1))
+        return ops.merge_mean(x.float(), size.float(), merge_top_r(node_max, node_idx, r, 1))
+
+    def atm_torch(threshold=0.3):
+        node_max, node_idx = best_matches(metric, 1)
+        r = min(batch_adaptive_r(count_above(node_max, threshold)), max_merges(197, 1))
+        return ops.merge_mean(x, size, merge_top_r(node_max, node_idx, r, 1))
+
+    steps["atm threshold 0.3, 197 tokens"] = (lambda: triton_tome.atm_merge(metric, x, size, 0.3, 1, None), atm_ref,
+                                              atm_torch)
+
+    q, k, xe, size_e = randn(batch, 12, 197, 64), randn(batch, 12, 197, 64), randn(batch, 197, 768), sizes(197)
+    bias = size_e.log().view(batch, 1, 1, 197)
+
+    def evit_ref():
+        plan = attentive_pruning(class_attention(q.float(), k.float(), bias.float(), 0.125).mean(dim=1), 16, 1)
+        return ops.apply_plan(plan, xe.float(), size_e.float(), None)[:2]
+
+    def evit_torch():
+        plan = attentive_pruning(class_attention(q, k, bias, 0.125).mean(dim=1), 16, 1)
+        return ops.apply_plan(plan, xe, size_e, None)[:2]
+
+    steps["evit r16, 197 tokens"] = (lambda: triton_evit.evit_prune(q, k, bias, 0.125, xe, size_e, 16, 1), evit_ref,
+                                     evit_torch)
+
+    dense_batch = max(1, batch // 8)  # 512 px: 1025 tokens
+    metric_d, x_d = randn(dense_batch, 1025, 64), randn(dense_batch, 1025, 768)
+    weight, norm_bias = randn(768, scale=0.1) + 1, randn(768, scale=0.1)
+    y_d = randn(dense_batch, 1025 - 256, 768)
+
+    def dense_kernel():
+        group, *members = triton_tome.tome_groups(metric_d, 256, 1)
+        merged = triton_dense.merge(x_d, group, 1025 - 256, weight, norm_bias, 1e-6, tuple(members))
+        return merged, triton_dense.unmerge_add(x_d, y_d, group)
+
+    def dense_reference(x, metric, w, b, y):
+        group, m = ops.group_index(bipartite_soft_matching(metric, 256, 1), 1025)
+        normed = torch.nn.functional.layer_norm(x, (768,), w, b, 1e-6)
+        return ops.group_mean(normed, group, m), ops.unmerge_add(x, y, group, None)
+
+    steps[f"dense k256, 1025 tokens, batch {dense_batch}"] = (
+        dense_kernel,
+        lambda: dense_reference(x_d.float(), metric_d.float(), weight.float(), norm_bias.float(), y_d.float()),
+        lambda: dense_reference(x_d, metric_d, weight, norm_bias, y_d))
+    return steps
+
+
+@torch.inference_mode()
+def run_checks(device: str = "cuda", dtypes: Sequence[str] = ("fp32", "bf16"), batch: int = 256, rounds: int = 20,
+               time_steps: Optional[bool] = None) -> List[StepCheck]:
+    """Every step in every dtype: kernel against reference, and (time_steps, default on CUDA) both paths timed."""
+    dev = torch.device(device)
+    for name in dtypes:
+        if name not in DTYPES:
+            raise ValueError(f"--dtypes: each must be one of {', '.join(DTYPES)}, got {name!r}")
+    if batch < 1 or rounds < 1:
+        raise ValueError(f"--batch and --rounds must be >= 1, got {batch} and {rounds}")
+    time_steps = dev.type == "cuda" if time_steps is None else time_steps
+    checks = []
+    for name in dtypes:
+        for step, (kernel, reference, torch_path) in _steps(batch, DTYPES[name], dev).items():
+            diff = _diff(kernel(), reference())
+            times = (_median_ms(torch_path, dev, rounds), _median_ms(kernel, dev, rounds)) if time_steps else (None, None)
+            checks.append(StepCheck(step, name, diff, TOLERANCE[name], *times))
+    return checks
+
+
+def format_checks(checks: Sequence[StepCheck]) -> str:
+    width = max(len(c.step) for c in checks) + 2
+    lines = [f"{'step':<{width}}{'dtype':>6}{'max |diff|':>12}{'tol':>8}{'torch ms':>10}{'triton ms':>11}{'speedup':>9}"]
+    for c in checks:
+        timing = (f"{c.torch_ms:>10.3f}{c.triton_ms:>11.3f}{c.torch_ms / c.triton_ms:>8.2f}x"
+                  if c.torch_ms is not None else f"{'-':>10}{'-':>11}{'-':>9}")
+        flag = "" if c.ok else "  OFF"
+        lines.append(f"{c.step:<{width}}{c.dtype:>6}{c.max_abs_diff:>12.2e}{c.tolerance:>8.0e}{timing}{flag}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16, fp16 (default %(default)s)")
+    p.add_argument("--batch", type=int, default=256, help="images per step (dense: an eighth; default %(default)s)")
+    p.add_argument("--rounds", type=int, default=20, help="timed calls per path (median; default %(default)s)")
+    p.add_argument("--no-timing", action="store_true", help="check only")
+    p.add_argument("--out", help="also write the checks as JSON here")
+    args = p.parse_args(argv)
+    try:
+        checks = run_checks(args.device, args.dtypes.split(","), args.batch, args.rounds,
+                            False if args.no_timing else None)
+    except ValueError as err:
+        p.error(str(err))
+    name = torch.cuda.get_device_name(args.device) if torch.device(args.device).type == "cuda" else "CPU"
+    print(f"{name}, torch {torch.__version__}\n{format_checks(checks)}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump([{**asdict(c), "ok": c.ok} for c in checks], f, indent=1)
+    return 0 if all(c.ok for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
