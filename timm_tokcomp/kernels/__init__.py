@@ -71,15 +71,17 @@ def unmerge_add(x: torch.Tensor, y: torch.Tensor, group: torch.Tensor, gamma: Op
 def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int,
                num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """ToMe's bipartite matching of r merges on metric (B, N, D) and the size-weighted merge of x (B, N, C),
-    size (B, N, 1) or None, in two Triton launches: -> x (B, N - r, C), size (B, N - r, 1)."""
+    size (B, N, 1) or None, in two Triton launches (four above 128 A tokens):
+    -> x (B, N - r, C), size (B, N - r, 1)."""
     from . import triton_tome
 
     return triton_tome.tome_merge(metric, x, size, r, num_prefix)
 
 
 def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ToMe's matching of r merges on metric (B, N, D) as the dense variant's groups, in one Triton launch:
-    group (B, N) (as ops.group_index), and the members (order (B, N), starts (B, N - r + 1)) merge_normed takes."""
+    """ToMe's matching of r merges on metric (B, N, D) as the dense variant's groups, in one Triton launch (three
+    above 128 A tokens): group (B, N) (as ops.group_index), and the members (order (B, N), starts (B, N - r + 1))
+    merge_normed takes."""
     from . import triton_tome
 
     return triton_tome.tome_groups(metric, r, num_prefix)
@@ -87,8 +89,9 @@ def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Te
 
 def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], threshold: float, num_prefix: int,
               split: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """ATM's matching, batch-adaptive merge count (one host synchronisation) and merge in three Triton launches:
-    -> x (B, N - r, C), size (B, N - r, 1), or None when nothing merges. split: (a_idx, b_idx) or None."""
+    """ATM's matching, batch-adaptive merge count (one host synchronisation) and merge in three Triton launches
+    (five above 128 A tokens): -> x (B, N - r, C), size (B, N - r, 1), or None when nothing merges. split:
+    (a_idx, b_idx) or None."""
     from . import triton_tome
 
     return triton_tome.atm_merge(metric, x, size, threshold, num_prefix, split)

@@ -14,6 +14,7 @@ class TopK(ScheduledReducer):
 
     name = "topk"
     needs_class_token = True
+
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return class_attention(q, k, attn_bias, scale).mean(dim=1)
 
