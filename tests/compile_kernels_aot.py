@@ -32,9 +32,14 @@ def kernels(dtype):
             yield (triton_tome._merge_kernel,
                    {"X": ptr, "SIZE": ptr, "WS": "*i32", "Y": ptr, "SIZE_OUT": ptr, "A_POS": pos, "B_POS": pos},
                    {"HAS_SIZE": has_size, "HAS_SPLIT": split, "BLOCK_C": 1024})
-    for has_flag in (True, False):
+    evit_phases = [((True, True, True, True), bias) for bias in (True, False)]  # one program per image
+    evit_phases += [(phase, bias) for phase in ((True, False, False, False), (False, True, False, False))
+                    for bias in (True, False)] + [((False, False, True, False), False), ((False, False, False, True), False)]
+    for (stats, attn, rank, lists), has_bias in evit_phases:
         yield (triton_evit._class_attention_plan_kernel, {"Q": ptr, "K": ptr, "BIAS": ptr, "WS": "*i32", "scale": "fp32"},
-               {"HAS_BIAS": has_flag, "BLOCK": 64, "BLOCK_D": 64})
+               {"STATS": stats, "ATTN": attn, "RANK": rank, "LISTS": lists, "HAS_BIAS": has_bias, "BLOCK": 64,
+                "BLOCK_D": 64})
+    for has_flag in (True, False):
         yield (triton_evit._prune_fuse_kernel, {"X": ptr, "SIZE": ptr, "WS": "*i32", "Y": ptr, "SIZE_OUT": ptr},
                {"HAS_SIZE": has_flag, "BLOCK_C": 1024, "FUSE_ROWS": 8})
     for has_norm in (True, False):

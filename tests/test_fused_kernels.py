@@ -220,7 +220,22 @@ EVIT_CASES = [  # (batch, heads, tokens, prefix, r, head dim, channels, attentio
     (1, 1, 11, 1, 9, 16, 20, False),  # every patch token fused into one
     (2, 4, 70, 5, 1, 24, 1000, True),  # registers; channels above a power of two
     (1, 2, 130, 1, 60, 16, 2100, True),  # 61 fused tokens read 2 rows at a time (wide channels)
+    (2, 3, 301, 1, 40, 16, 24, True),  # 300 patch tokens: a launch per phase, a program per head or tile
 ]
+
+
+@pytest.mark.parametrize("tokens, launches", [(197, ["evit_class_attention_plan"]),
+                                              (301, [f"evit_class_attention_plan.{phase}"
+                                                     for phase in ("stats", "attention", "rank", "lists")])])
+def test_evit_plan_launches_per_image_or_per_tile(tokens, launches):
+    """Up to 256 patch tokens one program per image runs every phase; above, a launch per phase (the 301-token
+    case of EVIT_CASES checks their result against the reference)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, tokens, 16, generator=g) for _ in range(2))
+    with OpCounter() as launched:
+        triton_evit.evit_prune(q, k, None, 0.25, torch.randn(1, tokens, 8, generator=g), None, 8, 1)
+    assert {n: c for n, c in launched.counts.items() if n.startswith("triton.evit_class")} == {
+        f"triton.{name}": 1 for name in launches}
 
 
 @pytest.mark.parametrize("batch, heads, tokens, num_prefix, r, dim, channels, with_bias", EVIT_CASES)
@@ -379,7 +394,7 @@ def test_kernels_compile_for_real_gpus(arch):
     done = subprocess.run([sys.executable, str(script), str(arch)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("cubin") == 3 * 23
+    assert done.stdout.count("cubin") == 3 * 29
 
 
 def test_selfcheck_compares_every_step_and_fails_loudly(tmp_path, monkeypatch, capsys):
@@ -391,7 +406,7 @@ def test_selfcheck_compares_every_step_and_fails_loudly(tmp_path, monkeypatch, c
     assert selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--batch", "1", "--no-timing", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["step"].split(",")[0] for r in rows] == ["tome r16", "tome r256", "atm threshold 0.3", "evit r16",
-                                                       "dense k256"]
+                                                       "evit r64", "dense k256"]
     assert all(r["ok"] and r["max_abs_diff"] <= 1e-5 for r in rows)
     monkeypatch.setattr(triton_tome, "tome_merge", lambda metric, x, size, r, p: ops.merge_mean(
         x * 1.001, size, bipartite_soft_matching(metric, r, p)))  # off by about 1e-3

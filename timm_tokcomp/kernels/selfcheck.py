@@ -1,4 +1,5 @@
-"""The fused kernels against the torch reference on one device, at DeiT-B's shapes, with both paths timed:
+"""The fused kernels against the torch reference on one device, at DeiT-B's shapes (224 px, and 384 / 512 px
+for the tiled paths), with both paths timed:
 
     python -m timm_tokcomp.kernels.selfcheck --device cuda --dtypes fp32,bf16,fp16 [--batch 256] [--out check.json]
 
@@ -104,19 +105,21 @@ def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) 
     steps["atm threshold 0.3, 197 tokens"] = (lambda: triton_tome.atm_merge(metric, x, size, 0.3, 1, None), atm_ref,
                                               atm_torch)
 
-    q, k, xe, size_e = randn(batch, 12, 197, 64), randn(batch, 12, 197, 64), randn(batch, 197, 768), sizes(197)
-    bias = size_e.log().view(batch, 1, 1, 197)
+    for tokens, r, label in ((197, 16, "evit r16, 197 tokens"), (577, 64, "evit r64, 577 tokens (tiled)")):
+        q, k, xe, size_e = randn(batch, 12, tokens, 64), randn(batch, 12, tokens, 64), randn(batch, tokens, 768), \
+            sizes(tokens)
+        bias = size_e.log().view(batch, 1, 1, tokens)
 
-    def evit_ref():
-        plan = attentive_pruning(class_attention(q.float(), k.float(), bias.float(), 0.125).mean(dim=1), 16, 1)
-        return ops.apply_plan(plan, xe.float(), size_e.float(), None)[:2]
+        def evit_ref(q=q, k=k, xe=xe, size_e=size_e, bias=bias, r=r):
+            plan = attentive_pruning(class_attention(q.float(), k.float(), bias.float(), 0.125).mean(dim=1), r, 1)
+            return ops.apply_plan(plan, xe.float(), size_e.float(), None)[:2]
 
-    def evit_torch():
-        plan = attentive_pruning(class_attention(q, k, bias, 0.125).mean(dim=1), 16, 1)
-        return ops.apply_plan(plan, xe, size_e, None)[:2]
+        def evit_torch(q=q, k=k, xe=xe, size_e=size_e, bias=bias, r=r):
+            plan = attentive_pruning(class_attention(q, k, bias, 0.125).mean(dim=1), r, 1)
+            return ops.apply_plan(plan, xe, size_e, None)[:2]
 
-    steps["evit r16, 197 tokens"] = (lambda: triton_evit.evit_prune(q, k, bias, 0.125, xe, size_e, 16, 1), evit_ref,
-                                     evit_torch)
+        steps[label] = (lambda q=q, k=k, xe=xe, size_e=size_e, bias=bias, r=r:
+                        triton_evit.evit_prune(q, k, bias, 0.125, xe, size_e, r, 1), evit_ref, evit_torch)
 
     dense_batch = max(1, batch // 8)  # 512 px: 1025 tokens
     metric_d, x_d = randn(dense_batch, 1025, 64), randn(dense_batch, 1025, 768)

@@ -1,10 +1,12 @@
 """Fused Triton kernels of EViT's reduction step, implementing the contract of matching.class_attention (averaged
-over heads) + matching.attentive_pruning + ops.prune_fuse / prune_sum in two launches per block:
+over heads) + matching.attentive_pruning + ops.prune_fuse / prune_sum in two launches per block (five on
+larger images):
 
-1. `_class_attention_plan_kernel`, one program per batch row: the class token's softmax attention row of every
-   head (fp32, online max / sum over token tiles), averaged over heads; the rank of every non-prefix token by it
-   (descending, ties to the lower index, as a stable sort); the kept tokens in their order and the fused ones in
-   rank order, with the sum of the fused tokens' attention, into a workspace.
+1. `_class_attention_plan_kernel`: the class token's softmax attention row of every head (fp32, online max / sum
+   over token tiles), averaged over heads; the rank of every non-prefix token by it (descending, ties to the lower
+   index, as a stable sort); the kept tokens in their order and the fused ones in rank order, with the sum of the
+   fused tokens' attention, into a workspace. Up to TILES_IN_ONE_PROGRAM tiles of tokens (224 px ViTs), one
+   program per batch row runs it all; above, each phase is a launch of a program per head or per tile.
 2. `_prune_fuse_kernel`, one program per (batch row, output token): a kept token's row and size, or for the last
    output the attention-weighted mean of the fused tokens (read 8 rows at a time) and the sum of their sizes
    (fp32, fixed order).
@@ -20,7 +22,9 @@ import triton.language as tl
 from ..measure import kernel_launch
 
 # workspace row (int32): attention (float32 bits) [n] | rank [n] | kept [n - f] | fused, by rank [f] |
-# per-head softmax max and sum (float32 bits) [2 H] | fused attention sum (float32 bits) [1]
+# per-head softmax max and sum (float32 bits) [2 H] | fused attention sum, per list program (float32 bits) [parts]
+BLOCK = 64  # tokens per tile
+TILES_IN_ONE_PROGRAM = 4  # up to 256 patch tokens (DeiT at 224 px: 196), one program per image runs every phase
 
 
 @triton.jit
@@ -43,9 +47,14 @@ def _class_attention_plan_kernel(
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_bias_b, stride_bias_n,
+    STATS: tl.constexpr, ATTN: tl.constexpr, RANK: tl.constexpr, LISTS: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """Grid (batch, programs): program p of a row runs heads / tiles p, p + programs, ... of each phase given."""
     b = tl.program_id(0)
+    p = tl.program_id(1)
+    programs = tl.num_programs(1)
+    step = programs * BLOCK
     n = N - num_prefix
     ws = WS + b * W
     attn_ptr = ws
@@ -60,77 +69,81 @@ def _class_attention_plan_kernel(
     bias_row = BIAS + b * stride_bias_b
 
     # 1. every head's softmax max and sum over all tokens (online), then the head-averaged attention
-    for h in range(H):
-        q_row = Q + b * stride_qb + h * stride_qh  # the class token: token 0
-        k_row = K + b * stride_kb + h * stride_kh
-        m = tl.full([], float("-inf"), tl.float32)
-        l = tl.zeros([], tl.float32)
-        for c0 in range(0, N, BLOCK):
-            cols = c0 + lane
-            s = _head_scores(q_row, k_row, bias_row, cols, cols < N, dcols, dmask, stride_kn, stride_kd, stride_bias_n, scale,
-                             HAS_BIAS)
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
-            m = m_new
-        tl.store(stats_ptr + 2 * h, m.to(tl.int32, bitcast=True))
-        tl.store(stats_ptr + 2 * h + 1, l.to(tl.int32, bitcast=True))
-    tl.debug_barrier()
-    for c0 in range(0, n, BLOCK):
-        cols = num_prefix + c0 + lane
-        cmask = cols < N
-        acc = tl.zeros([BLOCK], tl.float32)
-        for h in range(H):
-            q_row = Q + b * stride_qb + h * stride_qh
+    if STATS:
+        for h in range(p, H, programs):
+            q_row = Q + b * stride_qb + h * stride_qh  # the class token: token 0
             k_row = K + b * stride_kb + h * stride_kh
-            s = _head_scores(q_row, k_row, bias_row, cols, cmask, dcols, dmask, stride_kn, stride_kd, stride_bias_n, scale,
-                             HAS_BIAS)
-            m = tl.load(stats_ptr + 2 * h).to(tl.float32, bitcast=True)
-            l = tl.load(stats_ptr + 2 * h + 1).to(tl.float32, bitcast=True)
-            acc += tl.exp(s - m) / l
-        tl.store(attn_ptr + c0 + lane, (acc / H).to(tl.int32, bitcast=True), mask=cmask)
-    tl.debug_barrier()
+            m = tl.full([], float("-inf"), tl.float32)
+            l = tl.zeros([], tl.float32)
+            for c0 in range(0, N, BLOCK):
+                cols = c0 + lane
+                s = _head_scores(q_row, k_row, bias_row, cols, cols < N, dcols, dmask, stride_kn, stride_kd,
+                                 stride_bias_n, scale, HAS_BIAS)
+                m_new = tl.maximum(m, tl.max(s, axis=0))
+                l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
+                m = m_new
+            tl.store(stats_ptr + 2 * h, m.to(tl.int32, bitcast=True))
+            tl.store(stats_ptr + 2 * h + 1, l.to(tl.int32, bitcast=True))
+        tl.debug_barrier()
+    if ATTN:
+        for c0 in range(p * BLOCK, n, step):
+            cols = num_prefix + c0 + lane
+            cmask = cols < N
+            acc = tl.zeros([BLOCK], tl.float32)
+            for h in range(H):
+                q_row = Q + b * stride_qb + h * stride_qh
+                k_row = K + b * stride_kb + h * stride_kh
+                s = _head_scores(q_row, k_row, bias_row, cols, cmask, dcols, dmask, stride_kn, stride_kd,
+                                 stride_bias_n, scale, HAS_BIAS)
+                m = tl.load(stats_ptr + 2 * h).to(tl.float32, bitcast=True)
+                l = tl.load(stats_ptr + 2 * h + 1).to(tl.float32, bitcast=True)
+                acc += tl.exp(s - m) / l
+            tl.store(attn_ptr + c0 + lane, (acc / H).to(tl.int32, bitcast=True), mask=cmask)
+        tl.debug_barrier()
 
     # 2. rank by attention, descending, ties to the lower index
-    for i0 in range(0, n, BLOCK):
-        ii = i0 + lane
-        imask = ii < n
-        vi = tl.load(attn_ptr + ii, mask=imask, other=0).to(tl.float32, bitcast=True)
-        ahead = tl.zeros([BLOCK], tl.int32)
-        for j0 in range(0, n, BLOCK):
-            jj = j0 + lane
-            jmask = jj < n
-            vj = tl.load(attn_ptr + jj, mask=jmask, other=0).to(tl.float32, bitcast=True)
-            before = (vj[None, :] > vi[:, None]) | ((vj[None, :] == vi[:, None]) & (jj[None, :] < ii[:, None]))
-            ahead += tl.sum((before & jmask[None, :]).to(tl.int32), axis=1)
-        tl.store(rank_ptr + ii, ahead, mask=imask)
-    tl.debug_barrier()
+    if RANK:
+        for i0 in range(p * BLOCK, n, step):
+            ii = i0 + lane
+            imask = ii < n
+            vi = tl.load(attn_ptr + ii, mask=imask, other=0).to(tl.float32, bitcast=True)
+            ahead = tl.zeros([BLOCK], tl.int32)
+            for j0 in range(0, n, BLOCK):
+                jj = j0 + lane
+                jmask = jj < n
+                vj = tl.load(attn_ptr + jj, mask=jmask, other=0).to(tl.float32, bitcast=True)
+                before = (vj[None, :] > vi[:, None]) | ((vj[None, :] == vi[:, None]) & (jj[None, :] < ii[:, None]))
+                ahead += tl.sum((before & jmask[None, :]).to(tl.int32), axis=1)
+            tl.store(rank_ptr + ii, ahead, mask=imask)
+        tl.debug_barrier()
 
-    # 3. kept tokens in their order, fused tokens in rank order, and the fused tokens' attention sum
-    num_kept = n - num_fused
-    wsum = tl.zeros([], tl.float32)
-    for i0 in range(0, n, BLOCK):
-        ii = i0 + lane
-        imask = ii < n
-        rank_i = tl.load(rank_ptr + ii, mask=imask, other=0)
-        kept_i = (rank_i < num_kept) & imask
-        fused_i = (rank_i >= num_kept) & imask
-        kept_before = tl.zeros([BLOCK], tl.int32)
-        for j0 in range(0, n, BLOCK):
-            jj = j0 + lane
-            jmask = jj < n
-            kept_j = (tl.load(rank_ptr + jj, mask=jmask, other=0) < num_kept) & jmask
-            kept_before += tl.sum((kept_j[None, :] & (jj[None, :] < ii[:, None])).to(tl.int32), axis=1)
-        tl.store(kept_ptr + kept_before, ii, mask=kept_i)
-        tl.store(fused_ptr + (rank_i - num_kept), ii, mask=fused_i)
-        attn_i = tl.load(attn_ptr + ii, mask=imask, other=0).to(tl.float32, bitcast=True)
-        wsum += tl.sum(tl.where(fused_i, attn_i, 0.0), axis=0)
-    tl.store(wsum_ptr, wsum.to(tl.int32, bitcast=True))
+    # 3. kept tokens in their order, fused tokens in rank order, and this program's part of the fused attention sum
+    if LISTS:
+        num_kept = n - num_fused
+        wsum = tl.zeros([], tl.float32)
+        for i0 in range(p * BLOCK, n, step):
+            ii = i0 + lane
+            imask = ii < n
+            rank_i = tl.load(rank_ptr + ii, mask=imask, other=0)
+            kept_i = (rank_i < num_kept) & imask
+            fused_i = (rank_i >= num_kept) & imask
+            kept_before = tl.zeros([BLOCK], tl.int32)
+            for j0 in range(0, n, BLOCK):
+                jj = j0 + lane
+                jmask = jj < n
+                kept_j = (tl.load(rank_ptr + jj, mask=jmask, other=0) < num_kept) & jmask
+                kept_before += tl.sum((kept_j[None, :] & (jj[None, :] < ii[:, None])).to(tl.int32), axis=1)
+            tl.store(kept_ptr + kept_before, ii, mask=kept_i)
+            tl.store(fused_ptr + (rank_i - num_kept), ii, mask=fused_i)
+            attn_i = tl.load(attn_ptr + ii, mask=imask, other=0).to(tl.float32, bitcast=True)
+            wsum += tl.sum(tl.where(fused_i, attn_i, 0.0), axis=0)
+        tl.store(wsum_ptr + p, wsum.to(tl.int32, bitcast=True))
 
 
 @triton.jit
 def _prune_fuse_kernel(
     X, SIZE, WS, Y, SIZE_OUT,
-    C, N, H, W, num_prefix, num_fused,
+    C, N, H, W, num_prefix, num_fused, num_parts,
     stride_xb, stride_xn, stride_xc,
     stride_sb, stride_sn,
     stride_yb, stride_yn, stride_yc,
@@ -156,7 +169,10 @@ def _prune_fuse_kernel(
     acc = tl.zeros([BLOCK_C], tl.float32)
     total = tl.zeros([], tl.float32)
     if is_fused:
-        wsum = tl.maximum(tl.load(wsum_ptr).to(tl.float32, bitcast=True), 1.1754943508222875e-38)
+        wsum = tl.zeros([], tl.float32)
+        for part in range(0, num_parts):  # the list programs' parts, in a fixed order
+            wsum += tl.load(wsum_ptr + part).to(tl.float32, bitcast=True)
+        wsum = tl.maximum(wsum, 1.1754943508222875e-38)
         rows = tl.arange(0, FUSE_ROWS)
         for k0 in range(0, num_fused, FUSE_ROWS):  # FUSE_ROWS fused tokens per step, their loads in parallel
             kk = k0 + rows
@@ -190,22 +206,36 @@ def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tenso
     C = x.shape[-1]
     n = N - num_prefix
     num_fused = r + 1
-    width = 3 * n + 2 * H + 1
+    tiles = triton.cdiv(n, BLOCK)
+    parts = 1 if tiles <= TILES_IN_ONE_PROGRAM else tiles
+    width = 3 * n + 2 * H + parts
     ws = torch.empty(B, width, dtype=torch.int32, device=x.device)
     bias = attn_bias if attn_bias is not None else x
-    with kernel_launch("evit_class_attention_plan", macs=B * H * N * D):
-        _class_attention_plan_kernel[(B,)](
-            q, k, bias, ws, H, N, D, width, num_prefix, num_fused, scale,
-            q.stride(0), q.stride(1), q.stride(3), *k.stride(), bias.stride(0), bias.stride(-1),
-            HAS_BIAS=attn_bias is not None, BLOCK=64, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        )
+
+    def launch(name: str, programs: int, macs: int, **phases: bool) -> None:
+        reads_scores = phases["STATS"] or phases["ATTN"]  # ranking and listing never read the bias
+        with kernel_launch(name, macs=macs):
+            _class_attention_plan_kernel[(B, programs)](
+                q, k, bias, ws, H, N, D, width, num_prefix, num_fused, scale,
+                q.stride(0), q.stride(1), q.stride(3), *k.stride(), bias.stride(0), bias.stride(-1),
+                **phases, HAS_BIAS=attn_bias is not None and reads_scores, BLOCK=BLOCK,
+                BLOCK_D=max(16, triton.next_power_of_2(D)),
+            )
+
+    if parts == 1:
+        launch("evit_class_attention_plan", 1, B * H * N * D, STATS=True, ATTN=True, RANK=True, LISTS=True)
+    else:  # a launch per phase: heads, then tiles of tokens, in parallel
+        launch("evit_class_attention_plan.stats", H, B * H * N * D, STATS=True, ATTN=False, RANK=False, LISTS=False)
+        launch("evit_class_attention_plan.attention", tiles, 0, STATS=False, ATTN=True, RANK=False, LISTS=False)
+        launch("evit_class_attention_plan.rank", tiles, 0, STATS=False, ATTN=False, RANK=True, LISTS=False)
+        launch("evit_class_attention_plan.lists", tiles, 0, STATS=False, ATTN=False, RANK=False, LISTS=True)
     y = torch.empty(B, N - r, C, dtype=x.dtype, device=x.device)
     size_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)
     s = size if size is not None else size_out  # a placeholder never read when HAS_SIZE is False
     block_c = triton.next_power_of_2(C)
     with kernel_launch("evit_prune_fuse", macs=0):
         _prune_fuse_kernel[(B, N - r)](
-            x, s, ws, y, size_out, C, N, H, width, num_prefix, num_fused,
+            x, s, ws, y, size_out, C, N, H, width, num_prefix, num_fused, parts,
             *x.stride(), s.stride(0), s.stride(1), *y.stride(), size_out.stride(0), size_out.stride(1),
             HAS_SIZE=size is not None, BLOCK_C=block_c, FUSE_ROWS=max(1, min(8, 8192 // block_c)),
         )
