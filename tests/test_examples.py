@@ -83,3 +83,16 @@ def test_learned_methods_example_trains_and_compares_with_the_untrained_start(tm
     assert "| `patchmerger_k70` | untrained |" in text and "| `patchmerger_k70` | trained |" in text
     assert "pooled: trained vs untrained, top-1 +" in text and "| `dynamicvit_k70` | trained |" in text
     assert len(list((tmp_path / "out" / "photos" / "heldout").iterdir())) == 2
+
+
+def test_kernel_paths_example_compares_both_paths_image_by_image(capsys):
+    from conftest import require_data
+
+    data = require_data()
+    _load("kernel_paths_agree").main(["--checkpoint", str(data / "deit_tiny_patch16_224.safetensors"), "--data",
+                                      str(data / "imagenet-val-1300"), "--method", "evit", "--r", "8", "--limit", "2",
+                                      "--batch-size", "2"])
+    out = capsys.readouterr().out
+    assert "same top-1: 2/2" in out and "images with one above 1e-3: 0" in out
+    torch_right, triton_right = map(int, re.search(r"top-1 right: torch (\d+), triton (\d+)", out).groups())
+    assert torch_right == triton_right
