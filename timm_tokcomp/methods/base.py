@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from ..kernels import check_kernel
 from ..matching import ClusterPlan, MergePlan, PrunePlan, SoftPlan, TruncatePlan
 from ..ops import apply_plan
 from ..schedules import (NAMED_SCHEDULES, STUDY_STAGES, BlockCost, RSpec, check_keep_rate, check_stages, resolve_r,
@@ -310,6 +311,27 @@ class ScheduledReducer(RTagged, TokenReducer):
             counts.append(None if r is None else (n, max(n - r, 1)))
             n = n if r is None else max(n - r, 1)
         return counts
+
+
+class FusedScheduledReducer(ScheduledReducer):
+    """A ScheduledReducer with fused Triton kernels for its reduction step (ToMe, EViT; see reduce_fused).
+    kernel: 'torch' (default), 'triton' or 'auto' (Triton for CUDA tensors when no gradient is needed). The
+    Triton path serves inference outside torch.compile / export and without trace_source, and falls back to torch
+    elsewhere under 'auto'. It is not the default until it has been timed on a GPU."""
+
+    def __init__(
+        self,
+        r: RSpec = 0,
+        flops_ratio: Optional[float] = None,
+        keep_rate: Optional[float] = None,
+        stages: Tuple[int, ...] = STUDY_STAGES,
+        prop_attn: Optional[bool] = None,
+        trace_source: bool = False,
+        prefix_only_last_block: Optional[bool] = None,
+        kernel: str = "torch",
+    ) -> None:
+        super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
+        self.kernel = check_kernel(kernel)
 
 
 class ClusterMerging(ScheduledReducer):

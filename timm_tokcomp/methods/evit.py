@@ -1,13 +1,12 @@
 """EViT (Liang et al.) as ToCom uses it: each block removes r tokens by keeping the patch tokens the
 class token attends to most and fusing the r + 1 least attended ones into one token."""
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
 from .. import kernels
 from ..matching import PrunePlan, attentive_pruning, class_attention
-from ..schedules import STUDY_STAGES, RSpec
-from .base import ScheduledReducer
+from .base import FusedScheduledReducer
 
 
 class ClassAttentionInputs(NamedTuple):
@@ -23,31 +22,16 @@ class ClassAttentionInputs(NamedTuple):
         return class_attention(self.q, self.k, self.attn_bias, self.scale).mean(dim=1)
 
 
-class EViT(ScheduledReducer):
+class EViT(FusedScheduledReducer):
     """Metric: the class token's attention row, softmaxed and averaged over heads (computed next to
     SDPA at O(N) cost). The fused token is the attention-weighted mean of the pruned tokens and is
     an ordinary token in later blocks. Proportional attention is off unless asked.
 
-    kernel: 'torch' (default), 'triton' or 'auto', as for ToMe: the Triton path computes the class attention,
-    the plan and the fusion in two launches per block (kernels.evit_prune), for inference outside
-    torch.compile / export and without trace_source."""
+    kernel (FusedScheduledReducer): the Triton path computes the class attention, the plan and the fusion in two
+    launches per block (kernels.evit_prune)."""
 
     name = "evit"
     needs_class_token = True
-
-    def __init__(
-        self,
-        r: RSpec = 0,
-        flops_ratio: Optional[float] = None,
-        keep_rate: Optional[float] = None,
-        stages: Tuple[int, ...] = STUDY_STAGES,
-        prop_attn: Optional[bool] = None,
-        trace_source: bool = False,
-        prefix_only_last_block: Optional[bool] = None,
-        kernel: str = "torch",
-    ) -> None:
-        super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
-        self.kernel = kernels.check_kernel(kernel)
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor],
                scale: float) -> Union[torch.Tensor, ClassAttentionInputs]:

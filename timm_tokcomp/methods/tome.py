@@ -5,36 +5,19 @@ import torch
 
 from .. import kernels
 from ..matching import MergePlan, bipartite_soft_matching, max_merges
-from ..schedules import STUDY_STAGES, RSpec
-from .base import ScheduledReducer, parse_named_schedule_tag
+from .base import FusedScheduledReducer, parse_named_schedule_tag
 
 
-class ToMe(ScheduledReducer):
+class ToMe(FusedScheduledReducer):
     """Metric: keys averaged over heads (cosine similarity). Merge: size-weighted mean.
     Proportional attention is on by default, off for avg-pooled (MAE-style) models. Tags also name
     PYRA's 12-block schedules: '<name>_low', '<name>_high' (schedules.NAMED_SCHEDULES).
 
-    kernel: 'torch' (default), 'triton' or 'auto' (Triton for CUDA tensors when no gradient is needed). The
-    Triton path fuses each block's matching and merging into two launches (kernels.tome_merge); it serves
-    inference outside torch.compile / export and without trace_source, and falls back to torch elsewhere
-    under 'auto'. It is not the default until it has been timed on a GPU."""
+    kernel (FusedScheduledReducer): the Triton path fuses each block's matching and merging into two launches
+    (kernels.tome_merge)."""
 
     name = "tome"
     min_keep_rate = 0.5  # bipartite matching merges at most half of a block's tokens
-
-    def __init__(
-        self,
-        r: RSpec = 0,
-        flops_ratio: Optional[float] = None,
-        keep_rate: Optional[float] = None,
-        stages: Tuple[int, ...] = STUDY_STAGES,
-        prop_attn: Optional[bool] = None,
-        trace_source: bool = False,
-        prefix_only_last_block: Optional[bool] = None,
-        kernel: str = "torch",
-    ) -> None:
-        super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
-        self.kernel = kernels.check_kernel(kernel)
 
     @classmethod
     def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
