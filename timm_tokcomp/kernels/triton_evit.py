@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ..measure import kernel_launch
+from .triton_common import descending_rank
 
 # workspace row (int32): attention (float32 bits) [n] | rank [n] | kept [n - f] | fused, by rank [f] |
 # per-head softmax max and sum (float32 bits) [2 H] | fused attention sum, per list program (float32 bits) [parts]
@@ -106,15 +107,7 @@ def _class_attention_plan_kernel(
         for i0 in range(p * BLOCK, n, step):
             ii = i0 + lane
             imask = ii < n
-            vi = tl.load(attn_ptr + ii, mask=imask, other=0).to(tl.float32, bitcast=True)
-            ahead = tl.zeros([BLOCK], tl.int32)
-            for j0 in range(0, n, BLOCK):
-                jj = j0 + lane
-                jmask = jj < n
-                vj = tl.load(attn_ptr + jj, mask=jmask, other=0).to(tl.float32, bitcast=True)
-                before = (vj[None, :] > vi[:, None]) | ((vj[None, :] == vi[:, None]) & (jj[None, :] < ii[:, None]))
-                ahead += tl.sum((before & jmask[None, :]).to(tl.int32), axis=1)
-            tl.store(rank_ptr + ii, ahead, mask=imask)
+            tl.store(rank_ptr + ii, descending_rank(attn_ptr, ii, imask, n, lane, BLOCK), mask=imask)
         tl.debug_barrier()
 
     # 3. kept tokens in their order, fused tokens in rank order, and this program's part of the fused attention sum

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..measure import kernel_launch
+from .triton_common import descending_rank
 
 # workspace row (int32): node_max (float32 bits) [n_a] | node_idx [n_a] | rank [n_a] | kept A [n_a - r] |
 # merged A sorted by (destination, index) [r] | per-B offsets into that list [n_b + 1] |
@@ -108,15 +109,7 @@ def _match_and_plan_kernel(
         for i0 in range(p * BLOCK, n_a, step):
             ii = i0 + lane
             imask = ii < n_a
-            vi = tl.load(node_max_ptr + ii, mask=imask, other=0).to(tl.float32, bitcast=True)
-            ahead = tl.zeros([BLOCK], tl.int32)
-            for j0 in range(0, n_a, BLOCK):
-                jj = j0 + lane
-                jmask = jj < n_a
-                vj = tl.load(node_max_ptr + jj, mask=jmask, other=0).to(tl.float32, bitcast=True)
-                before = (vj[None, :] > vi[:, None]) | ((vj[None, :] == vi[:, None]) & (jj[None, :] < ii[:, None]))
-                ahead += tl.sum((before & jmask[None, :]).to(tl.int32), axis=1)
-            tl.store(rank_ptr + ii, ahead, mask=imask)
+            tl.store(rank_ptr + ii, descending_rank(node_max_ptr, ii, imask, n_a, lane, BLOCK), mask=imask)
         tl.debug_barrier()
     if LISTS:
         _lists(node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_ptr, n_a, n_b, r, lane, p, step,
