@@ -50,7 +50,8 @@ class GraphedForward:
             raise ValueError(f"example must be a CUDA tensor (CUDA graphs replay GPU work), got {example.device}")
         check_capturable(model, example)
         self.model = model
-        self.static_input = example.clone()
+        with torch.inference_mode(False):  # a normal tensor: calls may copy into it inside or outside inference mode
+            self.static_input = example.detach().clone()
         side = torch.cuda.Stream(device=example.device)
         side.wait_stream(torch.cuda.current_stream(example.device))
         with torch.no_grad(), _uncached_autocast(), torch.cuda.stream(side):
