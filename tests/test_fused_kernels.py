@@ -137,6 +137,14 @@ def test_model_with_triton_kernel_matches_torch(variant):
     _same_on_both_paths(model, torch.randn(3, 3, 32, 32), "tome_merge")
 
 
+@pytest.mark.parametrize("method, kernel_name", [("tome", "tome_merge"), ("evit", "evit_prune_fuse")])
+def test_study_protocol_reduces_after_the_mlp_on_the_triton_path(method, kernel_name):
+    """keep_rate: the reduction runs after the block's MLP, with the metric of its attention (kept until then)."""
+    model = timm_tokcomp.apply(make_model("cls").eval(), method, keep_rate=0.7, stages=(2, 3, 4))
+    _same_on_both_paths(model, torch.randn(2, 3, 32, 32), kernel_name)
+    assert timm_tokcomp.last_stats(model).tokens_per_block == [65, 45, 32, 22]
+
+
 @pytest.mark.parametrize("batch, tokens, num_prefix, r, dim, channels", CASES)
 def test_fused_step_on_a_size_distinctive_split(batch, tokens, num_prefix, r, dim, channels):
     metric, x, size = _inputs(batch, tokens, dim, channels, seed=2)
