@@ -118,7 +118,8 @@ def run_speed(
     """Median forward times of the plain model, every method and every method's limit, interleaved per
     (mode, batch) so that machine noise hits them alike. Data-dependent methods (ATM, ATS) run in eager
     mode only. modes: eager, compile, cudagraph (torch.compile mode='reduce-overhead'), graph (the eager
-    forward captured in a CUDA graph, graphs.GraphedForward). data: a folder of images whose first batch is timed (random inputs without it)."""
+    forward captured in a CUDA graph, graphs.GraphedForward). data: a folder of images whose first batch is
+    timed (random inputs without it)."""
     if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches) or not batches:
         raise ValueError(f"--batches must be integers >= 1, got {list(batches)}")
     if rounds < 1:
