@@ -13,7 +13,10 @@ import triton.language as tl
 from ..measure import kernel_launch
 
 
-@triton.jit
+# token counts (and what follows them: widths, strides, slice offsets) change per block and, for ATM, per batch:
+# not specialized, so that each kernel compiles once per set of constexprs
+@triton.jit(do_not_specialize=["N", "M", "stride_order_b", "stride_offsets_b"],
+            do_not_specialize_on_alignment=["ORDER", "OFFSETS"])
 def _merge_kernel(
     X, Y, W, BIAS, ORDER, OFFSETS,
     N, M, C, stride_order_b, stride_offsets_b,
@@ -48,7 +51,8 @@ def _merge_kernel(
     tl.store(Y + b * stride_yb + m * stride_ym + cols * stride_yc, acc.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "stride_group_b"],
+            do_not_specialize_on_alignment=["GROUP"])
 def _unmerge_add_kernel(
     X, Y, GROUP, GAMMA, OUT,
     N, C, stride_group_b,

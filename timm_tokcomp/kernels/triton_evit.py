@@ -41,7 +41,9 @@ def _head_scores(q_row, k_row, bias_row, cols, cmask, dcols, dmask, stride_kn, s
     return tl.where(cmask, s, float("-inf"))
 
 
-@triton.jit
+# token counts (and what follows them: widths, strides, slice offsets) change per block and, for ATM, per batch:
+# not specialized, so that each kernel compiles once per set of constexprs
+@triton.jit(do_not_specialize=["N", "W", "num_fused", "stride_bias_b"])
 def _class_attention_plan_kernel(
     Q, K, BIAS, WS,
     H, N, D, W, num_prefix, num_fused, scale,
@@ -133,7 +135,7 @@ def _class_attention_plan_kernel(
         tl.store(wsum_ptr + p, wsum.to(tl.int32, bitcast=True))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "W", "num_fused", "num_parts", "stride_sb", "stride_ob"])
 def _prune_fuse_kernel(
     X, SIZE, WS, Y, SIZE_OUT,
     C, N, H, W, num_prefix, num_fused, num_parts,

@@ -49,7 +49,9 @@ def _load_rows(base, positions, mask, stride_n, stride_d, dcols, dmask):
     return rows / tl.where(mask, norm, 1.0)[:, None]
 
 
-@triton.jit
+# token counts (and what follows them: widths, strides, slice offsets) change per block and, for ATM, per batch:
+# not specialized, so that each kernel compiles once per set of constexprs
+@triton.jit(do_not_specialize=["n_a", "n_b", "r", "W", "groups_width", "stride_pos_a", "stride_pos_b"])
 def _match_and_plan_kernel(
     METRIC, WS, A_POS, B_POS, GROUPS,
     n_a, n_b, r, D, W, num_prefix, groups_width,
@@ -185,7 +187,7 @@ def _lists(node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_ptr, n_a, n_b, 
             tl.store(starts_ptr + b_group, b_group + count, mask=jmask)  # j = n_b: the end, num_tokens
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_a", "r", "W", "stride_sb", "stride_ob", "stride_pos_a", "stride_pos_b"])
 def _merge_kernel(
     X, SIZE, WS, Y, SIZE_OUT, A_POS, B_POS,
     C, n_a, r, W, num_prefix, a_first, b_first,
