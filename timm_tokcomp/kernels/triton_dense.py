@@ -26,7 +26,7 @@ def _merge_kernel(
     HAS_NORM: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One program per (batch row, group): mean over the group's tokens of LayerNorm(x) (or of x)."""
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # row offsets in 64 bits: B * N * C may pass 2 ** 31
     m = tl.program_id(1)
     start = tl.load(OFFSETS + b * stride_offsets_b + m)
     end = tl.load(OFFSETS + b * stride_offsets_b + m + 1)
@@ -62,7 +62,7 @@ def _unmerge_add_kernel(
     HAS_GAMMA: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One program per (batch row, token): out = x + gamma * y[group], in fp32, one rounding."""
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # row offsets in 64 bits: B * N * C may pass 2 ** 31
     n = tl.program_id(1)
     g = tl.load(GROUP + b * stride_group_b + n)
     cols = tl.arange(0, BLOCK_C)

@@ -54,7 +54,7 @@ def _class_attention_plan_kernel(
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid (batch, programs): program p of a row runs heads / tiles p, p + programs, ... of each phase given."""
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # row offsets in 64 bits: B * N * C may pass 2 ** 31
     p = tl.program_id(1)
     programs = tl.num_programs(1)
     step = programs * BLOCK
@@ -145,7 +145,7 @@ def _prune_fuse_kernel(
     stride_ob, stride_on,
     HAS_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, FUSE_ROWS: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # row offsets in 64 bits: B * N * C may pass 2 ** 31
     g = tl.program_id(1)
     n = N - num_prefix
     ws = WS + b * W

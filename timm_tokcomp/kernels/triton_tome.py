@@ -61,7 +61,7 @@ def _match_and_plan_kernel(
     GROUP_LISTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid (batch, programs): program p of a row runs tiles p, p + programs, ... of each phase it is given."""
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # row offsets in 64 bits: B * N * C may pass 2 ** 31
     p = tl.program_id(1)
     step = tl.num_programs(1) * BLOCK
     base = METRIC + b * stride_mb
@@ -197,7 +197,7 @@ def _merge_kernel(
     stride_ob, stride_on, stride_pos_a, stride_pos_b,
     HAS_SIZE: tl.constexpr, HAS_SPLIT: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # row offsets in 64 bits: B * N * C may pass 2 ** 31
     g = tl.program_id(1)
     ws = WS + b * W
     a_pos_row = A_POS + b * stride_pos_a
