@@ -147,8 +147,9 @@ class DenseBlock(Block):
     @staticmethod
     def _groups(x: torch.Tensor, metric: torch.Tensor, reducer: TokenReducer, setting: Any, num_prefix: int):
         """(group (B, N), number of groups, members for the merge kernel or None), or None when nothing merges.
-        The Triton path matches and lists the groups in one launch (three on large images); the torch path plans, then indexes."""
-        if kernels.use_triton(reducer.kernel, x):
+        kernel='triton' matches and lists the groups in one launch (three on large images); otherwise torch plans,
+        then indexes ('auto' too: its matching in fp32 CUDA-core dots is not yet timed against torch's)."""
+        if reducer.kernel == "triton" and kernels.use_triton(reducer.kernel, x):
             r = min(setting, max_merges(x.shape[1], num_prefix))
             if r <= 0:
                 return None

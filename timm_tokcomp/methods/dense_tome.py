@@ -16,8 +16,8 @@ MERGES_PER_R = 32
 
 class DenseToMe(RTagged, TokenReducer):
     """r: the paper's compression degree, k = 32 r merges per block; k: merges per block, overriding r
-    (both clamped per block to half the non-prefix tokens); kernel: 'auto' (Triton on CUDA when no
-    gradient is needed, torch otherwise), 'triton' or 'torch'."""
+    (both clamped per block to half the non-prefix tokens); kernel: 'auto' (the Triton merge / unmerge on CUDA
+    when no gradient is needed, torch otherwise), 'triton' (the matching in Triton too) or 'torch'."""
 
     name = "dense_tome"
     dense = True
