@@ -14,7 +14,7 @@ from typing import Dict
 import torch
 from torch import nn
 
-from .measure import HOST_SYNC_OPS, OpCounter
+from .measure import OpCounter
 
 
 def host_syncs(model: nn.Module, example: torch.Tensor) -> Dict[str, int]:
@@ -22,7 +22,7 @@ def host_syncs(model: nn.Module, example: torch.Tensor) -> Dict[str, int]:
     (e.g. {'aten._local_scalar_dense.default': 10}): empty when the forward can be captured in a CUDA graph."""
     with torch.no_grad(), OpCounter() as ops:
         model(example)
-    return {op: n for op, n in ops.counts.items() if op.startswith("aten.") and op.split(".")[1] in HOST_SYNC_OPS}
+    return ops.sync_counts
 
 
 def check_capturable(model: nn.Module, example: torch.Tensor) -> None:

@@ -224,8 +224,13 @@ class OpCounter(TorchDispatchMode):
         return sum(self.counts.values())
 
     @property
+    def sync_counts(self) -> Dict[str, int]:
+        """The calls of each op that makes the host wait for the device (HOST_SYNC_OPS), by op name."""
+        return {op: n for op, n in self.counts.items() if op.startswith("aten.") and op.split(".")[1] in HOST_SYNC_OPS}
+
+    @property
     def host_syncs(self) -> int:
-        return sum(n for op, n in self.counts.items() if op.split(".")[1] in HOST_SYNC_OPS)
+        return sum(self.sync_counts.values())
 
 
 @torch.no_grad()
