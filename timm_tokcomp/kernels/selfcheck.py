@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -77,49 +78,40 @@ def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) 
     def sizes(n):
         return torch.randint(1, 4, (batch, n, 1), generator=g).to(device, dtype)
 
-    steps = {}
+    def same(t):
+        return t
+
+    def fp32(t):
+        return t.float()
+
+    def tome(cast, metric, x, size, r):
+        return ops.merge_mean(cast(x), cast(size), bipartite_soft_matching(cast(metric), r, 1))
+
+    def atm(cast, metric, x, size, threshold):
+        node_max, node_idx = best_matches(cast(metric), 1)
+        r = min(batch_adaptive_r(count_above(node_max, threshold)), max_merges(metric.shape[1], 1))
+        return ops.merge_mean(cast(x), cast(size), merge_top_r(node_max, node_idx, r, 1))
+
+    def evit(cast, q, k, x, size, bias, r):
+        plan = attentive_pruning(class_attention(cast(q), cast(k), cast(bias), 0.125).mean(dim=1), r, 1)
+        return ops.apply_plan(plan, cast(x), cast(size), None)[:2]
+
+    steps = {}  # each: (kernel, reference in fp32, torch path in the dtype), on the same inputs
     for tokens, r, label in ((197, 16, "tome r16, 197 tokens"), (1025, 256, "tome r256, 1025 tokens (tiled)")):
-        metric, x, size = randn(batch, tokens, 64), randn(batch, tokens, 768), sizes(tokens)
+        args = (randn(batch, tokens, 64), randn(batch, tokens, 768), sizes(tokens), r)
+        steps[label] = (partial(triton_tome.tome_merge, *args, 1), partial(tome, fp32, *args), partial(tome, same, *args))
 
-        def tome_ref(metric=metric, x=x, size=size, r=r):
-            return ops.merge_mean(x.float(), size.float(), bipartite_soft_matching(metric.float(), r, 1))
-
-        def tome_torch(metric=metric, x=x, size=size, r=r):
-            return ops.merge_mean(x, size, bipartite_soft_matching(metric, r, 1))
-
-        steps[label] = (lambda metric=metric, x=x, size=size, r=r: triton_tome.tome_merge(metric, x, size, r, 1),
-                        tome_ref, tome_torch)
-
-    metric, x, size = randn(batch, 197, 64), randn(batch, 197, 768), sizes(197)
-
-    def atm_ref(threshold=0.3):
-        node_max, node_idx = best_matches(metric.float(), 1)
-        r = min(batch_adaptive_r(count_above(node_max, threshold)), max_merges(197, 1))
-        return ops.merge_mean(x.float(), size.float(), merge_top_r(node_max, node_idx, r, 1))
-
-    def atm_torch(threshold=0.3):
-        node_max, node_idx = best_matches(metric, 1)
-        r = min(batch_adaptive_r(count_above(node_max, threshold)), max_merges(197, 1))
-        return ops.merge_mean(x, size, merge_top_r(node_max, node_idx, r, 1))
-
-    steps["atm threshold 0.3, 197 tokens"] = (lambda: triton_tome.atm_merge(metric, x, size, 0.3, 1, None), atm_ref,
-                                              atm_torch)
+    args = (randn(batch, 197, 64), randn(batch, 197, 768), sizes(197), 0.3)
+    steps["atm threshold 0.3, 197 tokens"] = (partial(triton_tome.atm_merge, *args, 1, None), partial(atm, fp32, *args),
+                                              partial(atm, same, *args))
 
     for tokens, r, label in ((197, 16, "evit r16, 197 tokens"), (577, 64, "evit r64, 577 tokens (tiled)")):
-        q, k, xe, size_e = randn(batch, 12, tokens, 64), randn(batch, 12, tokens, 64), randn(batch, tokens, 768), \
+        q, k, x, size = randn(batch, 12, tokens, 64), randn(batch, 12, tokens, 64), randn(batch, tokens, 768), \
             sizes(tokens)
-        bias = size_e.log().view(batch, 1, 1, tokens)
-
-        def evit_ref(q=q, k=k, xe=xe, size_e=size_e, bias=bias, r=r):
-            plan = attentive_pruning(class_attention(q.float(), k.float(), bias.float(), 0.125).mean(dim=1), r, 1)
-            return ops.apply_plan(plan, xe.float(), size_e.float(), None)[:2]
-
-        def evit_torch(q=q, k=k, xe=xe, size_e=size_e, bias=bias, r=r):
-            plan = attentive_pruning(class_attention(q, k, bias, 0.125).mean(dim=1), r, 1)
-            return ops.apply_plan(plan, xe, size_e, None)[:2]
-
-        steps[label] = (lambda q=q, k=k, xe=xe, size_e=size_e, bias=bias, r=r:
-                        triton_evit.evit_prune(q, k, bias, 0.125, xe, size_e, r, 1), evit_ref, evit_torch)
+        bias = size.log().view(batch, 1, 1, tokens)
+        args = (q, k, x, size, bias, r)
+        steps[label] = (partial(triton_evit.evit_prune, q, k, bias, 0.125, x, size, r, 1),
+                        partial(evit, fp32, *args), partial(evit, same, *args))
 
     dense_batch = max(1, batch // 8)  # 512 px: 1025 tokens
     metric_d, x_d = randn(dense_batch, 1025, 64), randn(dense_batch, 1025, 768)
@@ -131,15 +123,13 @@ def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) 
         merged = triton_dense.merge(x_d, group, 1025 - 256, weight, norm_bias, 1e-6, tuple(members))
         return merged, triton_dense.unmerge_add(x_d, y_d, group)
 
-    def dense_reference(x, metric, w, b, y):
-        group, m = ops.group_index(bipartite_soft_matching(metric, 256, 1), 1025)
-        normed = torch.nn.functional.layer_norm(x, (768,), w, b, 1e-6)
+    def dense(cast):
+        x, y = cast(x_d), cast(y_d)
+        group, m = ops.group_index(bipartite_soft_matching(cast(metric_d), 256, 1), 1025)
+        normed = torch.nn.functional.layer_norm(x, (768,), cast(weight), cast(norm_bias), 1e-6)
         return ops.group_mean(normed, group, m), ops.unmerge_add(x, y, group, None)
 
-    steps[f"dense k256, 1025 tokens, batch {dense_batch}"] = (
-        dense_kernel,
-        lambda: dense_reference(x_d.float(), metric_d.float(), weight.float(), norm_bias.float(), y_d.float()),
-        lambda: dense_reference(x_d, metric_d, weight, norm_bias, y_d))
+    steps[f"dense k256, 1025 tokens, batch {dense_batch}"] = (dense_kernel, partial(dense, fp32), partial(dense, same))
     return steps
 
 
