@@ -400,6 +400,11 @@ def test_selfcheck_compares_every_step_and_fails_loudly(tmp_path, monkeypatch, c
     out = tmp_path / "check.json"
     assert selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--batch", "1", "--no-timing", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # an earlier report is not overwritten without --overwrite
+        selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--batch", "1", "--no-timing", "--out", str(out)])
+    assert f"--out {out} already exists; pass --overwrite to replace it" in capsys.readouterr().err
+    assert json.loads(out.read_text()) == rows
     assert [r["step"].split(",")[0] for r in rows] == ["tome r16", "tome r256", "atm threshold 0.3", "evit r16",
                                                        "evit r64", "dense k256"]
     assert all(r["ok"] and r["max_abs_diff"] <= 1e-5 for r in rows)

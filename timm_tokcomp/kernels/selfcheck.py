@@ -1,7 +1,8 @@
 """The fused kernels against the torch reference on one device, at DeiT-B's shapes (224 px, and 384 / 512 px
 for the tiled paths), with both paths timed:
 
-    python -m timm_tokcomp.kernels.selfcheck --device cuda --dtypes fp32,bf16,fp16 [--batch 256] [--out check.json]
+    python -m timm_tokcomp.kernels.selfcheck --device cuda --dtypes fp32,bf16,fp16 [--batch 256]
+                                             [--out check.json [--overwrite]]
 
 On a GPU run it without TRITON_INTERPRET (the compiled kernels); on the CPU it needs TRITON_INTERPRET=1 and fp32
 / fp16 (the interpreter has no bf16), and its times are the interpreter's. Each step's inputs are rounded to the
@@ -20,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
+from ..outputs import refuse_existing, replacing
 from ..matching import (attentive_pruning, batch_adaptive_r, best_matches, bipartite_soft_matching, class_attention,
                         count_above, max_merges, merge_top_r)
 
@@ -172,16 +174,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=20, help="timed calls per path (median; default %(default)s)")
     p.add_argument("--no-timing", action="store_true", help="check only")
     p.add_argument("--out", help="also write the checks as JSON here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
     try:
+        if args.out:
+            refuse_existing(args.out, args.overwrite, "--out")  # before the checks: no work lost to a refusal
         checks = run_checks(args.device, args.dtypes.split(","), args.batch, args.rounds,
                             False if args.no_timing else None)
-    except ValueError as err:
+    except (ValueError, FileExistsError) as err:
         p.error(str(err))
     name = torch.cuda.get_device_name(args.device) if torch.device(args.device).type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}\n{format_checks(checks)}")
     if args.out:
-        with open(args.out, "w") as f:
+        with replacing(args.out) as tmp, open(tmp, "w") as f:
             json.dump([{**asdict(c), "ok": c.ok} for c in checks], f, indent=1)
     return 0 if all(c.ok for c in checks) else 1
 
