@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import kernels
+from . import attention, kernels
+from .device_table import measured
 from .matching import gather_tokens, max_merges
 from .methods.base import TokenReducer
 from .ops import group_index, unmerge
@@ -26,34 +27,43 @@ class ReducingAttention(Attention):
     """timm Attention that also returns the reducer's metric and takes an additive score bias."""
 
     def forward_reduce(
-        self, x: torch.Tensor, attn_bias: Optional[torch.Tensor], reducer: Optional[TokenReducer]
+        self, x: torch.Tensor, attn_bias: Optional[torch.Tensor], reducer: Optional[TokenReducer],
+        prop_impl: str = "mask",
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x: (B, N, C); attn_bias: (B, 1, 1, N) or None. Returns (out (B, N, C_out), metric or None)."""
+        """x: (B, N, C); attn_bias: (B, 1, 1, N) log sizes or None; prop_impl: how the bias enters SDPA
+        (attention.PROP_ATTN_IMPLS, resolved). Returns (out (B, N, C_out), metric or None)."""
         B, N, C = x.shape
         attn_dim = getattr(self, "attn_dim", C)
         gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if attn_bias is not None:
-            attn_bias = attn_bias.to(q.dtype)
-        metric = None
-        if reducer is not None:
-            metric = (reducer.metric(q, k, attn_bias, self.scale, v) if reducer.metric_reads_values
-                      else reducer.metric(q, k, attn_bias, self.scale))
-
-        if self.fused_attn:
-            x = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_bias, dropout_p=self.attn_drop.p if self.training else 0.0
-            )
+        dropout_p = self.attn_drop.p if self.training else 0.0
+        d = self.head_dim
+        if attn_bias is not None and self.fused_attn and prop_impl == "fold_qkv":
+            attn_bias = attn_bias.to(x.dtype if not torch.is_autocast_enabled(x.device.type)
+                                     else torch.get_autocast_dtype(x.device.type))
+            q, k, v = attention.folded_qkv(self, x, attn_bias)  # (B, H, N, d') views, q pre-scaled
+            metric = self._metric(reducer, q[..., :d], k[..., :d], v[..., :d], attn_bias, 1.0)
+            x = attention.padded_attention(q, k, v, d, dropout_p)
         else:
-            q = q * self.scale
-            attn = q @ k.transpose(-2, -1)
+            qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, d).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)
+            q, k = self.q_norm(q), self.k_norm(k)
             if attn_bias is not None:
-                attn = attn + attn_bias
-            attn = attn.softmax(dim=-1)
-            attn = self.attn_drop(attn)
-            x = attn @ v
+                attn_bias = attn_bias.to(q.dtype)
+            metric = self._metric(reducer, q, k, v, attn_bias, self.scale)
+            if not self.fused_attn:
+                q = q * self.scale
+                attn = q @ k.transpose(-2, -1)
+                if attn_bias is not None:
+                    attn = attn + attn_bias
+                attn = attn.softmax(dim=-1)
+                attn = self.attn_drop(attn)
+                x = attn @ v
+            elif attn_bias is None or prop_impl == "mask" or (prop_impl == "flex" and not _flex_runs(q, dropout_p)):
+                x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p)
+            elif prop_impl == "flex":
+                x = attention.flex_attention(q, k, v, attn_bias, self.scale)
+            else:  # fold, and fold_qkv on the path that runs q / k norm
+                x = attention.padded_attention(*attention.fold_qk(q, k, v, attn_bias, self.scale), d, dropout_p)
 
         x = x.transpose(1, 2).reshape(B, N, attn_dim)
         x = self.norm(x)
@@ -62,6 +72,19 @@ class ReducingAttention(Attention):
         x = self.proj(x)
         x = self.proj_drop(x)
         return x, metric
+
+    @staticmethod
+    def _metric(reducer: Optional[TokenReducer], q, k, v, attn_bias, scale: float) -> Optional[torch.Tensor]:
+        """The reducer's metric from q, k, v: (B, H, N, d), or None without a reducer."""
+        if reducer is None:
+            return None
+        return reducer.metric(q, k, attn_bias, scale, v) if reducer.metric_reads_values else \
+            reducer.metric(q, k, attn_bias, scale)
+
+
+def _flex_runs(q: torch.Tensor, dropout_p: float) -> bool:
+    """FlexAttention has no dropout, and no backward on the CPU: the float mask serves there."""
+    return dropout_p == 0 and (q.is_cuda or not (torch.is_grad_enabled() and q.requires_grad))
 
 
 class ReducingBlock(Block):
@@ -80,19 +103,20 @@ class ReducingBlock(Block):
         source: Optional[torch.Tensor],
         setting: Any,
         reducer: TokenReducer,
-        prop_attn: bool,
+        prop_attn: Union[bool, str],
         num_prefix: int,
         prefix_only: bool = False,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """x: (B, N, C), size: (B, N, 1) or None, source: (B, N, N0) or None -> the same, N' <= N tokens.
 
-        setting: the reducer's setting for this block (None: no reduction); prefix_only: keep only
+        setting: the reducer's setting for this block (None: no reduction); prop_attn: False, or how the log-size
+        bias enters attention (attention.PROP_ATTN_IMPLS, resolved); prefix_only: keep only
         the num_prefix leading tokens after attention (the last block of a class-token head). The reduction
         runs between attention and MLP, or after the MLP when reducer.reduce_after_mlp (the study protocol's
         'before the next block'); the metric is this block's either way."""
         attn_bias = size.log().view(x.shape[0], 1, 1, x.shape[1]) if prop_attn and size is not None else None
         active = setting is not None and not prefix_only
-        h, metric = self.attn.forward_reduce(self.norm1(x), attn_bias, reducer if active else None)
+        h, metric = self.attn.forward_reduce(self.norm1(x), attn_bias, reducer if active else None, prop_attn or "mask")
         x = x + self.drop_path1(self.ls1(h))
         if prefix_only:
             x = x[:, :num_prefix]
@@ -204,6 +228,14 @@ def _refuse_fx_tracing() -> None:
         raise RuntimeError(_NOT_FX_TRACEABLE)
 
 
+def _resolve_prop_attn(prop_attn: Union[bool, str], x: torch.Tensor) -> Union[bool, str]:
+    """False, or the implementation that runs on x's device and precision ('auto': the measured table's, else
+    'mask')."""
+    if prop_attn != "auto":
+        return prop_attn
+    return measured("prop_attn", x) or "mask"
+
+
 def _prefix_only_last(model: nn.Module, reducer: TokenReducer) -> bool:
     """Whether the last block keeps only the prefix tokens (see TokenReducer.prefix_only_last_block).
     Checked at every forward: the head may have been reset since the method was applied."""
@@ -223,7 +255,7 @@ class _ReducingViT:
     """Mixin over timm's VisionTransformer (and its distilled variant) running the reducing blocks."""
 
     _tokcomp_reducer: TokenReducer
-    _tokcomp_prop_attn: bool
+    _tokcomp_prop_attn: Union[bool, str]  # False, or the implementation ('auto' or one of PROP_ATTN_IMPLS)
     _tokcomp_stats: Optional[ReductionStats]
     _tokcomp_block_cost: BlockCost
     _tokcomp_pool_stats: Optional[ReductionStats]  # this call's stats while forward() runs its head
@@ -264,6 +296,7 @@ class _ReducingViT:
         source = None
         if reducer.trace_source or for_intermediates:
             source = torch.eye(x.shape[1], device=x.device, dtype=x.dtype).expand(x.shape[0], -1, -1)
+        prop_attn = _resolve_prop_attn(self._tokcomp_prop_attn, x)
         stats = ReductionStats(num_prefix=num_prefix)
         use_checkpoint = self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting()
         last = self._tokcomp_depth - 1
@@ -274,7 +307,7 @@ class _ReducingViT:
                 # size-0 padding (ATS) and tokens dropped in training (DynamicViT, size 1e-6) hold no patch
                 real = x.shape[1] if size is None else (size[..., 0] >= 0.5).sum(dim=1)
                 stats.real_tokens_per_block.append(real if torch.is_tensor(real) else torch.full((x.shape[0],), real))
-            args = (x, size, source, setting, reducer, self._tokcomp_prop_attn, num_prefix, prefix_only_last and i == last)
+            args = (x, size, source, setting, reducer, prop_attn, num_prefix, prefix_only_last and i == last)
             if use_checkpoint:
                 x, size, source = checkpoint(blk.forward_reduce, *args, use_reentrant=False)
             else:
@@ -474,6 +507,10 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
                                       model.num_prefix_tokens, block_cost)
     reducer.bind(model.embed_dim, settings)  # a learned method's parameters are made or checked here
     prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
+    prop_attn = "auto" if prop_attn is True else prop_attn  # on: the implementation measured for the device
+    if prop_attn == "fold_qkv":
+        for i, blk in enumerate(model.blocks):
+            attention.check_fold_qkv(blk.attn, f"blocks[{i}].attn")
     _swap_classes(model, ReducingBlock, _MODEL_CLASSES)
     model._tokcomp_reducer = reducer
     model._tokcomp_prop_attn = prop_attn

@@ -2,7 +2,8 @@
 (LayerNorm + group mean) and unmerge (+ LayerScale + residual): the torch reference in `matching` / `ops`
 and the fused Triton kernels in `triton_tome` / `triton_dense` (imported on first use).
 
-backend 'auto' picks Triton for CUDA tensors when no gradient is needed, torch otherwise; 'triton'
+backend 'auto' picks, for CUDA tensors when no gradient is needed, what the measured table of the device class says
+(timm_tokcomp.device_table; Triton where it has no entry), torch otherwise; 'triton'
 forces the kernels (CUDA, or any device under TRITON_INTERPRET=1), 'torch' the reference.
 """
 import os
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..device_table import measured
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -33,8 +35,8 @@ def resolve_backend(kernel: str, x: torch.Tensor) -> str:
     """'torch' or 'triton' for a tensor x. Raises ValueError when 'triton' is forced where it cannot run."""
     check_kernel(kernel)
     needs_grad = torch.is_grad_enabled() and x.requires_grad
-    if kernel == "auto":
-        return "triton" if x.is_cuda and not needs_grad else "torch"
+    if kernel == "auto":  # Triton for CUDA inference unless the device class's measured table says torch
+        return (measured("kernel", x) or "triton") if x.is_cuda and not needs_grad else "torch"
     if kernel == "triton":
         if needs_grad:
             raise ValueError("kernel='triton' is inference-only (no backward); use kernel='auto' or 'torch' to train")

@@ -17,7 +17,7 @@ import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -138,7 +138,7 @@ class ATM(TokenReducer):
         beta: float,
         theta_min: float,
         split_layer: Optional[int] = None,
-        prop_attn: Optional[bool] = None,
+        prop_attn: Union[bool, str, None] = None,
         trace_source: bool = False,
         prefix_only_last_block: Optional[bool] = None,
         kernel: str = "torch",

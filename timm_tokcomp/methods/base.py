@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from ..attention import check_prop_attn
 from ..kernels import check_kernel
 from ..matching import ClusterPlan, MergePlan, PrunePlan, SoftPlan, TruncatePlan
 from ..ops import apply_plan
@@ -65,7 +66,9 @@ def _check_bool(name: str, value: Any) -> None:
 class TokenReducer(ABC):
     """Parameters every method takes.
 
-    prop_attn: add log(token size) to the attention scores; None picks the method's default.
+    prop_attn: add log(token size) to the attention scores; None picks the method's default. True (or 'auto') uses
+        the implementation measured fastest for the device (timm_tokcomp.device_table; 'mask' where unmeasured);
+        'mask', 'fold', 'fold_qkv' or 'flex' name one (timm_tokcomp.attention; all give the same result).
     trace_source: keep a (B, N, N0) map of the original patches each token holds.
     prefix_only_last_block: in the last block keep only the prefix tokens after attention, so its MLP
         runs on those alone. Exact when the head reads only the class (and distillation) token
@@ -86,11 +89,11 @@ class TokenReducer(ABC):
 
     def __init__(
         self,
-        prop_attn: Optional[bool] = None,
+        prop_attn: Union[bool, str, None] = None,
         trace_source: bool = False,
         prefix_only_last_block: Optional[bool] = None,
     ) -> None:
-        _check_bool("prop_attn", prop_attn)
+        check_prop_attn(prop_attn)
         _check_bool("trace_source", trace_source)
         _check_bool("prefix_only_last_block", prefix_only_last_block)
         if self.masks_by_size and prop_attn is False:
@@ -242,7 +245,7 @@ class ScheduledReducer(RTagged, TokenReducer):
         flops_ratio: Optional[float] = None,
         keep_rate: Optional[float] = None,
         stages: Tuple[int, ...] = STUDY_STAGES,
-        prop_attn: Optional[bool] = None,
+        prop_attn: Union[bool, str, None] = None,
         trace_source: bool = False,
         prefix_only_last_block: Optional[bool] = None,
     ) -> None:
@@ -325,7 +328,7 @@ class FusedScheduledReducer(ScheduledReducer):
         flops_ratio: Optional[float] = None,
         keep_rate: Optional[float] = None,
         stages: Tuple[int, ...] = STUDY_STAGES,
-        prop_attn: Optional[bool] = None,
+        prop_attn: Union[bool, str, None] = None,
         trace_source: bool = False,
         prefix_only_last_block: Optional[bool] = None,
         kernel: str = "torch",

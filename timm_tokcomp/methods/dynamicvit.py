@@ -10,7 +10,7 @@ gradients still reach the predictor), and decisions accumulate over the stages. 
 the ratio loss, sum over stages of (keep_rate^s - kept share)^2 averaged over images; the fine-tuning command
 adds it (weight 2, as in the paper) to its KL distillation loss. Prefix tokens are never scored or dropped.
 """
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -106,7 +106,7 @@ class DynamicViT(LearnedParams, ScheduledReducer):
         keep_rate: Optional[float] = None,
         stages: Tuple[int, ...] = STUDY_STAGES,
         predictor_params: Optional[DynamicViTParams] = None,
-        prop_attn: Optional[bool] = None,
+        prop_attn: Union[bool, str, None] = None,
         trace_source: bool = False,
         prefix_only_last_block: Optional[bool] = None,
     ) -> None:

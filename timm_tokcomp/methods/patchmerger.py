@@ -11,7 +11,7 @@ The 1 / sqrt(D) scale is ours (as in attention); sizes and source maps are share
 The other learned soft-merging methods of the study (Sinkhorn, SiT) subclass PatchMerger with their own layer:
 everything but how a layer turns its tokens into mixing weights is shared.
 """
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -104,7 +104,7 @@ class PatchMerger(LearnedParams, ScheduledReducer):
         keep_rate: Optional[float] = None,
         stages: Tuple[int, ...] = STUDY_STAGES,
         merger_params: Optional[PatchMergerParams] = None,
-        prop_attn: Optional[bool] = None,
+        prop_attn: Union[bool, str, None] = None,
         trace_source: bool = False,
         prefix_only_last_block: Optional[bool] = None,
     ) -> None:

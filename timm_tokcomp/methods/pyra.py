@@ -14,7 +14,7 @@ Two forms of the rank weights w_l:
             rho = i / (r - 1), and the weighted sum becomes a weighted mean (divided by r): the same
             parameters run at any r, the channel weights staying on one scale.
 """
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -151,7 +151,7 @@ class PYRA(LearnedParams, ToMe):
         stages: Tuple[int, ...] = STUDY_STAGES,
         form: str = "paper",
         pyra_params: Optional[PyraParams] = None,
-        prop_attn: Optional[bool] = None,
+        prop_attn: Union[bool, str, None] = None,
         trace_source: bool = False,
         prefix_only_last_block: Optional[bool] = None,
     ) -> None:

@@ -1,0 +1,126 @@
+"""Proportional-attention implementations (timm_tokcomp.attention): each equals the float-mask reference, in the
+attention step and on whole models; 'auto' resolves from the device table; the padded qkv follows its weights."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import timm_tokcomp
+from timm_tokcomp import attention, device_table
+from conftest import make_model
+
+IMPLS = [i for i in attention.PROP_ATTN_IMPLS if i != "flex" or attention.flex_available()]
+FOLDED = [i for i in IMPLS if i != "mask"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_flex():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        yield
+
+
+@pytest.mark.parametrize("d", [8, 12, 64])
+def test_fold_equals_the_float_mask(d):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 3, 11, d).unbind(0)
+    log_size = torch.rand(2, 1, 1, 11).mul(5).add(0.5).log()
+    log_size[1, ..., 4] = float("-inf")  # a size-0 padding token (ATS) stays out of attention
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=log_size)
+    q2, k2, v2 = attention.fold_qk(q, k, v, log_size, d ** -0.5)
+    assert q2.shape[-1] % 8 == 0 and q2.shape[-1] > d
+    torch.testing.assert_close(attention.padded_attention(q2, k2, v2, d, 0.0), reference, atol=1e-5, rtol=0)
+    if attention.flex_available():
+        torch.testing.assert_close(attention.flex_attention(q, k, v, log_size, d ** -0.5), reference, atol=1e-5, rtol=0)
+
+
+def _logits(model, x):
+    with torch.no_grad():
+        return model(x)
+
+
+@pytest.mark.parametrize("variant", ["cls", "distilled", "registers", "avgpool_noclass", "attn_dim"])
+@pytest.mark.parametrize("impl", FOLDED)
+@pytest.mark.parametrize("method,params", [("tome", {"r": 4}), ("evit", {"r": 3}), ("pyra", {"r": 4}), ("tome", {"keep_rate": 0.7, "stages": (2, 3, 4)})])
+def test_models_match_the_mask_path(variant, impl, method, params, images):
+    if method == "evit" and variant == "avgpool_noclass":
+        pytest.skip("EViT needs a class token")
+    base = make_model(variant)
+    reference = _logits(timm_tokcomp.apply(copy.deepcopy(base), method, prop_attn="mask", **params), images)
+    model = timm_tokcomp.apply(copy.deepcopy(base), method, prop_attn=impl, **params)
+    torch.testing.assert_close(_logits(model, images), reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", FOLDED)
+def test_padding_tokens_of_ats_stay_masked(impl, images):
+    base = make_model("cls")
+    reference = _logits(timm_tokcomp.apply(copy.deepcopy(base), "ats", r=6, prop_attn="mask"), images)
+    torch.testing.assert_close(_logits(timm_tokcomp.apply(copy.deepcopy(base), "ats", r=6, prop_attn=impl), images),
+                               reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["auto", True])
+def test_r0_equals_the_plain_model(impl, images):
+    base = make_model("cls")
+    plain = _logits(base, images)
+    assert torch.equal(_logits(timm_tokcomp.apply(copy.deepcopy(base), "tome", r=0, prop_attn=impl), images), plain)
+
+
+def test_fold_qkv_refuses_qk_norm_and_names_the_alternative():
+    model = make_model("layerscale_qknorm")
+    with pytest.raises(ValueError, match=r"fold_qkv' needs attention without q / k norm \(blocks\[0\].attn.*'fold'"):
+        timm_tokcomp.apply(model, "tome", r=2, prop_attn="fold_qkv")
+    assert not timm_tokcomp.is_reduced(model)
+
+
+@pytest.mark.parametrize("value", ["yes", "Mask", 1, 0.5, "torch"])
+def test_bad_values_are_refused(value):
+    with pytest.raises(ValueError, match="prop_attn must be True, False, None"):
+        timm_tokcomp.apply(make_model("cls"), "tome", r=2, prop_attn=value)
+
+
+def test_padded_qkv_follows_weights_changed_in_place(images):
+    base = make_model("cls")
+    model = timm_tokcomp.apply(copy.deepcopy(base), "tome", r=4, prop_attn="fold_qkv")
+    _logits(model, images)  # builds the padded weights
+    new = {k: v * 1.1 if k.endswith("attn.qkv.weight") else v for k, v in base.state_dict().items()}
+    model.load_state_dict(new)
+    base.load_state_dict(new)
+    reference = _logits(timm_tokcomp.apply(base, "tome", r=4, prop_attn="mask"), images)
+    torch.testing.assert_close(_logits(model, images), reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", FOLDED)
+def test_gradients_reach_the_qkv_weights_as_on_the_mask_path(impl, images):
+    grads = {}
+    for name in ("mask", impl):
+        model = timm_tokcomp.apply(make_model("cls").train(), "tome", r=4, prop_attn=name)
+        model(images).square().sum().backward()
+        grads[name] = model.blocks[2].attn.qkv.weight.grad
+    torch.testing.assert_close(grads[impl], grads["mask"], atol=1e-5, rtol=1e-4)
+
+
+def test_auto_resolves_from_the_device_table(monkeypatch, images):
+    calls = []
+    for name in ("fold_qk", "folded_qkv"):
+        real = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    model = timm_tokcomp.apply(make_model("cls"), "tome", r=4, prop_attn=True)
+    _logits(model, images)
+    assert calls == []  # no entry for the CPU in fp32: the float mask
+    table = {("cpu", "fp32"): {"prop_attn": "fold_qkv", "kernel": "torch"}}
+    monkeypatch.setattr(device_table, "_entries", lambda path=None: table)
+    _logits(model, images)
+    assert calls and set(calls) == {"folded_qkv"}
+    assert device_table.measured("prop_attn", images.bfloat16()) is None  # another precision: no entry
+
+
+def test_shipped_table_is_well_formed():
+    allowed = {"kernel": {"torch", "triton"}, "prop_attn": set(attention.PROP_ATTN_IMPLS)}
+    for (device_class, dtype), entry in device_table._entries().items():
+        assert dtype in ("fp32", "bf16", "fp16") and device_class
+        assert entry.get("measured"), "every entry names the run it comes from"
+        for field in device_table.FIELDS:
+            assert entry.get(field) is None or entry[field] in allowed[field]
