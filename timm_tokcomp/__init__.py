@@ -13,21 +13,21 @@ import torch
 from torch import nn
 
 from . import patch as _patch
-from .calibrate import load_preset
+from .calibrate import NO_REDUCTION, load_preset
 from .methods import METHODS, make_reducer, method_class
 from .methods.base import TokenReducer
 from .registry import register_all as _register_all
 from .state import ReductionStats
 
 __version__ = "0.1.0"
-__all__ = ["apply", "remove", "set_params", "get_reducer", "last_stats", "is_reduced", "load_preset", "METHODS",
+__all__ = ["apply", "remove", "set_params", "get_reducer", "last_stats", "is_reduced", "load_preset", "tune", "METHODS",
            "ReductionStats"]
 
 
 def apply(model: nn.Module, method: str = "tome", **params: Any) -> nn.Module:
     """Make a timm ViT reduce tokens inside its blocks (in place; returns the model).
 
-    method: one of METHODS ('tome', 'evit', 'atm', 'pyra', 'topk', ..., 'dense_tome'). params of tome / evit: r (int,
+    method: one of METHODS ('tome', ..., or 'none': the plain model, as a tune preset may choose; 'evit', 'atm', 'pyra', 'topk', ..., 'dense_tome'). params of tome / evit: r (int,
     per-block list, or (r, inflection) tuple) or flops_ratio (> 1, solves a decreasing r schedule);
     of atm: alpha, beta, theta_min, split_layer, preset (fills the thresholds not given); these three
     also take prop_attn, trace_source, prefix_only_last_block. dense_tome (keeps every token): r
@@ -36,6 +36,12 @@ def apply(model: nn.Module, method: str = "tome", **params: Any) -> nn.Module:
     untouched.
     """
     _patch.check_supported(model)
+    if method == NO_REDUCTION:  # a tune preset that chose the plain model
+        if params:
+            raise ValueError(f"method 'none' takes no parameters, got {sorted(params)}")
+        if _patch.is_patched(model):
+            _patch.unpatch(model)
+        return model
     params = method_class(method).resolve_params(model, params)
     _patch.patch(model, make_reducer(method, **params))
     return model
@@ -71,6 +77,14 @@ def last_stats(model: nn.Module, features: Optional[torch.Tensor] = None) -> Opt
     """Token counts per block, final sizes and source map of the model's last forward (None before one), or,
     given `features` (a tensor forward_features returned), of the call that produced them."""
     return _patch.stats_of(model, features)
+
+
+def tune(*args: Any, **kwargs: Any):
+    """Measure the candidates on this device and choose the fastest within an accuracy budget, or none
+    (timm_tokcomp.tuning.tune; its docstring lists the arguments)."""
+    from .tuning import tune as _tune
+
+    return _tune(*args, **kwargs)
 
 
 _register_all()

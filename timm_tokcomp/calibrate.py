@@ -10,9 +10,10 @@ it, the one with the highest agreement wins (ties: the closest to the target).
 import copy
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -48,20 +49,76 @@ def save_preset(result: CalibrationResult, path: str) -> None:
     write_text(path, json.dumps(doc, indent=2) + "\n")
 
 
-def load_preset(path: str) -> Tuple[str, Dict[str, Any]]:
-    """(method, params) of a preset file written by save_preset, for timm_tokcomp.apply(model, method, **params)."""
+NO_REDUCTION = "none"  # a preset whose choice is the plain model (tokcomp tune found nothing faster within budget)
+
+
+def save_tuned_preset(path: Union[str, Path], choice: Any, settings: Dict[str, Any]) -> None:
+    """Write `tokcomp tune`'s choice for one batch size (tune.Choice) as a preset: the method and its params
+    (kernel and prop_attn implementation included), or method 'none' with the reason; the execution mode it was
+    timed in; and what it was measured with (device, dtype, batch size, package / torch / timm versions)."""
+    import timm
+
+    from . import __version__
+
+    row = choice.row
+    tuned = {"model": settings["model"], "device": settings["device_name"], "dtype": settings["dtype"],
+             "tf32": settings["tf32"], "batch_size": choice.batch, "budget": settings["budget"],
+             "reason": choice.reason, "versions": {"timm_tokcomp": __version__, "torch": torch.__version__,
+                                                   "timm": timm.__version__}}
+    if row is not None:
+        tuned.update(speedup=row.speedup, speedup_95=[row.speedup_lo, row.speedup_hi], agreement=row.agree,
+                     images=row.agree_n, changed=row.changed, ms=row.ms, ms_plain=row.ms_plain)
+    doc = {"format": PRESET_FORMAT, "method": NO_REDUCTION if row is None else row.method,
+           "params": {} if row is None else json.loads(row.params),
+           "execution": {"mode": "eager" if row is None else row.mode}, "tuned": tuned}
+    write_text(path, json.dumps(doc, indent=2) + "\n")
+
+
+def load_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = None,
+                batch_size: Optional[int] = None) -> Tuple[str, Dict[str, Any]]:
+    """(method, params) of a preset file written by `tokcomp calibrate` or `tokcomp tune`, for
+    timm_tokcomp.apply(model, method, **params); method 'none' (a tune that found nothing to gain) leaves the model
+    plain. A tune preset warns when loaded under other versions, or, where given, another device, dtype or batch
+    size than it was measured with."""
     from .methods import method_class
 
     try:
         doc = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"preset file {path} not found") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"preset file {path} is not valid JSON: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != PRESET_FORMAT or not isinstance(doc.get("params"), dict):
         raise ValueError(f"preset file {path} is not a tokcomp preset (format {PRESET_FORMAT} with 'method' and 'params')")
-    method_class(doc.get("method"))  # raises for an unknown method
+    if doc.get("method") != NO_REDUCTION:
+        method_class(doc.get("method"))  # raises for an unknown method
+    if isinstance(doc.get("tuned"), dict):
+        _warn_if_conditions_differ(path, doc["tuned"], device, dtype, batch_size)
     return doc["method"], doc["params"]
+
+
+def _warn_if_conditions_differ(path: str, tuned: Dict[str, Any], device: Optional[str], dtype: Optional[str],
+                               batch_size: Optional[int]) -> None:
+    import platform
+
+    import timm
+
+    from . import __version__
+
+    now = {"timm_tokcomp": __version__, "torch": torch.__version__, "timm": timm.__version__}
+    differ = [f"{k} {v} (now {now[k]})" for k, v in (tuned.get("versions") or {}).items() if k in now and v != now[k]]
+    if device is not None:
+        name = (torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda"
+                else f"CPU ({platform.processor() or platform.machine()}")
+        if not str(tuned.get("device", "")).startswith(name):
+            differ.append(f"device {tuned.get('device')} (now {name})")
+    if dtype is not None and tuned.get("dtype") != dtype:
+        differ.append(f"dtype {tuned.get('dtype')} (now {dtype})")
+    if batch_size is not None and tuned.get("batch_size") != batch_size:
+        differ.append(f"batch size {tuned.get('batch_size')} (now {batch_size})")
+    if differ:
+        warnings.warn(f"preset {path} was tuned under other conditions: {'; '.join(differ)}; its speed-up may not "
+                      f"hold here (run tokcomp tune again)", stacklevel=3)
 
 
 class _Probe:

@@ -19,26 +19,35 @@ def _entries(path: Path = TABLE) -> Dict[Tuple[str, str], Dict[str, str]]:
     return {(e["device_class"], e["dtype"]): e for e in doc["entries"]}
 
 
-@functools.lru_cache(maxsize=None)
 def device_class(device: torch.device) -> str:
     """'cpu', or 'cuda-sm<major><minor>' (an H100 is 'cuda-sm90'); other device types by their name."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
+    return _device_class(device.type, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_class(kind: str, index: Optional[int]) -> str:
+    if kind == "cuda":
+        major, minor = torch.cuda.get_device_capability(index)
         return f"cuda-sm{major}{minor}"
-    return device.type
+    return kind
 
 
 def compute_dtype(x: torch.Tensor) -> str:
     """The precision x's matmuls run in: autocast's dtype where autocast is on for x's device, else x's own."""
     kind = x.device.type
-    if torch.is_autocast_enabled(kind):
-        return _DTYPE_NAMES.get(torch.get_autocast_dtype(kind), str(torch.get_autocast_dtype(kind)))
-    return _DTYPE_NAMES.get(x.dtype, str(x.dtype))
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    return _DTYPE_NAMES.get(dtype, str(dtype))
 
 
 def measured(field: str, x: torch.Tensor) -> Optional[str]:
     """The table's choice of `field` ('kernel' or 'prop_attn') for x's device class and precision, or None."""
     if field not in FIELDS:
         raise ValueError(f"field must be one of {FIELDS}, got {field!r}")
-    entry = _entries().get((device_class(x.device), compute_dtype(x)))
+    return _lookup(field, x.device.type, x.device.index, compute_dtype(x))
+
+
+@torch.compiler.assume_constant_result
+def _lookup(field: str, kind: str, index: Optional[int], dtype: str) -> Optional[str]:
+    """A constant under torch.compile: the table is read when the graph is traced, not in it."""
+    entry = _entries().get((_device_class(kind, index), dtype))
     return None if entry is None else entry.get(field)

@@ -1,0 +1,716 @@
+"""`tokcomp tune` / `timm_tokcomp.tune`: measure the training-free candidates on this device and choose the fastest
+one that keeps top-1 agreement with the plain model within a budget, or none.
+
+Stages (each resumable from the CSV):
+  1. screen: per accuracy setting (method and parameters, proportional attention on or off), the MACs per image of
+     one forward and the agreement with the plain model on the first `prune_images` images; a setting whose
+     disagreement is above the budget even at its 95 % lower bound (exact binomial) is not timed;
+  2. time: per batch size and execution mode, the survivors (every kernel, proportional-attention implementation
+     and mode the device offers) interleaved with the plain model in the same mode, in order of MAC ratio, until
+     each one's 95 % speed-up interval excludes 1 or `max_rounds`; a candidate whose MAC ratio cannot beat the
+     best lower bound measured so far is not timed;
+  3. hold out: the agreement of every timed setting on the images after the first `prune_images`, with paired
+     counts (and top-1 with exact McNemar p when the folder is labelled);
+  4. choose, per batch size: the fastest candidate (milliseconds per batch) whose held-out disagreement is within
+     the budget and whose speed-up's lower bound is above 1 (and at least `min_speedup`), re-checked on its own
+     path; otherwise 'no reduction', with the reason.
+"""
+import copy
+import csv
+import json
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union, get_args
+
+import timm
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from . import apply, attention, kernels
+from .bench import build_base_model, check_device, check_dtype, mcnemar_exact_p, method_spec, precision
+from .calibrate import save_tuned_preset
+from .data import UnlabeledImages, open_images
+from .measure import forward_counting, no_silent_eager_fallback, time_runs
+from .methods import method_class
+from .outputs import claim_run_folder, read_json, replacing, run_lock, write_text
+from .speed import CUDA_MODES, DATA_DEPENDENT, MODES, _runner
+
+NO_REDUCTION = "none"
+DEFAULT_SPACE: Tuple[Tuple[str, Dict[str, Any]], ...] = (
+    ("tome", {"r": 4}), ("tome", {"r": 8}), ("tome", {"r": 12}), ("tome", {"r": 16}),
+    ("tome", {"flops_ratio": 1.5}), ("tome", {"flops_ratio": 2.0}),
+    ("evit", {"r": 4}), ("evit", {"r": 8}), ("evit", {"r": 12}),
+    ("atm", {}), ("atm", {"preset": "balanced"}), ("atm", {"preset": "fast"}),
+    ("topk", {"keep_rate": 0.9}), ("topk", {"keep_rate": 0.7}), ("dpcknn", {"keep_rate": 0.9}),
+    ("kmedoids", {"keep_rate": 0.9}), ("ats", {"keep_rate": 0.9}), ("l2", {"keep_rate": 0.9}),
+)
+OUT_FILES = ("tune.csv", "tune_config.json", "table.md", "pareto.png", "preset*.json")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run one setting: method and params (kernel and prop_attn included) in an execution mode.
+    setting: the method and parameters that decide accuracy (kernel and prop_attn implementation left out)."""
+
+    method: str
+    params: Tuple[Tuple[str, Any], ...]
+    mode: str
+
+    @property
+    def kwargs(self) -> Dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.params}
+
+    @property
+    def setting(self) -> str:
+        shown = {k: v for k, v in self.kwargs.items() if k not in ("kernel", "prop_attn")}
+        prop = self.kwargs.get("prop_attn")
+        if prop is not None:
+            shown["prop_attn"] = prop is not False
+        return label(self.method, shown)
+
+    @property
+    def path(self) -> str:
+        """The kernel / proportional-attention implementation, e.g. 'triton, fold'."""
+        kw = self.kwargs
+        parts = [kw["kernel"]] if "kernel" in kw else []
+        if kw.get("prop_attn") not in (None, False):
+            parts.append(str(kw["prop_attn"]))
+        return ", ".join(parts) or "-"
+
+    @property
+    def name(self) -> str:
+        return f"{self.setting} [{self.path}] {self.mode}"
+
+
+def label(method: str, params: Dict[str, Any]) -> str:
+    """'tome r=16', 'tome flops_ratio=2.0 prop_attn=False'."""
+    return " ".join([method] + [f"{k}={v}" for k, v in sorted(params.items())])
+
+
+@dataclass
+class TuneRow:
+    """One candidate at one batch size. status: 'pruned: ...' (not timed: budget broken on the screening images,
+    or MACs that cannot beat the best speed-up), 'timed', 'failed: ...'. gmacs: per image; mac_ratio: plain / this;
+    screen_agree: % agreement on the screening images (screen_n of them); ms: median per forward, ms_plain the plain
+    model's in the same mode; speedup (median ratio) with its 95 % interval; agree: % held-out agreement (agree_n
+    images, changed: images whose top-1 class differs from the plain model's); top1 / top1_plain on labelled data
+    with the exact McNemar p of the paired split; chosen: this batch size's choice."""
+
+    batch: int
+    mode: str
+    candidate: str
+    setting: str
+    path: str
+    method: str
+    params: str
+    status: str = "screened"
+    gmacs: Optional[float] = None
+    mac_ratio: Optional[float] = None
+    screen_agree: Optional[float] = None
+    screen_n: Optional[int] = None
+    ms_plain: Optional[float] = None
+    ms: Optional[float] = None
+    speedup: Optional[float] = None
+    speedup_lo: Optional[float] = None
+    speedup_hi: Optional[float] = None
+    rounds: Optional[int] = None
+    agree: Optional[float] = None
+    agree_n: Optional[int] = None
+    changed: Optional[int] = None
+    top1_plain: Optional[float] = None
+    top1: Optional[float] = None
+    top1_p: Optional[float] = None
+    chosen: bool = False
+
+
+@dataclass
+class Choice:
+    """The choice for one batch size: row None means 'no reduction', and reason says why."""
+
+    batch: int
+    row: Optional[TuneRow]
+    reason: str
+
+
+@dataclass
+class TuneResult:
+    rows: List[TuneRow]
+    choices: List[Choice]
+    settings: Dict[str, Any] = field(default_factory=dict)
+
+    def table(self) -> str:
+        return format_table(self.rows, self.choices)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def t_quantile_975(df: int) -> float:
+    """The 97.5 % quantile of Student's t with df degrees of freedom (Cornish-Fisher expansion; exact to 1e-3
+    from df = 3)."""
+    z = 1.959964
+    if df < 1:
+        return float("inf")
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2) \
+        + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3)
+
+
+def speedup_interval(plain: Sequence[float], times: Sequence[float]) -> Tuple[float, float, float]:
+    """Speed-up of `times` against `plain` (seconds of interleaved rounds, paired by position): the ratio of
+    medians, and the 95 % t interval of the rounds' log ratios (lo, hi); (ratio, 0, inf) with fewer than 2 rounds."""
+    point = statistics.median(plain) / statistics.median(times)
+    logs = [math.log(p / t) for p, t in zip(plain, times)]
+    if len(logs) < 2:
+        return point, 0.0, float("inf")
+    half = t_quantile_975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    mean = statistics.fmean(logs)
+    return point, math.exp(mean - half), math.exp(mean + half)
+
+
+def _log_binom_pmf(k: int, n: int, p: float) -> float:
+    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+            + (k * math.log(p) if k else 0.0) + ((n - k) * math.log1p(-p) if n - k else 0.0))
+
+
+def disagreement_lower_bound(changed: int, n: int, confidence: float = 0.95) -> float:
+    """One-sided exact (Clopper-Pearson) lower bound of the rate behind `changed` of `n` images, as a fraction."""
+    if changed == 0:
+        return 0.0
+    alpha = 1 - confidence
+
+    def upper_tail(p: float) -> float:  # P(X >= changed | p)
+        return sum(math.exp(_log_binom_pmf(k, n, p)) for k in range(changed, n + 1))
+
+    lo, hi = 0.0, changed / n
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if upper_tail(mid) < alpha else (lo, mid)
+    return lo
+
+
+# ---------------------------------------------------------------- selection
+
+
+def choose(rows: Sequence[TuneRow], batch: int, budget: float, min_speedup: Optional[float] = None) -> Choice:
+    """The fastest timed row of this batch size (least ms) whose held-out disagreement (100 - agree) is at most
+    `budget` points and whose speed-up's lower bound is above 1 (and whose speed-up is at least min_speedup);
+    Choice(batch, None, reason) when none qualifies."""
+    timed = [r for r in rows if r.batch == batch and r.status == "timed"]
+    if not timed:
+        return Choice(batch, None, "no candidate was timed (all were pruned or failed)")
+    within = [r for r in timed if r.agree is not None and 100.0 - r.agree <= budget + 1e-9]
+    faster = [r for r in within if r.speedup_lo is not None and r.speedup_lo > 1.0]
+    enough = [r for r in faster if min_speedup is None or r.speedup >= min_speedup]
+    if enough:
+        best = min(enough, key=lambda r: (r.ms, -r.speedup_lo, r.candidate))
+        return Choice(batch, best, f"fastest within the budget: {best.speedup:.2f}x plain in {best.mode} mode "
+                                   f"(95 % interval {best.speedup_lo:.2f}-{best.speedup_hi:.2f}), "
+                                   f"{100 - best.agree:.2f} points below full agreement")
+    if not within:
+        return Choice(batch, None, f"every timed candidate changed more than {budget} % of the held-out images' top-1")
+    if not faster:
+        best = max(within, key=lambda r: r.speedup_lo)
+        return Choice(batch, None, f"no candidate within the budget is surely faster than plain (best: {best.candidate}, "
+                                   f"{best.speedup:.2f}x, lower bound {best.speedup_lo:.2f})")
+    best = max(faster, key=lambda r: r.speedup)
+    return Choice(batch, None, f"no candidate reaches the minimum speed-up {min_speedup}x (best: {best.candidate}, "
+                               f"{best.speedup:.2f}x)")
+
+
+# ---------------------------------------------------------------- candidates
+
+
+def candidate_paths(method: str, params: Dict[str, Any], model: nn.Module, device: str,
+                    modes: Sequence[str]) -> List[Candidate]:
+    """Every way the device offers to run this setting: kernels (Triton on CUDA for methods with fused kernels;
+    torch.compile traces the torch path), proportional-attention implementations where the setting uses it
+    ('flex' only compiled, where it is fused; 'fold_qkv' where attention has no q / k norm), execution modes (the
+    data-dependent ATM / ATS eager only)."""
+    cls = method_class(method)
+    reducer = cls(**cls.resolve_params(model, dict(params)))
+    prop = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
+    cuda = torch.device(device).type == "cuda"
+    out = []
+    for mode in modes:
+        if method in DATA_DEPENDENT and mode != "eager":
+            continue
+        compiled = mode in ("compile", "cudagraph")
+        kernels_ = ["torch"] + (["triton"] if cuda and not compiled and "kernel" in cls.param_names() else [])
+        if prop is False:
+            impls: List[Union[bool, str]] = [False]
+        else:
+            impls = ["mask", "fold"]
+            if all(isinstance(b.attn.q_norm, nn.Identity) and isinstance(b.attn.k_norm, nn.Identity)
+                   for b in model.blocks):
+                impls.append("fold_qkv")
+            if compiled and attention.flex_available():
+                impls.append("flex")
+        for kernel in kernels_:
+            for impl in impls:
+                kw = dict(params, prop_attn=impl)
+                if "kernel" in cls.param_names():
+                    kw["kernel"] = kernel
+                out.append(Candidate(method, tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                                          for k, v in kw.items())), mode))
+    return out
+
+
+def _accuracy_twin(c: Candidate) -> Dict[str, Any]:
+    """The candidate's params on the reference path (torch kernel, float mask): what screening runs."""
+    kw = c.kwargs
+    if "kernel" in kw:
+        kw["kernel"] = "torch"
+    if kw.get("prop_attn") not in (None, False):
+        kw["prop_attn"] = "mask"
+    return kw
+
+
+# ---------------------------------------------------------------- the run
+
+
+@torch.inference_mode()
+def _predictions(model: nn.Module, images: torch.Tensor, batch: int) -> torch.Tensor:
+    return torch.cat([model(images[i:i + batch]).argmax(dim=-1).cpu() for i in range(0, len(images), batch)])
+
+
+def _load_images(data: str, cfg: Dict, limit: int, show_progress: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    dataset = open_images(data, timm.data.create_transform(**cfg))
+    count = min(limit, len(dataset))
+    items = [dataset[i] for i in tqdm(range(count), desc="images", disable=not show_progress, file=sys.stderr)]
+    images = torch.stack([x for x, _ in items])
+    labelled = not isinstance(dataset, UnlabeledImages)
+    return images, (torch.tensor([y for _, y in items]) if labelled else None)
+
+
+def _check_args(batches, budget, min_speedup, limit, prune_images, max_rounds, modes, device) -> None:
+    if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches):
+        raise ValueError(f"--batches must be integers >= 1, got {list(batches)}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 100 \
+            or not math.isfinite(budget):
+        raise ValueError(f"--budget must be a number of percentage points in [0, 100], got {budget!r}")
+    if min_speedup is not None and (not isinstance(min_speedup, (int, float)) or not math.isfinite(min_speedup)
+                                    or min_speedup < 1.0):
+        raise ValueError(f"--min-speedup must be a number >= 1, got {min_speedup!r}")
+    if not isinstance(prune_images, int) or prune_images < 1:
+        raise ValueError(f"--prune-images must be an integer >= 1, got {prune_images!r}")
+    if not isinstance(limit, int) or limit < prune_images + 1:
+        raise ValueError(f"--limit must be an integer above --prune-images ({prune_images}): the images after the "
+                         f"first {prune_images} are held out for the agreement that decides; got {limit!r}")
+    if not isinstance(max_rounds, int) or max_rounds < 3:
+        raise ValueError(f"--max-rounds must be an integer >= 3, got {max_rounds!r}")
+    check_device(device)
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"--modes: each must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode in CUDA_MODES and torch.device(device).type != "cuda":
+            raise ValueError(f"--modes {mode} needs --device cuda (CUDA graphs replay GPU work)")
+
+
+def default_modes(device: str) -> Tuple[str, ...]:
+    """Eager on the CPU; on CUDA also the eager forward in a CUDA graph and torch.compile (default and
+    reduce-overhead)."""
+    return MODES if torch.device(device).type == "cuda" else ("eager",)
+
+
+def tune(
+    model: Union[str, nn.Module],
+    data: str,
+    batches: Sequence[int] = (64,),
+    device: str = "cpu",
+    dtype: str = "fp32",
+    tf32: bool = False,
+    budget: float = 1.0,
+    min_speedup: Optional[float] = None,
+    modes: Optional[Sequence[str]] = None,
+    space: Optional[Sequence[Tuple[str, Dict[str, Any]]]] = None,
+    checkpoint: Optional[str] = None,
+    pretrained: bool = False,
+    limit: int = 512,
+    prune_images: int = 128,
+    max_rounds: int = 30,
+    out: Optional[str] = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    show_progress: bool = True,
+) -> TuneResult:
+    """Measure the candidates (DEFAULT_SPACE, or `space`: (method, params) pairs, on every path and mode the
+    device offers) on `data` (a folder of images; labels not needed) and choose per batch size (module docstring).
+    model: a timm architecture name (weights from checkpoint / pretrained) or a plain timm ViT module. budget: the
+    largest allowed drop of top-1 agreement with the plain model, in points. out: a folder for tune.csv, table.md,
+    pareto.png and the preset(s) (preset.json for one batch size, preset_b<B>.json for several); with resume, a
+    killed run continues from its CSV."""
+    modes = tuple(modes) if modes else default_modes(device)
+    check_dtype(dtype)
+    _check_args(batches, budget, min_speedup, limit, prune_images, max_rounds, modes, device)
+    space = list(space) if space is not None else list(DEFAULT_SPACE)
+    if isinstance(model, str):
+        name = model
+        base = build_base_model(model, checkpoint, pretrained, device)
+    else:
+        from .patch import check_supported, is_patched
+
+        check_supported(model)
+        if is_patched(model):
+            raise ValueError("model is already reduced; tune a plain timm model (timm_tokcomp.remove(model) first)")
+        name = getattr(model, "default_cfg", {}).get("architecture", type(model).__name__)
+        base = copy.deepcopy(model).to(device).eval()
+    settings = {"model": name, "device": device, "device_name": _device_name(device), "dtype": dtype, "tf32": tf32,
+                "batches": list(batches), "budget": budget, "min_speedup": min_speedup, "modes": list(modes),
+                "limit": limit, "prune_images": prune_images, "max_rounds": max_rounds, "data": str(data),
+                "space": [[m, p] for m, p in space]}
+    previous: Dict[Tuple[int, str], TuneRow] = {}
+    if out:
+        claim_run_folder(out, resume, overwrite, OUT_FILES)
+        previous = _resume(out, settings) if resume else {}
+    lock = run_lock(out) if out else _null()
+    with lock:
+        result = _Tuner(base, data, settings, space, previous, out, show_progress).run()
+        if out:
+            write_outputs(result, out)
+    return result
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _device_name(device: str) -> str:
+    import platform
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _resume(out: str, settings: Dict[str, Any]) -> Dict[Tuple[int, str], TuneRow]:
+    """The rows of a killed run in out, keyed by (batch, candidate); ValueError when it ran other settings."""
+    config = Path(out) / "tune_config.json"
+    if not config.is_file():
+        return {}
+    saved = read_json(config)
+    differing = sorted(k for k in settings if saved.get(k) != json.loads(json.dumps(settings[k])))
+    if differing:
+        raise ValueError(f"--resume: {out} holds a run with other settings ({', '.join(differing)}); "
+                         f"use --overwrite or another --out")
+    return {(r.batch, r.candidate): r for r in read_rows(Path(out) / "tune.csv")}
+
+
+class _Tuner:
+    def __init__(self, base: nn.Module, data: str, settings: Dict[str, Any], space, previous, out, show_progress):
+        self.base, self.s, self.previous, self.out, self.show = base, settings, previous, out, show_progress
+        self.device, self.dtype, self.tf32 = settings["device"], settings["dtype"], settings["tf32"]
+        self.cfg = timm.data.resolve_model_data_config(base)
+        self.images, self.labels = _load_images(data, self.cfg, settings["limit"], show_progress)
+        if len(self.images) <= settings["prune_images"]:
+            raise ValueError(f"--data holds {len(self.images)} images; tune needs more than --prune-images "
+                             f"({settings['prune_images']}): the rest are held out for the agreement that decides")
+        self.candidates: List[Candidate] = []
+        self.notes: List[str] = []
+        for method, params in space:
+            try:
+                self.candidates += candidate_paths(method, params, base, self.device, settings["modes"])
+            except (ValueError, TypeError) as e:  # e.g. a preset for another model family, a class token needed
+                self.notes.append(f"{label(method, params)}: not applicable ({e})")
+        self.rows: Dict[Tuple[int, str], TuneRow] = {}
+
+    def _write(self) -> None:
+        if self.out:
+            write_rows(list(self.rows.values()), Path(self.out) / "tune.csv")
+
+    def _model(self, kwargs: Dict[str, Any], method: str) -> nn.Module:
+        return apply(copy.deepcopy(self.base), method, **kwargs)
+
+    def run(self) -> TuneResult:
+        if self.out:
+            write_text(Path(self.out) / "tune_config.json", json.dumps(self.s, indent=2) + "\n")
+        first = self.s["prune_images"]
+        eval_batch = max(self.s["batches"])
+        with precision(self.device, self.dtype, self.tf32):
+            screen_x, held_x = self.images[:first], self.images[first:]
+            settings = list(dict.fromkeys(c.setting for c in self.candidates))
+            total = len(settings) + len(self.s["batches"]) * len(self.s["modes"]) + len(settings) + 1
+            with tqdm(total=total, desc="tune", disable=not self.show, file=sys.stderr) as bar:
+                plain_screen = self._plain_predictions(screen_x, eval_batch)
+                screened = self._screen(settings, screen_x, plain_screen, eval_batch, bar)
+                for batch in self.s["batches"]:
+                    for mode in self.s["modes"]:
+                        self._time(batch, mode, screened)
+                        self._write()
+                        bar.update(1)
+                plain_held = self._plain_predictions(held_x, eval_batch)
+                self._hold_out(held_x, plain_held, eval_batch, bar)
+                choices = [self._choose(b, held_x, plain_held, eval_batch) for b in self.s["batches"]]
+                bar.update(1)
+        self._write()
+        return TuneResult(list(self.rows.values()), choices, dict(self.s, notes=self.notes))
+
+    def _plain_predictions(self, images: torch.Tensor, batch: int) -> torch.Tensor:
+        return _predictions(self.base, images.to(self.device), batch)
+
+    def _screen(self, settings: List[str], x: torch.Tensor, plain: torch.Tensor, batch: int, bar
+                ) -> Dict[str, Tuple[float, float, int, Optional[str]]]:
+        """setting -> (GMACs per image, agreement %, images, pruning reason or None)."""
+        by_setting = {c.setting: c for c in self.candidates}
+        _, plain_macs = forward_counting(self.base, x[:1].to(self.device))
+        self.plain_gmacs = plain_macs / 1e9
+        result = {}
+        for setting in settings:
+            known = next((r for r in self.previous.values() if r.setting == setting and r.screen_n is not None), None)
+            if known is not None:
+                reason = known.status if known.status.startswith("pruned: budget") else None
+                result[setting] = (known.gmacs, known.screen_agree, known.screen_n, reason)
+                bar.update(1)
+                continue
+            c = by_setting[setting]
+            model = self._model(_accuracy_twin(c), c.method)
+            with torch.inference_mode():
+                _, macs = forward_counting(model, x[:1].to(self.device))
+            preds = _predictions(model, x.to(self.device), batch)
+            changed = int((preds != plain).sum())
+            n = len(plain)
+            reason = None
+            if disagreement_lower_bound(changed, n) * 100 > self.s["budget"]:
+                reason = (f"pruned: budget (screening changed {changed} of {n} images' top-1; even the 95 % lower "
+                          f"bound is above {self.s['budget']} %)")
+            result[setting] = (macs / 1e9, 100.0 * (n - changed) / n, n, reason)
+            bar.update(1)
+        return result
+
+    def _row(self, batch: int, c: Candidate, screened) -> TuneRow:
+        gmacs, agree, n, reason = screened[c.setting]
+        return TuneRow(batch, c.mode, c.name, c.setting, c.path, c.method, json.dumps(c.kwargs, sort_keys=True),
+                       status=reason or "screened", gmacs=gmacs, mac_ratio=self.plain_gmacs / gmacs,
+                       screen_agree=agree, screen_n=n)
+
+    def _time(self, batch: int, mode: str, screened) -> None:
+        in_mode = [c for c in self.candidates if c.mode == mode]
+        for c in in_mode:
+            done = self.previous.get((batch, c.name))
+            self.rows[(batch, c.name)] = done if done is not None and done.status != "screened" else \
+                self._row(batch, c, screened)
+        todo = sorted((c for c in in_mode if self.rows[(batch, c.name)].status == "screened"),
+                      key=lambda c: (-self.rows[(batch, c.name)].mac_ratio, c.name))
+        x = self.images[torch.arange(batch) % len(self.images)].to(self.device)
+        group = 6
+        while todo:
+            best = max((r.speedup_lo for r in self.rows.values()
+                        if r.batch == batch and r.mode == mode and r.status == "timed"), default=0.0)
+            for c in [c for c in todo if self.rows[(batch, c.name)].mac_ratio <= best]:
+                self.rows[(batch, c.name)].status = (f"pruned: MACs (at most {self.rows[(batch, c.name)].mac_ratio:.2f}x "
+                                                     f"fewer, below the {best:.2f}x already measured)")
+                todo.remove(c)
+            chunk, todo = todo[:group], todo[group:]
+            if chunk:
+                self._time_chunk(batch, mode, chunk, x)
+                self._write()
+
+    def _time_chunk(self, batch: int, mode: str, chunk: List[Candidate], x: torch.Tensor) -> None:
+        models: Dict[str, Callable] = {}
+        plain = self.base
+        try:
+            with no_silent_eager_fallback(len(chunk) + 1):
+                torch._dynamo.reset()
+                runners = {NO_REDUCTION: _runner(plain, mode, x)}
+                for c in chunk:
+                    try:
+                        runner = _runner(self._model(c.kwargs, c.method), mode, x)
+                        runner(x)  # compile / capture now, so that a failure is this candidate's
+                        runners[c.name] = runner
+                    except Exception as e:  # a path this device or torch cannot run: recorded, not fatal
+                        self.rows[(batch, c.name)].status = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                models = runners
+                rounds = 0
+                times: Dict[str, List[float]] = {k: [] for k in models}
+                warmup = 1 if mode == "eager" else 2
+                while rounds < self.s["max_rounds"]:
+                    step = 5 if rounds == 0 else 3
+                    new = time_runs(models, x, rounds=step, warmup=warmup if rounds == 0 else 0)
+                    for k, v in new.items():
+                        times[k] += v
+                    rounds += step
+                    intervals = {k: speedup_interval(times[NO_REDUCTION], t) for k, t in times.items()
+                                 if k != NO_REDUCTION}
+                    if all(lo > 1.0 or hi < 1.0 for _, lo, hi in intervals.values()):
+                        break
+        except Exception as e:
+            for c in chunk:
+                if self.rows[(batch, c.name)].status == "screened":
+                    self.rows[(batch, c.name)].status = f"failed: {type(e).__name__}: {str(e)[:200]}"
+            return
+        for name, (point, lo, hi) in intervals.items():
+            row = self.rows[(batch, name)]
+            row.status, row.ms_plain = "timed", 1e3 * statistics.median(times[NO_REDUCTION])
+            row.ms, row.speedup, row.speedup_lo, row.speedup_hi = 1e3 * statistics.median(times[name]), point, lo, hi
+            row.rounds = len(times[name])
+
+    def _hold_out(self, x: torch.Tensor, plain: torch.Tensor, batch: int, bar) -> None:
+        """Held-out agreement of every timed setting, on its reference path."""
+        for setting in dict.fromkeys(c.setting for c in self.candidates):
+            rows = [r for r in self.rows.values() if r.setting == setting and r.status == "timed"]
+            if rows and rows[0].agree is None:
+                c = next(c for c in self.candidates if c.setting == setting)
+                figures = self._agreement(self._model(_accuracy_twin(c), c.method), x, plain, batch)
+                for r in rows:
+                    for k, v in figures.items():
+                        setattr(r, k, v)
+            bar.update(1)
+
+    def _agreement(self, model: nn.Module, x: torch.Tensor, plain: torch.Tensor, batch: int) -> Dict[str, Any]:
+        preds = _predictions(model, x.to(self.device), batch)
+        n, changed = len(plain), int((preds != plain).sum())
+        figures: Dict[str, Any] = {"agree": 100.0 * (n - changed) / n, "agree_n": n, "changed": changed}
+        if self.labels is not None:
+            y = self.labels[self.s["prune_images"]:]
+            right_plain, right = plain == y, preds == y
+            gained, lost = int((right & ~right_plain).sum()), int((right_plain & ~right).sum())
+            figures.update(top1_plain=100.0 * float(right_plain.float().mean()), top1=100.0 * float(right.float().mean()),
+                           top1_p=mcnemar_exact_p(gained, lost))
+        return figures
+
+    def _choose(self, batch: int, x: torch.Tensor, plain: torch.Tensor, eval_batch: int) -> Choice:
+        """choose(), with the chosen candidate's agreement re-measured on its own path (kernel, implementation);
+        a candidate that fails there is set aside and the next one is tried."""
+        rows = list(self.rows.values())
+        while True:
+            choice = choose(rows, batch, self.s["budget"], self.s["min_speedup"])
+            if choice.row is None:
+                return choice
+            own = self._agreement(self._model(json.loads(choice.row.params), choice.row.method), x, plain, eval_batch)
+            if 100.0 - own["agree"] <= self.s["budget"] + 1e-9:
+                for k, v in own.items():
+                    setattr(choice.row, k, v)
+                choice.row.chosen = True
+                return choice
+            rows = [r for r in rows if r is not choice.row]
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def write_rows(rows: Sequence[TuneRow], path: Path) -> None:
+    with replacing(path) as tmp, open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(TuneRow)])
+        writer.writeheader()
+        for r in rows:
+            writer.writerow(asdict(r))
+
+
+def read_rows(path: Path) -> List[TuneRow]:
+    """The rows of a tune.csv (empty if there is none); ValueError naming the file when it is not one."""
+    if not path.is_file():
+        return []
+    types = {fl.name: fl.type for fl in fields(TuneRow)}
+    rows = []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames != list(types):
+            raise ValueError(f"{path} is not a tune.csv of this version (columns {reader.fieldnames})")
+        for line in reader:
+            try:
+                values = {k: _parse(types[k], v) for k, v in line.items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{path} line {reader.line_num}: {e}") from None
+            rows.append(TuneRow(**values))
+    return rows
+
+
+def _parse(kind: Any, text: str) -> Any:
+    """A CSV cell as the TuneRow field type kind (int, bool, str, Optional[int / float])."""
+    if kind is bool:
+        if text not in ("True", "False"):
+            raise ValueError(f"expected True or False, got {text!r}")
+        return text == "True"
+    if kind in (int, str):
+        return kind(text)
+    if text == "":
+        return None
+    return int(text) if int in get_args(kind) else float(text)
+
+
+def format_table(rows: Sequence[TuneRow], choices: Sequence[Choice]) -> str:
+    """Markdown: per batch size the timed candidates, fastest first, then what was not timed and why, then the
+    choice."""
+    out: List[str] = []
+    for choice in choices:
+        timed = sorted((r for r in rows if r.batch == choice.batch and r.status == "timed"), key=lambda r: r.ms)
+        out += [f"### batch {choice.batch}", "",
+                "| candidate | GMACs | ms (plain) | speed-up [95 %] | held-out agreement (changed / n) | top-1 (plain), McNemar p |",
+                "| --- | --- | --- | --- | --- | --- |"]
+        for r in timed:
+            agree = "-" if r.agree is None else f"{r.agree:.2f} % ({r.changed} / {r.agree_n})"
+            top1 = "-" if r.top1 is None else f"{r.top1:.2f} ({r.top1_plain:.2f}), p = {r.top1_p:.2g}"
+            mark = " **chosen**" if r.chosen else ""
+            out.append(f"| {r.candidate}{mark} | {r.gmacs:.3f} | {r.ms:.2f} ({r.ms_plain:.2f}) | {r.speedup:.2f}x "
+                       f"[{r.speedup_lo:.2f}, {r.speedup_hi:.2f}] | {agree} | {top1} |")
+        skipped = [r for r in rows if r.batch == choice.batch and r.status != "timed"]
+        if skipped:
+            counts: Dict[str, int] = {}
+            for r in skipped:
+                key = r.status.split(" (")[0]
+                counts[key] = counts.get(key, 0) + 1
+            out += ["", "not timed: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))]
+        verdict = "no reduction" if choice.row is None else choice.row.candidate
+        out += ["", f"choice: **{verdict}**: {choice.reason}", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def preset_paths(out: str, batches: Sequence[int]) -> Dict[int, Path]:
+    """preset.json for one batch size, preset_b<B>.json for several."""
+    if len(batches) == 1:
+        return {batches[0]: Path(out) / "preset.json"}
+    return {b: Path(out) / f"preset_b{b}.json" for b in batches}
+
+
+def write_outputs(result: TuneResult, out: str) -> None:
+    s = result.settings
+    write_text(Path(out) / "table.md", f"# tokcomp tune: {s['model']} on {s['device_name']}, {s['dtype']}"
+                                       f"{', TF32' if s['tf32'] else ''}\n\n" + result.table())
+    plot_pareto(result, Path(out) / "pareto.png")
+    for batch, path in preset_paths(out, s["batches"]).items():
+        choice = next(c for c in result.choices if c.batch == batch)
+        save_tuned_preset(path, choice, s)
+
+
+def plot_pareto(result: TuneResult, path: Path) -> None:
+    """Speed-up against held-out agreement, one panel per batch size: every timed candidate, the frontier (no
+    other point both faster and more agreeing), the budget line and the chosen point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = [c.batch for c in result.choices]
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, choice in zip(axes[0], result.choices):
+        pts = [r for r in result.rows if r.batch == choice.batch and r.status == "timed" and r.agree is not None]
+        ax.scatter([r.agree for r in pts], [r.speedup for r in pts], s=12, alpha=0.6, label="timed candidates")
+        frontier = sorted(pareto_front(pts), key=lambda r: r.agree)
+        ax.plot([r.agree for r in frontier], [r.speedup for r in frontier], "-", color="C1", label="frontier")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.axvline(100 - result.settings["budget"], color="C3", ls="--", lw=0.8, label="budget")
+        if choice.row is not None:
+            ax.plot([choice.row.agree], [choice.row.speedup], "*", ms=14, color="C2", label="chosen")
+        ax.set_xlabel("held-out top-1 agreement with plain (%)")
+        ax.set_ylabel("speed-up against plain (same mode)")
+        ax.set_title(f"batch {choice.batch}" + ("" if choice.row else ": no reduction"))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
+def pareto_front(rows: Iterable[TuneRow]) -> List[TuneRow]:
+    """The rows no other row beats in both speed-up and agreement."""
+    rows = list(rows)
+    return [r for r in rows if not any(o.speedup >= r.speedup and o.agree >= r.agree
+                                       and (o.speedup > r.speedup or o.agree > r.agree) for o in rows)]
