@@ -93,7 +93,7 @@ def check_backend(backend: str, device: str, dtype: str, methods: Sequence[str])
         from .export import EXPORTABLE
 
         for name in methods:
-            if name != BASELINE and method_spec(name)[0] not in EXPORTABLE:
+            if name != BASELINE and method_spec(name)[0] not in EXPORTABLE + (BASELINE,):
                 raise ValueError(f"--backend onnx: {name} cannot be exported to ONNX (`tokcomp export` says why); "
                                  f"exportable: {', '.join(EXPORTABLE)}")
 
@@ -335,6 +335,9 @@ def run_bench(
     if latency_runs < 0:
         raise ValueError(f"--latency-runs must be >= 0, got {latency_runs}")
     methods = parse_methods(",".join(methods))
+    for name in methods:
+        if name.endswith(".json"):
+            load_preset(name, device=device, dtype=dtype, batch_size=batch_size)  # warns if tuned elsewhere
     check_backend(backend, device, dtype, methods)
     base = build_base_model(model_name, checkpoint, pretrained, device)
     models = build_method_models(base, methods)

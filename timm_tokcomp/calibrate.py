@@ -118,7 +118,7 @@ def _warn_if_conditions_differ(path: str, tuned: Dict[str, Any], device: Optiona
         differ.append(f"batch size {tuned.get('batch_size')} (now {batch_size})")
     if differ:
         warnings.warn(f"preset {path} was tuned under other conditions: {'; '.join(differ)}; its speed-up may not "
-                      f"hold here (run tokcomp tune again)", stacklevel=3)
+                      f"hold here (run tokcomp tune again)")  # one location: the same message is shown once
 
 
 class _Probe:

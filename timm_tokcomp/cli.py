@@ -80,6 +80,36 @@ def _speed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from .bench import method_spec
+    from .tuning import preset_paths, tune
+
+    if not args.checkpoint and not args.pretrained:
+        print("note: no --checkpoint or --pretrained: tuning random weights, whose agreement says nothing",
+              file=sys.stderr)
+    space = None
+    if args.methods:
+        try:
+            space = [method_spec(name.strip()) for name in args.methods.split(",") if name.strip()]
+        except ValueError as e:
+            raise ValueError(f"--methods: {e}") from None
+    result = tune(args.model, args.data, batches=list(_numbers("--batches", args.batches, int)), device=args.device,
+                  dtype=args.dtype, tf32=args.tf32, budget=args.budget, min_speedup=args.min_speedup,
+                  modes=args.modes.split(",") if args.modes else None, space=space, checkpoint=args.checkpoint,
+                  pretrained=args.pretrained, limit=args.limit, prune_images=args.prune_images,
+                  max_rounds=args.max_rounds, out=args.out, resume=args.resume, overwrite=args.overwrite,
+                  show_progress=not args.no_progress)
+    s = result.settings
+    print(f"{s['model']} on {s['device_name']}: {s['dtype']}{', TF32' if s['tf32'] else ''}, budget "
+          f"{s['budget']} points of top-1 agreement, modes {', '.join(s['modes'])}")
+    for note in s["notes"]:
+        print(f"note: {note}", file=sys.stderr)
+    print(result.table())
+    for batch, path in preset_paths(args.out, s["batches"]).items():
+        print(f"saved {path} (batch {batch})")
+    return 0
+
+
 def torch_device_name(device: str) -> str:
     """'NVIDIA H100 80GB HBM3' for a CUDA device, the processor for the CPU."""
     import platform
@@ -453,6 +483,35 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     sp.add_argument("--no-progress", action="store_true", help="hide progress bars")
     sp.set_defaults(func=_speed)
+    tu = sub.add_parser("tune", help="measure the training-free methods on this device and choose the fastest that "
+                                      "keeps top-1 agreement within a budget, or no reduction")
+    tu.add_argument("model", help="timm architecture, e.g. deit_small_patch16_224")
+    tu.add_argument("--data", required=True, help="folder of images (labels not needed; with labels top-1 is reported)")
+    tu.add_argument("--out", required=True, help="folder for tune.csv, table.md, pareto.png and preset.json "
+                                                 "(preset_b<B>.json per batch size when several)")
+    tu.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
+    tu.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
+    tu.add_argument("--device", default="cpu")
+    tu.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                    help="fp32, or bf16 / fp16 autocast (default %(default)s)")
+    tu.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (torch's default: off)")
+    tu.add_argument("--batches", default="64", help="batch sizes, one choice each (default %(default)s)")
+    tu.add_argument("--budget", type=float, default=1.0,
+                    help="largest allowed drop of top-1 agreement with the plain model, in points (default %(default)s)")
+    tu.add_argument("--min-speedup", type=float, help="choose only a candidate at least this much faster (>= 1)")
+    tu.add_argument("--modes", help="execution modes to try (eager, compile, cudagraph, graph); default: eager on "
+                                    "the CPU, all four on CUDA")
+    tu.add_argument("--methods", help="candidate settings instead of the default space: method tags or presets, "
+                                      "comma separated (each still tried on every path and mode)")
+    tu.add_argument("--limit", type=int, default=512, help="images read from --data (default %(default)s)")
+    tu.add_argument("--prune-images", type=int, default=128, help="the first images, used to screen candidates; "
+                                                                  "the rest decide (default %(default)s)")
+    tu.add_argument("--max-rounds", type=int, default=30, help="timed forwards per candidate at most (default "
+                                                               "%(default)s)")
+    tu.add_argument("--resume", action="store_true", help="continue a killed run in --out from its tune.csv")
+    tu.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
+    tu.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    tu.set_defaults(func=_tune)
     return parser
 
 

@@ -149,12 +149,18 @@ class TuneResult:
 # ---------------------------------------------------------------- statistics
 
 
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
 def t_quantile_975(df: int) -> float:
-    """The 97.5 % quantile of Student's t with df degrees of freedom (Cornish-Fisher expansion; exact to 1e-3
-    from df = 3)."""
-    z = 1.959964
+    """The 97.5 % quantile of Student's t with df degrees of freedom: the table to df = 30, a Cornish-Fisher
+    expansion beyond (within 1e-4 there)."""
     if df < 1:
         return float("inf")
+    if df <= len(T_975):
+        return T_975[df - 1]
+    z = 1.959964
     return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2) \
         + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3)
 
@@ -356,7 +362,7 @@ def tune(
         check_supported(model)
         if is_patched(model):
             raise ValueError("model is already reduced; tune a plain timm model (timm_tokcomp.remove(model) first)")
-        name = getattr(model, "default_cfg", {}).get("architecture", type(model).__name__)
+        name = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", type(model).__name__)
         base = copy.deepcopy(model).to(device).eval()
     settings = {"model": name, "device": device, "device_name": _device_name(device), "dtype": dtype, "tf32": tf32,
                 "batches": list(batches), "budget": budget, "min_speedup": min_speedup, "modes": list(modes),
