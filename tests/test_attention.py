@@ -81,6 +81,14 @@ def test_bad_values_are_refused(value):
         timm_tokcomp.apply(make_model("cls"), "tome", r=2, prop_attn=value)
 
 
+@pytest.mark.parametrize("impl", ["fold", "fold_qkv"])  # flex: compiled only (the op counter cannot enter it)
+def test_no_host_wait_even_on_a_first_forward(impl, images):
+    """What a CUDA graph capture needs: a fresh model's forward builds its padded qkv without reading the host."""
+    from timm_tokcomp.graphs import host_syncs
+
+    assert host_syncs(timm_tokcomp.apply(make_model("cls"), "tome", r=4, prop_attn=impl), images) == {}
+
+
 def test_padded_qkv_follows_weights_changed_in_place(images):
     base = make_model("cls")
     model = timm_tokcomp.apply(copy.deepcopy(base), "tome", r=4, prop_attn="fold_qkv")

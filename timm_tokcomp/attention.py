@@ -101,11 +101,12 @@ def padded_qkv_params(attn: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
     C = weight.shape[1]
     w = weight.reshape(3, H, d, C)
     b = (bias if bias is not None else weight.new_zeros(3 * H * d)).reshape(3, H, d)
-    scales = weight.new_tensor([attn.scale, 1.0, 1.0]).view(3, 1, 1, 1)
-    w_padded = torch.cat([w * scales, weight.new_zeros(3, H, dp - d, C)], dim=2).reshape(3 * H * dp, C)
+    w = torch.cat([w[:1] * attn.scale, w[1:]])  # no tensor from Python data: no host wait on a first call
+    b = torch.cat([b[:1] * attn.scale, b[1:]])
+    w_padded = torch.cat([w, weight.new_zeros(3, H, dp - d, C)], dim=2).reshape(3 * H * dp, C)
     extra = weight.new_zeros(3, H, dp - d)
     extra[0, :, 0] = 1.0  # q's extra dimension is 1, so q' . k' picks up k's log size
-    b_padded = torch.cat([b * scales.view(3, 1, 1), extra], dim=2).reshape(3 * H * dp)
+    b_padded = torch.cat([b, extra], dim=2).reshape(3 * H * dp)
     if not grad:
         _PADDED_QKV[attn] = (key, w_padded, b_padded)
     return w_padded, b_padded
