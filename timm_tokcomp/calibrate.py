@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .measure import forward_counting
+from .measure import device_description, forward_counting
 from .outputs import write_text
 from .methods.atm import threshold_schedule
 
@@ -99,8 +99,6 @@ def load_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = 
 
 def _warn_if_conditions_differ(path: str, tuned: Dict[str, Any], device: Optional[str], dtype: Optional[str],
                                batch_size: Optional[int]) -> None:
-    import platform
-
     import timm
 
     from . import __version__
@@ -108,9 +106,8 @@ def _warn_if_conditions_differ(path: str, tuned: Dict[str, Any], device: Optiona
     now = {"timm_tokcomp": __version__, "torch": torch.__version__, "timm": timm.__version__}
     differ = [f"{k} {v} (now {now[k]})" for k, v in (tuned.get("versions") or {}).items() if k in now and v != now[k]]
     if device is not None:
-        name = (torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda"
-                else f"CPU ({platform.processor() or platform.machine()}")
-        if not str(tuned.get("device", "")).startswith(name):
+        name = device_description(device)
+        if tuned.get("device") != name:
             differ.append(f"device {tuned.get('device')} (now {name})")
     if dtype is not None and tuned.get("dtype") != dtype:
         differ.append(f"dtype {tuned.get('dtype')} (now {dtype})")

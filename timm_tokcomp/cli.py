@@ -61,6 +61,7 @@ SPEED_METHODS_CUDA = ",tome_r8@triton,tome_r16@triton,evit_r8@triton,evit_r16@tr
 def _speed(args: argparse.Namespace) -> int:
     from .bench import describe_settings
     from .outputs import refuse_existing
+    from .measure import device_description
     from .speed import format_speed, run_speed, write_speed_csv
 
     if args.out:
@@ -71,7 +72,7 @@ def _speed(args: argparse.Namespace) -> int:
                      device=args.device, dtype=args.dtype, tf32=args.tf32, rounds=args.rounds,
                      checkpoint=args.checkpoint, pretrained=args.pretrained, data=args.data,
                      show_progress=not args.no_progress)
-    device_name = torch_device_name(args.device)
+    device_name = device_description(args.device)
     print(f"{args.model} on {device_name}: {describe_settings(args.device, args.dtype, args.tf32)}, "
           f"median of {args.rounds} forwards")
     print(format_speed(rows))
@@ -108,17 +109,6 @@ def _tune(args: argparse.Namespace) -> int:
     for batch, path in preset_paths(args.out, s["batches"]).items():
         print(f"saved {path} (batch {batch})")
     return 0
-
-
-def torch_device_name(device: str) -> str:
-    """'NVIDIA H100 80GB HBM3' for a CUDA device, the processor for the CPU."""
-    import platform
-
-    import torch
-
-    if torch.device(device).type == "cuda":
-        return torch.cuda.get_device_name(torch.device(device))
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -285,3 +285,12 @@ def time_runs(models: Dict[str, Callable], x: torch.Tensor, rounds: int = 5, war
             times[name].append(time.perf_counter() - start)
             progress(1)
     return times
+
+
+def device_description(device: str) -> str:
+    """'NVIDIA H100 80GB HBM3' for a CUDA device; 'CPU (<processor>, <threads> threads)' for the CPU."""
+    import platform
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

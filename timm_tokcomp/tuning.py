@@ -15,6 +15,7 @@ Stages (each resumable from the CSV):
      the budget and whose speed-up's lower bound is above 1 (and at least `min_speedup`), re-checked on its own
      path; otherwise 'no reduction', with the reason.
 """
+import contextlib
 import copy
 import csv
 import json
@@ -34,10 +35,10 @@ from . import apply, attention, kernels
 from .bench import build_base_model, check_device, check_dtype, mcnemar_exact_p, method_spec, precision
 from .calibrate import save_tuned_preset
 from .data import UnlabeledImages, open_images
-from .measure import forward_counting, no_silent_eager_fallback, time_runs
+from .measure import device_description, forward_counting, no_silent_eager_fallback, time_runs
 from .methods import method_class
 from .outputs import claim_run_folder, read_json, replacing, run_lock, write_text
-from .speed import CUDA_MODES, DATA_DEPENDENT, MODES, _runner
+from .speed import DATA_DEPENDENT, MODES, _runner, check_modes
 
 NO_REDUCTION = "none"
 DEFAULT_SPACE: Tuple[Tuple[str, Dict[str, Any]], ...] = (
@@ -309,11 +310,7 @@ def _check_args(batches, budget, min_speedup, limit, prune_images, max_rounds, m
     if not isinstance(max_rounds, int) or max_rounds < 3:
         raise ValueError(f"--max-rounds must be an integer >= 3, got {max_rounds!r}")
     check_device(device)
-    for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"--modes: each must be one of {', '.join(MODES)}, got {mode!r}")
-        if mode in CUDA_MODES and torch.device(device).type != "cuda":
-            raise ValueError(f"--modes {mode} needs --device cuda (CUDA graphs replay GPU work)")
+    check_modes(modes, device)
 
 
 def default_modes(device: str) -> Tuple[str, ...]:
@@ -364,7 +361,7 @@ def tune(
             raise ValueError("model is already reduced; tune a plain timm model (timm_tokcomp.remove(model) first)")
         name = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", type(model).__name__)
         base = copy.deepcopy(model).to(device).eval()
-    settings = {"model": name, "device": device, "device_name": _device_name(device), "dtype": dtype, "tf32": tf32,
+    settings = {"model": name, "device": device, "device_name": device_description(device), "dtype": dtype, "tf32": tf32,
                 "batches": list(batches), "budget": budget, "min_speedup": min_speedup, "modes": list(modes),
                 "limit": limit, "prune_images": prune_images, "max_rounds": max_rounds, "data": str(data),
                 "space": [[m, p] for m, p in space]}
@@ -372,28 +369,11 @@ def tune(
     if out:
         claim_run_folder(out, resume, overwrite, OUT_FILES)
         previous = _resume(out, settings) if resume else {}
-    lock = run_lock(out) if out else _null()
-    with lock:
+    with run_lock(out) if out else contextlib.nullcontext():
         result = _Tuner(base, data, settings, space, previous, out, show_progress).run()
         if out:
             write_outputs(result, out)
     return result
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _device_name(device: str) -> str:
-    import platform
-
-    if torch.device(device).type == "cuda":
-        return torch.cuda.get_device_name(torch.device(device))
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def _resume(out: str, settings: Dict[str, Any]) -> Dict[Tuple[int, str], TuneRow]:
