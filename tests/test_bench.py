@@ -133,10 +133,17 @@ def test_method_items_choose_a_kernel():
     assert method_spec("dense_tome_r1@torch") == ("dense_tome", {"r": 1, "kernel": "torch"})
     assert parse_methods("tome_r8,tome_r8@triton") == ["none", "tome_r8", "tome_r8@triton"]
     assert method_spec("evit_r8@auto") == ("evit", {"r": 8, "kernel": "auto"})
-    with pytest.raises(ValueError, match=r"topk has no kernel choice \('@<kernel>' is for tome, evit, atm, dense_tome\)"):
+    with pytest.raises(ValueError, match=r"topk has no kernel choice \(kernels are for tome, evit, atm, dense_tome\)"):
         method_spec("topk_k70@triton")
-    with pytest.raises(ValueError, match="must be one of auto, torch, triton"):
+    with pytest.raises(ValueError, match=r"must be a kernel \(auto, torch, triton\) or a proportional-attention "
+                                         r"implementation \(mask, fold, fold_qkv, flex\), got 'cuda'"):
         parse_methods("tome_r8@cuda")
+
+
+def test_method_items_choose_a_proportional_attention_path():
+    assert method_spec("tome_r16@fold_qkv") == ("tome", {"r": 16, "prop_attn": "fold_qkv"})
+    assert method_spec("tome_r16@triton+fold") == ("tome", {"r": 16, "kernel": "triton", "prop_attn": "fold"})
+    assert method_spec("kmedoids_k70@mask") == ("kmedoids", {"keep_rate": 0.7, "prop_attn": "mask"})
 
 
 def test_bench_adds_tocom_rows_after_tome_and_evit_rows(tmp_path, capsys):

@@ -20,6 +20,7 @@ from .data import UnlabeledImages, open_images
 from .calibrate import load_preset
 from .measure import count_macs, forward_counting, no_silent_eager_fallback, time_runs
 from . import kernels
+from .attention import PROP_ATTN_IMPLS
 from .methods import METHODS, method_class, parse_method_tag
 from .outputs import replacing
 
@@ -186,19 +187,25 @@ def check_device(device: str) -> None:
 
 
 def method_spec(name: str) -> Tuple[str, Dict[str, Any]]:
-    """A --methods item -> (method, params): a preset .json saved by `tokcomp calibrate`, or a method tag,
-    optionally as '<tag>@<kernel>' for a method with a kernel choice ('tome_r16@triton')."""
+    """A --methods item -> (method, params): a preset .json saved by `tokcomp calibrate` / `tune`, or a method tag,
+    optionally with its path after '@': a kernel ('tome_r16@triton'), a proportional-attention implementation
+    ('tome_r16@fold_qkv'), or both joined by '+' ('tome_r16@triton+fold')."""
     if name.endswith(".json"):
         return load_preset(name)
-    tag, at, kernel = name.partition("@")
+    tag, at, path = name.partition("@")
     method, params = parse_method_tag(tag)
     if at:
-        if "kernel" not in method_class(method).param_names():
-            with_kernel = [m for m in METHODS if "kernel" in method_class(m).param_names()]
-            raise ValueError(f"{name}: {method} has no kernel choice ('@<kernel>' is for {', '.join(with_kernel)})")
-        if kernel not in kernels.BACKENDS:
-            raise ValueError(f"{name}: the kernel after '@' must be one of {', '.join(kernels.BACKENDS)}")
-        params = {**params, "kernel": kernel}
+        for item in path.split("+"):
+            if item in kernels.BACKENDS:
+                if "kernel" not in method_class(method).param_names():
+                    with_kernel = [m for m in METHODS if "kernel" in method_class(m).param_names()]
+                    raise ValueError(f"{name}: {method} has no kernel choice (kernels are for {', '.join(with_kernel)})")
+                params = {**params, "kernel": item}
+            elif item in PROP_ATTN_IMPLS:
+                params = {**params, "prop_attn": item}
+            else:
+                raise ValueError(f"{name}: each item after '@' must be a kernel ({', '.join(kernels.BACKENDS)}) or a "
+                                 f"proportional-attention implementation ({', '.join(PROP_ATTN_IMPLS)}), got {item!r}")
     return method, params
 
 

@@ -55,7 +55,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 SPEED_METHODS = "tome_r8,tome_r16,evit_r8,evit_r16"
-SPEED_METHODS_CUDA = ",tome_r8@triton,tome_r16@triton,evit_r8@triton,evit_r16@triton"  # fused kernels vs torch path
+# fused kernels against the torch path, and the proportional-attention implementations that keep SDPA's fused kernels
+SPEED_METHODS_CUDA = (",tome_r8@triton,tome_r16@triton,evit_r8@triton,evit_r16@triton,tome_r16@fold,tome_r16@fold_qkv,"
+                      "tome_r16@triton+fold,tome_r16@triton+fold_qkv")
 
 
 def _speed(args: argparse.Namespace) -> int:
@@ -453,8 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("speed", help="forward time of each method against the plain model and against its limit "
                                       "(no matching), per batch size, in eager / compiled / CUDA-graph mode")
     sp.add_argument("model", nargs="?", default="deit_base_patch16_224", help="timm architecture (default %(default)s)")
-    sp.add_argument("--methods", help=f"comma list of method tags ({', '.join(TAG_FORMS)}), '<tag>@<kernel>' "
-                                      f"(tome_r16@triton) or calibrated presets; default {SPEED_METHODS}, and on "
+    sp.add_argument("--methods", help=f"comma list of method tags ({', '.join(TAG_FORMS)}), '<tag>@<path>' "
+                                      f"(a kernel, a prop_attn implementation or both: tome_r16@triton, "
+                                      f"tome_r16@fold_qkv, tome_r16@triton+fold) or presets; default {SPEED_METHODS}, and on "
                                       f"CUDA also {SPEED_METHODS_CUDA[1:]}")
     sp.add_argument("--batches", default="1,32,64,256", help="batch sizes (default %(default)s)")
     sp.add_argument("--modes", default="eager", help="comma list of eager, compile (torch.compile), cudagraph "
