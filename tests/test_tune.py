@@ -209,14 +209,14 @@ def test_cli_errors_name_the_flag(args, match, image_folder, tmp_path, capsys):
 def test_real_deit_tiny_choice_is_faster_in_bench_and_holds_on_unseen_images(tmp_path):
     """The issue's check at batch 64: tune on the first 384 images of imagenet-val-1300; the choice, re-timed in a
     separate bench run, is faster than plain, and its agreement on images 384-1151 (never seen by tune) is within
-    the budget."""
+    the budget. (ToMe r = 8 changes 11 of the 256 held-out images' top-1 and 29 of those 768: 4.3 and 3.8 points.)"""
     data = require_data()
     weights = str(DATA / "deit_tiny_patch16_224.safetensors")
     budget = 5.0
     out = tmp_path / "tune"
     code = main(["tune", "deit_tiny_patch16_224", "--checkpoint", weights, "--data", str(data / "imagenet-val-1300"),
-                 "--out", str(out), "--batches", "64", "--budget", str(budget), "--methods", "tome_r4,tome_r8",
-                 "--limit", "384", "--prune-images", "128", "--max-rounds", "12", "--no-progress"])
+                 "--out", str(out), "--batches", "64", "--budget", str(budget), "--methods", "tome_r8",
+                 "--limit", "384", "--prune-images", "128", "--max-rounds", "8", "--no-progress"])
     assert code == 0
     doc = json.loads((out / "preset.json").read_text())
     assert doc["method"] == "tome", doc["tuned"]["reason"]
