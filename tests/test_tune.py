@@ -135,6 +135,21 @@ def test_loading_a_preset_elsewhere_warns(tuned):
         timm_tokcomp.load_preset(str(out / "preset_b8.json"), device="cpu", dtype="bf16", batch_size=64)
 
 
+def test_bench_runs_a_no_reduction_preset_as_the_plain_model(tmp_path):
+    from timm_tokcomp.calibrate import save_tuned_preset
+
+    path = tmp_path / "preset.json"
+    settings = {"model": "deit_tiny_patch16_224", "device_name": "elsewhere", "dtype": "bf16", "tf32": False,
+                "budget": 1.0}
+    save_tuned_preset(path, tuning.Choice(2, None, "nothing surely faster"), settings)
+    assert json.loads(path.read_text())["tuned"]["reason"] == "nothing surely faster"
+    with pytest.warns(UserWarning, match=r"device elsewhere \(now CPU.*dtype bf16 \(now fp32\)"):
+        rows = run_bench("deit_tiny_patch16_224", ["none", str(path)], batch_size=2, timing_rounds=1, latency_runs=0,
+                         show_progress=False)
+    plain, preset = rows
+    assert preset.gmacs == plain.gmacs and preset.tokens_last_block == plain.tokens_last_block == 197
+
+
 def test_resume_measures_nothing_again_and_refuses_other_settings(tuned, image_folder, monkeypatch):
     result, out = tuned
     def no_timing(*args, **kwargs):
@@ -187,6 +202,45 @@ def test_screening_prunes_what_breaks_the_budget(image_folder, monkeypatch):
     statuses = {r.setting: r.status for r in result.rows}
     assert statuses["tome prop_attn=True r=12"].startswith("pruned: budget (screening changed 8 of 8 images")
     assert statuses["tome prop_attn=True r=0"] == "timed"
+
+
+def test_overwrite_with_a_bad_data_folder_keeps_the_earlier_run(tuned, tmp_path):
+    _, out = tuned
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(FileNotFoundError, match="--data"):
+        timm_tokcomp.tune(_small_model(), str(tmp_path / "missing"), out=str(out), overwrite=True, limit=20,
+                          prune_images=8, show_progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize("r1_agrees_more", [False, True])
+def test_mac_pruning_skips_only_candidates_beaten_in_speed_and_agreement(image_folder, monkeypatch, r1_agrees_more):
+    """r = 3 and r = 2 are timed first (most MACs saved) at a fabricated 2x; r = 1 saves far less than 2x of the MACs,
+    so it is skipped, unless it agreed more often on the screening images than they did."""
+    def fake_times(models, x, rounds=5, warmup=1, progress=None):
+        return {name: [1.0 if name == tuning.NO_REDUCTION else 0.5] * rounds for name in models}
+
+    real = tuning._predictions
+
+    def predictions(model, images, batch):
+        preds = real(model, images, batch)
+        r = timm_tokcomp.get_reducer(model).params["r"] if timm_tokcomp.is_reduced(model) else 0
+        if r1_agrees_more and r >= 2:
+            preds = preds.clone()
+            preds[0] = (preds[0] + 1) % 10
+        return preds
+
+    monkeypatch.setattr(tuning, "time_runs", fake_times)
+    monkeypatch.setattr(tuning, "_predictions", predictions)
+    result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[4], budget=100.0,
+                               space=[("tome", {"r": 3}), ("tome", {"r": 2}), ("tome", {"r": 1})], limit=20,
+                               prune_images=8, max_rounds=3, show_progress=False)
+    r1 = [r.status for r in result.rows if r.setting == "tome prop_attn=True r=1"]
+    assert len(r1) == 3
+    if r1_agrees_more:
+        assert r1 == ["timed"] * 3
+    else:
+        assert all(s.startswith("pruned: MACs (at most 1.") and "agrees as often and is at least 2.00x" in s for s in r1)
 
 
 @pytest.mark.parametrize("args,match", [

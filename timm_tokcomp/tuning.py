@@ -8,7 +8,7 @@ Stages (each resumable from the CSV):
   2. time: per batch size and execution mode, the survivors (every kernel, proportional-attention implementation
      and mode the device offers) interleaved with the plain model in the same mode, in order of MAC ratio, until
      each one's 95 % speed-up interval excludes 1 or `max_rounds`; a candidate whose MAC ratio cannot beat the
-     best lower bound measured so far is not timed;
+     lower bound already measured for one that agreed at least as often on the screening images is not timed;
   3. hold out: the agreement of every timed setting on the images after the first `prune_images`, with paired
      counts (and top-1 with exact McNemar p when the folder is labelled);
   4. choose, per batch size: the fastest candidate (milliseconds per batch) whose held-out disagreement is within
@@ -365,12 +365,14 @@ def tune(
                 "batches": list(batches), "budget": budget, "min_speedup": min_speedup, "modes": list(modes),
                 "limit": limit, "prune_images": prune_images, "max_rounds": max_rounds, "data": str(data),
                 "space": [[m, p] for m, p in space]}
-    previous: Dict[Tuple[int, str], TuneRow] = {}
-    if out:
+    if out and not resume and not overwrite:
+        claim_run_folder(out, False, False, OUT_FILES)  # refuses a used folder before any work
+    tuner = _Tuner(base, data, settings, space, out, show_progress)  # opens and checks every input
+    if out:  # only now may an earlier run's files go (--overwrite)
         claim_run_folder(out, resume, overwrite, OUT_FILES)
-        previous = _resume(out, settings) if resume else {}
+        tuner.previous = _resume(out, settings) if resume else {}
     with run_lock(out) if out else contextlib.nullcontext():
-        result = _Tuner(base, data, settings, space, previous, out, show_progress).run()
+        result = tuner.run()
         if out:
             write_outputs(result, out)
     return result
@@ -390,8 +392,9 @@ def _resume(out: str, settings: Dict[str, Any]) -> Dict[Tuple[int, str], TuneRow
 
 
 class _Tuner:
-    def __init__(self, base: nn.Module, data: str, settings: Dict[str, Any], space, previous, out, show_progress):
-        self.base, self.s, self.previous, self.out, self.show = base, settings, previous, out, show_progress
+    def __init__(self, base: nn.Module, data: str, settings: Dict[str, Any], space, out, show_progress):
+        self.base, self.s, self.out, self.show = base, settings, out, show_progress
+        self.previous: Dict[Tuple[int, str], TuneRow] = {}  # a killed run's rows (resume)
         self.device, self.dtype, self.tf32 = settings["device"], settings["dtype"], settings["tf32"]
         self.cfg = timm.data.resolve_model_data_config(base)
         self.images, self.labels = _load_images(data, self.cfg, settings["limit"], show_progress)
@@ -487,12 +490,16 @@ class _Tuner:
         x = self.images[torch.arange(batch) % len(self.images)].to(self.device)
         group = 6
         while todo:
-            best = max((r.speedup_lo for r in self.rows.values()
-                        if r.batch == batch and r.mode == mode and r.status == "timed"), default=0.0)
-            for c in [c for c in todo if self.rows[(batch, c.name)].mac_ratio <= best]:
-                self.rows[(batch, c.name)].status = (f"pruned: MACs (at most {self.rows[(batch, c.name)].mac_ratio:.2f}x "
-                                                     f"fewer, below the {best:.2f}x already measured)")
-                todo.remove(c)
+            timed = [r for r in self.rows.values() if r.batch == batch and r.mode == mode and r.status == "timed"]
+            for c in list(todo):
+                row = self.rows[(batch, c.name)]
+                # beaten for sure: a timed candidate at least as agreeing is surely faster than row's MACs allow
+                better = [t for t in timed if t.screen_agree >= row.screen_agree and t.speedup_lo >= row.mac_ratio]
+                if better:
+                    best = max(better, key=lambda t: t.speedup_lo)
+                    row.status = (f"pruned: MACs (at most {row.mac_ratio:.2f}x fewer; {best.candidate} agrees as often "
+                                  f"and is at least {best.speedup_lo:.2f}x faster)")
+                    todo.remove(c)
             chunk, todo = todo[:group], todo[group:]
             if chunk:
                 self._time_chunk(batch, mode, chunk, x)
