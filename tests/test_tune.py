@@ -59,6 +59,18 @@ def test_ties_are_broken_the_same_way_every_time():
     assert choose(rows[:2], 64, 1.0).row.candidate == choose(rows[1::-1], 64, 1.0).row.candidate == "x"
 
 
+def test_modes_compare_through_the_plain_models_own_speed():
+    """graph: 1.2x its plain, whose replays run 1.5x faster than eager plain: 1.8x plain eager, ahead of 1.6x eager;
+    speed-ups, not milliseconds, compare rows timed in separate chunks (a drifting machine)."""
+    rows = [_row("eager", ms=6.25, lo=1.5, hi=1.7, agree=99.5, plain=10.0),
+            _row("graph", ms=5.5, lo=1.1, hi=1.3, agree=99.5, mode="graph", plain=6.6),
+            _row("eager, slow chunk", ms=7.0, lo=1.5, hi=1.8, agree=99.5, plain=11.9)]
+    scores = tuning.eager_speedups(rows)
+    assert scores[id(rows[1])] == pytest.approx(1.2 * 10.95 / 6.6, rel=1e-3)
+    assert choose(rows, 64, 1.0).row.candidate == "graph"
+    assert choose([rows[0], rows[2]], 64, 1.0).row.candidate == "eager, slow chunk"  # 1.70x beats 1.60x
+
+
 @pytest.mark.parametrize("rows,reason", [
     ([_row("a", ms=5.0, lo=1.9, hi=2.1, agree=97.0)], "changed more than 1.0 %"),
     ([_row("a", ms=12.0, lo=0.7, hi=0.9, agree=100.0), _row("b", ms=9.0, lo=0.95, hi=1.3, agree=99.5)],
@@ -123,6 +135,14 @@ def test_outputs_and_presets(tuned):
             assert choice.row.chosen and doc["execution"]["mode"] == choice.row.mode
             assert timm_tokcomp.get_reducer(model).params["prop_attn"] == json.loads(choice.row.params)["prop_attn"]
     assert "### batch 1" in (out / "table.md").read_text()
+
+
+def test_apply_none_leaves_or_makes_the_model_plain():
+    model = timm_tokcomp.apply(_small_model(), "tome", r=2)
+    assert timm_tokcomp.apply(model, "none") is model and not timm_tokcomp.is_reduced(model)
+    assert not timm_tokcomp.is_reduced(timm_tokcomp.apply(model, "none"))
+    with pytest.raises(ValueError, match=r"method 'none' takes no parameters, got \['r'\]"):
+        timm_tokcomp.apply(model, "none", r=2)
 
 
 def test_loading_a_preset_elsewhere_warns(tuned):

@@ -27,7 +27,8 @@ __all__ = ["apply", "remove", "set_params", "get_reducer", "last_stats", "is_red
 def apply(model: nn.Module, method: str = "tome", **params: Any) -> nn.Module:
     """Make a timm ViT reduce tokens inside its blocks (in place; returns the model).
 
-    method: one of METHODS ('tome', ..., or 'none': the plain model, as a tune preset may choose; 'evit', 'atm', 'pyra', 'topk', ..., 'dense_tome'). params of tome / evit: r (int,
+    method: one of METHODS ('tome', 'evit', 'atm', 'pyra', 'topk', ..., 'dense_tome'), or 'none' (no parameters: the
+    plain model, removing a method applied before; a tune preset may choose it). params of tome / evit: r (int,
     per-block list, or (r, inflection) tuple) or flops_ratio (> 1, solves a decreasing r schedule);
     of atm: alpha, beta, theta_min, split_layer, preset (fills the thresholds not given); these three
     also take prop_attn, trace_source, prefix_only_last_block. dense_tome (keeps every token): r

@@ -38,9 +38,8 @@ class ReducingAttention(Attention):
         dropout_p = self.attn_drop.p if self.training else 0.0
         d = self.head_dim
         if attn_bias is not None and self.fused_attn and prop_impl == "fold_qkv":
-            attn_bias = attn_bias.to(x.dtype if not torch.is_autocast_enabled(x.device.type)
-                                     else torch.get_autocast_dtype(x.device.type))
             q, k, v = attention.folded_qkv(self, x, attn_bias)  # (B, H, N, d') views, q pre-scaled
+            attn_bias = attn_bias.to(q.dtype)
             metric = self._metric(reducer, q[..., :d], k[..., :d], v[..., :d], attn_bias, 1.0)
             x = attention.padded_attention(q, k, v, d, dropout_p)
         else:

@@ -11,7 +11,7 @@ Stages (each resumable from the CSV):
      lower bound already measured for one that agreed at least as often on the screening images is not timed;
   3. hold out: the agreement of every timed setting on the images after the first `prune_images`, with paired
      counts (and top-1 with exact McNemar p when the folder is labelled);
-  4. choose, per batch size: the fastest candidate (milliseconds per batch) whose held-out disagreement is within
+  4. choose, per batch size: the fastest candidate (speed-up against plain eager) whose held-out disagreement is within
      the budget and whose speed-up's lower bound is above 1 (and at least `min_speedup`), re-checked on its own
      path; otherwise 'no reduction', with the reason.
 """
@@ -202,10 +202,22 @@ def disagreement_lower_bound(changed: int, n: int, confidence: float = 0.95) -> 
 # ---------------------------------------------------------------- selection
 
 
+def eager_speedups(rows: Sequence[TuneRow]) -> Dict[int, float]:
+    """id(row) -> its speed-up against the plain model in eager mode: its own ratio (measured interleaved with the
+    plain model in its mode) times how much faster the plain model runs in that mode than in eager mode (medians
+    of the plain times of all chunks, which side-steps drift between chunks). Without eager rows, modes are not
+    converted."""
+    plain: Dict[Tuple[int, str], float] = {}
+    for key in {(r.batch, r.mode) for r in rows if r.ms_plain is not None}:
+        plain[key] = statistics.median(r.ms_plain for r in rows if (r.batch, r.mode) == key and r.ms_plain is not None)
+    return {id(r): r.speedup * plain.get((r.batch, "eager"), plain[(r.batch, r.mode)]) / plain[(r.batch, r.mode)]
+            for r in rows if r.speedup is not None and r.ms_plain is not None}
+
+
 def choose(rows: Sequence[TuneRow], batch: int, budget: float, min_speedup: Optional[float] = None) -> Choice:
-    """The fastest timed row of this batch size (least ms) whose held-out disagreement (100 - agree) is at most
-    `budget` points and whose speed-up's lower bound is above 1 (and whose speed-up is at least min_speedup);
-    Choice(batch, None, reason) when none qualifies."""
+    """The fastest timed row of this batch size (largest speed-up against plain eager, eager_speedups) whose
+    held-out disagreement (100 - agree) is at most `budget` points and whose speed-up's lower bound is above 1
+    (and whose speed-up is at least min_speedup); Choice(batch, None, reason) when none qualifies."""
     timed = [r for r in rows if r.batch == batch and r.status == "timed"]
     if not timed:
         return Choice(batch, None, "no candidate was timed (all were pruned or failed)")
@@ -213,7 +225,8 @@ def choose(rows: Sequence[TuneRow], batch: int, budget: float, min_speedup: Opti
     faster = [r for r in within if r.speedup_lo is not None and r.speedup_lo > 1.0]
     enough = [r for r in faster if min_speedup is None or r.speedup >= min_speedup]
     if enough:
-        best = min(enough, key=lambda r: (r.ms, -r.speedup_lo, r.candidate))
+        score = eager_speedups(timed)
+        best = max(enough, key=lambda r: (score[id(r)], r.speedup_lo, [-ord(ch) for ch in r.candidate]))
         return Choice(batch, best, f"fastest within the budget: {best.speedup:.2f}x plain in {best.mode} mode "
                                    f"(95 % interval {best.speedup_lo:.2f}-{best.speedup_hi:.2f}), "
                                    f"{100 - best.agree:.2f} points below full agreement")
