@@ -33,14 +33,13 @@ from tqdm import tqdm
 
 from . import apply, attention, kernels
 from .bench import build_base_model, check_device, check_dtype, mcnemar_exact_p, method_spec, precision
-from .calibrate import save_tuned_preset
+from .calibrate import NO_REDUCTION, save_tuned_preset
 from .data import UnlabeledImages, open_images
 from .measure import device_description, forward_counting, no_silent_eager_fallback, time_runs
 from .methods import method_class
 from .outputs import claim_run_folder, read_json, replacing, run_lock, write_text
 from .speed import DATA_DEPENDENT, MODES, _runner, check_modes
 
-NO_REDUCTION = "none"
 DEFAULT_SPACE: Tuple[Tuple[str, Dict[str, Any]], ...] = (
     ("tome", {"r": 4}), ("tome", {"r": 8}), ("tome", {"r": 12}), ("tome", {"r": 16}),
     ("tome", {"flops_ratio": 1.5}), ("tome", {"flops_ratio": 2.0}),
