@@ -233,6 +233,23 @@ def test_overwrite_with_a_bad_data_folder_keeps_the_earlier_run(tuned, tmp_path)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_a_path_that_fails_is_recorded_and_the_rest_go_on(image_folder, monkeypatch):
+    real = tuning._runner
+
+    def runner(model, mode, x):
+        if timm_tokcomp.is_reduced(model) and timm_tokcomp.get_reducer(model).params["prop_attn"] == "fold":
+            raise RuntimeError("no kernel for this head dimension")
+        return real(model, mode, x)
+
+    monkeypatch.setattr(tuning, "_runner", runner)
+    result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget=100.0,
+                               space=[("tome", {"r": 2})], limit=20, prune_images=8, max_rounds=3, show_progress=False)
+    statuses = {r.path: r.status for r in result.rows}
+    assert statuses == {"torch, fold": "failed: RuntimeError: no kernel for this head dimension",
+                        "torch, mask": "timed", "torch, fold_qkv": "timed"}
+    assert result.choices[0].row is None or result.choices[0].row.path != "torch, fold"
+
+
 @pytest.mark.parametrize("r1_agrees_more", [False, True])
 def test_mac_pruning_skips_only_candidates_beaten_in_speed_and_agreement(image_folder, monkeypatch, r1_agrees_more):
     """r = 3 and r = 2 are timed first (most MACs saved) at a fabricated 2x; r = 1 saves far less than 2x of the MACs,
