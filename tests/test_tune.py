@@ -250,6 +250,25 @@ def test_a_path_that_fails_is_recorded_and_the_rest_go_on(image_folder, monkeypa
     assert result.choices[0].row is None or result.choices[0].row.path != "torch, fold"
 
 
+def test_candidates_run_in_inference_mode_from_their_first_call(image_folder, monkeypatch):
+    """As timed: a Triton path refuses a forward that records gradients, and a compiled one would compile twice."""
+    real = tuning._runner
+
+    def runner(model, mode, x):
+        run = real(model, mode, x)
+
+        def checked(images):
+            if not torch.is_inference_mode_enabled():
+                raise RuntimeError("called outside inference mode")
+            return run(images)
+        return checked
+
+    monkeypatch.setattr(tuning, "_runner", runner)
+    result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget=100.0,
+                               space=[("tome", {"r": 2})], limit=20, prune_images=8, max_rounds=3, show_progress=False)
+    assert {r.status for r in result.rows} == {"timed"}
+
+
 @pytest.mark.parametrize("r1_agrees_more", [False, True])
 def test_mac_pruning_skips_only_candidates_beaten_in_speed_and_agreement(image_folder, monkeypatch, r1_agrees_more):
     """r = 3 and r = 2 are timed first (most MACs saved) at a fabricated 2x; r = 1 saves far less than 2x of the MACs,

@@ -444,7 +444,6 @@ class _Tuner:
                 for batch in self.s["batches"]:
                     for mode in self.s["modes"]:
                         self._time(batch, mode, screened)
-                        self._write()
                         bar.update(1)
                 plain_held = self._plain_predictions(held_x, eval_batch)
                 self._hold_out(held_x, plain_held, eval_batch, bar)
@@ -518,20 +517,18 @@ class _Tuner:
                 self._write()
 
     def _time_chunk(self, batch: int, mode: str, chunk: List[Candidate], x: torch.Tensor) -> None:
-        models: Dict[str, Callable] = {}
-        plain = self.base
         try:
             with no_silent_eager_fallback(len(chunk) + 1):
                 torch._dynamo.reset()
-                runners = {NO_REDUCTION: _runner(plain, mode, x)}
+                models: Dict[str, Callable] = {NO_REDUCTION: _runner(self.base, mode, x)}
                 for c in chunk:
                     try:
                         runner = _runner(self._model(c.kwargs, c.method), mode, x)
-                        runner(x)  # compile / capture now, so that a failure is this candidate's
-                        runners[c.name] = runner
+                        with torch.inference_mode():  # as timed: compile / capture now, so a failure is this path's
+                            runner(x)
+                        models[c.name] = runner
                     except Exception as e:  # a path this device or torch cannot run: recorded, not fatal
                         self.rows[(batch, c.name)].status = f"failed: {type(e).__name__}: {str(e)[:200]}"
-                models = runners
                 rounds = 0
                 times: Dict[str, List[float]] = {k: [] for k in models}
                 warmup = 1 if mode == "eager" else 2
