@@ -144,6 +144,8 @@ def test_method_items_choose_a_proportional_attention_path():
     assert method_spec("tome_r16@fold_qkv") == ("tome", {"r": 16, "prop_attn": "fold_qkv"})
     assert method_spec("tome_r16@triton+fold") == ("tome", {"r": 16, "kernel": "triton", "prop_attn": "fold"})
     assert method_spec("kmedoids_k70@mask") == ("kmedoids", {"keep_rate": 0.7, "prop_attn": "mask"})
+    with pytest.raises(ValueError, match="dense_tome has no proportional attention"):
+        method_spec("dense_tome_r1@fold")
 
 
 def test_bench_adds_tocom_rows_after_tome_and_evit_rows(tmp_path, capsys):

@@ -299,6 +299,21 @@ def test_mac_pruning_skips_only_candidates_beaten_in_speed_and_agreement(image_f
         assert all(s.startswith("pruned: MACs (at most 1.") and "agrees as often and is at least 2.00x" in s for s in r1)
 
 
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(space=[("tomee", {"r": 4})]), ValueError, "method must be one of"),
+    (dict(space=[("tome", {"rr": 4})]), TypeError, r"unknown parameter\(s\) \['rr'\] for method 'tome'"),
+    (dict(space=[("tome",)]), TypeError, "space must hold"),
+    (dict(min_speedup=True), ValueError, "--min-speedup must be a number >= 1"),
+    (dict(prune_images=True), ValueError, "--prune-images must be an integer >= 1"),
+    (dict(max_rounds=float("nan")), ValueError, "--max-rounds must be an integer >= 3"),
+])
+def test_python_arguments_are_checked_before_any_work(kwargs, error, match, tmp_path):
+    args = {**dict(limit=20, prune_images=8, out=str(tmp_path / "o"), show_progress=False), **kwargs}
+    with pytest.raises(error, match=match):
+        timm_tokcomp.tune(_small_model(), str(tmp_path / "no images yet"), **args)
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("args,match", [
     (["--budget", "-1"], "--budget must be a number of percentage points in"),
     (["--limit", "8", "--prune-images", "8"], "--limit must be an integer above --prune-images"),

@@ -127,7 +127,9 @@ def folded_qkv(attn: nn.Module, x: torch.Tensor, log_size: torch.Tensor
 
 def check_fold_qkv(attn: nn.Module, where: str) -> None:
     """Raise ValueError if 'fold_qkv' cannot serve this attention (q / k norm act on the unpadded heads)."""
-    if not isinstance(attn.q_norm, nn.Identity) or not isinstance(attn.k_norm, nn.Identity):
+    norms = [f"{name} {type(norm).__name__}" for name, norm in (("q_norm", attn.q_norm), ("k_norm", attn.k_norm))
+             if not isinstance(norm, nn.Identity)]
+    if norms:
         raise ValueError(f"prop_attn='fold_qkv' needs attention without q / k norm ({where} has "
-                         f"{type(attn.q_norm).__name__}); use prop_attn='fold'")
+                         f"{', '.join(norms)}); use prop_attn='fold'")
 

@@ -138,13 +138,15 @@ def mcnemar_exact_p(gained: int, lost: int) -> float:
     return min(1.0, 2.0 * tail)
 
 
-def parse_methods(spec: str) -> List[str]:
+def parse_methods(spec: str, device: Optional[str] = None, dtype: Optional[str] = None,
+                  batch_size: Optional[int] = None) -> List[str]:
     """'none,tome_r8,my_preset.json' -> ['none', 'tome_r8', 'my_preset.json'] (validated; 'none' is
-    put first if missing). A .json item is a preset saved by `tokcomp calibrate`."""
+    put first if missing). A .json item is a preset saved by `tokcomp calibrate` or `tune`; a tune preset warns
+    when the device, dtype or batch size given differ from those it was measured with."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     for name in names:
         if name.endswith(".json"):
-            load_preset(name)
+            load_preset(name, device=device, dtype=dtype, batch_size=batch_size)
         elif name != BASELINE:
             try:
                 method_spec(name)
@@ -202,6 +204,8 @@ def method_spec(name: str) -> Tuple[str, Dict[str, Any]]:
                     raise ValueError(f"{name}: {method} has no kernel choice (kernels are for {', '.join(with_kernel)})")
                 params = {**params, "kernel": item}
             elif item in PROP_ATTN_IMPLS:
+                if "prop_attn" not in method_class(method).param_names():
+                    raise ValueError(f"{name}: {method} has no proportional attention (it keeps every token's size)")
                 params = {**params, "prop_attn": item}
             else:
                 raise ValueError(f"{name}: each item after '@' must be a kernel ({', '.join(kernels.BACKENDS)}) or a "
@@ -341,10 +345,7 @@ def run_bench(
         raise ValueError("give --checkpoint or --pretrained, not both")
     if latency_runs < 0:
         raise ValueError(f"--latency-runs must be >= 0, got {latency_runs}")
-    methods = parse_methods(",".join(methods))
-    for name in methods:
-        if name.endswith(".json"):
-            load_preset(name, device=device, dtype=dtype, batch_size=batch_size)  # warns if tuned elsewhere
+    methods = parse_methods(",".join(methods), device=device, dtype=dtype, batch_size=batch_size)
     check_backend(backend, device, dtype, methods)
     base = build_base_model(model_name, checkpoint, pretrained, device)
     models = build_method_models(base, methods)

@@ -93,6 +93,12 @@ def _runner(model: nn.Module, mode: str, x: torch.Tensor):
     return torch.compile(model, dynamic=False, mode="reduce-overhead" if mode == "cudagraph" else None)
 
 
+def check_batches(batches: Sequence[int]) -> None:
+    """Raise ValueError naming --batches unless it is a non-empty list of integers >= 1."""
+    if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches):
+        raise ValueError(f"--batches must be integers >= 1, got {list(batches)}")
+
+
 def check_modes(modes: Sequence[str], device: str) -> None:
     for mode in modes:
         if mode not in MODES:
@@ -120,8 +126,7 @@ def run_speed(
     mode only. modes: eager, compile, cudagraph (torch.compile mode='reduce-overhead'), graph (the eager
     forward captured in a CUDA graph, graphs.GraphedForward). data: a folder of images whose first batch is
     timed (random inputs without it)."""
-    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches) or not batches:
-        raise ValueError(f"--batches must be integers >= 1, got {list(batches)}")
+    check_batches(batches)
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
     check_dtype(dtype)

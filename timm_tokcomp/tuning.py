@@ -38,7 +38,7 @@ from .data import UnlabeledImages, open_images
 from .measure import device_description, forward_counting, no_silent_eager_fallback, time_runs
 from .methods import method_class
 from .outputs import claim_run_folder, read_json, replacing, run_lock, write_text
-from .speed import DATA_DEPENDENT, MODES, _runner, check_modes
+from .speed import DATA_DEPENDENT, MODES, _runner, check_batches, check_modes
 
 DEFAULT_SPACE: Tuple[Tuple[str, Dict[str, Any]], ...] = (
     ("tome", {"r": 4}), ("tome", {"r": 8}), ("tome", {"r": 12}), ("tome", {"r": 16}),
@@ -306,23 +306,44 @@ def _load_images(data: str, cfg: Dict, limit: int, show_progress: bool) -> Tuple
 
 
 def _check_args(batches, budget, min_speedup, limit, prune_images, max_rounds, modes, device) -> None:
-    if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches):
-        raise ValueError(f"--batches must be integers >= 1, got {list(batches)}")
+    check_batches(batches)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 100 \
             or not math.isfinite(budget):
         raise ValueError(f"--budget must be a number of percentage points in [0, 100], got {budget!r}")
-    if min_speedup is not None and (not isinstance(min_speedup, (int, float)) or not math.isfinite(min_speedup)
-                                    or min_speedup < 1.0):
+    if min_speedup is not None and (isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float))
+                                    or not math.isfinite(min_speedup) or min_speedup < 1.0):
         raise ValueError(f"--min-speedup must be a number >= 1, got {min_speedup!r}")
-    if not isinstance(prune_images, int) or prune_images < 1:
+    if not _is_int(prune_images) or prune_images < 1:
         raise ValueError(f"--prune-images must be an integer >= 1, got {prune_images!r}")
-    if not isinstance(limit, int) or limit < prune_images + 1:
+    if not _is_int(limit) or limit < prune_images + 1:
         raise ValueError(f"--limit must be an integer above --prune-images ({prune_images}): the images after the "
                          f"first {prune_images} are held out for the agreement that decides; got {limit!r}")
-    if not isinstance(max_rounds, int) or max_rounds < 3:
+    if not _is_int(max_rounds) or max_rounds < 3:
         raise ValueError(f"--max-rounds must be an integer >= 3, got {max_rounds!r}")
     check_device(device)
     check_modes(modes, device)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_space(space: Sequence[Tuple[str, Dict[str, Any]]], model: nn.Module) -> None:
+    """Raise ValueError / TypeError for an unknown method or parameter name in space. What depends on the model
+    (a preset for another width, a class token needed) is left to candidate_paths, whose refusals become notes."""
+    for entry in space:
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[1], dict):
+            raise TypeError(f"space must hold (method, params dict) pairs, got {entry!r}")
+        method, params = entry
+        cls = method_class(method)
+        try:
+            resolved = cls.resolve_params(model, dict(params))
+        except ValueError:
+            continue
+        unknown = sorted(set(resolved) - set(cls.param_names()))
+        if unknown:
+            raise TypeError(f"space: unknown parameter(s) {unknown} for method {method!r}; valid: "
+                            f"{list(cls.param_names())}")
 
 
 def default_modes(device: str) -> Tuple[str, ...]:
@@ -373,6 +394,7 @@ def tune(
             raise ValueError("model is already reduced; tune a plain timm model (timm_tokcomp.remove(model) first)")
         name = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", type(model).__name__)
         base = copy.deepcopy(model).to(device).eval()
+    check_space(space, base)
     settings = {"model": name, "device": device, "device_name": device_description(device), "dtype": dtype, "tf32": tf32,
                 "batches": list(batches), "budget": budget, "min_speedup": min_speedup, "modes": list(modes),
                 "limit": limit, "prune_images": prune_images, "max_rounds": max_rounds, "data": str(data),
