@@ -75,8 +75,9 @@ def is_reduced(model: nn.Module) -> bool:
 
 
 def last_stats(model: nn.Module, features: Optional[torch.Tensor] = None) -> Optional[ReductionStats]:
-    """Token counts per block, final sizes and source map of the model's last forward (None before one), or,
-    given `features` (a tensor forward_features returned), of the call that produced them."""
+    """Token counts per block, final sizes and source map of this thread's last eager forward of the model (None
+    before one; a compiled forward keeps none), or, given `features` (a tensor forward_features returned), of the
+    call that produced them. Calls from several threads at once each keep their own."""
     return _patch.stats_of(model, features)
 
 

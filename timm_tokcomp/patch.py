@@ -1,6 +1,7 @@
 """The only module that knows timm's internals: swaps a VisionTransformer's classes (model, Block,
 Attention) for static subclasses that reduce tokens, and back. Parameters and buffers are never
 touched, so state_dict keys and weights stay exactly those of the timm model."""
+import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -255,15 +256,21 @@ class _ReducingViT:
 
     _tokcomp_reducer: TokenReducer
     _tokcomp_prop_attn: Union[bool, str]  # False, or the implementation ('auto' or one of PROP_ATTN_IMPLS)
-    _tokcomp_stats: Optional[ReductionStats]
     _tokcomp_block_cost: BlockCost
-    _tokcomp_pool_stats: Optional[ReductionStats]  # this call's stats while forward() runs its head
+    _tokcomp_pool_stats: Optional[ReductionStats]  # compiled forward only: this call's stats while its head runs
     _tokcomp_depth: int  # blocks the schedule is laid over (see model_depth)
+
+    # Per-call state (token sizes, stats, source maps) is never kept where another call of the same model could
+    # read it: it travels with the call's own feature tensor (_register_features), so calls from several threads
+    # at once each pool with their own sizes. Under torch.compile the head reads it from a module attribute that
+    # dynamo traces as a value of this call's graph.
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, 3, H, W) -> logits; the head pools with this call's token sizes."""
-        x = self._features(x)
-        self._tokcomp_pool_stats = self._tokcomp_stats
+        x, stats = self._features(x)
+        if not torch.compiler.is_compiling():
+            return self.forward_head(self._register_features(x, stats))
+        self._tokcomp_pool_stats = stats
         try:
             return self.forward_head(x)
         finally:
@@ -274,19 +281,22 @@ class _ReducingViT:
         with the returned tensor: forward_head / pool on it use them, whatever ran in between."""
         if attn_mask is not None or is_causal:
             raise ValueError("attn_mask / is_causal are not supported while tokens are reduced (token count changes)")
-        return self._register_features(self._features(x))
+        return self._register_features(*self._features(x))
 
-    def _features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self._reduce_blocks(self._embed(x)))
+    def _features(self, x: torch.Tensor) -> Tuple[torch.Tensor, ReductionStats]:
+        x, stats = self._reduce_blocks(self._embed(x))
+        return self.norm(x), stats
 
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, 3, H, W) -> (B, N, C) tokens entering the first block, as timm's forward_features makes them."""
         return self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
 
     def _reduce_blocks(self, x: torch.Tensor, for_intermediates: bool = False, num_blocks: Optional[int] = None,
-                       on_block: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None) -> torch.Tensor:
-        """x: (B, N, C) -> (B, N', C) through the first num_blocks blocks (all: None). for_intermediates: trace
-        the source map and keep every token to the end; on_block(i, x, source) sees each block's output."""
+                       on_block: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None
+                       ) -> Tuple[torch.Tensor, ReductionStats]:
+        """x: (B, N, C) -> (B, N', C) through the first num_blocks blocks (all: None), with this call's stats.
+        for_intermediates: trace the source map and keep every token to the end; on_block(i, x, source) sees each
+        block's output."""
         _refuse_fx_tracing()
         reducer, num_prefix = self._tokcomp_reducer, self.num_prefix_tokens
         settings = reducer.block_settings(self._tokcomp_depth, x.shape[1], num_prefix, self._tokcomp_block_cost)
@@ -316,8 +326,8 @@ class _ReducingViT:
         stats.tokens_out = x.shape[1]
         stats.size = None if size is None else size.detach()
         stats.source = source.detach() if reducer.trace_source else None
-        self._tokcomp_stats = stats
-        return x
+        _remember_last(self, stats)
+        return x, stats
 
     def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
         """Like timm's pool, but 'avg' / 'avgmax' weight each token by its size: the sizes of the
@@ -385,15 +395,15 @@ class _ReducingViT:
                 held = source.sum(dim=1).unsqueeze(-1)  # (B, N0, 1): 0 where a dropping pruner removed the patch
                 grids.append(gather_tokens(self.norm(tokens) if norm else tokens, holder) * held)
 
-        x = self._reduce_blocks(x, for_intermediates=True, num_blocks=max_index + 1 if stop_early else None,
-                                on_block=on_block)
+        x, stats = self._reduce_blocks(x, for_intermediates=True, num_blocks=max_index + 1 if stop_early else None,
+                                       on_block=on_block)
         p = self.num_prefix_tokens
         prefix = [g[:, :p] for g in grids] if p else None
         spatial = [g[:, p:] for g in grids]
         if output_fmt == "NCHW":
             H, W = self.patch_embed.dynamic_feat_size((height, width))
             spatial = [g.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for g in spatial]
-        final = None if intermediates_only else self._register_features(self.norm(x))
+        final = None if intermediates_only else self._register_features(self.norm(x), stats)
         if output_dict:
             out: Dict[str, Any] = {"image_intermediates": spatial}
             if prefix is not None and return_prefix_tokens:
@@ -405,9 +415,9 @@ class _ReducingViT:
             spatial = list(zip(spatial, prefix))
         return spatial if intermediates_only else (final, spatial)
 
-    def _register_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Remember the stats of this call for x: (B, N', C), so that pool / forward_head on x use its sizes."""
-        _feature_stats(self)[x] = self._tokcomp_stats
+    def _register_features(self, x: torch.Tensor, stats: ReductionStats) -> torch.Tensor:
+        """Remember the stats of the call that made x: (B, N', C), so that pool / forward_head on x use its sizes."""
+        _feature_stats(self)[x] = stats
         return x
 
     def __prepare_scriptable__(self):
@@ -431,18 +441,32 @@ _DENSE_CLASSES: Dict[type, type] = {
     VisionTransformerDistilled: DenseVisionTransformerDistilled,
 }
 _ORIGINAL = {patched: plain for classes in (_MODEL_CLASSES, _DENSE_CLASSES) for plain, patched in classes.items()}
-_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_stats", "_tokcomp_block_cost", "_tokcomp_pool_stats",
-          "_tokcomp_depth")
+_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_block_cost", "_tokcomp_pool_stats", "_tokcomp_depth")
 _BLOCK_ATTRS = ("_tokcomp_reducer", "_tokcomp_setting", "_tokcomp_num_prefix")
 # model -> (forward_features output -> the stats of the call that returned it); outside the model, so that
 # pickling and deepcopy never meet the weak references, and both die with what they describe
 _FEATURE_STATS: "weakref.WeakKeyDictionary[nn.Module, WeakIdKeyDictionary]" = weakref.WeakKeyDictionary()
 
 
+_FEATURE_STATS_LOCK = threading.Lock()
+# each thread's last forward per model (last_stats): a call never sees the stats of another thread's call
+_LAST_STATS = threading.local()
+
+
 def _feature_stats(model: nn.Module) -> WeakIdKeyDictionary:
-    if model not in _FEATURE_STATS:
-        _FEATURE_STATS[model] = WeakIdKeyDictionary()
-    return _FEATURE_STATS[model]
+    with _FEATURE_STATS_LOCK:  # two threads' first calls must not each make a registry and lose one
+        if model not in _FEATURE_STATS:
+            _FEATURE_STATS[model] = WeakIdKeyDictionary()
+        return _FEATURE_STATS[model]
+
+
+def _remember_last(model: nn.Module, stats: ReductionStats) -> None:
+    """Keep stats as this thread's last forward of model (eager calls: a compiled graph keeps no Python state)."""
+    if torch.compiler.is_compiling():
+        return
+    if not hasattr(_LAST_STATS, "by_model"):
+        _LAST_STATS.by_model = weakref.WeakKeyDictionary()
+    _LAST_STATS.by_model[model] = stats
 
 
 def _linear_macs(module: nn.Module) -> int:
@@ -515,8 +539,8 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     model._tokcomp_prop_attn = prop_attn
     model._tokcomp_block_cost = block_cost
     model._tokcomp_depth = depth
-    model._tokcomp_stats = None
     model._tokcomp_pool_stats = None
+    getattr(_LAST_STATS, "by_model", {}).pop(model, None)
     _attach_learned(model, reducer.learned_module(), reducer.name)
 
 
@@ -557,7 +581,7 @@ def _patch_dense(model: nn.Module, reducer: TokenReducer) -> None:
         blk._tokcomp_setting = setting
         blk._tokcomp_num_prefix = num_prefix
     model._tokcomp_reducer = reducer
-    model._tokcomp_stats = None
+    getattr(_LAST_STATS, "by_model", {}).pop(model, None)
 
 
 def unpatch(model: nn.Module) -> None:
@@ -583,8 +607,8 @@ def trace_blocks(model: nn.Module, x: torch.Tensor,
     reducer_of(model)  # raises if not patched
     if model._tokcomp_reducer.dense:
         raise ValueError("dense methods keep every token (nothing to trace); trace a token-reducing method")
-    tokens = model._reduce_blocks(model._embed(x), for_intermediates=True, on_block=on_block)
-    return model._register_features(model.norm(tokens))
+    tokens, stats = model._reduce_blocks(model._embed(x), for_intermediates=True, on_block=on_block)
+    return model._register_features(model.norm(tokens), stats)
 
 
 def reducer_of(model: nn.Module) -> TokenReducer:
@@ -594,10 +618,11 @@ def reducer_of(model: nn.Module) -> TokenReducer:
 
 
 def stats_of(model: nn.Module, features: Optional[torch.Tensor] = None) -> Optional[ReductionStats]:
-    """The stats of the model's last forward, or of the forward_features call that returned `features`."""
+    """The stats of this thread's last eager forward of the model, or of the forward_features call that returned
+    `features`."""
     reducer_of(model)  # raises if not patched
     if features is None:
-        return model._tokcomp_stats
+        return getattr(_LAST_STATS, "by_model", {}).get(model)
     known = _feature_stats(model)
     if features not in known:
         raise ValueError("features is not a tensor returned by this model's forward_features")
