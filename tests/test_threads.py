@@ -92,3 +92,38 @@ def test_many_concurrent_calls_each_return_their_own_result():
     for t in threads:
         t.join(timeout=120)
     assert wrong == []
+
+
+def test_graphed_forward_calls_from_threads_take_turns_on_its_buffers():
+    """A CUDA graph replays on one input and one output buffer: concurrent calls must not interleave copy, replay
+    and clone. A stand-in graph (the CPU has none) that yields between reading its input and writing its output
+    shows an interleaving as a wrong result."""
+    import time
+
+    from timm_tokcomp.graphs import GraphedForward
+
+    graphed = GraphedForward.__new__(GraphedForward)
+    graphed._replaying = threading.Lock()
+    graphed.static_input, graphed.static_output = torch.zeros(4), torch.zeros(4)
+
+    class SlowGraph:
+        def replay(self):
+            value = graphed.static_input.clone()
+            time.sleep(0.001)
+            graphed.static_output.copy_(value * 2)
+
+    graphed.graph = SlowGraph()
+    wrong = []
+
+    def work(value):
+        for _ in range(30):
+            out = graphed(torch.full((4,), float(value)))
+            if not torch.equal(out, torch.full((4,), 2.0 * value)):
+                wrong.append(value)
+
+    threads = [threading.Thread(target=work, args=(v,)) for v in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert wrong == []

@@ -9,6 +9,7 @@ ATS, whose counts are read from the data. Capturing runs a few eager forwards: n
     logits = graphed(images)                                                     # images: example's shape
 """
 import contextlib
+import threading
 from typing import Dict
 
 import torch
@@ -40,7 +41,8 @@ class GraphedForward:
     """model(x) replayed from a CUDA graph captured on example (B, 3, H, W), a CUDA tensor. Calls take tensors
     of example's shape, dtype and device and return a new tensor each (the model's output, cloned). The model
     must not change afterwards: its weights are read in place, but a new method, r or kernel needs a new
-    capture. Built under torch.autocast, the graph keeps that autocast dtype. warmup: eager forwards on a side
+    capture. Built under torch.autocast, the graph keeps that autocast dtype. Calls from several threads take
+turns on the one pair of buffers. warmup: eager forwards on a side
     stream before the capture (Triton kernels compile there)."""
 
     def __init__(self, model: nn.Module, example: torch.Tensor, warmup: int = 3) -> None:
@@ -50,6 +52,7 @@ class GraphedForward:
             raise ValueError(f"example must be a CUDA tensor (CUDA graphs replay GPU work), got {example.device}")
         check_capturable(model, example)
         self.model = model
+        self._replaying = threading.Lock()  # one input and output buffer: calls from several threads take turns
         with torch.inference_mode(False):  # a normal tensor: calls may copy into it inside or outside inference mode
             self.static_input = example.detach().clone()
         side = torch.cuda.Stream(device=example.device)
@@ -69,9 +72,10 @@ class GraphedForward:
             raise ValueError(f"x must match the captured example: shape {tuple(want.shape)}, {want.dtype} on "
                              f"{want.device}; got {tuple(x.shape)}, {x.dtype} on {x.device} (capture another "
                              "GraphedForward for another batch size)")
-        self.static_input.copy_(x)
-        self.graph.replay()
-        return self.static_output.clone()
+        with self._replaying:
+            self.static_input.copy_(x)
+            self.graph.replay()
+            return self.static_output.clone()
 
 
 def _uncached_autocast():
