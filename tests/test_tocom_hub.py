@@ -109,7 +109,7 @@ def test_load_from_the_hub_cache_offline(tmp_path):
         "c, cfg = load('someone/small-tocom', cache_dir=sys.argv[1])\n"
         "c2, _ = load('someone/small-tocom', revision=sys.argv[2], cache_dir=sys.argv[1])\n"
         "torch.save((c.lora_a, c.lora_b, c2.lora_a), sys.argv[3])\n"
-        "try:\n    load('someone/not-cached', cache_dir=sys.argv[1])\nexcept Exception as e:\n    print(type(e).__name__)\n"
+        "try:\n    load('someone/not-cached', cache_dir=sys.argv[1])\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     out = tmp_path / "out.pt"
@@ -118,7 +118,9 @@ def test_load_from_the_hub_cache_offline(tmp_path):
     assert run.returncode == 0, run.stderr
     a, b, a2 = torch.load(out)
     assert torch.equal(a, comp.lora_a) and torch.equal(b, comp.lora_b) and torch.equal(a2, comp.lora_a)
-    assert "LocalEntryNotFoundError" in run.stdout or "OfflineModeIsEnabled" in run.stdout
+    # an uncached repository while offline: one clear error naming it, the cache and what to do
+    assert run.stdout.startswith("UserFileError someone/not-cached: the Hub cannot be reached")
+    assert "not in the local cache" in run.stdout and "HF_HUB_OFFLINE=1" in run.stdout
 
 
 def test_push_to_hub_uploads_the_saved_layout(monkeypatch):

@@ -16,9 +16,10 @@ from torch import nn
 from tqdm import tqdm
 
 from . import apply, is_reduced, last_stats
-from .data import UnlabeledImages, open_images
+from .data import UnlabeledImages, check_num_classes, open_images
 from .calibrate import load_preset
 from .measure import count_macs, forward_counting, no_silent_eager_fallback, time_runs
+from .userfiles import hub_error, load_weights
 from . import kernels
 from .attention import PROP_ATTN_IMPLS
 from .methods import METHODS, method_class, parse_method_tag
@@ -170,11 +171,13 @@ def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: boo
         if "Unknown model" not in str(e):
             raise
         raise ValueError(f"MODEL {model_name!r} is not a timm model name (timm.list_models('*vit*') lists them)") from None
+    except OSError as e:  # huggingface_hub's download errors (offline, not cached, unknown repo) are OSErrors
+        raise hub_error(e, model_name, "--pretrained") from None
     if is_reduced(model):
         raise ValueError(f"MODEL {model_name!r} already carries a method tag; give the plain architecture "
                          f"and list methods with --methods")
     if checkpoint:
-        timm.models.load_checkpoint(model, checkpoint, strict=True)
+        load_weights(model, checkpoint, "--checkpoint")
     return model.to(device).eval()
 
 
@@ -358,6 +361,8 @@ def run_bench(
     if data:
         dataset = open_images(data, timm.data.create_transform(**cfg))
         labelled = not isinstance(dataset, UnlabeledImages)
+        if labelled and getattr(base, "num_classes", 0):
+            check_num_classes(dataset, base.num_classes)
         if limit is not None:
             dataset = torch.utils.data.Subset(dataset, range(min(limit, len(dataset))))
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)

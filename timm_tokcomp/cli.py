@@ -508,6 +508,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(error: Exception) -> str:
+    """The error's own message: an error raised in a DataLoader worker arrives wrapped with the worker's traceback,
+    whose last line is the original 'module.Type: message'."""
+    text = str(error)
+    if "Original Traceback" not in text:
+        return text
+    last = text.strip().splitlines()[-1]
+    kind, sep, message = last.partition(": ")
+    return message if sep and " " not in kind else last
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from .training.engine import TrainingDiverged
 
@@ -515,7 +526,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:
-        print(f"tokcomp: error: {e}", file=sys.stderr)
+        print(f"tokcomp: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
         print(f"tokcomp: {e}", file=sys.stderr)

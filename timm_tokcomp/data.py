@@ -1,77 +1,156 @@
 """Image datasets: an ImageFolder tree, a folder with labels.csv (`file,label`), or (for label-free
-work such as calibration) a plain folder of images."""
+work such as calibration) a plain folder of images. The one loader of image folders and labels files: every file
+is checked at the door (it exists, it is an image; every label is a class index in range), and every error names
+the flag and the file (userfiles.UserFileError)."""
 import csv
 from pathlib import Path
-from typing import Callable, List, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
-from torchvision.datasets import ImageFolder
+
+from .userfiles import fail
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".bmp", ".webp", ".tif", ".tiff")
+PathLike = Union[str, Path]
 
 
-class LabeledImages(Dataset):
-    """Images listed in `root/<labels>` (default labels.csv; header `file,label`, 0-based class indices);
-    files are looked up in `root/images/` if that folder exists, else in `root`."""
+def _check_image(path: Path, flag: str) -> None:
+    """Refuse a file PIL cannot identify as an image (its header only: cheap)."""
+    try:
+        with Image.open(path) as img:
+            img.size  # noqa: B018 (identified from the header)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{flag}: {path} not found") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise fail(flag, path, f"is not an image ({type(e).__name__}: {e})") from None
 
-    def __init__(self, root: Union[str, Path], transform: Callable, labels: str = "labels.csv") -> None:
-        root = Path(root)
-        self.image_dir = root / "images" if (root / "images").is_dir() else root
-        with open(root / labels, newline="") as f:
-            reader = csv.DictReader(f)
-            if reader.fieldnames is None or not {"file", "label"} <= set(reader.fieldnames):
-                raise ValueError(f"{root / labels} must have a header with columns 'file' and 'label'")
-            self.samples: List[Tuple[str, int]] = [(row["file"], int(row["label"])) for row in reader]
-        self.transform = transform
+
+def _load_rgb(path: Path, flag: str) -> Image.Image:
+    """The image at path as RGB; a file that stops decoding (truncated) is refused naming it."""
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise fail(flag, path, f"cannot be decoded as an image ({type(e).__name__}: {e})") from None
+
+
+class _CheckedImages(Dataset):
+    """(path, label) samples checked at the door; items are (transform(image), label)."""
+
+    def __init__(self, samples: List[Tuple[Path, int]], base: Path, transform: Callable, flag: str) -> None:
+        for path, _ in samples:
+            _check_image(path, flag)
+        self.samples, self.base, self.transform, self.flag = samples, base, transform, flag
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int):
-        name, label = self.samples[i]
-        with Image.open(self.image_dir / name) as img:
-            return self.transform(img.convert("RGB")), label
+        path, label = self.samples[i]
+        return self.transform(_load_rgb(path, self.flag)), label
+
+    @property
+    def labels(self) -> List[int]:
+        return [label for _, label in self.samples]
+
+    @property
+    def names(self) -> List[str]:
+        """Each image's path relative to the folder its names are given in."""
+        return [path.relative_to(self.base).as_posix() for path, _ in self.samples]
 
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+class LabeledImages(_CheckedImages):
+    """Images listed in `root/<labels>` (default labels.csv; header `file,label`, 0-based class indices);
+    files are looked up in `root/images/` if that folder exists, else in `root`."""
+
+    def __init__(self, root: PathLike, transform: Callable, labels: str = "labels.csv", flag: str = "--data") -> None:
+        root = Path(root)
+        self.image_dir = root / "images" if (root / "images").is_dir() else root
+        super().__init__([(self.image_dir / name, label) for name, label in read_labels(root / labels, flag)],
+                         self.image_dir, transform, flag)
 
 
-class UnlabeledImages(Dataset):
+class ImageTree(_CheckedImages):
+    """An ImageFolder tree: root/<class name>/<image>, classes numbered in sorted order (as torchvision's)."""
+
+    def __init__(self, root: PathLike, transform: Callable, flag: str = "--data") -> None:
+        root = Path(root)
+        self.classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        samples = [(p, i) for i, name in enumerate(self.classes) for p in sorted((root / name).rglob("*"))
+                   if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
+        if not samples:
+            raise fail(flag, root, f"has class subfolders but no image files ({', '.join(IMAGE_SUFFIXES)})")
+        super().__init__(samples, root, transform, flag)
+
+
+class UnlabeledImages(_CheckedImages):
     """Every image file directly in `root`, sorted by name; the label is -1."""
 
-    def __init__(self, root: Union[str, Path], transform: Callable) -> None:
-        self.files = sorted(p for p in Path(root).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-        self.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i: int):
-        with Image.open(self.files[i]) as img:
-            return self.transform(img.convert("RGB")), -1
+    def __init__(self, root: PathLike, transform: Callable, flag: str = "--data") -> None:
+        files = sorted(p for p in Path(root).iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        super().__init__([(p, -1) for p in files], Path(root), transform, flag)
 
 
-def open_images(path: Union[str, Path], transform: Callable) -> Dataset:
+def read_labels(path: Path, flag: str = "--data") -> List[Tuple[str, int]]:
+    """(file, class index) rows of a `file,label` CSV; a non-integer or negative label is refused with its line."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{flag}: {path} not found") from None
+    except UnicodeDecodeError:
+        raise fail(flag, path, "is not a text file (expected CSV with columns file,label)") from None
+    reader = csv.DictReader(text.splitlines())
+    if reader.fieldnames is None or not {"file", "label"} <= set(reader.fieldnames):
+        raise fail(flag, path, "must have a header with columns 'file' and 'label'")
+    rows = []
+    for line, row in enumerate(reader, start=2):
+        label = (row.get("label") or "").strip()
+        if not label.lstrip("-").isdigit() or int(label) < 0:
+            raise fail(flag, path, f", line {line}: label {label!r} is not a class index (an integer >= 0; class "
+                                   "names belong in an ImageFolder tree)")
+        if not row.get("file"):
+            raise fail(flag, path, f", line {line}: no file name")
+        rows.append((row["file"], int(label)))
+    return rows
+
+
+def check_num_classes(dataset: Dataset, num_classes: int, flag: str = "--data") -> None:
+    """Refuse labels the model cannot predict (>= num_classes); unlabelled datasets pass."""
+    labels = getattr(dataset, "labels", [])
+    top = max(labels, default=-1)
+    if top >= num_classes:
+        raise fail(flag, getattr(dataset, "root", ""), f"has class index {top}, but the model has {num_classes} "
+                                                        f"classes (0..{num_classes - 1})")
+
+
+def open_images(path: PathLike, transform: Callable, flag: str = "--data") -> Dataset:
     """Images whose labels are not needed: a labelled dataset as open_dataset reads it, or a plain
     folder of image files."""
     path = Path(path)
     if path.is_dir() and not (path / "labels.csv").is_file() and not any(p.is_dir() for p in path.iterdir()):
-        dataset = UnlabeledImages(path, transform)
+        dataset = UnlabeledImages(path, transform, flag)
         if len(dataset) == 0:
-            raise ValueError(f"--data: {path} holds no image files ({', '.join(IMAGE_SUFFIXES)})")
-        return dataset
-    return open_dataset(path, transform)
+            raise fail(flag, path, f"holds no image files ({', '.join(IMAGE_SUFFIXES)})")
+        return _rooted(dataset, path)
+    return open_dataset(path, transform, flag)
 
 
-def open_dataset(path: Union[str, Path], transform: Callable) -> Dataset:
+def open_dataset(path: PathLike, transform: Callable, flag: str = "--data") -> Dataset:
     """A labelled image dataset from a labels.csv folder, a labels file itself (`<folder>/<name>.csv`, e.g.
     one split of a folder), or an ImageFolder tree (class subfolders)."""
     path = Path(path)
     if path.suffix == ".csv" and path.is_file():
-        return LabeledImages(path.parent, transform, labels=path.name)
+        return _rooted(LabeledImages(path.parent, transform, labels=path.name, flag=flag), path)
     if not path.is_dir():
-        raise FileNotFoundError(f"--data: {path} is not a folder")
+        raise FileNotFoundError(f"{flag}: {path} is not a folder")
     if (path / "labels.csv").is_file():
-        return LabeledImages(path, transform)
+        return _rooted(LabeledImages(path, transform, flag=flag), path / "labels.csv")
     if not any(p.is_dir() for p in path.iterdir()):
-        raise ValueError(f"--data: {path} has neither labels.csv nor class subfolders (ImageFolder layout)")
-    return ImageFolder(str(path), transform=transform)
+        raise fail(flag, path, "has neither labels.csv nor class subfolders (ImageFolder layout)")
+    return _rooted(ImageTree(path, transform, flag), path)
+
+
+def _rooted(dataset: Dataset, root: Optional[Path]) -> Dataset:
+    dataset.root = root  # what an error about its labels names
+    return dataset

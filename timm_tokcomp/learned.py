@@ -4,11 +4,12 @@ import json
 from pathlib import Path
 from typing import Union
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from .methods import method_class
-from .outputs import read_json, replacing, write_text
+from .outputs import replacing, write_text
+from .userfiles import read_json, read_safetensors
 
 FORMAT_VERSION = 1
 
@@ -49,10 +50,7 @@ def load_learned(method: str, folder: Union[str, Path]) -> nn.Module:
         module = cls.from_config(config)
     except ValueError as e:
         raise ValueError(f"{config_path}: {e}") from None
-    try:
-        tensors = load_file(str(weights_path))
-    except Exception as e:  # safetensors raises its own error type for truncated or corrupt files
-        raise ValueError(f"{weights_path} cannot be read as safetensors ({e})") from None
+    tensors = read_safetensors(weights_path)
     expected = module.state_dict()
     wrong = sorted(k for k in set(expected) | set(tensors)
                    if k not in tensors or k not in expected or tensors[k].shape != expected[k].shape)

@@ -1,12 +1,15 @@
 """The one writer of output files. Every file goes to a temporary name beside its target and is renamed into
 place, so a crash or Ctrl-C at any moment leaves the old file or the new one, never a half-written one; and
-nothing a user already has is replaced unless they asked for it (--overwrite, or --resume for a run)."""
-import json
+nothing a user already has is replaced unless they asked for it (--overwrite, or --resume for a run). A run folder
+is replaced as one transaction (run_folder): the earlier run is set aside, not deleted, until the new one ends."""
 import os
 import shutil
+import sys
+import tempfile
 from contextlib import contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
-from typing import Iterable, Iterator, Union
+from typing import Iterator, List, Sequence, Union
 
 PathLike = Union[str, Path]
 
@@ -26,29 +29,6 @@ def replacing(path: PathLike) -> Iterator[Path]:
         raise
 
 
-def read_json(path: PathLike) -> dict:
-    """A JSON object from a file this package wrote; ValueError naming the file when it is not valid JSON."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
-def read_versioned_json(folder: PathLike, name: str, version: int, what: str) -> dict:
-    """folder/name, which marks a complete folder of `what`, with format_version `version`; ValueError otherwise."""
-    path = Path(folder) / name
-    if not path.is_file():
-        raise ValueError(f"{folder} has no {name}: not {what}")
-    data = read_json(path)
-    if data.get("format_version") != version:
-        raise ValueError(f"{path}: format_version {data.get('format_version')!r} is not supported "
-                         f"(this version reads {version})")
-    return data
-
-
 def write_text(path: PathLike, text: str) -> None:
     with replacing(path) as tmp:
         tmp.write_text(text)
@@ -60,28 +40,67 @@ def refuse_existing(path: PathLike, overwrite: bool, flag: str) -> None:
         raise FileExistsError(f"{flag} {path} already exists; pass --overwrite to replace it")
 
 
-def claim_run_folder(folder: PathLike, resume: bool, overwrite: bool, run_entries: Iterable[str]) -> None:
-    """Make `folder` ready for a run that writes `run_entries` (names of files / folders) into it.
+REPLACED = ".replaced-"  # + the writer's process id and a unique part: an earlier run set aside while a new run works
 
-    A folder that does not exist or is empty is fine. Otherwise: resume keeps everything (the run continues
-    there) but the temporary files of a killed writer; overwrite deletes the previous run's entries (and
-    nothing else); neither raises FileExistsError."""
+
+@contextmanager
+def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, run_entries: Sequence[str] = ("*",),
+               kept_on_resume: Sequence[str] = ("*",), writer: bool = True) -> Iterator[Path]:
+    """Hold `folder` for a run that writes `run_entries` (glob names of files / folders) into it, as one
+    transaction that never loses an earlier run's work:
+    - a folder that holds something is refused (FileExistsError) unless resume or overwrite, and so is a folder
+      another process is writing (folder/.lock);
+    - overwrite sets the earlier run's entries aside (folder/.replaced-<pid>-<unique>/, a rename); resume does the same for
+      the entries not named in kept_on_resume (those the run continues from, e.g. checkpoints, cached records);
+    - the run ends without an error: what was set aside is deleted;
+    - the run raises (bad input, Ctrl-C, divergence) before writing anything: the earlier entries come back as
+      they were; after writing something: both stay, the new partial run in place (a resume continues it) and the
+      earlier one in .replaced-<pid>-<unique>, until a run in the folder ends without an error.
+    writer=False (the other processes of a distributed run): only the refusal; the writer does the rest."""
     folder = Path(folder)
-    present = sorted(p.name for p in folder.iterdir() if p.name != ".lock") if folder.is_dir() else []
     if folder.exists() and not folder.is_dir():
         raise FileExistsError(f"--out {folder} is a file, not a folder")
-    if resume:
-        for stale in folder.rglob(".*.tmp"):  # left by a run that was killed while writing
-            stale.unlink()
-    if not present or resume:
-        return
-    if not overwrite:
+    present = _entries(folder, hidden=True)
+    if present and not (resume or overwrite):
         shown = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
         raise FileExistsError(f"--out {folder} is not empty ({shown}); pass --resume to continue the run in it, "
                               "--overwrite to replace it, or choose a new folder")
-    for name in run_entries:
-        for entry in sorted(folder.glob(name)):
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    if not writer:
+        yield folder
+        return
+    with run_lock(folder):
+        for stale in folder.rglob(".*.tmp"):  # left by a writer that was killed while writing
+            stale.unlink()
+        aside, moved = None, []
+        for name in run_entries:
+            for entry in sorted(folder.glob(name)):
+                if entry.name.startswith(".") or (resume and any(fnmatch(entry.name, k) for k in kept_on_resume)):
+                    continue
+                aside = aside or Path(tempfile.mkdtemp(prefix=f"{REPLACED}{os.getpid()}-", dir=folder))
+                os.replace(entry, aside / entry.name)
+                moved.append(entry.name)
+        before = _entries(folder)
+        try:
+            yield folder
+        except BaseException:
+            if moved and _entries(folder) == before:  # nothing new written: the earlier run comes back as it was
+                for name in moved:
+                    os.replace(aside / name, folder / name)
+                aside.rmdir()
+            elif moved:
+                print(f"note: {folder}'s earlier files are kept in {aside} until a run there ends without an error",
+                      file=sys.stderr)
+            raise
+        for old in folder.glob(f"{REPLACED}*"):
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def _entries(folder: Path, hidden: bool = False) -> List[str]:
+    """Names in folder (none if it does not exist): a run's entries, and with hidden an earlier run set aside."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir()
+                  if not p.name.startswith(".") or (hidden and p.name.startswith(REPLACED)))
 
 
 @contextmanager

@@ -34,10 +34,11 @@ from tqdm import tqdm
 from . import apply, attention, kernels
 from .bench import build_base_model, check_device, check_dtype, mcnemar_exact_p, method_spec, precision
 from .calibrate import NO_REDUCTION, save_tuned_preset
-from .data import UnlabeledImages, open_images
+from .data import UnlabeledImages, check_num_classes, open_images
 from .measure import device_description, forward_counting, no_silent_eager_fallback, time_runs
 from .methods import method_class
-from .outputs import claim_run_folder, read_json, replacing, run_lock, write_text
+from .outputs import replacing, run_folder, write_text
+from .userfiles import read_json
 from .speed import DATA_DEPENDENT, MODES, _runner, check_batches, check_modes
 
 DEFAULT_SPACE: Tuple[Tuple[str, Dict[str, Any]], ...] = (
@@ -296,8 +297,11 @@ def _predictions(model: nn.Module, images: torch.Tensor, batch: int) -> torch.Te
     return torch.cat([model(images[i:i + batch]).argmax(dim=-1).cpu() for i in range(0, len(images), batch)])
 
 
-def _load_images(data: str, cfg: Dict, limit: int, show_progress: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _load_images(data: str, cfg: Dict, limit: int, show_progress: bool,
+                 num_classes: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     dataset = open_images(data, timm.data.create_transform(**cfg))
+    if num_classes and not isinstance(dataset, UnlabeledImages):
+        check_num_classes(dataset, num_classes)
     count = min(limit, len(dataset))
     items = [dataset[i] for i in tqdm(range(count), desc="images", disable=not show_progress, file=sys.stderr)]
     images = torch.stack([x for x, _ in items])
@@ -399,13 +403,10 @@ def tune(
                 "batches": list(batches), "budget": budget, "min_speedup": min_speedup, "modes": list(modes),
                 "limit": limit, "prune_images": prune_images, "max_rounds": max_rounds, "data": str(data),
                 "space": [[m, p] for m, p in space]}
-    if out and not resume and not overwrite:
-        claim_run_folder(out, False, False, OUT_FILES)  # refuses a used folder before any work
-    tuner = _Tuner(base, data, settings, space, out, show_progress)  # opens and checks every input
-    if out:  # only now may an earlier run's files go (--overwrite)
-        claim_run_folder(out, resume, overwrite, OUT_FILES)
-        tuner.previous = _resume(out, settings) if resume else {}
-    with run_lock(out) if out else contextlib.nullcontext():
+    # an earlier run in out is set aside (--overwrite) and comes back if this one fails before writing
+    with run_folder(out, resume, overwrite, OUT_FILES) if out else contextlib.nullcontext():
+        tuner = _Tuner(base, data, settings, space, out, show_progress)  # opens and checks every input
+        tuner.previous = _resume(out, settings) if out and resume else {}
         result = tuner.run()
         if out:
             write_outputs(result, out)
@@ -431,7 +432,8 @@ class _Tuner:
         self.previous: Dict[Tuple[int, str], TuneRow] = {}  # a killed run's rows (resume)
         self.device, self.dtype, self.tf32 = settings["device"], settings["dtype"], settings["tf32"]
         self.cfg = timm.data.resolve_model_data_config(base)
-        self.images, self.labels = _load_images(data, self.cfg, settings["limit"], show_progress)
+        self.images, self.labels = _load_images(data, self.cfg, settings["limit"], show_progress,
+                                                 getattr(base, "num_classes", 0))
         if len(self.images) <= settings["prune_images"]:
             raise ValueError(f"--data holds {len(self.images)} images; tune needs more than --prune-images "
                              f"({settings['prune_images']}): the rest are held out for the agreement that decides")

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from .. import apply
-from ..outputs import claim_run_folder, replacing, write_text
+from ..outputs import replacing, run_folder, write_text
 from .compare import MetricRow, compare, compared_blocks
 from .plots import plot_depth_maps, plot_metric_matrices, plot_overlays
 from .record import Recording, record
@@ -53,10 +53,7 @@ def run_analysis(model_name: str, methods: Sequence[str], data: str, out: str, l
                  show_progress: bool = True) -> List[MetricRow]:
     """Record each method (tags as `tokcomp bench --methods` takes them) on the first `limit` images of `data`,
     compare every pair and write the report folder `out` (see the module docstring). Returns the metric rows."""
-    import timm
-
-    from ..bench import build_base_model, method_spec
-    from ..data import open_images
+    from ..bench import method_spec
 
     if len(methods) < 2 or len(set(methods)) != len(methods):
         raise ValueError(f"--methods needs two or more different methods to compare, got {list(methods)}")
@@ -73,9 +70,21 @@ def run_analysis(model_name: str, methods: Sequence[str], data: str, out: str, l
         raise ValueError(f"--limit must be >= 2 images, got {limit}")
     if not 0 <= overlays:
         raise ValueError(f"--overlays must be >= 0, got {overlays}")
-    claim_run_folder(out, resume, overwrite, RUN_ENTRIES)
-    for derived in [*Path(out).glob("*.png"), Path(out) / "metrics.csv", Path(out) / "report.md"]:
-        derived.unlink(missing_ok=True)  # redrawn below; nothing of an earlier run's settings may linger
+    # resume keeps the recordings (reused where their settings match); the report, metrics and pictures of the
+    # earlier run are set aside and redrawn, so nothing of its settings lingers, and come back if this run fails
+    with run_folder(out, resume, overwrite, RUN_ENTRIES, kept_on_resume=("records",)):
+        return _analyze(model_name, specs, data, out, limit, checkpoint, pretrained, batch_size, overlays, device,
+                        show_progress)
+
+
+def _analyze(model_name, specs, data, out, limit, checkpoint, pretrained, batch_size, overlays, device,
+             show_progress) -> List[MetricRow]:
+    import timm
+
+    from ..bench import build_base_model
+    from ..data import open_images
+
+    methods = list(specs)
     base = build_base_model(model_name, checkpoint, pretrained, device)
     dataset = open_images(data, timm.data.create_transform(**timm.data.resolve_model_data_config(base)))
     count = len(dataset) if limit is None else min(limit, len(dataset))

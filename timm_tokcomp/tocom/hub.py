@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from ..outputs import read_versioned_json, replacing, write_text
+from ..outputs import replacing, write_text
+from ..userfiles import hub_snapshot, read_safetensors, read_versioned_json
 from .compensator import Compensator, check_scale
 
 FORMAT_VERSION = 1
@@ -75,15 +76,6 @@ def save(compensator: Compensator, folder: str, base_model: str, method: str = "
     write_text(root / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
 
 
-def _load_weights(path: Path) -> Dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing (listed in {CONFIG_NAME})")
-    try:
-        return load_file(str(path))
-    except Exception as e:  # safetensors raises its own error type for truncated or corrupt files
-        raise ValueError(f"{path} cannot be read as safetensors ({e})") from None
-
-
 def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
     config_path = root / CONFIG_NAME
     config = read_versioned_json(root, CONFIG_NAME, FORMAT_VERSION, "a ToCom compensator repository")
@@ -104,7 +96,7 @@ def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
     lora_b = torch.zeros(steps, L, 2, attn_dim, h)
     for i, name in enumerate(subfolders):
         path = root / name / ADAPTER_WEIGHTS
-        tensors = _load_weights(path)
+        tensors = read_safetensors(path)
         for block in range(L):
             a, b = tensors.get(_key(block, "A")), tensors.get(_key(block, "B"))
             if a is None or b is None:
@@ -129,17 +121,9 @@ def load(repo_id_or_path: str, revision: Optional[str] = None, cache_dir: Option
          token: Optional[str] = None) -> Tuple[Compensator, Dict[str, Any]]:
     """(compensator, tocom_config) from a local folder or a Hub repository (snapshot_download: uses
     the HF cache, honours HF_HUB_OFFLINE). Check it fits a model with tocom.check_fits / attach."""
-    path = Path(repo_id_or_path)
-    if path.is_dir():
-        return _read_folder(path)
-    if path.exists() or repo_id_or_path.startswith((".", "/", "~")) or repo_id_or_path.count("/") > 1:
-        raise FileNotFoundError(f"{repo_id_or_path!r} is not a compensator folder (and not a Hub repo id "
-                                f"'name' or 'namespace/name')")
-    from huggingface_hub import snapshot_download
-
-    folder = snapshot_download(repo_id_or_path, revision=revision, cache_dir=cache_dir, token=token,
-                               allow_patterns=[CONFIG_NAME, "README.md", "step_*/*"])
-    return _read_folder(Path(folder))
+    folder = hub_snapshot(repo_id_or_path, "a compensator", revision=revision, cache_dir=cache_dir, token=token,
+                          allow_patterns=[CONFIG_NAME, "README.md", "step_*/*"])
+    return _read_folder(folder)
 
 
 def push_to_hub(compensator: Compensator, repo_id: str, base_model: str, private: bool = False,

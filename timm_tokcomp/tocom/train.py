@@ -22,8 +22,9 @@ from torch import nn
 from tqdm import tqdm
 
 from .. import apply, remove, set_params
-from ..outputs import claim_run_folder, replacing, run_lock, write_text
+from ..outputs import replacing, run_folder, write_text
 from ..patch import check_supported
+from ..userfiles import read_torch
 from ..training.engine import (SeededAugment, TrainingDiverged, distill_loss, epoch_batches, is_distributed,
                                warmup_cosine_lr)
 from .compensator import Compensator, check_fits
@@ -321,7 +322,7 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
     arguments; rank 0 writes. Returns the compensator (at the chosen scale) and the held-out report.
     stop_after: leave after that step with a checkpoint and nothing else written (resume continues);
     the report is then None. A non-empty `out` is refused (FileExistsError) unless resume (continue the
-    run there) or overwrite (delete the previous run's files first), and so is a second process while this run
+    run there) or overwrite (the previous run is set aside and deleted once this one ends; outputs.run_folder), and so is a second process while this run
     holds `out` (FileExistsError). Every file is written under a temporary
     name and renamed into place; a loss or plugins that become non-finite raise TrainingDiverged and
     nothing non-finite is saved."""
@@ -330,24 +331,18 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
     if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
         raise ValueError(f"--stop-after must be an integer >= 1, got {stop_after!r}")
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if is_distributed() else (0, 1)
-    # rank 0 (the writer) holds out/.lock: a second process on the same --out is refused before anything is deleted
-    with run_lock(out) if rank == 0 else contextlib.nullcontext():
+    # rank 0 (the writer) holds out/.lock and sets an earlier run aside, restored if this one fails before writing
+    with run_folder(out, resume, overwrite, RUN_ENTRIES, writer=rank == 0):
         return _train(model, data, out, base_model, config, resume, device, show_progress, num_workers, stop_after,
-                      overwrite, rank, world)
+                      rank, world)
 
 
-def _train(model, data, out, base_model, config, resume, device, show_progress, num_workers, stop_after, overwrite,
-           rank, world):
+def _train(model, data, out, base_model, config, resume, device, show_progress, num_workers, stop_after, rank, world):
     """train_tocom's run, once rank 0 holds the folder's lock."""
-    claim_run_folder(out, resume, overwrite, ())  # every rank refuses a non-empty --out alike; nothing deleted yet
     train_set, heldout_set = split_images(data, model, config)
     if len(train_set) < config.batch_size * world:
         raise ValueError(f"--data has {len(train_set) + len(heldout_set)} images; with --holdout {config.holdout} that "
                          f"leaves fewer than one global batch ({config.batch_size} x {world} processes)")
-    if rank == 0:  # --overwrite deletes the earlier run only now that the data has opened
-        claim_run_folder(out, resume, overwrite, RUN_ENTRIES)
-    if world > 1:
-        torch.distributed.barrier()
     work = Path(out) / "training"
     model = model.to(device).eval()
     for p in model.parameters():
@@ -372,7 +367,7 @@ def _train(model, data, out, base_model, config, resume, device, show_progress, 
     start = 0
     checkpoint = work / CHECKPOINT
     if resume and checkpoint.is_file():
-        state = torch.load(checkpoint, map_location=device, weights_only=False)
+        state = read_torch(checkpoint, "--resume")  # on the CPU: load_state_dict copies to the plugins' device
         saved = {"holdout_pick": "end", **state["config"]}  # checkpoints from before holdout_pick held out the end
         if saved != asdict(config) or state["world_size"] != world:
             raise ValueError(f"--resume: {checkpoint} was written with other settings ({saved}, {state['world_size']} "

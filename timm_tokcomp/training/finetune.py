@@ -30,10 +30,11 @@ from torch import nn
 from tqdm import tqdm
 
 from .. import apply, get_reducer
-from ..data import open_dataset, open_images
+from ..data import check_num_classes, open_dataset, open_images
 from ..learned import load_learned, save_learned
 from ..methods import make_reducer, method_class, parse_method_tag
-from ..outputs import claim_run_folder, read_versioned_json, replacing, run_lock, write_text
+from ..outputs import replacing, run_folder, write_text
+from ..userfiles import hub_snapshot, read_torch, read_versioned_json
 from .card import model_card
 from .engine import SeededAugment, TrainingDiverged, distill_loss, epoch_batches, warmup_cosine_lr
 
@@ -147,7 +148,7 @@ class FinetuneResult:
 
 def dataset_labels(dataset: torch.utils.data.Dataset) -> List[int]:
     """Class index of every image of a dataset open_dataset made (labels.csv or ImageFolder)."""
-    return [label for _, label in dataset.samples]
+    return dataset.labels
 
 
 def _transforms(model: nn.Module, config: FinetuneConfig):
@@ -190,7 +191,7 @@ def predict(model: nn.Module, loader, device: str, show_progress: bool, desc: st
 
 def _read_checkpoint(path: Path, config: FinetuneConfig, run: Dict[str, Any], trainable: Dict[str, nn.Parameter],
                      optimizer: torch.optim.Optimizer) -> Tuple[int, List[str], float]:
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = read_torch(path, "--resume")
     if {"distill": False, **state["config"]} != asdict(config):  # checkpoints from before distill did not distil
         raise ValueError(f"--resume: {path} was written with other settings ({state['config']}); give the same "
                          f"ones or a new --out")
@@ -230,13 +231,12 @@ def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str
     if stop_after_epoch is not None and (isinstance(stop_after_epoch, bool) or not isinstance(stop_after_epoch, int)
                                          or stop_after_epoch < 1):
         raise ValueError(f"--stop-after must be an integer >= 1 (epochs), got {stop_after_epoch!r}")
-    with run_lock(out):  # a second process on the same --out is refused, before anything is deleted or written
-        claim_run_folder(out, resume, overwrite, ())  # refuses a non-empty --out; deletes nothing yet
+    with run_folder(out, resume, overwrite, RUN_ENTRIES):  # an earlier run comes back if this one fails early
         return _finetune(base_model, train_data, out, eval_data or train_data, config, method, checkpoint, pretrained,
-                         resume, overwrite, device, show_progress, num_workers, stop_after_epoch)
+                         resume, device, show_progress, num_workers, stop_after_epoch)
 
 
-def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint, pretrained, resume, overwrite, device,
+def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint, pretrained, resume, device,
               show_progress, num_workers, stop_after_epoch) -> Optional[FinetuneResult]:
     from peft import get_peft_model
 
@@ -245,17 +245,17 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
     torch.manual_seed(config.seed)  # the new head, the method's parameters and LoRA's A start from the seed
     model = build_base_model(base_model, checkpoint, pretrained, "cpu")
     train_tf, eval_tf = _transforms(model, config)
+    eval_flag = "--data" if eval_data == train_data else "--eval-data"
     if config.distill:
         if not getattr(model, "num_classes", 0):
             raise ValueError("--distill learns the unreduced model's class outputs; this model has no head")
-        train_set, eval_set = open_images(train_data, train_tf), open_images(eval_data, eval_tf)
+        train_set, eval_set = open_images(train_data, train_tf), open_images(eval_data, eval_tf, eval_flag)
         num_classes = model.num_classes
         teacher = copy.deepcopy(model).to(device).eval().requires_grad_(False)  # the unreduced model
     else:
-        train_set, eval_set = open_dataset(train_data, train_tf), open_dataset(eval_data, eval_tf)
+        train_set, eval_set = open_dataset(train_data, train_tf), open_dataset(eval_data, eval_tf, eval_flag)
         num_classes = max(dataset_labels(train_set)) + 1
-        if max(dataset_labels(eval_set)) >= num_classes:
-            raise ValueError(f"--eval-data has class indices >= {num_classes}, the classes of --data")
+        check_num_classes(eval_set, num_classes, eval_flag)  # the classes of --data
         model.reset_classifier(num_classes)
         teacher = None
     if len(train_set) < config.batch_size:
@@ -273,9 +273,6 @@ def _finetune(base_model, train_data, out, eval_data, config, method, checkpoint
     peft_model.to(device)
     trainable = _trainable(peft_model)
     optimizer = torch.optim.AdamW(trainable.values(), lr=config.lr, weight_decay=config.weight_decay)
-    claim_run_folder(out, resume, overwrite, RUN_ENTRIES)  # --overwrite deletes the earlier run only now that
-    # the weights, the data and the method have all opened
-
     work = Path(out) / "training"
     checkpoint_path = work / "checkpoint.pt"
     start, log, seconds = 0, [], 0.0
@@ -390,9 +387,7 @@ def _final_evaluation(out, checkpoint, pretrained, eval_set, eval_loader, refere
 
     model = load_finetuned(out, checkpoint=checkpoint, pretrained=pretrained, device=device)
     y, pred = predict(model, eval_loader, device, show_progress, "evaluate the saved model")
-    samples = [name for name, _ in eval_set.samples] if hasattr(eval_set, "samples") else \
-        [path.name for path in eval_set.files]
-    columns = [samples, y.tolist(), pred.tolist()] + ([] if reference is None else [reference.tolist()])
+    columns = [eval_set.names, y.tolist(), pred.tolist()] + ([] if reference is None else [reference.tolist()])
     with replacing(Path(out) / "training" / "predictions.csv") as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["file", "label", "prediction"] + ([] if reference is None else ["unreduced_prediction"]))
@@ -417,18 +412,6 @@ def _finish_folder(out: str, saved: Dict[str, Any], base_model: str, eval_data: 
     _write_config(out, data)
 
 
-def _resolve_folder(repo_id_or_path: str, revision: Optional[str] = None) -> Path:
-    path = Path(repo_id_or_path)
-    if path.is_dir():
-        return path
-    if path.exists() or repo_id_or_path.startswith((".", "/", "~")) or repo_id_or_path.count("/") > 1:
-        raise FileNotFoundError(f"{repo_id_or_path!r} is not a fine-tuned folder (and not a Hub repo id "
-                                f"'name' or 'namespace/name')")
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(repo_id_or_path, revision=revision))
-
-
 def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretrained: bool = False,
                    merge: bool = True, device: str = "cpu", revision: Optional[str] = None) -> nn.Module:
     """The fine-tuned model saved by finetune, from a local folder or a Hub repository (snapshot_download:
@@ -440,7 +423,7 @@ def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretr
 
     from ..bench import build_base_model
 
-    folder = _resolve_folder(repo_id_or_path, revision)
+    folder = hub_snapshot(repo_id_or_path, "a fine-tuned", revision=revision)
     data = read_versioned_json(folder, FINETUNE_CONFIG, FORMAT_VERSION, "a complete fine-tuned folder")
     recipe = FinetuneConfig(**{**data["recipe"], "crop_scale": tuple(data["recipe"]["crop_scale"])})
     if not checkpoint and not pretrained:  # timm's random init, as finetune drew it from the recipe's seed

@@ -1,0 +1,371 @@
+"""Every door through which a user's file enters, on every command that reads that kind of file: a bad file ends in
+one `tokcomp: error:` line naming the flag and the file, exit 2, before any other work. And every command that
+replaces an earlier output (--overwrite, --resume) keeps it when the new run fails."""
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+from safetensors.torch import save_file
+from timm.models.vision_transformer import VisionTransformer
+
+from conftest import SMALL
+from timm_tokcomp import cli
+from timm_tokcomp.data import open_dataset, open_images, read_labels
+from timm_tokcomp.outputs import run_folder
+from timm_tokcomp.userfiles import UserFileError, read_json, read_safetensors, read_state_dict
+
+MODEL = "deit_tiny_patch16_224"
+
+
+def _images(folder: Path, count: int = 4, labels=None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(folder / f"img{i}.jpg")
+    if labels is not None:
+        (folder / "labels.csv").write_text("file,label\n" + "".join(f"img{i}.jpg,{labels[i]}\n" for i in range(count)))
+    return folder
+
+
+def _run(argv, capsys):
+    code = cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err
+
+
+def _assert_refused(argv, capsys, *named):
+    code, err = _run(argv, capsys)
+    assert code == 2, err
+    errors = [line for line in err if line.startswith("tokcomp: error:")]
+    assert len(errors) == 1 and all(n in errors[0] for n in named), err
+    return errors[0]
+
+
+# ------------------------------------------------------------------ image folders and labels files
+
+
+def _not_an_image(tmp):
+    folder = _images(tmp / "plain")
+    (folder / "img9.jpg").write_text("this is not a JPEG")
+    return folder, "img9.jpg"
+
+
+def _class_name(tmp):
+    folder = _images(tmp / "names", labels=[0, 1, 2, 3])
+    (folder / "labels.csv").write_text("file,label\nimg0.jpg,0\nimg1.jpg,goldfish\nimg2.jpg,2\nimg3.jpg,3\n")
+    return folder, "goldfish"
+
+
+def _negative(tmp):
+    return _images(tmp / "negative", labels=[0, -1, 2, 3]), "'-1'"
+
+
+def _tree_with_text(tmp):
+    tree = tmp / "tree"
+    _images(tree / "a", 2), _images(tree / "b", 2)
+    (tree / "b" / "notes.png").write_bytes(b"\x89PNG broken")
+    return tree, "notes.png"
+
+
+def _labels_not_text(tmp):
+    folder = _images(tmp / "binary", labels=[0, 1, 2, 3])
+    (folder / "labels.csv").write_bytes(bytes(range(256)) * 4)
+    return folder, "labels.csv"
+
+
+IMAGE_DOORS = [_not_an_image, _class_name, _negative, _tree_with_text, _labels_not_text]
+
+
+def _commands(data, out):
+    """Every command that reads an image folder, with data as its --data."""
+    return {
+        "bench": ["bench", MODEL, "--data", data, "--methods", "tome_r8", "--no-progress"],
+        "calibrate": ["calibrate", MODEL, "--target-ratio", "1.5", "--data", data, "--no-progress"],
+        "analyze": ["analyze", MODEL, "--methods", "tome_r8,evit_r8", "--data", data, "--out", out, "--no-progress"],
+        "finetune": ["finetune", MODEL, "--data", data, "--out", out, "--no-progress", "--batch-size", "2"],
+        "train-tocom": ["train-tocom", "--model", MODEL, "--data", data, "--out", out, "--no-progress"],
+        "speed": ["speed", MODEL, "--data", data, "--batches", "2", "--rounds", "1", "--methods", "tome_r8",
+                  "--no-progress"],
+        "tune": ["tune", MODEL, "--data", data, "--out", out, "--no-progress"],
+    }
+
+
+@pytest.mark.parametrize("door", IMAGE_DOORS, ids=lambda d: d.__name__.strip("_"))
+@pytest.mark.parametrize("command", list(_commands("", "")))
+def test_a_bad_image_folder_is_refused_at_the_door_by_every_command(tmp_path, capsys, door, command):
+    folder, culprit = door(tmp_path)
+    if command == "finetune" and door is _not_an_image:
+        folder = _images(tmp_path / "labelled", labels=[0, 1, 0, 1])
+        (folder / "img1.jpg").write_text("not an image")
+        culprit = "img1.jpg"
+    argv = _commands(str(folder), str(tmp_path / "out"))[command]
+    _assert_refused(argv, capsys, "--data", culprit)
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_eval_data_is_named_as_eval_data(tmp_path, capsys):
+    train = _images(tmp_path / "train", labels=[0, 1, 0, 1])
+    bad = _images(tmp_path / "eval", labels=[0, 1, 0, 5])  # class 5: --data has classes 0..1
+    _assert_refused(["finetune", MODEL, "--data", str(train), "--eval-data", str(bad), "--out", str(tmp_path / "o"),
+                     "--batch-size", "2", "--no-progress"], capsys, "--eval-data", "class index 5")
+    (bad / "img2.jpg").write_text("no image")
+    _assert_refused(["finetune", MODEL, "--data", str(train), "--eval-data", str(bad), "--out", str(tmp_path / "o"),
+                     "--batch-size", "2", "--no-progress"], capsys, "--eval-data", "img2.jpg")
+
+
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_labels_the_model_cannot_predict_are_refused(tmp_path, capsys, command):
+    folder = _images(tmp_path / "d", labels=[0, 1, 2, 1000])  # DeiT has classes 0..999
+    argv = _commands(str(folder), str(tmp_path / "out"))[command]
+    _assert_refused(argv, capsys, "--data", "class index 1000", "1000 classes")
+
+
+def test_an_image_that_stops_decoding_is_named(tmp_path):
+    folder = _images(tmp_path / "d")
+    path = folder / "img0.jpg"
+    path.write_bytes(path.read_bytes()[:-300])  # the header survives: the door's cheap check passes
+    dataset = open_images(folder, lambda img: img)
+    with pytest.raises(UserFileError, match="--data .*img0.jpg cannot be decoded"):
+        [dataset[i] for i in range(len(dataset))]
+
+
+# ------------------------------------------------------------------ weights files (--checkpoint)
+
+
+def _small_weights(path: Path) -> Path:
+    torch.manual_seed(0)
+    save_file(VisionTransformer(**SMALL).state_dict(), str(path))
+    return path
+
+
+def _truncated_safetensors(tmp):
+    path = _small_weights(tmp / "w.safetensors")
+    path.write_bytes(path.read_bytes()[:1000])
+    return path, "cannot be read as safetensors"
+
+
+def _truncated_torch(tmp):
+    path = tmp / "w.pth"
+    torch.save({"state_dict": {"a": torch.zeros(1000)}}, path)
+    path.write_bytes(path.read_bytes()[:700])
+    return path, "cannot be read as a torch checkpoint"
+
+
+def _another_model(tmp):
+    return _small_weights(tmp / "other.safetensors"), "weights of another model"
+
+
+def _not_weights(tmp):
+    path = tmp / "list.pt"
+    torch.save([1, 2, 3], path)
+    return path, "no state dict"
+
+
+CHECKPOINT_DOORS = [_truncated_safetensors, _truncated_torch, _another_model, _not_weights]
+
+
+@pytest.mark.parametrize("door", CHECKPOINT_DOORS, ids=lambda d: d.__name__.strip("_"))
+@pytest.mark.parametrize("command", list(_commands("", "")))
+def test_a_bad_checkpoint_is_refused_at_the_door_by_every_command(tmp_path, capsys, door, command):
+    path, problem = door(tmp_path)
+    data = _images(tmp_path / "d", labels=[0, 1, 0, 1])
+    argv = _commands(str(data), str(tmp_path / "out"))[command] + ["--checkpoint", str(path)]
+    _assert_refused(argv, capsys, "--checkpoint", str(path), problem)
+
+
+# ------------------------------------------------------------------ JSON files: presets, adapter configs
+
+
+def test_a_preset_that_is_not_text_is_refused(tmp_path, capsys):
+    preset = tmp_path / "p.json"
+    preset.write_bytes(b"\xff\xfe\x00binary")
+    for command in ("bench", "speed"):
+        _assert_refused([command, MODEL, "--methods", str(preset), "--no-progress"], capsys, str(preset), "JSON")
+
+
+def test_an_adapter_config_that_is_not_text_is_refused(tmp_path, capsys):
+    from timm_tokcomp.tocom.hub import CONFIG_NAME, load
+
+    (tmp_path / "tc").mkdir()
+    (tmp_path / "tc" / CONFIG_NAME).write_bytes(b"\x80\x81\x82")
+    with pytest.raises(UserFileError, match="not a text file"):
+        load(str(tmp_path / "tc"))
+    data = _images(tmp_path / "d", labels=[0, 1, 0, 1])
+    _assert_refused(["bench", MODEL, "--data", str(data), "--tocom", str(tmp_path / "tc"), "--no-progress"], capsys,
+                    CONFIG_NAME, "not a text file")
+
+
+# ------------------------------------------------------------------ the loaders under random damage
+
+
+FILES = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FILES
+@given(st.binary(max_size=300))
+def test_read_json_only_ever_returns_an_object_or_names_the_file(tmp_path, blob):
+    path = tmp_path / "x.json"
+    path.write_bytes(blob)
+    try:
+        assert isinstance(read_json(path, "--preset"), dict)
+    except UserFileError as e:
+        assert str(e).startswith(f"--preset {path}")
+
+
+@FILES
+@given(st.floats(0, 1, exclude_max=True), st.binary(max_size=64))
+def test_weights_loaders_refuse_truncated_or_mangled_files(tmp_path, cut, tail):
+    for path in (tmp_path / "w.safetensors", tmp_path / "w.pth"):
+        tensors = {"a": torch.arange(64.0), "b": torch.ones(3, 5)}
+        save_file(tensors, str(path)) if path.suffix == ".safetensors" else torch.save(tensors, path)
+        whole = path.read_bytes()
+        damaged = whole[:int(cut * len(whole))] + tail
+        path.write_bytes(damaged)
+        try:
+            state = read_state_dict(path, "--checkpoint")
+        except UserFileError as e:
+            assert str(e).startswith(f"--checkpoint {path}")
+        else:  # whatever loads has the saved names and shapes (neither format has a checksum for the values)
+            assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in tensors.items()}
+        if path.suffix == ".safetensors":
+            try:
+                read_safetensors(path, "--tocom")
+            except UserFileError as e:
+                assert str(e).startswith(f"--tocom {path}")
+
+
+@FILES
+@given(st.text(max_size=200), st.sampled_from(["utf-8", "utf-16", "latin-1"]))
+def test_labels_files_in_any_text_or_encoding_load_or_name_the_line(tmp_path, body, encoding):
+    path = tmp_path / "labels.csv"
+    try:
+        path.write_bytes(("file,label\n" + body).encode(encoding))
+    except UnicodeEncodeError:
+        return
+    try:
+        rows = read_labels(path, "--data")
+    except UserFileError as e:
+        assert str(e).startswith(f"--data {path}")
+    else:
+        assert all(isinstance(label, int) and label >= 0 and name for name, label in rows)
+
+
+@FILES
+@given(st.floats(0, 1), st.sampled_from(["JPEG", "PNG"]))
+def test_image_folders_refuse_files_cut_short_at_the_door_or_when_read(tmp_path, cut, fmt):
+    folder = tmp_path / "imgs"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"a.{fmt.lower()}"
+    Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(path, format=fmt)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:int(cut * len(whole))])
+    try:
+        dataset = open_dataset(_labelled(folder, path.name), lambda img: img)
+        dataset[0]
+    except UserFileError as e:
+        assert str(e).startswith("--data ") and path.name in str(e)
+
+
+def _labelled(folder, name):
+    (folder / "labels.csv").write_text(f"file,label\n{name},0\n")
+    return folder
+
+
+# ------------------------------------------------------------------ earlier outputs kept when a new run fails
+
+
+def _digest(folder: Path):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _earlier_run(folder: Path, names):
+    for name in names:
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"earlier {name}\n")
+    return _digest(folder)
+
+
+EARLIER = {
+    "finetune": ["adapter_model.safetensors", "adapter_config.json", "finetune_config.json", "README.md",
+                 "training/checkpoint.pt", "training/log.csv"],
+    "train-tocom": ["tocom_config.json", "README.md", "step_00/adapter_model.safetensors", "training/checkpoint.pt"],
+    "analyze": ["records/tome_r8.npz", "metrics.csv", "report.md", "depth_maps.png", "overlay_tome_r8.png"],
+    "tune": ["tune.csv", "tune_config.json", "table.md", "pareto.png", "preset.json"],
+}
+
+
+@pytest.mark.parametrize("flag", ["--overwrite", "--resume"])
+@pytest.mark.parametrize("command", list(EARLIER))
+def test_a_failing_run_keeps_the_earlier_run_in_its_folder(tmp_path, capsys, command, flag):
+    out = tmp_path / "out"
+    before = _earlier_run(out, EARLIER[command])
+    bad, _ = _not_an_image(tmp_path)
+    for data in (str(bad), str(tmp_path / "missing")):  # a file that is no image, a mistyped --data
+        argv = _commands(data, str(out))[command] + [flag]
+        code, err = _run(argv, capsys)
+        assert code == 2 and err and err[-1].startswith("tokcomp: error:"), err
+        assert _digest(out) == before, (command, flag, data)
+        assert not [p for p in out.iterdir() if p.name.startswith(".")]  # nothing set aside left behind
+
+
+@pytest.mark.parametrize("command, out_flag", [("bench", "--out"), ("bench", "--plot"), ("calibrate", "--out"),
+                                               ("speed", "--out")])
+def test_a_failing_command_keeps_the_earlier_file(tmp_path, capsys, command, out_flag):
+    out = tmp_path / "earlier.csv"
+    out.write_text("earlier\n")
+    bad, _ = _not_an_image(tmp_path)
+    argv = _commands(str(bad), "")[command] + [out_flag, str(out), "--overwrite"]
+    code, err = _run(argv, capsys)
+    assert code == 2 and out.read_text() == "earlier\n"
+
+
+def test_run_folder_restores_sets_aside_and_finally_replaces(tmp_path, capsys):
+    out = tmp_path / "run"
+    before = _earlier_run(out, ["a.txt", "cache/x.npz", "report.md"])
+    with pytest.raises(RuntimeError):  # fails before writing: everything comes back
+        with run_folder(out, overwrite=True, run_entries=("*",)):
+            assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == []
+            raise RuntimeError
+    assert _digest(out) == before
+    with pytest.raises(KeyboardInterrupt):  # fails after writing: both stay, the earlier one set aside
+        with run_folder(out, overwrite=True, run_entries=("*",)):
+            (out / "a.txt").write_text("new\n")
+            raise KeyboardInterrupt
+    assert "kept in" in capsys.readouterr().err
+    aside = [p for p in out.iterdir() if p.name.startswith(".replaced-")]
+    assert len(aside) == 1 and (aside[0] / "report.md").read_text() == "earlier report.md\n"
+    with pytest.raises(FileExistsError, match=r"\.replaced-"):  # a set-aside run still counts as something there
+        with run_folder(out):
+            pass
+    with pytest.raises(KeyboardInterrupt):  # a second failed run in the same process sets aside separately
+        with run_folder(out, overwrite=True, run_entries=("*",)):
+            (out / "b.txt").write_text("newer\n")
+            raise KeyboardInterrupt
+    kept = sorted(p for p in out.iterdir() if p.name.startswith(".replaced-"))
+    assert len(kept) == 2
+    assert any((k / "report.md").read_text() == "earlier report.md\n" for k in kept if (k / "report.md").exists())
+    with run_folder(out, overwrite=True, run_entries=("*",)):  # a run that ends: every set-aside run goes
+        (out / "c.txt").write_text("final\n")
+    assert sorted(p.name for p in out.iterdir()) == ["c.txt"]
+
+
+def test_run_folder_resume_keeps_what_the_run_continues_from(tmp_path):
+    out = tmp_path / "run"
+    before = _earlier_run(out, ["cache/x.npz", "report.md", "plot.png"])
+    with pytest.raises(ValueError):  # a failed resume puts the redrawn files back
+        with run_folder(out, resume=True, run_entries=("*",), kept_on_resume=("cache",)):
+            assert (out / "cache" / "x.npz").is_file() and not (out / "report.md").exists()
+            raise ValueError
+    assert _digest(out) == before
+    with run_folder(out, resume=True, run_entries=("*",), kept_on_resume=("cache",)):
+        (out / "report.md").write_text("new report\n")
+    assert sorted(p.name for p in out.iterdir()) == ["cache", "report.md"]  # plot.png of the earlier settings gone
+    assert (out / "report.md").read_text() == "new report\n"
