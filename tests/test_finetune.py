@@ -249,3 +249,21 @@ def test_lora_rank_0_trains_only_the_methods_parameters(image_folder, tmp_path):
     assert "no LoRA" in (out / "README.md").read_text()
     with pytest.raises(ValueError, match="--lora-rank 0"):
         FinetuneConfig(method="dynamicvit_k70", lora_rank=0).validate()
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda root: (root / "adapter_model.safetensors").write_bytes(
+        (root / "adapter_model.safetensors").read_bytes()[:300]), "adapter_model.safetensors cannot be read"),
+    (lambda root: (root / "adapter_config.json").unlink(), "adapter_config.json is missing"),
+    (lambda root: (root / "adapter_config.json").write_text(
+        json.dumps({**json.loads((root / "adapter_config.json").read_text()), "r": 4})), "r = 4.*lora_rank 8"),
+    (lambda root: (root / "pyra.safetensors").write_bytes(b"\x00" * 16), "pyra.safetensors cannot be read"),
+])
+def test_a_saved_folder_that_disagrees_with_its_config_is_refused(trained, tmp_path, damage, match):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(trained[0], out)
+    damage(out)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        load_finetuned(str(out))

@@ -2,6 +2,8 @@
 parameter, 'reduce nothing' equal to plain timm bit for bit, prefix tokens untouched, every patch held by at
 most one token (exactly one for merging methods; total weight 1 for soft merging) with sizes counting them, deterministic output, and
 remove() restoring the plain model."""
+import json
+
 import pytest
 import torch
 
@@ -73,3 +75,25 @@ def test_method_contract(method, images):
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(images), plain(images))
+
+
+def test_numpy_numbers_are_accepted_as_the_python_numbers_they_equal():
+    """Every numeric parameter takes numpy's integer and float types (r from np.arange, a rate from an array) and
+    keeps them as Python numbers, so presets and cards serialise them."""
+    import numpy as np
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(img_size=32, patch_size=4, embed_dim=48, depth=4, num_heads=3, num_classes=10).eval()
+    for method, params, key, want in [
+        ("tome", {"r": np.int64(2)}, "r", 2), ("tome", {"r": [np.int32(1)] * 4}, "r", [1] * 4),
+        ("tome", {"r": (np.int16(2), np.float32(0.5))}, "r", (2, 0.5)),
+        ("tome", {"flops_ratio": np.float32(1.5)}, "flops_ratio", 1.5),
+        ("topk", {"keep_rate": np.float64(0.75), "stages": (2, 3)}, "keep_rate", 0.75),
+        ("dense_tome", {"r": np.uint8(1)}, "r", 1), ("atm", {"split_layer": np.int64(1)}, "split_layer", 1),
+    ]:
+        timm_tokcomp.apply(model, method, **params)
+        got = timm_tokcomp.get_reducer(model).params[key]
+        assert got == want and type(got) is type(want), (method, params, got)
+        json.dumps(timm_tokcomp.get_reducer(model).params, default=list)
+    with pytest.raises(ValueError, match="r must be an int"):
+        timm_tokcomp.apply(model, "tome", r=np.float64(2.0))

@@ -68,16 +68,24 @@ def test_reimport_is_harmless():
 
 def test_every_listed_architecture_is_supported():
     """Build each architecture that takes method tags on the meta device and check the engine accepts it."""
-    refused = []
+    refused, no_class_token = [], set()
     for arch in registry.supported_archs():
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = timm.create_model(arch)
+        if getattr(model, "cls_token", None) is None:
+            no_class_token.add(arch)
         try:
             timm_tokcomp.apply(model, "tome", r=1)
         except TypeError as e:
             refused.append((arch, str(e)))
     assert refused == []
+    assert no_class_token == registry.NO_CLASS_TOKEN_ARCHS
+    # list_models(pretrained=True) advertises no name that cannot be built: no EViT without a class token
+    listed = timm.list_models(pretrained=True)
+    assert not [n for n in listed if ".evit" in n and n.split(".")[0] in no_class_token]
+    assert any(".evit_r8" in n for n in listed)
+    assert any(n.endswith(".tome_r8") and n.split(".")[0] in no_class_token for n in listed)  # ToMe still listed
     assert type(timm.create_model("deit_tiny_distilled_patch16_224.tome_r1")) is ReducingVisionTransformerDistilled
     assert type(timm.create_model("deit_tiny.tome_r1")) is ReducingVisionTransformer
 
@@ -112,3 +120,14 @@ def test_names_that_are_not_ours_resolve_as_before():
         timm.get_pretrained_cfg("resnet18.tome_r8")  # not a supported architecture
     assert not timm.is_model_pretrained("resnet18.tome_r8")
     assert "deit_tiny_patch16_224.fb_in1k.tome_r13" not in timm.list_models("deit_tiny*", pretrained=True)
+
+
+def test_a_method_tag_in_the_name_is_kept_or_refused_with_pretrained_cfg():
+    """timm drops a name's tag when pretrained_cfg is given: the method rides on a pretrained_cfg tag name, and any
+    other pretrained_cfg is refused instead of silently building a plain model."""
+    with torch.device("meta"):
+        model = timm.create_model("deit_tiny_patch16_224.tome_r8", pretrained_cfg="fb_in1k")
+        assert timm_tokcomp.get_reducer(model).r == 8
+        with pytest.raises(ValueError, match="carries method tag 'tome_r8'.*timm_tokcomp.apply"):
+            timm.create_model("deit_tiny_patch16_224.tome_r8", pretrained_cfg={"input_size": (3, 224, 224)})
+        assert not timm_tokcomp.is_reduced(timm.create_model("deit_tiny_patch16_224", pretrained_cfg="fb_in1k"))

@@ -64,6 +64,9 @@ def _edit_config(folder: Path, **changes) -> None:
         (root / "step_01" / "adapter_model.safetensors").read_bytes()[:500]), "step_01/adapter_model.safetensors cannot be read"),
     (lambda root: (root / "step_00" / "adapter_model.safetensors").unlink(), "step_00/adapter_model.safetensors is missing"),
     (lambda root: (root / "tocom_config.json").write_text("{"), "not valid JSON"),
+    # a config that disagrees with its files: one block fewer than the step files hold, a step folder it omits
+    (lambda root: _edit_config(root, depth=3), "depth 3\\) does not describe"),
+    (lambda root: __import__("shutil").copytree(root / "step_01", root / "step_02"), "folder holds .*step_02"),
 ])
 def test_damaged_adapters_are_refused_naming_the_file(tmp_path, damage, match):
     save(_random_compensator(steps=2), str(tmp_path), "m")

@@ -10,11 +10,12 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Optional, Tuple
 
+from timm.models import _factory
 from timm.models import _registry as treg
 from timm.models._features import FeatureGetterNet
 from timm.models._pretrained import DefaultCfg
 
-from .methods import TAG_FORMS, is_method_tag, parse_method_tag
+from .methods import TAG_FORMS, is_method_tag, method_class, parse_method_tag
 
 _MODULES = ("vision_transformer", "deit")
 SHORT_NAMES = {
@@ -35,6 +36,29 @@ UNSUPPORTED_ARCHS = frozenset({
     "vit_so400m_patch14_siglip_384", "vit_so400m_patch16_siglip_256", "vit_so400m_patch16_siglip_384",
     "vit_so400m_patch16_siglip_512", "vit_so150m_patch16_reg4_map_256", "vit_dlittle_patch16_reg1_gap_256",
     "vit_dpwee_patch16_reg1_gap_256", "vit_dwee_patch16_reg1_gap_256", "vit_pwee_patch16_reg1_gap_256",
+})
+
+# Architectures without a class token: the methods that rank by class attention (EViT) are not listed for them
+# (checked against timm by tests/test_registry.py).
+NO_CLASS_TOKEN_ARCHS = frozenset({
+    "aimv2_1b_patch14_224", "aimv2_1b_patch14_336", "aimv2_1b_patch14_448", "aimv2_3b_patch14_224",
+    "aimv2_3b_patch14_336", "aimv2_3b_patch14_448", "aimv2_huge_patch14_224", "aimv2_huge_patch14_336",
+    "aimv2_huge_patch14_448", "aimv2_large_patch14_224", "aimv2_large_patch14_336", "aimv2_large_patch14_448",
+    "test_vit2", "test_vit4", "vit_base_patch16_gap_224", "vit_base_patch16_reg4_gap_256",
+    "vit_base_patch16_siglip_gap_224", "vit_base_patch16_siglip_gap_256", "vit_base_patch16_siglip_gap_384",
+    "vit_base_patch16_siglip_gap_512", "vit_base_patch32_siglip_gap_256", "vit_betwixt_patch16_gap_256",
+    "vit_betwixt_patch16_reg1_gap_256", "vit_betwixt_patch16_reg4_gap_256", "vit_betwixt_patch16_reg4_gap_384",
+    "vit_giant_patch16_gap_224", "vit_giantopt_patch16_siglip_gap_256", "vit_giantopt_patch16_siglip_gap_384",
+    "vit_huge_patch14_gap_224", "vit_huge_patch16_gap_448", "vit_large_patch16_siglip_gap_256",
+    "vit_large_patch16_siglip_gap_384", "vit_large_patch16_siglip_gap_512", "vit_little_patch16_reg1_gap_256",
+    "vit_little_patch16_reg4_gap_256", "vit_medium_patch16_gap_240", "vit_medium_patch16_gap_256",
+    "vit_medium_patch16_gap_384", "vit_medium_patch16_reg1_gap_256", "vit_medium_patch16_reg4_gap_256",
+    "vit_mediumd_patch16_reg4_gap_256", "vit_mediumd_patch16_reg4_gap_384", "vit_so150m2_patch16_reg1_gap_256",
+    "vit_so150m2_patch16_reg1_gap_384", "vit_so150m2_patch16_reg1_gap_448", "vit_so150m_patch16_reg4_gap_256",
+    "vit_so150m_patch16_reg4_gap_384", "vit_so400m_patch14_siglip_gap_224", "vit_so400m_patch14_siglip_gap_378",
+    "vit_so400m_patch14_siglip_gap_384", "vit_so400m_patch14_siglip_gap_448", "vit_so400m_patch14_siglip_gap_896",
+    "vit_so400m_patch16_siglip_gap_256", "vit_so400m_patch16_siglip_gap_384", "vit_so400m_patch16_siglip_gap_512",
+    "vit_wee_patch16_reg1_gap_256",
 })
 
 
@@ -99,6 +123,27 @@ def _wrap_entrypoint(arch: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return entrypoint
 
 
+def _keep_method_tag(resolve: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap timm's name resolution, which drops the name's tag when pretrained_cfg is also given: a method tag in
+    the name then rides on a pretrained_cfg given as a tag name, and is refused with any other pretrained_cfg
+    instead of silently building a plain model."""
+    @functools.wraps(resolve)
+    def resolve_keeping_method(model_name: Any, pretrained_cfg: Any, *args: Any, **kwargs: Any):
+        tag = treg.split_model_name_tag(model_name)[1] if isinstance(model_name, str) else ""
+        method_tag = tag.rpartition(".")[2]
+        if pretrained_cfg and is_method_tag(method_tag):
+            if not isinstance(pretrained_cfg, str):
+                raise ValueError(f"{model_name!r} carries method tag {method_tag!r}, which timm ignores when "
+                                 f"pretrained_cfg is given as a {type(pretrained_cfg).__name__}; build the model "
+                                 f"without the method tag and call timm_tokcomp.apply(model, ...)")
+            if not is_method_tag(pretrained_cfg.rpartition(".")[2]):
+                pretrained_cfg = f"{pretrained_cfg}.{method_tag}"
+        return resolve(model_name, pretrained_cfg, *args, **kwargs)
+
+    resolve_keeping_method._tokcomp_original = resolve
+    return resolve_keeping_method
+
+
 def _make_short_entrypoint(short: str, arch: str) -> Callable[..., Any]:
     def entrypoint(pretrained: bool = False, **kwargs: Any):
         return treg.model_entrypoint(arch)(pretrained=pretrained, **kwargs)
@@ -132,6 +177,8 @@ def _list_method_names(arch: str) -> None:
             continue
         cfg = treg._model_pretrained_cfgs[base_name]
         for method_tag in LISTED_TAGS:
+            if arch in NO_CLASS_TOKEN_ARCHS and method_class(parse_method_tag(method_tag)[0]).needs_class_token:
+                continue  # a name that could not be built
             name = f"{base_name}.{method_tag}"
             if name in treg._model_pretrained_cfgs:
                 continue
@@ -205,6 +252,9 @@ def register_all() -> None:
     for arch in supported_archs():
         _list_method_names(arch)
     _supported.cache_clear()
+    resolve = getattr(_factory, "_resolve_model_source", None)  # timm >= 1.0.2x; older versions resolve inline
+    if resolve is not None and not hasattr(resolve, "_tokcomp_original"):
+        _factory._resolve_model_source = _keep_method_tag(resolve)
     if type(treg._model_pretrained_cfgs) is dict:
         treg._model_pretrained_cfgs = _PretrainedCfgs(treg._model_pretrained_cfgs)
     if type(treg._model_has_pretrained) is set:

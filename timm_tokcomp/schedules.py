@@ -4,6 +4,7 @@ A schedule is resolved once per forward from the block count and the patch-token
 block clamps its budget to what its tokens allow (never an error at run time).
 """
 import math
+import numbers
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple, Union
 
@@ -16,10 +17,16 @@ NAMED_SCHEDULES = {
 }
 
 
-def _check_int(name: str, value, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+def check_int(name: str, value, low: int = 0) -> int:
+    """value as a Python int >= low: any integer type (numpy's too), never a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
+    return int(value)
+
+
+def is_real(value) -> bool:
+    """A real number of any type (numpy's too), not a bool."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
 
 
 def constant_schedule(r: int, num_blocks: int) -> List[int]:
@@ -95,7 +102,7 @@ STUDY_STAGES = (4, 7, 10)  # 1-based blocks of the three reduction stages of "Wh
 
 def check_keep_rate(keep_rate) -> float:
     """Validate a keep rate in (0, 1]."""
-    if isinstance(keep_rate, bool) or not isinstance(keep_rate, (int, float)) or not 0.0 < keep_rate <= 1.0:
+    if not is_real(keep_rate) or not 0.0 < keep_rate <= 1.0:
         raise ValueError(f"keep_rate must be a number in (0, 1], got {keep_rate!r}")
     return float(keep_rate)
 
@@ -131,8 +138,8 @@ def resolve_r(r: RSpec, num_blocks: int) -> List[int]:
     if isinstance(r, list):
         if len(r) != num_blocks:
             raise ValueError(f"r as a per-block list needs one entry per block ({num_blocks}), got {len(r)}")
-        return [_check_int(f"r[{i}]", v) for i, v in enumerate(r)]
-    return constant_schedule(_check_int("r", r), num_blocks)
+        return [check_int(f"r[{i}]", v) for i, v in enumerate(r)]
+    return constant_schedule(check_int("r", r), num_blocks)
 
 
 def validate_r(r: RSpec) -> RSpec:
@@ -141,15 +148,11 @@ def validate_r(r: RSpec) -> RSpec:
     int: the same r in every block; list: one r per block; tuple (r, inflection): linear schedule.
     """
     if isinstance(r, tuple):
-        if len(r) != 2 or isinstance(r[1], bool) or not isinstance(r[1], (int, float)):
+        if len(r) != 2 or not is_real(r[1]):
             raise ValueError(f"r as a tuple must be (r, inflection) with inflection in [-1, 1], got {r!r}")
-        _check_int("r", r[0])
         if not -1.0 <= r[1] <= 1.0:
             raise ValueError(f"r inflection must be in [-1, 1], got {r[1]}")
-        return r
+        return check_int("r", r[0]), float(r[1])
     if isinstance(r, list):
-        for i, v in enumerate(r):
-            _check_int(f"r[{i}]", v)
-        return list(r)
-    _check_int("r", r)
-    return r
+        return [check_int(f"r[{i}]", v) for i, v in enumerate(r)]
+    return check_int("r", r)

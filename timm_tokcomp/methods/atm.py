@@ -15,6 +15,7 @@ matching in the late layers and one merge count per batch.
 """
 import csv
 import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -24,7 +25,7 @@ from torch import nn
 
 from .. import kernels
 from ..matching import MergePlan, batch_adaptive_r, best_matches, count_above, max_merges, merge_top_r, size_distinctive_split
-from ..schedules import BlockCost
+from ..schedules import BlockCost, is_real
 from .base import TokenReducer, warn_if_compiling
 from .tome import ToMe
 
@@ -110,7 +111,7 @@ class ATMStep:
 
 
 def _check_real(name: str, value: Any, low: Optional[float] = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_real(value) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if low is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {value!r}")
@@ -148,10 +149,11 @@ class ATM(TokenReducer):
         self.alpha = _check_real("alpha", alpha)
         self.beta = _check_real("beta", beta, low=0.0)
         self.theta_min = _check_real("theta_min", theta_min)
-        if split_layer is not None and (isinstance(split_layer, bool) or not isinstance(split_layer, int) or split_layer < 0):
+        if split_layer is not None and (isinstance(split_layer, bool) or not isinstance(split_layer, numbers.Integral)
+                                        or split_layer < 0):
             raise ValueError(f"split_layer must be None or an int >= 0 (blocks after it use size-distinctive "
                              f"matching), got {split_layer!r}")
-        self.split_layer = split_layer
+        self.split_layer = None if split_layer is None else int(split_layer)
         self._settings_cache: Dict[int, List[Optional[ATMStep]]] = {}
 
     @classmethod

@@ -21,8 +21,8 @@ from ..attention import check_prop_attn
 from ..kernels import check_kernel
 from ..matching import ClusterPlan, MergePlan, PrunePlan, SoftPlan, TruncatePlan
 from ..ops import apply_plan
-from ..schedules import (NAMED_SCHEDULES, STUDY_STAGES, BlockCost, RSpec, check_keep_rate, check_stages, resolve_r,
-                         solve_flops_schedule, stage_schedule, validate_r)
+from ..schedules import (NAMED_SCHEDULES, STUDY_STAGES, BlockCost, RSpec, check_keep_rate, check_stages, is_real,
+                         resolve_r, solve_flops_schedule, stage_schedule, validate_r)
 
 Plan = Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan]
 
@@ -251,8 +251,7 @@ class ScheduledReducer(RTagged, TokenReducer):
     ) -> None:
         super().__init__(prop_attn, trace_source, prefix_only_last_block)
         if flops_ratio is not None:
-            if isinstance(flops_ratio, bool) or not isinstance(flops_ratio, (int, float)) \
-                    or not math.isfinite(flops_ratio) or flops_ratio <= 1.0:
+            if not is_real(flops_ratio) or not math.isfinite(flops_ratio) or flops_ratio <= 1.0:
                 raise ValueError(f"flops_ratio must be a number > 1 (unreduced MACs / target MACs), got {flops_ratio!r}")
         given = [name for name, value in (("r", r != 0), ("flops_ratio", flops_ratio is not None),
                                           ("keep_rate", keep_rate is not None)) if value]

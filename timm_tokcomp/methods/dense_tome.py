@@ -7,7 +7,7 @@ import torch
 
 from ..kernels import check_kernel
 from ..matching import MergePlan
-from ..schedules import BlockCost
+from ..schedules import BlockCost, check_int
 from .base import RTagged, TokenReducer
 from .tome import ToMe, tome_plan
 
@@ -24,11 +24,7 @@ class DenseToMe(RTagged, TokenReducer):
 
     def __init__(self, r: int = 0, k: Optional[int] = None, kernel: str = "auto") -> None:
         super().__init__()
-        for label, value, optional in (("r", r, False), ("k", k, True)):
-            if (value is None and not optional) or (
-                    value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0)):
-                raise ValueError(f"{label} must be an int >= 0{' or None' if optional else ''}, got {value!r}")
-        self.r, self.k, self.kernel = r, k, check_kernel(kernel)
+        self.r, self.k, self.kernel = check_int("r", r), None if k is None else check_int("k", k), check_kernel(kernel)
 
     @property
     def merges(self) -> int:

@@ -92,11 +92,20 @@ def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
         scale = check_scale(config.get("scale"))
     except ValueError as e:
         raise ValueError(f"{config_path}: {e}") from None
+    on_disk = sorted(p.name for p in root.glob("step_*") if p.is_dir())
+    if on_disk and on_disk != sorted(subfolders):
+        raise ValueError(f"{config_path}: subfolders lists {subfolders}, but the folder holds {on_disk}; "
+                         "they must agree")
+    expected_keys = {_key(block, part) for block in range(L) for part in ("A", "B")}
     lora_a = torch.zeros(steps, L, 2, h, D)
     lora_b = torch.zeros(steps, L, 2, attn_dim, h)
     for i, name in enumerate(subfolders):
         path = root / name / ADAPTER_WEIGHTS
         tensors = read_safetensors(path)
+        extra = sorted(set(tensors) - expected_keys)
+        if extra:
+            raise ValueError(f"{path} holds tensors that {CONFIG_NAME} (depth {L}) does not describe: "
+                             f"{', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}; they must agree")
         for block in range(L):
             a, b = tensors.get(_key(block, "A")), tensors.get(_key(block, "B"))
             if a is None or b is None:

@@ -34,7 +34,7 @@ from ..data import check_num_classes, open_dataset, open_images
 from ..learned import load_learned, save_learned
 from ..methods import make_reducer, method_class, parse_method_tag
 from ..outputs import replacing, run_folder, write_text
-from ..userfiles import hub_snapshot, read_torch, read_versioned_json
+from ..userfiles import hub_snapshot, read_json, read_safetensors, read_torch, read_versioned_json
 from .card import model_card
 from .engine import SeededAugment, TrainingDiverged, distill_loss, epoch_batches, warmup_cosine_lr
 
@@ -412,6 +412,25 @@ def _finish_folder(out: str, saved: Dict[str, Any], base_model: str, eval_data: 
     _write_config(out, data)
 
 
+def _check_adapter_files(folder: Path, lora_rank: int) -> None:
+    """The LoRA adapter files agree with the recipe in finetune_config.json: present (readable, of its rank) exactly
+    when it trained LoRA."""
+    config_path, weights_path = (folder / name for name in PEFT_FILES)
+    if not lora_rank:
+        if config_path.exists() or weights_path.exists():
+            raise ValueError(f"{folder / FINETUNE_CONFIG} says lora_rank 0 (no adapter), but the folder holds "
+                             f"{config_path.name}; they must agree")
+        return
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing ({FINETUNE_CONFIG} says lora_rank {lora_rank})")
+    adapter = read_json(config_path)
+    if adapter.get("r") != lora_rank:
+        raise ValueError(f"{config_path}: r = {adapter.get('r')!r}, but {FINETUNE_CONFIG} says lora_rank "
+                         f"{lora_rank}; they must agree")
+    read_safetensors(weights_path)  # a truncated adapter is refused here, naming it
+
+
 def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretrained: bool = False,
                    merge: bool = True, device: str = "cpu", revision: Optional[str] = None) -> nn.Module:
     """The fine-tuned model saved by finetune, from a local folder or a Hub repository (snapshot_download:
@@ -426,6 +445,7 @@ def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretr
     folder = hub_snapshot(repo_id_or_path, "a fine-tuned", revision=revision)
     data = read_versioned_json(folder, FINETUNE_CONFIG, FORMAT_VERSION, "a complete fine-tuned folder")
     recipe = FinetuneConfig(**{**data["recipe"], "crop_scale": tuple(data["recipe"]["crop_scale"])})
+    _check_adapter_files(folder, recipe.lora_rank)
     if not checkpoint and not pretrained:  # timm's random init, as finetune drew it from the recipe's seed
         torch.manual_seed(recipe.seed)
     model = build_base_model(data["base_model"], checkpoint, pretrained, "cpu")
