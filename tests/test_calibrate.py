@@ -48,10 +48,25 @@ def test_out_of_reach_target_names_the_reachable_range(batches):
     (dict(target_gmacs=-1.0), "--target-gmacs must be a finite number > 0"),
     (dict(target_gmacs=float("inf")), "--target-gmacs must be a finite number > 0"),
     (dict(target_ratio=0.5, tolerance=0.0), "--tolerance"),
+    (dict(target_ratio="0.5"), r"--target-ratio must be in \(0, 1\).*got '0.5'"),
+    (dict(target_gmacs="1"), "--target-gmacs must be a finite number"),
+    (dict(target_ratio=0.5, tolerance="0.1"), "--tolerance"),
+    (dict(target_ratio=0.5, alpha=None), "--alpha must be a finite number"),
+    (dict(target_ratio=0.5, betas="0.1"), "betas must be a non-empty list"),
+    (dict(target_ratio=0.5, max_bisections=0), "max_bisections must be an int >= 1"),
 ])
 def test_bad_calibration_arguments(batches, kwargs, match):
     with pytest.raises(ValueError, match=match):
         calibrate(make_model("cls"), batches, "small", **kwargs)
+
+
+@pytest.mark.parametrize("bad, match", [([torch.empty(0, 3, 32, 32)], r"batches\[0\] must be .*B >= 1"),
+                                        ([torch.randn(3, 32, 32)], r"batches\[0\] must be a \(B, 3, H, W\)"),
+                                        (["images"], r"batches\[0\] must be .*got str"),
+                                        ([], "no calibration images")])
+def test_batches_that_hold_no_images_are_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        calibrate(make_model("cls"), bad, "small", target_ratio=0.5)
 
 
 def test_load_preset_rejects_other_files(tmp_path):

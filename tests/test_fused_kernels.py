@@ -416,6 +416,11 @@ def test_selfcheck_compares_every_step_and_fails_loudly(tmp_path, monkeypatch, c
     with pytest.raises(SystemExit):
         selfcheck.main(["--device", "cpu", "--dtypes", "fp8"])
     assert "--dtypes: each must be one of fp32, bf16, fp16" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # a device the machine lacks: one error line, no traceback
+        with pytest.raises(SystemExit):
+            selfcheck.main(["--device", "cuda", "--dtypes", "fp32"])
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--device cuda: CUDA is not available on "
+                                                                         "this machine")
 
 
 def _compile_keys(runs):

@@ -45,3 +45,24 @@ def test_resolve_r_forms():
     assert resolve_r((4, 1.0), 3) == [0, 4, 8]
     with pytest.raises(ValueError, match=r"one entry per block \(3\)"):
         resolve_r([1, 2], 3)
+
+
+@pytest.mark.parametrize("num_patch", [100, 196, 576])
+def test_flops_targets_are_reachable_whenever_a_stronger_one_is(num_patch):
+    """A milder flops_ratio is never refused where a stronger one is accepted (at 160 px, 100 patches, every target
+    was refused: the target's own schedule shape is clamped at half the tokens per block), and every accepted
+    schedule keeps its MACs within the budget."""
+    from timm_tokcomp.schedules import schedule_macs, solve_flops_schedule
+
+    cost = BlockCost(attn_linear=4 * 384 * 384, attn_dim=384, mlp_linear=8 * 384 * 384)
+    full = schedule_macs([0] * 12, num_patch + 1, 1, cost)
+    accepted = []
+    for ratio in [1.1 + 0.1 * i for i in range(60)]:
+        try:
+            schedule = solve_flops_schedule(ratio, 12, num_patch, 1, cost)
+        except ValueError:
+            accepted.append(False)
+            continue
+        accepted.append(True)
+        assert schedule_macs(schedule, num_patch + 1, 1, cost) <= full / ratio
+    assert accepted[:20] == [True] * 20 and accepted == sorted(accepted, reverse=True)

@@ -19,6 +19,7 @@ from . import apply, is_reduced, last_stats
 from .data import UnlabeledImages, check_num_classes, open_images
 from .calibrate import load_preset
 from .measure import count_macs, forward_counting, no_silent_eager_fallback, time_runs
+from .devices import check_device
 from .userfiles import hub_error, load_weights
 from . import kernels
 from .attention import PROP_ATTN_IMPLS
@@ -179,16 +180,6 @@ def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: boo
     if checkpoint:
         load_weights(model, checkpoint, "--checkpoint")
     return model.to(device).eval()
-
-
-def check_device(device: str) -> None:
-    """Raise ValueError for a device string torch cannot parse or a device this machine does not have."""
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        raise ValueError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available on this machine")
 
 
 def method_spec(name: str) -> Tuple[str, Dict[str, Any]]:

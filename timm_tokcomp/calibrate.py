@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .measure import device_description, forward_counting
+from .schedules import check_int, is_real
 from .outputs import write_text
 from .methods.atm import threshold_schedule
 
@@ -178,16 +179,24 @@ def calibrate(
                          f"{get_reducer(base)!r}; pass timm_tokcomp.remove(model) (or a fresh model) instead")
     if (target_gmacs is None) == (target_ratio is None):
         raise ValueError("give exactly one of --target-gmacs and --target-ratio")
-    if target_ratio is not None and not 0.0 < target_ratio < 1.0:
-        raise ValueError(f"--target-ratio must be in (0, 1) (a fraction of the unmodified GMACs), got {target_ratio}")
-    if target_gmacs is not None and not (math.isfinite(target_gmacs) and target_gmacs > 0):
-        raise ValueError(f"--target-gmacs must be a finite number > 0, got {target_gmacs}")
-    if not 0.0 < tolerance < 0.5:
-        raise ValueError(f"--tolerance must be in (0, 0.5), got {tolerance}")
-    if not betas or any(b < 0 for b in betas):
-        raise ValueError(f"betas must be a non-empty list of numbers >= 0, got {list(betas)}")
+    if target_ratio is not None and not (is_real(target_ratio) and 0.0 < target_ratio < 1.0):
+        raise ValueError(f"--target-ratio must be in (0, 1) (a fraction of the unmodified GMACs), got "
+                         f"{target_ratio!r}")
+    if target_gmacs is not None and not (is_real(target_gmacs) and math.isfinite(target_gmacs) and target_gmacs > 0):
+        raise ValueError(f"--target-gmacs must be a finite number > 0, got {target_gmacs!r}")
+    if not (is_real(tolerance) and 0.0 < tolerance < 0.5):
+        raise ValueError(f"--tolerance must be in (0, 0.5), got {tolerance!r}")
+    if not (is_real(alpha) and math.isfinite(alpha)):
+        raise ValueError(f"--alpha must be a finite number, got {alpha!r}")
+    if isinstance(betas, (str, bytes)) or not betas or not all(is_real(b) and 0 <= b < math.inf for b in betas):
+        raise ValueError(f"betas must be a non-empty list of finite numbers >= 0, got {betas!r}")
+    check_int("max_bisections", max_bisections, low=1)
     if not batches:
         raise ValueError("--data: no calibration images")
+    for i, x in enumerate(batches):
+        if not torch.is_tensor(x) or x.dim() != 4 or x.shape[0] == 0 or x.shape[1] != 3:
+            raise ValueError(f"batches[{i}] must be a (B, 3, H, W) tensor of B >= 1 images, got "
+                             f"{tuple(x.shape) if torch.is_tensor(x) else type(x).__name__}")
 
     probe = _Probe(base, batches, split_layer)
     target = target_gmacs if target_gmacs is not None else target_ratio * probe.baseline_gmacs

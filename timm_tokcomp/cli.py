@@ -190,7 +190,8 @@ def _train_tocom(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .bench import build_base_model, check_device
+    from .bench import build_base_model
+    from .devices import check_device
     from .tocom.train import TrainConfig, train_tocom
 
     config = TrainConfig(

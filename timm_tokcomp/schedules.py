@@ -6,7 +6,7 @@ block clamps its budget to what its tokens allow (never an error at run time).
 import math
 import numbers
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 RSpec = Union[int, List[int], Tuple[int, float]]
 
@@ -44,13 +44,15 @@ def inflection_schedule(r: int, inflection: float, num_blocks: int) -> List[int]
     return [int(start + step * i) for i in range(num_blocks)]
 
 
-def decreasing_schedule(num_blocks: int, num_patch: int, tokens_left: int, flops_ratio: float) -> List[int]:
-    """r_l = floor((g(l-1) - g(l)) * (T - t)), g(x) = (1 - x / L) ** (F/f - 1), for l = 1..L.
+def decreasing_schedule(num_blocks: int, num_patch: int, tokens_left: int, flops_ratio: float,
+                        shape: Optional[float] = None) -> List[int]:
+    """r_l = floor((g(l-1) - g(l)) * (T - t)), g(x) = (1 - x / L) ** (s - 1), for l = 1..L.
 
-    T = num_patch, t = tokens_left, F/f = flops_ratio. Front-loads merging more as F/f grows.
+    T = num_patch, t = tokens_left, s = shape (default F/f = flops_ratio). Front-loads merging more as s grows.
     """
     L = num_blocks
-    g = [(1.0 - x / L) ** (flops_ratio - 1.0) for x in range(L + 1)]
+    s = flops_ratio if shape is None else shape
+    g = [(1.0 - x / L) ** (s - 1.0) for x in range(L + 1)]
     total = num_patch - tokens_left
     return [int(math.floor((g[l - 1] - g[l]) * total + 1e-9)) for l in range(1, L + 1)]
 
@@ -79,22 +81,37 @@ def schedule_macs(schedule: Sequence[int], num_tokens: int, num_prefix: int, cos
     return total
 
 
+# front-loading shapes tried when the target's own shape cannot reach it (the same for every target, so a target
+# is reachable whenever a stronger one is)
+SHAPES = tuple(round(1.05 + 0.05 * i, 2) for i in range(400))
+
+
 def solve_flops_schedule(
     flops_ratio: float, num_blocks: int, num_patch: int, num_prefix: int, cost: BlockCost
 ) -> List[int]:
     """The decreasing schedule with the most tokens left whose block MACs are at most 1 / flops_ratio
-    of the unreduced blocks'. Raises ValueError when even merging down to one token cannot reach it."""
+    of the unreduced blocks': of shape flops_ratio, or, where merging down to one token in that shape cannot reach
+    it (the per-block clamp), of the least front-loaded shape in SHAPES that can. Raises ValueError when none can."""
     n = num_patch + num_prefix
-    budget = schedule_macs([0] * num_blocks, n, num_prefix, cost) / flops_ratio
+    full = schedule_macs([0] * num_blocks, n, num_prefix, cost)
+    budget = full / flops_ratio
+
+    def reach(shape: float) -> float:
+        return full / schedule_macs(decreasing_schedule(num_blocks, num_patch, 0, flops_ratio, shape), n, num_prefix,
+                                    cost)
+
+    shape = flops_ratio
+    if reach(shape) < flops_ratio:
+        shape = next((s for s in SHAPES if reach(s) >= flops_ratio), None)
+        if shape is None:
+            best = max(max(reach(s) for s in SHAPES), reach(flops_ratio))
+            raise ValueError(f"flops_ratio={flops_ratio} is out of reach for this model; the most this schedule "
+                             f"family reaches is about {best:.2f}")
     for tokens_left in range(num_patch, -1, -1):
-        sched = decreasing_schedule(num_blocks, num_patch, tokens_left, flops_ratio)
+        sched = decreasing_schedule(num_blocks, num_patch, tokens_left, flops_ratio, shape)
         if schedule_macs(sched, n, num_prefix, cost) <= budget:
             return sched
-    best = schedule_macs([0] * num_blocks, n, num_prefix, cost) / schedule_macs(
-        decreasing_schedule(num_blocks, num_patch, 0, flops_ratio), n, num_prefix, cost
-    )
-    raise ValueError(f"flops_ratio={flops_ratio} is out of reach for this model; the most this schedule "
-                     f"family reaches is about {best:.2f}")
+    raise AssertionError("unreachable: tokens_left = 0 reaches the target")
 
 
 STUDY_STAGES = (4, 7, 10)  # 1-based blocks of the three reduction stages of "Which Tokens to Use?"

@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
+from ..devices import check_device
 from ..outputs import refuse_existing, replacing
 from ..matching import (attentive_pruning, batch_adaptive_r, best_matches, bipartite_soft_matching, class_attention,
                         count_above, max_merges, merge_top_r)
@@ -139,6 +140,7 @@ def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) 
 def run_checks(device: str = "cuda", dtypes: Sequence[str] = ("fp32", "bf16"), batch: int = 256, rounds: int = 20,
                time_steps: Optional[bool] = None) -> List[StepCheck]:
     """Every step in every dtype: kernel against reference, and (time_steps, default on CUDA) both paths timed."""
+    check_device(device)
     dev = torch.device(device)
     for name in dtypes:
         if name not in DTYPES:
