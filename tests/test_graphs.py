@@ -21,6 +21,21 @@ def test_fixed_count_forwards_are_capturable(name):
     check_capturable(model, x)
 
 
+def test_a_cache_built_on_the_first_forward_does_not_refuse_capture():
+    """Counted on a second forward: what a first one builds once (radial patterns' keep index from host data; on a
+    GPU a blocking copy) is built by the warm-up forwards before a capture too."""
+    calls = []
+
+    class FirstCallReadsTheHost(torch.nn.Module):
+        def forward(self, x):
+            if not calls:
+                calls.append(float(x.sum()))  # a host wait, once
+            return x * 2
+
+    assert host_syncs(FirstCallReadsTheHost().eval(), torch.ones(2)) == {} and len(calls) == 1
+    check_capturable(timm.create_model("deit_tiny_patch16_224.l2_k70").eval(), torch.randn(1, 3, 224, 224))
+
+
 def test_data_dependent_counts_and_training_mode_are_refused():
     model = timm.create_model("deit_tiny_patch16_224.atm").eval()
     x = torch.randn(1, 3, 224, 224)

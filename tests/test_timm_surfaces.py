@@ -145,3 +145,19 @@ def test_intermediates_of_a_dropping_pruner_are_zero_where_patches_were_dropped(
                                                     output_fmt="NLC", intermediates_only=True)
     assert (before.abs().sum(-1) > 0).all()  # block 2: nothing dropped yet
     assert int((after.abs().sum(-1) > 0).sum()) == 98  # after block 3 the first stage keeps 98 of 196
+
+
+@pytest.mark.parametrize("method, params", [("atm", {}), ("tome", {"r": 8, "prefix_only_last_block": True}),
+                                            ("tome", {"r": 8}), ("evit", {"r": 8})])
+def test_final_features_of_forward_intermediates_are_forward_features(method, params):
+    """Whatever the last block keeps (only the class token for ATM's default), forward_intermediates' final
+    features are forward_features' tokens, and the head gives the same logits on both."""
+    torch.manual_seed(0)
+    model = timm_tokcomp.apply(timm.create_model("deit_tiny_patch16_224").eval(), method, **params)
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        features = model.forward_features(x)
+        final, _ = model.forward_intermediates(x, indices=[3, 11])
+        assert final.shape == features.shape
+        torch.testing.assert_close(final, features, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model.forward_head(final), model.forward_head(features), rtol=1e-4, atol=1e-5)

@@ -1,6 +1,7 @@
 """The only module that knows timm's internals: swaps a VisionTransformer's classes (model, Block,
 Attention) for static subclasses that reduce tokens, and back. Parameters and buffers are never
 touched, so state_dict keys and weights stay exactly those of the timm model."""
+import dataclasses
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -379,7 +380,8 @@ class _ReducingViT:
         patch EViT pruned, the fused token that absorbed it; a patch a dropping pruner removed (Top-K, ATS,
         radial): zeros). Prefix tokens are never reduced. Intermediates:
         (B, C, H, W) for 'NCHW', (B, H * W, C) for 'NLC'; the final features are the reduced tokens
-        (B, N', C), as forward_features returns them, with every block keeping its tokens to the end."""
+        (B, N', C), as forward_features returns them (only the prefix tokens where its last block keeps only those),
+        with every block keeping its tokens to the end."""
         if attn_mask is not None or is_causal:
             raise ValueError("attn_mask / is_causal are not supported while tokens are reduced (token count changes)")
         if output_fmt not in ("NCHW", "NLC"):
@@ -403,7 +405,17 @@ class _ReducingViT:
         if output_fmt == "NCHW":
             H, W = self.patch_embed.dynamic_feat_size((height, width))
             spatial = [g.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for g in spatial]
-        final = None if intermediates_only else self._register_features(self.norm(x), stats)
+        final = None
+        if not intermediates_only:
+            ran = len(self.blocks) if not stop_early else min(len(self.blocks), max_index + 1)
+            if ran == self._tokcomp_depth and _prefix_only_last(self, self._tokcomp_reducer):
+                # forward_features' last block keeps only the prefix tokens: so do the final features here
+                keep = self.num_prefix_tokens
+                x = x[:, :keep]
+                stats = dataclasses.replace(stats, tokens_out=keep,
+                                            size=None if stats.size is None else stats.size[:, :keep],
+                                            source=None if stats.source is None else stats.source[:, :keep])
+            final = self._register_features(self.norm(x), stats)
         if output_dict:
             out: Dict[str, Any] = {"image_intermediates": spatial}
             if prefix is not None and return_prefix_tokens:
