@@ -56,3 +56,23 @@ def test_feature_similarities():
     assert linear_cka(x, noise) < 0.2 and procrustes_distance(x, noise) > 1.0 and pwcca_distance(x, noise) > 0.5
     with pytest.raises(ValueError, match="more images than feature dimensions"):
         pwcca_distance(x[:10], x[:10])
+
+
+def test_depth_spearman_is_undefined_for_a_constant_map_and_the_csv_stays_numeric(tmp_path):
+    """A method that processed every patch for the same number of blocks has no depth ranks: its Spearman is
+    None (not NaN), written as an empty cell, shown as 'undefined' with the reason."""
+    import csv
+
+    from timm_tokcomp.analysis.compare import MetricRow
+    from timm_tokcomp.analysis.metrics import depth_map_similarity
+    from timm_tokcomp.analysis.report import _write_csv
+
+    varied = np.arange(16.0).reshape(4, 4)
+    got = depth_map_similarity(np.full((4, 4), 12.0), varied)
+    assert got["spearman"] is None and all(np.isfinite(v) for k, v in got.items() if k != "spearman")
+    assert depth_map_similarity(varied, varied)["spearman"] == pytest.approx(1.0)
+    rows = [MetricRow("a", "b", None, f"depth_{k}", v, None, 4) for k, v in got.items()]
+    _write_csv(rows, tmp_path / "metrics.csv")
+    with open(tmp_path / "metrics.csv") as f:
+        values = [r["value"] for r in csv.DictReader(f)]
+    assert values[0] == "" and all(float(v) == float(v) for v in values[1:])  # no 'nan' text anywhere

@@ -94,3 +94,26 @@ def test_set_compression_refuses_a_method_without_r():
     attach(model, _random_compensator())
     with pytest.raises(ValueError, match="runs 'atm'"):
         set_compression(model, r=8)
+
+
+def test_a_compensated_model_saved_and_loaded_whole_still_detaches():
+    """torch.save / torch.load (and deepcopy) give new tensors at version 0: the guard compares the weights' values,
+    so an untouched round trip detaches to the pristine weights, and a trained one is still refused."""
+    import copy
+    import io
+
+    model = make_model("cls")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    attach(model, _random_compensator())
+    set_compression(model, 8)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    for loaded in (torch.load(io.BytesIO(buffer.getvalue()), weights_only=False), copy.deepcopy(model)):
+        detach(loaded)
+        for key, value in loaded.state_dict().items():
+            torch.testing.assert_close(value, before[key], rtol=0, atol=1e-6)
+    trained = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    with torch.no_grad():
+        trained.blocks[1].attn.qkv.weight[0, 0] += 0.5
+    with pytest.raises(ValueError, match=r"blocks\[1\].attn.qkv.weight changed since"):
+        detach(trained)

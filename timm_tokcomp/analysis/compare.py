@@ -24,13 +24,14 @@ FEATURES = ("procrustes", "cka", "pwcca")
 @dataclass
 class MetricRow:
     """One metric between two methods; block: 1-based block after which it was taken (None: whole model);
-    value: mean over `images` images; bound: what counting alone forces (IoU / IoA), else None."""
+    value: mean over `images` images (None where undefined: the depth Spearman of a constant depth map);
+    bound: what counting alone forces (IoU / IoA), else None."""
 
     method_a: str
     method_b: str
     block: Optional[int]
     metric: str
-    value: float
+    value: Optional[float]
     bound: Optional[float]
     images: int
 

@@ -6,7 +6,7 @@ Depth maps (how many blocks each patch was processed by as its own token): Spear
 on the patch grid, Jensen-Shannon divergence, histogram intersection. Features: orthogonal Procrustes
 distance, linear CKA, PWCCA between two models' class-token features on the same images.
 """
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -51,15 +51,17 @@ def grid_emd(map_a: np.ndarray, map_b: np.ndarray) -> float:
     return float(wasserstein_distance_nd(coords, coords, _as_distribution(map_a), _as_distribution(map_b)))
 
 
-def depth_map_similarity(map_a: np.ndarray, map_b: np.ndarray) -> Dict[str, float]:
-    """Two (H, W) mean-depth maps: Spearman rank correlation, EMD (grid_emd), Jensen-Shannon divergence
-    (base 2, in [0, 1]) and histogram intersection (in [0, 1]) of the maps as distributions."""
+def depth_map_similarity(map_a: np.ndarray, map_b: np.ndarray) -> Dict[str, Optional[float]]:
+    """Two (H, W) mean-depth maps: Spearman rank correlation (None, undefined, where a map is constant: its
+    patches have no ranks), EMD (grid_emd), Jensen-Shannon divergence (base 2, in [0, 1]) and histogram
+    intersection (in [0, 1]) of the maps as distributions."""
     from scipy.spatial.distance import jensenshannon
     from scipy.stats import spearmanr
 
     p, q = _as_distribution(map_a), _as_distribution(map_b)
-    rho = spearmanr(np.ravel(map_a), np.ravel(map_b)).statistic
-    return {"spearman": float(rho), "emd": grid_emd(map_a, map_b),
+    constant = np.ptp(map_a) == 0 or np.ptp(map_b) == 0
+    rho = None if constant else float(spearmanr(np.ravel(map_a), np.ravel(map_b)).statistic)
+    return {"spearman": rho, "emd": grid_emd(map_a, map_b),
             "jsd": float(jensenshannon(p, q, base=2) ** 2), "intersection": float(np.minimum(p, q).sum())}
 
 

@@ -165,7 +165,11 @@ def _report(model_name: str, data: str, count: int, recordings: Dict[str, Record
         for b in names[i + 1:]:
             cells = [by_key.get((a, b, None, m)) for m in ("depth_spearman", "depth_emd", "depth_jsd", "depth_intersection",
                                                            "procrustes", "cka", "pwcca")]
-            lines.append(f"| `{a}` / `{b}` | " + " | ".join("n/a" if c is None else f"{c.value:.3f}" for c in cells) + " |")
+            lines.append(f"| `{a}` / `{b}` | " + " | ".join("n/a" if c is None else "undefined" if c.value is None
+                                                            else f"{c.value:.3f}" for c in cells) + " |")
+    if any(r.metric == "depth_spearman" and r.value is None for r in rows):
+        lines += ["", "Depth Spearman is undefined (empty in `metrics.csv`) where a method's depth map is constant: "
+                      "every patch was processed by the same number of blocks, so the patches have no ranks."]
     if overlays:
         lines += ["", "## What each method did to the first images", "",
                   "Each token holding two or more patches in its own colour, dropped patches grey, group borders white.", ""]

@@ -102,21 +102,31 @@ class _Attached:
     pristine: List[torch.Tensor]  # per block: (2, attn_dim, D) query / value rows of the source weights
     target_r: int
     scale: float
-    written: List[Tuple[torch.Tensor, int]] = field(default_factory=list)  # per block: (qkv weight, its _version)
+    # per block: (qkv weight, its _version, a fingerprint of its values); the fingerprint survives what identity and
+    # version do not (torch.save / load, deepcopy)
+    written: List[Tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=list)
 
     def record(self, layers: List[nn.Linear]) -> None:
         """Remember the weights as this compensator left them."""
-        self.written = [(qkv.weight, qkv.weight._version) for qkv in layers]
+        self.written = [(qkv.weight, qkv.weight._version, _fingerprint(qkv.weight)) for qkv in layers]
 
     def check_unchanged(self, layers: List[nn.Linear], action: str) -> None:
-        """Raise ValueError when a qkv weight was replaced or written since the compensator last set it
-        (load_state_dict, training): restoring the pristine rows would silently discard those weights."""
-        for i, (qkv, (weight, version)) in enumerate(zip(layers, self.written)):
-            if qkv.weight is not weight or qkv.weight._version != version:
+        """Raise ValueError when a qkv weight's values changed since the compensator last set it (load_state_dict,
+        training): restoring the pristine rows would silently discard those weights."""
+        for i, (qkv, (weight, version, *values)) in enumerate(zip(layers, self.written)):
+            same_tensor = qkv.weight is weight and qkv.weight._version == version
+            if not same_tensor and not (values and torch.equal(_fingerprint(qkv.weight), values[0].to(qkv.weight.device))):
                 raise ValueError(
                     f"blocks[{i}].attn.qkv.weight changed since the compensator set it (load_state_dict or training?); "
                     f"{action} would restore the query / value rows saved at attach and discard that change. Call "
                     "detach(model, restore=False) to keep the current weights and drop the compensator, then attach again")
+
+
+def _fingerprint(weight: torch.Tensor) -> torch.Tensor:
+    """(3,) float64 sums of the values (plain, absolute, and weighted by position) that any edit changes."""
+    flat = weight.detach().double().flatten()
+    ramp = torch.linspace(-1.0, 1.0, flat.numel(), dtype=torch.float64, device=flat.device)
+    return torch.stack([flat.sum(), flat.abs().sum(), (flat * ramp).sum()])
 
 
 def check_scale(scale: Any) -> float:
