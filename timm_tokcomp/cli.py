@@ -3,7 +3,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from .methods import TAG_FORMS
+from .methods import TAG_SUMMARY
 
 
 def _numbers(flag: str, text: str, kind: type) -> tuple:
@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="GMACs / throughput / accuracy table of several methods, side by side")
     bench.add_argument("model", nargs="?", default="deit_tiny_patch16_224", help="timm architecture (default %(default)s)")
     bench.add_argument("--methods", default="none,tome_r8,tome_r16",
-                       help=f"comma list of 'none' and method tags ({', '.join(TAG_FORMS)}); default %(default)s")
+                       help=f"comma list of 'none' and method tags ({TAG_SUMMARY}); default %(default)s")
     bench.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
     bench.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
     bench.add_argument("--data", help="ImageFolder tree or folder with labels.csv (file,label): top-1 and "
@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "head and the method's own parameters (PYRA's recipe); with --distill, on "
                                          "unlabelled images, learning the unreduced model's outputs")
     ft.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
-    ft.add_argument("--method", default="none", help=f"token reduction trained with: a method tag ({', '.join(TAG_FORMS)}) "
+    ft.add_argument("--method", default="none", help=f"token reduction trained with: a method tag ({TAG_SUMMARY}) "
                                                      f"or none (default %(default)s)")
     ft.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="another method parameter, e.g. form=pooled (repeatable)")
@@ -428,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "study's pattern metrics, draw pictures, write a Markdown report")
     an.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
     an.add_argument("--methods", default="tome_r8,evit_r8,atm",
-                    help=f"comma list of two or more method tags ({', '.join(TAG_FORMS)}) or presets; default %(default)s")
+                    help=f"comma list of two or more method tags ({TAG_SUMMARY}) or presets; default %(default)s")
     an.add_argument("--data", required=True, help="folder of images (labels.csv, ImageFolder or plain; labels unused)")
     an.add_argument("--limit", type=int, default=256, help="first N images (default %(default)s)")
     an.add_argument("--out", required=True, help="report folder")
@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="write a plain, ToMe, EViT or dense_tome model as ONNX (dynamic batch) "
                                        "and check it in onnxruntime")
     ex.add_argument("model", help="timm architecture, or a tagged name such as deit_tiny_patch16_224.tome_r16")
-    ex.add_argument("--method", help=f"method tag ({', '.join(TAG_FORMS)}; ATM does not export)")
+    ex.add_argument("--method", help=f"method tag ({TAG_SUMMARY}; ATM does not export)")
     ex.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
     ex.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
     ex.add_argument("--out", required=True, help="the .onnx file to write")
@@ -456,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("speed", help="forward time of each method against the plain model and against its limit "
                                       "(no matching), per batch size, in eager / compiled / CUDA-graph mode")
     sp.add_argument("model", nargs="?", default="deit_base_patch16_224", help="timm architecture (default %(default)s)")
-    sp.add_argument("--methods", help=f"comma list of method tags ({', '.join(TAG_FORMS)}), '<tag>@<path>' "
+    sp.add_argument("--methods", help=f"comma list of method tags ({TAG_SUMMARY}), '<tag>@<path>' "
                                       f"(a kernel, a prop_attn implementation or both: tome_r16@triton, "
                                       f"tome_r16@fold_qkv, tome_r16@triton+fold) or presets; default {SPEED_METHODS}, and on "
                                       f"CUDA also {SPEED_METHODS_CUDA[1:]}")

@@ -15,7 +15,7 @@ from timm.models import _registry as treg
 from timm.models._features import FeatureGetterNet
 from timm.models._pretrained import DefaultCfg
 
-from .methods import TAG_FORMS, is_method_tag, method_class, parse_method_tag
+from .methods import TAG_SUMMARY, is_method_tag, method_class, parse_method_tag
 
 _MODULES = ("vision_transformer", "deit")
 SHORT_NAMES = {
@@ -89,7 +89,7 @@ def split_method_tag(arch: str, tag: str) -> Tuple[str, Optional[str]]:
         shown = ", ".join(t for t in known if t) or "(none)"
         raise ValueError(
             f"unknown tag {tag!r} for {arch}; valid forms: {arch}, {arch}.<pretrained tag>, "
-            f"{arch}[.<pretrained tag>].<method tag> with method tag one of {', '.join(TAG_FORMS)}; "
+            f"{arch}[.<pretrained tag>].<method tag> with method tag one of {TAG_SUMMARY}; "
             f"pretrained tags of {arch}: {shown}"
         )
     return base, method_tag

@@ -1,5 +1,6 @@
 """Token-reduction methods by name, and their name tags (`tome_r16`, `evit_r8`, `topk_k70`, `atm`,
 `atm_<preset>`, `dense_tome_r8`, `patchmerger_k70`, `dynamicvit_k70`, ...)."""
+import re
 from typing import Any, Dict, Tuple, Type
 
 from .ats import ATS
@@ -22,6 +23,21 @@ METHODS: Dict[str, Type[TokenReducer]] = {
     cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids,
                                DPCKNN, PYRA, PatchMerger, DynamicViT, Sinkhorn, SiT)}
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
+
+
+def _summary(forms: Tuple[str, ...]) -> str:
+    """The forms, with ATM's operating-point presets (atm_g<..>, atm_mae_g<..>) as one item: errors and help
+    stay a few lines."""
+    points = [f for f in forms if re.fullmatch(r"atm_(mae_)?g\d+", f)]
+    shown = [f for f in forms if f not in points]
+    if points:
+        at = shown.index("atm_fast") + 1 if "atm_fast" in shown else len(shown)
+        shown.insert(at, f"atm_g<GFLOPs> / atm_mae_g<GFLOPs> ({len(points)} operating points of the ATM paper; "
+                         "timm_tokcomp.methods.TAG_FORMS lists them)")
+    return ", ".join(shown)
+
+
+TAG_SUMMARY = _summary(TAG_FORMS)
 
 
 def method_class(method: str) -> Type[TokenReducer]:
@@ -51,7 +67,7 @@ def parse_method_tag(tag: str) -> Tuple[str, Dict[str, Any]]:
         params = cls.parse_tag(tag)
         if params is not None:
             return name, params
-    raise ValueError(f"unknown token-reduction tag {tag!r}; valid forms: {', '.join(TAG_FORMS)} (k >= 0)")
+    raise ValueError(f"unknown token-reduction tag {tag!r}; valid forms: {TAG_SUMMARY} (k >= 0)")
 
 
 def is_method_tag(tag: str) -> bool:
