@@ -171,12 +171,41 @@ CHECKPOINT_DOORS = [_truncated_safetensors, _truncated_torch, _another_model, _n
 
 
 @pytest.mark.parametrize("door", CHECKPOINT_DOORS, ids=lambda d: d.__name__.strip("_"))
-@pytest.mark.parametrize("command", list(_commands("", "")))
+@pytest.mark.parametrize("command", [*_commands("", ""), "export"])
 def test_a_bad_checkpoint_is_refused_at_the_door_by_every_command(tmp_path, capsys, door, command):
     path, problem = door(tmp_path)
     data = _images(tmp_path / "d", labels=[0, 1, 0, 1])
-    argv = _commands(str(data), str(tmp_path / "out"))[command] + ["--checkpoint", str(path)]
-    _assert_refused(argv, capsys, "--checkpoint", str(path), problem)
+    argv = {**_commands(str(data), str(tmp_path / "out")),
+            "export": ["export", MODEL, "--method", "tome_r8", "--out", str(tmp_path / "m.onnx")]}[command]
+    _assert_refused(argv + ["--checkpoint", str(path)], capsys, "--checkpoint", str(path), problem)
+
+
+def test_an_uncached_hub_model_offline_says_what_to_do(tmp_path):
+    """--pretrained with no network and nothing cached: one error line that names the flag and the way out, after
+    no network retries (HF_HUB_OFFLINE=1)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    run = subprocess.run([sys.executable, "-m", "timm_tokcomp.cli", "bench", MODEL, "--pretrained", "--methods",
+                          "tome_r8", "--no-progress"], env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("tokcomp: error:")]
+    assert run.returncode == 2 and len(errors) == 1, run.stderr
+    assert "--pretrained" in errors[0] and "not in the local cache" in errors[0] and "--checkpoint FILE" in errors[0]
+
+
+def test_a_truncated_adapter_is_refused_naming_it(tmp_path, capsys):
+    from timm_tokcomp.tocom import Compensator
+    from timm_tokcomp.tocom.hub import save
+
+    torch.manual_seed(0)
+    save(Compensator.init(2, 12, 192, 192, 4, 1.0), str(tmp_path / "tc"), MODEL)
+    weights = tmp_path / "tc" / "step_01" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:400])
+    data = _images(tmp_path / "d", labels=[0, 1, 0, 1])
+    _assert_refused(["bench", MODEL, "--data", str(data), "--tocom", str(tmp_path / "tc"), "--no-progress"], capsys,
+                    "step_01/adapter_model.safetensors", "cannot be read as safetensors")
 
 
 # ------------------------------------------------------------------ JSON files: presets, adapter configs
@@ -317,14 +346,37 @@ def test_a_failing_run_keeps_the_earlier_run_in_its_folder(tmp_path, capsys, com
 
 
 @pytest.mark.parametrize("command, out_flag", [("bench", "--out"), ("bench", "--plot"), ("calibrate", "--out"),
-                                               ("speed", "--out")])
+                                               ("speed", "--out"), ("export", "--out"), ("selfcheck", "--out")])
 def test_a_failing_command_keeps_the_earlier_file(tmp_path, capsys, command, out_flag):
+    """Every command writing one file refuses an existing one without --overwrite, and with it replaces the file
+    only once it has succeeded."""
+    from timm_tokcomp.kernels import selfcheck
+
     out = tmp_path / "earlier.csv"
     out.write_text("earlier\n")
     bad, _ = _not_an_image(tmp_path)
-    argv = _commands(str(bad), "")[command] + [out_flag, str(out), "--overwrite"]
-    code, err = _run(argv, capsys)
+    weights, _ = _truncated_torch(tmp_path)
+    argv = {**_commands(str(bad), ""), "export": ["export", MODEL, "--method", "tome_r8", "--checkpoint", str(weights)],
+            "selfcheck": ["--device", "cpu", "--dtypes", "fp8"]}[command]
+    if command == "selfcheck":
+        with pytest.raises(SystemExit) as e:
+            selfcheck.main(argv + [out_flag, str(out), "--overwrite"])
+        code = e.value.code
+    else:
+        code, _ = _run(argv + [out_flag, str(out), "--overwrite"], capsys)
     assert code == 2 and out.read_text() == "earlier\n"
+
+
+@pytest.mark.parametrize("command", ["finetune", "train-tocom"])
+def test_a_damaged_checkpoint_to_resume_is_named_and_the_run_kept(tmp_path, capsys, command):
+    out = tmp_path / "out"
+    before = _earlier_run(out, EARLIER[command])  # training/checkpoint.pt holds text: not a torch checkpoint
+    data = _images(tmp_path / "d", count=8, labels=[0, 1] * 4)
+    argv = _commands(str(data), str(out))[command] + ["--resume"]
+    if command == "train-tocom":
+        argv += ["--batch-size", "2", "--holdout", "2"]
+    _assert_refused(argv, capsys, "--resume", "training/checkpoint.pt", "cannot be read as a torch checkpoint")
+    assert _digest(out) == before
 
 
 def test_run_folder_restores_sets_aside_and_finally_replaces(tmp_path, capsys):

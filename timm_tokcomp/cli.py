@@ -373,8 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  "chooses the scale (default %(default)s)")
     tr.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default %(default)s)")
     tr.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/training/checkpoint.pt")
-    tr.add_argument("--overwrite", action="store_true", help="delete the previous run in OUT first (a non-empty OUT "
-                                                             "is refused without --resume or --overwrite)")
+    tr.add_argument("--overwrite", action="store_true",
+                    help="replace the previous run in OUT (set aside, deleted when this run ends; a non-empty OUT "
+                         "is refused without --resume or --overwrite)")
     tr.add_argument("--stop-after", type=int, help="leave after this step with a checkpoint (for time-sliced jobs)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: one GPU per process)")
@@ -417,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--seed", type=int, default=0)
     ft.add_argument("--eval-batch-size", type=int, default=64, help="(default %(default)s)")
     ft.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/training/checkpoint.pt")
-    ft.add_argument("--overwrite", action="store_true", help="delete the previous run in OUT first")
+    ft.add_argument("--overwrite", action="store_true",
+                    help="replace the previous run in OUT (set aside, deleted when this run ends)")
     ft.add_argument("--stop-after", type=int, help="leave after this epoch with a checkpoint (continue with --resume)")
     ft.add_argument("--device", default="cpu")
     ft.add_argument("--num-workers", type=int, default=2, help="data loading workers")
@@ -439,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--device", default="cpu")
     an.add_argument("--resume", action="store_true", help="reuse OUT: recordings with the same settings are kept, "
                                                           "the rest is redrawn")
-    an.add_argument("--overwrite", action="store_true", help="delete the previous report in OUT first")
+    an.add_argument("--overwrite", action="store_true",
+                    help="replace the previous report in OUT (set aside, deleted when this run ends)")
     an.add_argument("--no-progress", action="store_true", help="hide progress bars")
     an.set_defaults(func=_analyze)
 
