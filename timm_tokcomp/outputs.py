@@ -50,8 +50,8 @@ def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, 
     transaction that never loses an earlier run's work:
     - a folder that holds something is refused (FileExistsError) unless resume or overwrite, and so is a folder
       another process is writing (folder/.lock);
-    - overwrite sets the earlier run's entries aside (folder/.replaced-<pid>-<unique>/, a rename); resume does the same for
-      the entries not named in kept_on_resume (those the run continues from, e.g. checkpoints, cached records);
+    - overwrite sets the earlier run's entries aside (folder/.replaced-<pid>-<unique>/, a rename); resume does the
+      same for the entries not named in kept_on_resume (those the run continues from: checkpoints, cached records);
     - the run ends without an error: what was set aside is deleted;
     - the run raises (bad input, Ctrl-C, divergence) before writing anything: the earlier entries come back as
       they were; after writing something: both stay, the new partial run in place (a resume continues it) and the
@@ -71,19 +71,19 @@ def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, 
     with run_lock(folder):
         for stale in folder.rglob(".*.tmp"):  # left by a writer that was killed while writing
             stale.unlink()
-        aside, moved = None, []
-        for name in run_entries:
-            for entry in sorted(folder.glob(name)):
-                if entry.name.startswith(".") or (resume and any(fnmatch(entry.name, k) for k in kept_on_resume)):
-                    continue
-                aside = aside or Path(tempfile.mkdtemp(prefix=f"{REPLACED}{os.getpid()}-", dir=folder))
-                os.replace(entry, aside / entry.name)
-                moved.append(entry.name)
-        before = _entries(folder)
+        aside, moved, before = None, [], None
         try:
+            for name in run_entries:
+                for entry in sorted(folder.glob(name)):
+                    if entry.name.startswith(".") or (resume and any(fnmatch(entry.name, k) for k in kept_on_resume)):
+                        continue
+                    aside = aside or Path(tempfile.mkdtemp(prefix=f"{REPLACED}{os.getpid()}-", dir=folder))
+                    os.replace(entry, aside / entry.name)
+                    moved.append(entry.name)
+            before = _entries(folder)
             yield folder
         except BaseException:
-            if moved and _entries(folder) == before:  # nothing new written: the earlier run comes back as it was
+            if moved and (before is None or _entries(folder) == before):  # nothing new written: put back as it was
                 for name in moved:
                     os.replace(aside / name, folder / name)
                 aside.rmdir()
