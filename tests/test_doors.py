@@ -50,10 +50,11 @@ def _assert_refused(argv, capsys, *named):
 # ------------------------------------------------------------------ image folders and labels files
 
 
+# each broken file sorts first, so that it is among the images every command reads (speed reads only one batch)
 def _not_an_image(tmp):
     folder = _images(tmp / "plain")
-    (folder / "img9.jpg").write_text("this is not a JPEG")
-    return folder, "img9.jpg"
+    (folder / "broken.jpg").write_text("this is not a JPEG")
+    return folder, "broken.jpg"
 
 
 def _class_name(tmp):
@@ -69,8 +70,8 @@ def _negative(tmp):
 def _tree_with_text(tmp):
     tree = tmp / "tree"
     _images(tree / "a", 2), _images(tree / "b", 2)
-    (tree / "b" / "notes.png").write_bytes(b"\x89PNG broken")
-    return tree, "notes.png"
+    (tree / "a" / "broken.png").write_bytes(b"\x89PNG broken")
+    return tree, "broken.png"
 
 
 def _labels_not_text(tmp):
@@ -421,3 +422,19 @@ def test_run_folder_resume_keeps_what_the_run_continues_from(tmp_path):
         (out / "report.md").write_text("new report\n")
     assert sorted(p.name for p in out.iterdir()) == ["cache", "report.md"]  # plot.png of the earlier settings gone
     assert (out / "report.md").read_text() == "new report\n"
+
+
+def test_only_the_images_a_limit_reads_are_checked(tmp_path, capsys):
+    """--limit N opens and checks the first N images only: a broken image after them costs nothing and stops
+    nothing; one inside them is named. A limit below 1 is refused naming --limit."""
+    folder = _images(tmp_path / "d", count=4, labels=[0, 1, 0, 1])
+    (folder / "img3.jpg").write_text("not an image")
+    assert len(open_images(folder, lambda img: img, limit=3)) == 3
+    with pytest.raises(UserFileError, match="img3.jpg is not an image"):
+        open_images(folder, lambda img: img, limit=4)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="--limit must be an integer >= 1"):
+            open_images(folder, lambda img: img, limit=bad)
+    code, err = _run(["bench", MODEL, "--data", str(folder), "--limit", "2", "--methods", "tome_r8",
+                      "--timing-rounds", "1", "--no-progress"], capsys)
+    assert code == 0, err

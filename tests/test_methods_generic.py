@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import timm_tokcomp
+from timm.models.vision_transformer import VisionTransformer
 from timm_tokcomp.methods import METHODS
 from conftest import SMALL, VARIANTS, make_model
 
@@ -81,7 +82,6 @@ def test_numpy_numbers_are_accepted_as_the_python_numbers_they_equal():
     """Every numeric parameter takes numpy's integer and float types (r from np.arange, a rate from an array) and
     keeps them as Python numbers, so presets and cards serialise them."""
     import numpy as np
-    from timm.models.vision_transformer import VisionTransformer
 
     model = VisionTransformer(img_size=32, patch_size=4, embed_dim=48, depth=4, num_heads=3, num_classes=10).eval()
     for method, params, key, want in [
@@ -97,3 +97,25 @@ def test_numpy_numbers_are_accepted_as_the_python_numbers_they_equal():
         json.dumps(timm_tokcomp.get_reducer(model).params, default=list)
     with pytest.raises(ValueError, match="r must be an int"):
         timm_tokcomp.apply(model, "tome", r=np.float64(2.0))
+
+
+def test_numpy_numbers_are_accepted_by_every_numeric_argument_check():
+    """The same rule (schedules.is_int / is_real) at the other doors that take numbers from Python callers."""
+    import numpy as np
+
+    from timm_tokcomp.speed import check_batches
+    from timm_tokcomp.tocom import Compensator, attach, set_compression
+    from timm_tokcomp.tocom.compensator import check_scale
+    from timm_tokcomp.tuning import _check_args
+
+    check_batches([np.int64(1), np.int32(8)])
+    _check_args([np.int64(2)], np.float32(1.0), np.float64(1.1), np.int64(200), np.int64(100), np.int64(5),
+                ["eager"], "cpu")
+    assert check_scale(np.float32(0.5)) == 0.5
+    model = VisionTransformer(img_size=32, patch_size=4, embed_dim=48, depth=4, num_heads=3, num_classes=10).eval()
+    compensator = Compensator.init(4, 4, 48, 48, 2, 1.0)
+    attach(model, compensator, source_r=np.int64(0))
+    set_compression(model, np.int16(2))
+    assert timm_tokcomp.get_reducer(model).r == 2
+    with pytest.raises(ValueError, match="--batches must be integers >= 1"):
+        check_batches([np.float64(2.0)])

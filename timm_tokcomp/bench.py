@@ -350,12 +350,10 @@ def run_bench(
     evaluation = None
     labelled = False
     if data:
-        dataset = open_images(data, timm.data.create_transform(**cfg))
+        dataset = open_images(data, timm.data.create_transform(**cfg), limit=limit)
         labelled = not isinstance(dataset, UnlabeledImages)
         if labelled and getattr(base, "num_classes", 0):
             check_num_classes(dataset, base.num_classes)
-        if limit is not None:
-            dataset = torch.utils.data.Subset(dataset, range(min(limit, len(dataset))))
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
         with precision(device, dtype, tf32):
             evaluation = evaluate(models, loader, device, show_progress)

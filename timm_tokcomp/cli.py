@@ -162,8 +162,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     if not args.checkpoint and not args.pretrained:
         print("note: no --checkpoint or --pretrained: calibrating random weights", file=sys.stderr)
     base = build_base_model(args.model, args.checkpoint, args.pretrained, args.device)
-    dataset = open_images(args.data, timm.data.create_transform(**timm.data.resolve_model_data_config(base)))
-    dataset = torch.utils.data.Subset(dataset, range(min(args.limit, len(dataset))))
+    dataset = open_images(args.data, timm.data.create_transform(**timm.data.resolve_model_data_config(base)),
+                          limit=args.limit)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.num_workers)
     show = not args.no_progress
     batches = [x.to(args.device) for x, _ in tqdm(loader, desc="load images", disable=not show, file=sys.stderr)]

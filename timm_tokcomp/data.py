@@ -9,6 +9,7 @@ from typing import Callable, List, Optional, Tuple, Union
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
+from .schedules import is_int
 from .userfiles import fail
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".bmp", ".webp", ".tif", ".tiff")
@@ -36,9 +37,12 @@ def _load_rgb(path: Path, flag: str) -> Image.Image:
 
 
 class _CheckedImages(Dataset):
-    """(path, label) samples checked at the door; items are (transform(image), label)."""
+    """(path, label) samples (the first `limit` of them, all for None) checked at the door; items are
+    (transform(image), label)."""
 
-    def __init__(self, samples: List[Tuple[Path, int]], base: Path, transform: Callable, flag: str) -> None:
+    def __init__(self, samples: List[Tuple[Path, int]], base: Path, transform: Callable, flag: str,
+                 limit: Optional[int] = None) -> None:
+        samples = samples[:limit]  # only what will be read is checked
         for path, _ in samples:
             _check_image(path, flag)
         self.samples, self.base, self.transform, self.flag = samples, base, transform, flag
@@ -64,32 +68,33 @@ class LabeledImages(_CheckedImages):
     """Images listed in `root/<labels>` (default labels.csv; header `file,label`, 0-based class indices);
     files are looked up in `root/images/` if that folder exists, else in `root`."""
 
-    def __init__(self, root: PathLike, transform: Callable, labels: str = "labels.csv", flag: str = "--data") -> None:
+    def __init__(self, root: PathLike, transform: Callable, labels: str = "labels.csv", flag: str = "--data",
+                 limit: Optional[int] = None) -> None:
         root = Path(root)
         self.image_dir = root / "images" if (root / "images").is_dir() else root
         super().__init__([(self.image_dir / name, label) for name, label in read_labels(root / labels, flag)],
-                         self.image_dir, transform, flag)
+                         self.image_dir, transform, flag, limit)
 
 
 class ImageTree(_CheckedImages):
     """An ImageFolder tree: root/<class name>/<image>, classes numbered in sorted order (as torchvision's)."""
 
-    def __init__(self, root: PathLike, transform: Callable, flag: str = "--data") -> None:
+    def __init__(self, root: PathLike, transform: Callable, flag: str = "--data", limit: Optional[int] = None) -> None:
         root = Path(root)
         self.classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
         samples = [(p, i) for i, name in enumerate(self.classes) for p in sorted((root / name).rglob("*"))
                    if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
         if not samples:
             raise fail(flag, root, f"has class subfolders but no image files ({', '.join(IMAGE_SUFFIXES)})")
-        super().__init__(samples, root, transform, flag)
+        super().__init__(samples, root, transform, flag, limit)
 
 
 class UnlabeledImages(_CheckedImages):
     """Every image file directly in `root`, sorted by name; the label is -1."""
 
-    def __init__(self, root: PathLike, transform: Callable, flag: str = "--data") -> None:
+    def __init__(self, root: PathLike, transform: Callable, flag: str = "--data", limit: Optional[int] = None) -> None:
         files = sorted(p for p in Path(root).iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-        super().__init__([(p, -1) for p in files], Path(root), transform, flag)
+        super().__init__([(p, -1) for p in files], Path(root), transform, flag, limit)
 
 
 def read_labels(path: Path, flag: str = "--data") -> List[Tuple[str, int]]:
@@ -124,31 +129,37 @@ def check_num_classes(dataset: Dataset, num_classes: int, flag: str = "--data") 
                                                         f"classes (0..{num_classes - 1})")
 
 
-def open_images(path: PathLike, transform: Callable, flag: str = "--data") -> Dataset:
+def open_images(path: PathLike, transform: Callable, flag: str = "--data", limit: Optional[int] = None) -> Dataset:
     """Images whose labels are not needed: a labelled dataset as open_dataset reads it, or a plain
-    folder of image files."""
+    folder of image files. limit: only the first `limit` images (None: all)."""
     path = Path(path)
     if path.is_dir() and not (path / "labels.csv").is_file() and not any(p.is_dir() for p in path.iterdir()):
-        dataset = UnlabeledImages(path, transform, flag)
+        dataset = UnlabeledImages(path, transform, flag, _check_limit(limit))
         if len(dataset) == 0:
             raise fail(flag, path, f"holds no image files ({', '.join(IMAGE_SUFFIXES)})")
         return _rooted(dataset, path)
-    return open_dataset(path, transform, flag)
+    return open_dataset(path, transform, flag, limit)
 
 
-def open_dataset(path: PathLike, transform: Callable, flag: str = "--data") -> Dataset:
+def open_dataset(path: PathLike, transform: Callable, flag: str = "--data", limit: Optional[int] = None) -> Dataset:
     """A labelled image dataset from a labels.csv folder, a labels file itself (`<folder>/<name>.csv`, e.g.
-    one split of a folder), or an ImageFolder tree (class subfolders)."""
-    path = Path(path)
+    one split of a folder), or an ImageFolder tree (class subfolders). limit: only the first `limit` images."""
+    path, limit = Path(path), _check_limit(limit)
     if path.suffix == ".csv" and path.is_file():
-        return _rooted(LabeledImages(path.parent, transform, labels=path.name, flag=flag), path)
+        return _rooted(LabeledImages(path.parent, transform, labels=path.name, flag=flag, limit=limit), path)
     if not path.is_dir():
         raise FileNotFoundError(f"{flag}: {path} is not a folder")
     if (path / "labels.csv").is_file():
-        return _rooted(LabeledImages(path, transform, flag=flag), path / "labels.csv")
+        return _rooted(LabeledImages(path, transform, flag=flag, limit=limit), path / "labels.csv")
     if not any(p.is_dir() for p in path.iterdir()):
         raise fail(flag, path, "has neither labels.csv nor class subfolders (ImageFolder layout)")
-    return _rooted(ImageTree(path, transform, flag), path)
+    return _rooted(ImageTree(path, transform, flag, limit), path)
+
+
+def _check_limit(limit: Optional[int]) -> Optional[int]:
+    if limit is not None and (not is_int(limit) or limit < 1):
+        raise ValueError(f"--limit must be an integer >= 1, got {limit!r}")
+    return None if limit is None else int(limit)
 
 
 def _rooted(dataset: Dataset, root: Optional[Path]) -> Dataset:

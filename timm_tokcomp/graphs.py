@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .measure import OpCounter
+from .schedules import is_int
 
 
 def host_syncs(model: nn.Module, example: torch.Tensor) -> Dict[str, int]:
@@ -46,11 +47,11 @@ class GraphedForward:
     of example's shape, dtype and device and return a new tensor each (the model's output, cloned). The model
     must not change afterwards: its weights are read in place, but a new method, r or kernel needs a new
     capture. Built under torch.autocast, the graph keeps that autocast dtype. Calls from several threads take
-turns on the one pair of buffers. warmup: eager forwards on a side
-    stream before the capture (Triton kernels compile there)."""
+    turns on the one pair of buffers. warmup: eager forwards on a side stream before the capture (Triton kernels
+    compile there)."""
 
     def __init__(self, model: nn.Module, example: torch.Tensor, warmup: int = 3) -> None:
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        if not is_int(warmup) or warmup < 1:
             raise ValueError(f"warmup must be an integer >= 1, got {warmup!r}")
         if not example.is_cuda:
             raise ValueError(f"example must be a CUDA tensor (CUDA graphs replay GPU work), got {example.device}")

@@ -19,9 +19,14 @@ NAMED_SCHEDULES = {
 
 def check_int(name: str, value, low: int = 0) -> int:
     """value as a Python int >= low: any integer type (numpy's too), never a bool."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     return int(value)
+
+
+def is_int(value) -> bool:
+    """An integer of any type (numpy's too), not a bool."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 
 
 def is_real(value) -> bool:

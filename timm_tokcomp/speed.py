@@ -24,7 +24,7 @@ from .measure import no_silent_eager_fallback, time_side_by_side
 from .methods.base import TokenReducer
 from .outputs import replacing
 from .patch import patch
-from .schedules import BlockCost
+from .schedules import BlockCost, is_int
 
 MODES = ("eager", "compile", "cudagraph", "graph")
 CUDA_MODES = ("cudagraph", "graph")
@@ -95,7 +95,7 @@ def _runner(model: nn.Module, mode: str, x: torch.Tensor):
 
 def check_batches(batches: Sequence[int]) -> None:
     """Raise ValueError naming --batches unless it is a non-empty list of integers >= 1."""
-    if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches):
+    if not batches or any(not is_int(b) or b < 1 for b in batches):
         raise ValueError(f"--batches must be integers >= 1, got {list(batches)}")
 
 
@@ -154,7 +154,7 @@ def run_speed(
 def _inputs(data: Optional[str], cfg: Dict, count: int, device: str) -> torch.Tensor:
     if not data:
         return torch.randn(count, *cfg["input_size"], device=device)
-    dataset = open_images(data, timm.data.create_transform(**cfg))
+    dataset = open_images(data, timm.data.create_transform(**cfg), limit=count)
     if len(dataset) < count:
         raise ValueError(f"--data holds {len(dataset)} images; the largest --batches needs {count}")
     return torch.stack([dataset[i][0] for i in range(count)]).to(device)

@@ -39,6 +39,7 @@ from .data import UnlabeledImages, check_num_classes, open_images
 from .measure import device_description, forward_counting, no_silent_eager_fallback, time_runs
 from .methods import method_class
 from .outputs import replacing, run_folder, write_text
+from .schedules import is_int, is_real
 from .userfiles import read_json
 from .speed import DATA_DEPENDENT, MODES, _runner, check_batches, check_modes
 
@@ -300,11 +301,10 @@ def _predictions(model: nn.Module, images: torch.Tensor, batch: int) -> torch.Te
 
 def _load_images(data: str, cfg: Dict, limit: int, show_progress: bool,
                  num_classes: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    dataset = open_images(data, timm.data.create_transform(**cfg))
+    dataset = open_images(data, timm.data.create_transform(**cfg), limit=limit)
     if num_classes and not isinstance(dataset, UnlabeledImages):
         check_num_classes(dataset, num_classes)
-    count = min(limit, len(dataset))
-    items = [dataset[i] for i in tqdm(range(count), desc="images", disable=not show_progress, file=sys.stderr)]
+    items = [dataset[i] for i in tqdm(range(len(dataset)), desc="images", disable=not show_progress, file=sys.stderr)]
     images = torch.stack([x for x, _ in items])
     labelled = not isinstance(dataset, UnlabeledImages)
     return images, (torch.tensor([y for _, y in items]) if labelled else None)
@@ -312,25 +312,19 @@ def _load_images(data: str, cfg: Dict, limit: int, show_progress: bool,
 
 def _check_args(batches, budget, min_speedup, limit, prune_images, max_rounds, modes, device) -> None:
     check_batches(batches)
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 100 \
-            or not math.isfinite(budget):
+    if not is_real(budget) or not 0 <= budget <= 100 or not math.isfinite(budget):
         raise ValueError(f"--budget must be a number of percentage points in [0, 100], got {budget!r}")
-    if min_speedup is not None and (isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float))
-                                    or not math.isfinite(min_speedup) or min_speedup < 1.0):
+    if min_speedup is not None and (not is_real(min_speedup) or not math.isfinite(min_speedup) or min_speedup < 1.0):
         raise ValueError(f"--min-speedup must be a number >= 1, got {min_speedup!r}")
-    if not _is_int(prune_images) or prune_images < 1:
+    if not is_int(prune_images) or prune_images < 1:
         raise ValueError(f"--prune-images must be an integer >= 1, got {prune_images!r}")
-    if not _is_int(limit) or limit < prune_images + 1:
+    if not is_int(limit) or limit < prune_images + 1:
         raise ValueError(f"--limit must be an integer above --prune-images ({prune_images}): the images after the "
                          f"first {prune_images} are held out for the agreement that decides; got {limit!r}")
-    if not _is_int(max_rounds) or max_rounds < 3:
+    if not is_int(max_rounds) or max_rounds < 3:
         raise ValueError(f"--max-rounds must be an integer >= 3, got {max_rounds!r}")
     check_device(device)
     check_modes(modes, device)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_space(space: Sequence[Tuple[str, Dict[str, Any]]], model: nn.Module) -> None:

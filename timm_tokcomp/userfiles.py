@@ -61,6 +61,20 @@ def read_safetensors(path: PathLike, flag: Optional[str] = None) -> Dict[str, to
         raise fail(flag, path, f"cannot be read as safetensors ({e})") from None
 
 
+def check_safetensors(path: PathLike, flag: Optional[str] = None) -> None:
+    """Refuse a truncated or corrupt .safetensors file from its header (which must cover the whole file), without
+    reading its tensors: for files another library then loads (peft's adapter)."""
+    from safetensors import safe_open
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{flag + ' ' if flag else ''}{path} is missing")
+    try:
+        with safe_open(str(path), "pt"):
+            pass
+    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+        raise fail(flag, path, f"cannot be read as safetensors ({e})") from None
+
+
 def read_torch(path: PathLike, flag: Optional[str] = None) -> Any:
     """What torch.save wrote to a file (full unpickling: for checkpoints this package wrote, or the user's own
     weights); truncated or foreign files are refused."""

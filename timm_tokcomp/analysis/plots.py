@@ -119,7 +119,8 @@ def plot_metric_matrices(rows: Sequence[MetricRow], methods: List[str], metrics:
         grid = np.full((len(methods), len(methods)), np.nan)
         for row in rows:
             if row.metric == metric and row.block == block:
-                grid[index[row.method_a], index[row.method_b]] = grid[index[row.method_b], index[row.method_a]] = np.nan if row.value is None else row.value
+                value = np.nan if row.value is None else row.value  # None: undefined
+                grid[index[row.method_a], index[row.method_b]] = grid[index[row.method_b], index[row.method_a]] = value
         low, high = SCALES.get(metric, (np.nanmin(grid), np.nanmax(grid)) if np.isfinite(grid).any() else (0, 1))
         ax.imshow(grid, cmap="magma", vmin=low, vmax=high)
         for (i, j), value in np.ndenumerate(grid):

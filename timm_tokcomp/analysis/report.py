@@ -86,11 +86,10 @@ def _analyze(model_name, specs, data, out, limit, checkpoint, pretrained, batch_
 
     methods = list(specs)
     base = build_base_model(model_name, checkpoint, pretrained, device)
-    dataset = open_images(data, timm.data.create_transform(**timm.data.resolve_model_data_config(base)))
-    count = len(dataset) if limit is None else min(limit, len(dataset))
+    dataset = open_images(data, timm.data.create_transform(**timm.data.resolve_model_data_config(base)), limit=limit)
+    count = len(dataset)
     if count < 2:
-        raise ValueError(f"--data {data} has {len(dataset)} image(s); analyze needs two or more")
-    subset = torch.utils.data.Subset(dataset, range(count))
+        raise ValueError(f"--data {data} has {count} image(s); analyze needs two or more")
     records = Path(out) / "records"
     recordings: Dict[str, Recording] = {}
     for name, (method, params) in specs.items():
@@ -102,7 +101,7 @@ def _analyze(model_name, specs, data, out, limit, checkpoint, pretrained, batch_
                 recordings[name] = rec
                 continue
         model = apply(copy.deepcopy(base), method, **params)
-        loader = torch.utils.data.DataLoader(subset, batch_size=batch_size)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size)
         with tqdm(total=count, desc=f"record {name}", disable=not show_progress, file=sys.stderr) as bar:
             rec = record(model, name, (x.to(device) for x, _ in loader), bar.update)
         rec.save(path, settings)
@@ -119,7 +118,7 @@ def _analyze(model_name, specs, data, out, limit, checkpoint, pretrained, batch_
                          Path(out) / "metric_matrices.png")
     shown = min(overlays, count)
     if shown:
-        pictures = _images_for_display(subset, shown, base)
+        pictures = _images_for_display(dataset, shown, base)
         for name, rec in recordings.items():
             plot_overlays(pictures, rec, blocks, Path(out) / f"overlay_{name}.png")
     write_text(Path(out) / "report.md", _report(model_name, data, count, recordings, rows, blocks, shown))

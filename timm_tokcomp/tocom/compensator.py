@@ -17,6 +17,8 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..schedules import is_int, is_real
+
 QUERY, VALUE = 0, 1  # index of the projection in the plugin tensors
 
 
@@ -64,9 +66,11 @@ class Compensator:
     def attn_dim(self) -> int:
         return self.lora_b.shape[3]
 
-    def check_degree(self, name: str, r: int) -> None:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= self.steps:
+    def check_degree(self, name: str, r: int) -> int:
+        """r as a Python int in [0, steps] (any integer type, numpy's too)."""
+        if not is_int(r) or not 0 <= r <= self.steps:
             raise ValueError(f"{name} must be an int in [0, {self.steps}] (the compensator has {self.steps} steps), got {r!r}")
+        return int(r)
 
     def delta(self, source_r: int, target_r: int, scale: Optional[float] = None) -> torch.Tensor:
         """s * sign(n - m) * sum of B_i A_i between m = source_r and n = target_r, in fp32:
@@ -131,7 +135,7 @@ def _fingerprint(weight: torch.Tensor) -> torch.Tensor:
 
 def check_scale(scale: Any) -> float:
     """The scale s as a float; ValueError unless it is a finite number."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if not is_real(scale) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
     return float(scale)
 
@@ -152,7 +156,7 @@ def attach(model: nn.Module, compensator: Compensator, source_r: int = 0, scale:
     """Give a model trained at ToMe degree source_r the compensator; it keeps a pristine copy of its
     query / value rows. Weights are unchanged until set_compression. Re-attaching restores first."""
     check_fits(model, compensator)
-    compensator.check_degree("source_r", source_r)
+    source_r = compensator.check_degree("source_r", source_r)
     scale = compensator.scale if scale is None else check_scale(scale)
     architecture = getattr(model, "pretrained_cfg", {}).get("architecture")
     if compensator.base_model and architecture and compensator.base_model.split(".")[0] != architecture:
@@ -201,7 +205,7 @@ def set_compression(model: nn.Module, r: int, scale: Optional[float] = None) -> 
     from .. import apply, get_reducer, is_reduced, set_params
 
     state = _attached(model)
-    state.compensator.check_degree("r", r)
+    r = state.compensator.check_degree("r", r)
     if scale is not None:
         check_scale(scale)
     state.check_unchanged(_qkv_layers(model), "switching")  # everything checked before the method's r changes

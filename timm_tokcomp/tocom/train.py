@@ -24,6 +24,7 @@ from tqdm import tqdm
 from .. import apply, remove, set_params
 from ..outputs import replacing, run_folder, write_text
 from ..patch import check_supported
+from ..schedules import is_int
 from ..userfiles import read_torch
 from ..training.engine import (SeededAugment, TrainingDiverged, distill_loss, epoch_batches, is_distributed,
                                warmup_cosine_lr)
@@ -322,13 +323,13 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
     arguments; rank 0 writes. Returns the compensator (at the chosen scale) and the held-out report.
     stop_after: leave after that step with a checkpoint and nothing else written (resume continues);
     the report is then None. A non-empty `out` is refused (FileExistsError) unless resume (continue the
-    run there) or overwrite (the previous run is set aside and deleted once this one ends; outputs.run_folder), and so is a second process while this run
-    holds `out` (FileExistsError). Every file is written under a temporary
-    name and renamed into place; a loss or plugins that become non-finite raise TrainingDiverged and
+    run there) or overwrite (the previous run is set aside and deleted once this one ends; outputs.run_folder),
+    and so is a second process while this run holds `out` (FileExistsError). Every file is written under a
+    temporary name and renamed into place; a loss or plugins that become non-finite raise TrainingDiverged and
     nothing non-finite is saved."""
     config.validate()
     check_supported(model)
-    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
+    if stop_after is not None and (not is_int(stop_after) or stop_after < 1):
         raise ValueError(f"--stop-after must be an integer >= 1, got {stop_after!r}")
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if is_distributed() else (0, 1)
     # rank 0 (the writer) holds out/.lock and sets an earlier run aside, restored if this one fails before writing

@@ -34,7 +34,8 @@ from ..data import check_num_classes, open_dataset, open_images
 from ..learned import load_learned, save_learned
 from ..methods import make_reducer, method_class, parse_method_tag
 from ..outputs import replacing, run_folder, write_text
-from ..userfiles import hub_snapshot, read_json, read_safetensors, read_torch, read_versioned_json
+from ..schedules import is_int
+from ..userfiles import check_safetensors, hub_snapshot, read_json, read_torch, read_versioned_json
 from .card import model_card
 from .engine import SeededAugment, TrainingDiverged, distill_loss, epoch_batches, warmup_cosine_lr
 
@@ -228,8 +229,7 @@ def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str
     out/.lock refuses a second process on the same folder."""
     config.validate()
     method = config.method_params()
-    if stop_after_epoch is not None and (isinstance(stop_after_epoch, bool) or not isinstance(stop_after_epoch, int)
-                                         or stop_after_epoch < 1):
+    if stop_after_epoch is not None and (not is_int(stop_after_epoch) or stop_after_epoch < 1):
         raise ValueError(f"--stop-after must be an integer >= 1 (epochs), got {stop_after_epoch!r}")
     with run_folder(out, resume, overwrite, RUN_ENTRIES):  # an earlier run comes back if this one fails early
         return _finetune(base_model, train_data, out, eval_data or train_data, config, method, checkpoint, pretrained,
@@ -428,7 +428,7 @@ def _check_adapter_files(folder: Path, lora_rank: int) -> None:
     if adapter.get("r") != lora_rank:
         raise ValueError(f"{config_path}: r = {adapter.get('r')!r}, but {FINETUNE_CONFIG} says lora_rank "
                          f"{lora_rank}; they must agree")
-    read_safetensors(weights_path)  # a truncated adapter is refused here, naming it
+    check_safetensors(weights_path)  # a truncated adapter is refused here, naming it (peft reads it after)
 
 
 def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretrained: bool = False,
