@@ -215,8 +215,31 @@ def test_a_truncated_adapter_is_refused_naming_it(tmp_path, capsys):
 def test_a_preset_that_is_not_text_is_refused(tmp_path, capsys):
     preset = tmp_path / "p.json"
     preset.write_bytes(b"\xff\xfe\x00binary")
-    for command in ("bench", "speed"):
-        _assert_refused([command, MODEL, "--methods", str(preset), "--no-progress"], capsys, str(preset), "JSON")
+    data = _images(tmp_path / "d", labels=[0, 1, 0, 1])
+    commands = _commands(str(data), str(tmp_path / "out"))
+    for command in ("bench", "speed", "tune", "analyze"):  # every command whose --methods takes presets
+        _assert_refused(commands[command] + ["--methods", f"tome_r8,{preset}"], capsys, str(preset), "JSON")
+
+
+@pytest.mark.parametrize("command", [*_commands("", ""), "export"])
+def test_an_unreachable_hub_model_is_explained_by_every_command(tmp_path, capsys, monkeypatch, command):
+    """--pretrained when the Hub cannot be reached and nothing is cached (as huggingface_hub raises it): one error
+    line naming --pretrained and the way out, in every command that builds a model."""
+    import timm
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    create = timm.create_model
+
+    def offline(name, pretrained=False, **kwargs):
+        if pretrained:
+            raise LocalEntryNotFoundError("Cannot find the requested files in the disk cache")
+        return create(name, **kwargs)
+
+    monkeypatch.setattr(timm, "create_model", offline)
+    data = _images(tmp_path / "d", labels=[0, 1, 0, 1])
+    argv = {**_commands(str(data), str(tmp_path / "out")),
+            "export": ["export", MODEL, "--method", "tome_r8", "--out", str(tmp_path / "m.onnx")]}[command]
+    _assert_refused(argv + ["--pretrained"], capsys, "--pretrained", "not in the local cache", "--checkpoint FILE")
 
 
 def test_an_adapter_config_that_is_not_text_is_refused(tmp_path, capsys):
