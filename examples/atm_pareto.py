@@ -13,7 +13,8 @@ from typing import Dict, List, Sequence, Tuple
 import timm
 import torch
 
-from timm_tokcomp.bench import build_base_model, build_method_models, evaluate, parse_methods
+from timm_tokcomp.bench import build_method_models, evaluate, parse_methods
+from timm_tokcomp.models import build_base_model
 from timm_tokcomp.data import open_dataset
 
 TOME = ["tome_r4", "tome_r8", "tome_r12", "tome_r16"]

@@ -21,7 +21,8 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.bench import build_base_model, mcnemar_exact_p
+from timm_tokcomp.bench import mcnemar_exact_p
+from timm_tokcomp.models import build_base_model
 from timm_tokcomp.data import open_dataset, open_images
 from timm_tokcomp.measure import count_macs
 from timm_tokcomp.methods import parse_method_tag

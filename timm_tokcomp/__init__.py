@@ -7,78 +7,17 @@ Vision Transformers.
     timm_tokcomp.set_params(model, r=8)                         # change r on the live model
     timm_tokcomp.remove(model)                                  # back to the plain timm model
 """
-from typing import Any, Optional
+from typing import Any
 
-import torch
-from torch import nn
-
-from . import patch as _patch
-from .calibrate import NO_REDUCTION, load_preset
-from .methods import METHODS, make_reducer, method_class
-from .methods.base import TokenReducer
+from .calibrate import load_preset
+from .core import (NO_REDUCTION, __version__, apply, get_reducer, is_reduced, last_stats, remove,
+                   set_params)
+from .methods import METHODS
 from .registry import register_all as _register_all
 from .state import ReductionStats
 
-__version__ = "0.1.0"
 __all__ = ["apply", "remove", "set_params", "get_reducer", "last_stats", "is_reduced", "load_preset", "tune", "METHODS",
-           "ReductionStats"]
-
-
-def apply(model: nn.Module, method: str = "tome", **params: Any) -> nn.Module:
-    """Make a timm ViT reduce tokens inside its blocks (in place; returns the model).
-
-    method: one of METHODS ('tome', 'evit', 'atm', 'pyra', 'topk', ..., 'dense_tome'), or 'none' (no parameters: the
-    plain model, removing a method applied before; a tune preset may choose it). params of tome / evit: r (int,
-    per-block list, or (r, inflection) tuple) or flops_ratio (> 1, solves a decreasing r schedule);
-    of atm: alpha, beta, theta_min, split_layer, preset (fills the thresholds not given); these three
-    also take prop_attn, trace_source, prefix_only_last_block. dense_tome (keeps every token): r
-    (k = 32 r merges per block), k, kernel ('auto', 'torch', 'triton'). Applying to an already reduced model replaces its method.
-    Raises TypeError for unsupported models and ValueError for bad parameters, leaving the model
-    untouched.
-    """
-    _patch.check_supported(model)
-    if method == NO_REDUCTION:  # a tune preset that chose the plain model
-        if params:
-            raise ValueError(f"method 'none' takes no parameters, got {sorted(params)}")
-        if _patch.is_patched(model):
-            _patch.unpatch(model)
-        return model
-    params = method_class(method).resolve_params(model, params)
-    _patch.patch(model, make_reducer(method, **params))
-    return model
-
-
-def remove(model: nn.Module) -> nn.Module:
-    """Restore the plain timm model (same classes, same weights); returns it."""
-    _patch.unpatch(model)
-    return model
-
-
-def set_params(model: nn.Module, **params: Any) -> nn.Module:
-    """Change the current method's parameters on a reduced model, e.g. set_params(model, r=8).
-    Parameters not given keep their values; giving flops_ratio clears r and vice versa, giving an
-    ATM preset replaces the thresholds not given."""
-    reducer = _patch.reducer_of(model)
-    cls = type(reducer)
-    merged = cls.resolve_params(model, cls.update_params(reducer.params, params))
-    _patch.patch(model, make_reducer(reducer.name, **merged))
-    return model
-
-
-def get_reducer(model: nn.Module) -> TokenReducer:
-    """The method instance of a reduced model."""
-    return _patch.reducer_of(model)
-
-
-def is_reduced(model: nn.Module) -> bool:
-    return _patch.is_patched(model)
-
-
-def last_stats(model: nn.Module, features: Optional[torch.Tensor] = None) -> Optional[ReductionStats]:
-    """Token counts per block, final sizes and source map of this thread's last eager forward of the model (None
-    before one; a compiled forward keeps none), or, given `features` (a tensor forward_features returned), of the
-    call that produced them. Calls from several threads at once each keep their own."""
-    return _patch.stats_of(model, features)
+           "ReductionStats", "NO_REDUCTION", "__version__"]
 
 
 def tune(*args: Any, **kwargs: Any):

@@ -15,12 +15,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from . import apply, is_reduced, last_stats
+from .core import apply, is_reduced, last_stats
 from .data import UnlabeledImages, check_num_classes, open_images
 from .calibrate import load_preset
 from .measure import count_macs, forward_counting, no_silent_eager_fallback, time_runs
-from .devices import check_device
-from .userfiles import hub_error, load_weights
+from .models import build_base_model
 from . import kernels
 from .attention import PROP_ATTN_IMPLS
 from .methods import METHODS, method_class, parse_method_tag
@@ -157,29 +156,6 @@ def parse_methods(spec: str, device: Optional[str] = None, dtype: Optional[str] 
     if BASELINE in names:
         names.remove(BASELINE)
     return [BASELINE] + list(dict.fromkeys(names))
-
-
-def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: bool, device: str) -> nn.Module:
-    """The unmodified timm model, with weights from checkpoint (safetensors / torch file) or timm.
-    Raises ValueError / FileNotFoundError naming the argument for an unknown model, a missing checkpoint
-    or a device this machine does not have."""
-    check_device(device)
-    if checkpoint and not Path(checkpoint).is_file():
-        raise FileNotFoundError(f"--checkpoint {checkpoint} not found")
-    try:
-        model = timm.create_model(model_name, pretrained=pretrained)
-    except RuntimeError as e:
-        if "Unknown model" not in str(e):
-            raise
-        raise ValueError(f"MODEL {model_name!r} is not a timm model name (timm.list_models('*vit*') lists them)") from None
-    except OSError as e:  # huggingface_hub's download errors (offline, not cached, unknown repo) are OSErrors
-        raise hub_error(e, model_name, "--pretrained") from None
-    if is_reduced(model):
-        raise ValueError(f"MODEL {model_name!r} already carries a method tag; give the plain architecture "
-                         f"and list methods with --methods")
-    if checkpoint:
-        load_weights(model, checkpoint, "--checkpoint")
-    return model.to(device).eval()
 
 
 def method_spec(name: str) -> Tuple[str, Dict[str, Any]]:

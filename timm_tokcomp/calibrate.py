@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from .core import NO_REDUCTION, __version__, apply, get_reducer, is_reduced, set_params
 from .measure import device_description, forward_counting
 from .schedules import check_int, is_real
 from .outputs import write_text
@@ -50,16 +51,11 @@ def save_preset(result: CalibrationResult, path: str) -> None:
     write_text(path, json.dumps(doc, indent=2) + "\n")
 
 
-NO_REDUCTION = "none"  # a preset whose choice is the plain model (tokcomp tune found nothing faster within budget)
-
-
 def save_tuned_preset(path: Union[str, Path], choice: Any, settings: Dict[str, Any]) -> None:
     """Write `tokcomp tune`'s choice for one batch size (tune.Choice) as a preset: the method and its params
     (kernel and prop_attn implementation included), or method 'none' with the reason; the execution mode it was
     timed in; and what it was measured with (device, dtype, batch size, package / torch / timm versions)."""
     import timm
-
-    from . import __version__
 
     row = choice.row
     tuned = {"model": settings["model"], "device": settings["device_name"], "dtype": settings["dtype"],
@@ -102,8 +98,6 @@ def _warn_if_conditions_differ(path: str, tuned: Dict[str, Any], device: Optiona
                                batch_size: Optional[int]) -> None:
     import timm
 
-    from . import __version__
-
     now = {"timm_tokcomp": __version__, "torch": torch.__version__, "timm": timm.__version__}
     differ = [f"{k} {v} (now {now[k]})" for k, v in (tuned.get("versions") or {}).items() if k in now and v != now[k]]
     if device is not None:
@@ -123,7 +117,6 @@ class _Probe:
     """Runs ATM settings over cached batches: (GMACs per image, agreement % with the unmodified model)."""
 
     def __init__(self, base: nn.Module, batches: Sequence[torch.Tensor], split_layer: Optional[int]) -> None:
-        from . import apply
 
         self.batches = batches
         self.images = sum(len(x) for x in batches)
@@ -142,7 +135,6 @@ class _Probe:
         return preds, total / self.images / 1e9
 
     def __call__(self, alpha: float, beta: float, theta_min: float) -> Tuple[float, float]:
-        from . import set_params
 
         set_params(self.model, alpha=alpha, beta=beta, theta_min=theta_min)
         preds, gmacs = self._run(self.model)
@@ -172,7 +164,6 @@ def calibrate(
     is already reduced (its outputs and GMACs would be taken as the unmodified model's).
     progress(msg) is called after every evaluation.
     """
-    from . import get_reducer, is_reduced
 
     if is_reduced(base):
         raise ValueError(f"calibrate needs the unmodified model as its reference, got one reduced by "

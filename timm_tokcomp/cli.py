@@ -117,8 +117,8 @@ def _export(args: argparse.Namespace) -> int:
     import timm
     import torch
 
-    from . import apply, is_reduced
-    from .bench import build_base_model
+    from .core import apply, is_reduced
+    from .models import build_base_model
     from .export import compare_onnxruntime, export_onnx
     from .methods import is_method_tag, parse_method_tag
     from .outputs import refuse_existing
@@ -151,7 +151,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from .bench import build_base_model
+    from .models import build_base_model
     from .calibrate import calibrate, save_preset
     from .data import open_images
     from .outputs import refuse_existing
@@ -190,8 +190,8 @@ def _train_tocom(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .bench import build_base_model
-    from .devices import check_device
+    from .models import build_base_model
+    from .models import check_device
     from .tocom.train import TrainConfig, train_tocom
 
     config = TrainConfig(

@@ -14,7 +14,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from . import get_reducer, is_reduced
+from .core import get_reducer, is_reduced
 from .outputs import refuse_existing, replacing
 
 OPSET = 18

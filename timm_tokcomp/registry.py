@@ -108,7 +108,7 @@ def _wrap_entrypoint(arch: str, fn: Callable[..., Any]) -> Callable[..., Any]:
                              f"not one by one as the hook-based feature classes call them")
         model = fn(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
         if method_tag:
-            from . import apply
+            from .core import apply
 
             method, params = parse_method_tag(method_tag)
             if isinstance(model, FeatureGetterNet):

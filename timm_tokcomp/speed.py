@@ -15,8 +15,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from . import apply, get_reducer, last_stats
-from .bench import BASELINE, build_base_model, check_dtype, method_spec, parse_methods, precision
+from .core import apply, get_reducer, last_stats
+from .models import build_base_model
+from .bench import BASELINE, check_dtype, method_spec, parse_methods, precision
 from .data import open_images
 from .graphs import GraphedForward
 from .matching import TruncatePlan

@@ -31,10 +31,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from . import apply, attention, kernels
-from .bench import build_base_model, check_dtype, mcnemar_exact_p, method_spec, precision
-from .devices import check_device
-from .calibrate import NO_REDUCTION, save_tuned_preset
+from . import attention, kernels
+from .core import NO_REDUCTION, apply
+from .bench import check_dtype, mcnemar_exact_p, method_spec, precision
+from .models import build_base_model, check_device
+from .calibrate import save_tuned_preset
 from .data import UnlabeledImages, check_num_classes, open_images
 from .measure import device_description, forward_counting, no_silent_eager_fallback, time_runs
 from .methods import method_class

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .. import apply
+from ..core import __version__, apply
 from ..outputs import replacing, run_folder, write_text
 from .compare import MetricRow, compare, compared_blocks
 from .plots import plot_depth_maps, plot_metric_matrices, plot_overlays
@@ -29,7 +29,6 @@ def _settings(model_name: str, checkpoint: Optional[str], pretrained: bool, data
               method: str) -> Dict[str, object]:
     """What a cached recording must have been made with to be reused (the checkpoint by path, size and time,
     so a replaced weights file is recorded again; the library version, so a changed method is too)."""
-    from .. import __version__
 
     stat = Path(checkpoint).stat() if checkpoint else None
     return {"model": model_name, "checkpoint": str(checkpoint or ""), "pretrained": pretrained,
@@ -81,7 +80,7 @@ def _analyze(model_name, specs, data, out, limit, checkpoint, pretrained, batch_
              show_progress) -> List[MetricRow]:
     import timm
 
-    from ..bench import build_base_model
+    from ..models import build_base_model
     from ..data import open_images
 
     methods = list(specs)

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
-from ..devices import check_device
+from ..models import check_device
 from ..outputs import refuse_existing, replacing
 from ..matching import (attentive_pruning, batch_adaptive_r, best_matches, bipartite_soft_matching, class_attention,
                         count_above, max_merges, merge_top_r)

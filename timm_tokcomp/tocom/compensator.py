@@ -202,7 +202,7 @@ def set_compression(model: nn.Module, r: int, scale: Optional[float] = None) -> 
     """Run the model at ToMe / EViT degree r with the compensator for (source_r -> r): sets the
     method's r (timm_tokcomp.set_params; a model without a method gets ToMe) and rewrites the query /
     value rows. Reversible and exact."""
-    from .. import apply, get_reducer, is_reduced, set_params
+    from ..core import apply, get_reducer, is_reduced, set_params
 
     state = _attached(model)
     r = state.compensator.check_degree("r", r)

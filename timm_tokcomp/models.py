@@ -1,0 +1,47 @@
+"""Base models and devices, below everything that builds a model (bench, speed, tune, analysis, training):
+the plain timm model with its weights, and the device a command runs on, both checked with the flag in the error."""
+from pathlib import Path
+from typing import Optional
+
+import timm
+import torch
+from torch import nn
+
+from .core import is_reduced
+from .userfiles import hub_error, load_weights
+
+
+def check_device(device: str) -> None:
+    """Raise ValueError for a device string torch cannot parse or a device this machine does not have."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    index = torch.device(device).index
+    if kind == "cuda" and index is not None and index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: bool, device: str) -> nn.Module:
+    """The unmodified timm model, with weights from checkpoint (safetensors / torch file) or timm.
+    Raises ValueError / FileNotFoundError naming the argument for an unknown model, a missing checkpoint
+    or a device this machine does not have."""
+    check_device(device)
+    if checkpoint and not Path(checkpoint).is_file():
+        raise FileNotFoundError(f"--checkpoint {checkpoint} not found")
+    try:
+        model = timm.create_model(model_name, pretrained=pretrained)
+    except RuntimeError as e:
+        if "Unknown model" not in str(e):
+            raise
+        raise ValueError(f"MODEL {model_name!r} is not a timm model name (timm.list_models('*vit*') lists them)") from None
+    except OSError as e:  # huggingface_hub's download errors (offline, not cached, unknown repo) are OSErrors
+        raise hub_error(e, model_name, "--pretrained") from None
+    if is_reduced(model):
+        raise ValueError(f"MODEL {model_name!r} already carries a method tag; give the plain architecture "
+                         f"and list methods with --methods")
+    if checkpoint:
+        load_weights(model, checkpoint, "--checkpoint")
+    return model.to(device).eval()
