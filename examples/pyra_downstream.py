@@ -23,7 +23,8 @@ from timm_tokcomp.data import open_dataset
 from timm_tokcomp.measure import count_macs
 from timm_tokcomp.schedules import NAMED_SCHEDULES
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
-from timm_tokcomp.training.finetune import FINETUNE_CONFIG, predict
+from timm_tokcomp.training.finetune import predict
+from timm_tokcomp.training.folder import FINETUNE_CONFIG
 
 MODEL = "deit_tiny_patch16_224"
 # (arm, method tag, method arguments, seeds); None: the --high-seeds seeds (the two arms compared per seed)

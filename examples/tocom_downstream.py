@@ -23,7 +23,8 @@ from timm_tokcomp.bench import mcnemar_exact_p
 from timm_tokcomp.data import open_dataset
 from timm_tokcomp.tocom import attach, detach, load, set_compression
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
-from timm_tokcomp.training.finetune import FINETUNE_CONFIG, predict
+from timm_tokcomp.training.finetune import predict
+from timm_tokcomp.training.folder import FINETUNE_CONFIG
 
 MODEL = "deit_tiny_patch16_224"
 SHIPPED = Path(__file__).resolve().parents[1] / "hub_cards" / "deit_tiny_patch16_224-tocom"

@@ -2,7 +2,6 @@
 one `tokcomp: error:` line naming the flag and the file, exit 2, before any other work. And every command that
 replaces an earlier output (--overwrite, --resume) keeps it when the new run fails."""
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np

@@ -143,7 +143,7 @@ def test_a_diverging_run_stops_and_saves_nothing_non_finite(image_folder, tmp_pa
     checkpoint = out / "training" / "checkpoint.pt"
     if checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False)
-        assert all(torch.isfinite(t).all() for t in state["plugins"].values())
+        assert all(torch.isfinite(t).all() for t in state["trainable"].values())
 
 
 # kills at several points, then --resume
@@ -157,7 +157,7 @@ def _folder_is_consistent(out: Path, every: int, steps: int) -> int:
         state = torch.load(checkpoint, weights_only=False)
         step = state["step"]
         assert step % every == 0 or step == steps
-        assert all(torch.isfinite(t).all() for t in state["plugins"].values())
+        assert all(torch.isfinite(t).all() for t in state["trainable"].values())
     log = out / "training" / "loss_log.csv"
     if log.exists():
         rows = log.read_text().splitlines()

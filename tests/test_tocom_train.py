@@ -15,9 +15,10 @@ from PIL import Image
 
 import timm_tokcomp
 from timm_tokcomp.tocom import attach, compensate, load
-from timm_tokcomp.tocom.train import (
-    Mosaic, Plugins, TrainConfig, distill_loss, draw_pair, heldout_indices, lr_at, split_images, train_tocom)
-from timm_tokcomp.training.engine import SeededAugment, epoch_batches
+from timm_tokcomp.tocom.mosaic import Mosaic, heldout_indices, split_images
+from timm_tokcomp.tocom.plugins import Plugins
+from timm_tokcomp.tocom.train import TrainConfig, draw_pair, lr_at, train_tocom
+from timm_tokcomp.training.engine import SeededAugment, distill_loss, epoch_batches
 from conftest import make_model
 from test_tocom import _random_compensator
 
@@ -160,17 +161,17 @@ def test_a_second_process_on_the_same_folder_is_refused(image_folder, tmp_path):
 def test_heldout_batches_are_shared_out_between_ranks(image_folder):
     """10 held-out images in batches of 4: rank 0 of 2 takes batches 0 and 2 (6 images), rank 1 batch 1;
     without an initialised process group nothing is summed, so each report counts its own share."""
-    from timm_tokcomp.tocom.train import _choose_scale, split_images
+    from timm_tokcomp.tocom.heldout import choose_scale
 
     model = timm_tokcomp.apply(_test_vit().eval(), "tome", r=0)
     config = TrainConfig(**{**TINY, "holdout": 10})
     plugins = Plugins(_random_compensator(depth=6, dim=64, attn_dim=64))
     plugins.install(model)
     _, heldout = split_images(str(image_folder), model, config)
-    shares = [_choose_scale(model, plugins, heldout, config, True, contextlib.nullcontext, "cpu", False, rank, 2)[0]
+    shares = [choose_scale(model, plugins, heldout, config, True, contextlib.nullcontext, "cpu", False, rank, 2)[0]
               for rank in (0, 1)]
     assert [r.images for r in shares] == [6, 4]
-    whole, _ = _choose_scale(model, plugins, heldout, config, True, contextlib.nullcontext, "cpu", False, 0, 1)
+    whole, _ = choose_scale(model, plugins, heldout, config, True, contextlib.nullcontext, "cpu", False, 0, 1)
     assert whole.images == 10
     mixed = (6 * shares[0].loss[(0, 16)] + 4 * shares[1].loss[(0, 16)]) / 10
     assert whole.loss[(0, 16)] == pytest.approx(mixed, rel=1e-6)

@@ -11,7 +11,7 @@ import timm_tokcomp
 from timm_tokcomp import tuning
 from timm_tokcomp.bench import run_bench
 from timm_tokcomp.cli import main
-from timm_tokcomp.tuning import Candidate, TuneRow, candidate_paths, choose, read_rows
+from timm_tokcomp.tuning import TuneRow, candidate_paths, choose, read_rows
 from conftest import DATA, make_model, require_data
 
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -198,7 +198,6 @@ def test_where_reduction_cannot_pay_tune_declines_or_bench_confirms(tuned):
         assert "surely faster" in choice.reason
         return
     method, params = json.loads(json.dumps([choice.row.method, json.loads(choice.row.params)]))
-    from timm_tokcomp.speed import _runner
     from timm_tokcomp.measure import time_runs
 
     model = _small_model()

@@ -186,13 +186,11 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _train_tocom(args: argparse.Namespace) -> int:
-    import os
-
     import torch
 
-    from .models import build_base_model
-    from .models import check_device
+    from .models import build_base_model, check_device
     from .tocom.train import TrainConfig, train_tocom
+    from .training.engine import distributed, rank_and_world
 
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
@@ -202,34 +200,27 @@ def _train_tocom(args: argparse.Namespace) -> int:
         holdout_pick=args.holdout_pick,
         scale_grid=_numbers("--scale-grid", args.scale_grid, float),
         scale_targets=_numbers("--scale-targets", args.scale_targets, int),
-        checkpoint_every=args.checkpoint_every, seed=args.seed, amp=args.amp)
+        checkpoint_every=args.checkpoint_every, seed=args.seed, amp=args.amp, amp_dtype=args.amp_dtype,
+        accumulate=args.accumulate)
     config.validate()
     check_device(args.device)
-    device = args.device
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:  # launched by torchrun
-        local_rank = int(os.environ["LOCAL_RANK"])
-        if device.startswith("cuda"):
-            device = f"cuda:{local_rank}"
-            torch.cuda.set_device(device)
-        torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    try:
-        if not args.checkpoint and not args.pretrained and int(os.environ.get("RANK", "0")) == 0:
+    with distributed(args.device) as device:  # under torchrun: the process group, one GPU per process
+        writer = rank_and_world()[0] == 0
+        if not args.checkpoint and not args.pretrained and writer:
             print("note: no --checkpoint or --pretrained: training plugins for random weights", file=sys.stderr)
         torch.manual_seed(args.seed)  # the same random weights in every process when there is no checkpoint
         model = build_base_model(args.model, args.checkpoint, args.pretrained, "cpu")
         _, report = train_tocom(model, args.data, args.out, args.model, config, resume=args.resume, device=device,
                                 show_progress=not args.no_progress, num_workers=args.num_workers,
                                 stop_after=args.stop_after, overwrite=args.overwrite)
+        if not writer:
+            return 0
         if args.stop_after is not None and args.stop_after < config.steps:
             print(f"stopped after step {args.stop_after} of {config.steps}; continue with --resume")
         elif report is not None:
             print(f"saved {args.out}; held-out distillation loss, source r = 0, scale {report.chosen_scale:g}:")
             for (m, n), plain, comp, change in report.changes(report.chosen_scale):
                 print(f"  -> r = {n:2d}: {plain:.4f} without ToCom, {comp:.4f} with ({change:+.1f}%)")
-    finally:
-        if world > 1:
-            torch.distributed.destroy_process_group()
     return 0
 
 
@@ -250,19 +241,28 @@ def _method_args(items: List[str]) -> dict:
 
 
 def _finetune(args: argparse.Namespace) -> int:
+    from .models import check_device
     from .training import FinetuneConfig, finetune
+    from .training.engine import distributed, rank_and_world
 
     config = FinetuneConfig(
         method=args.method, method_args=_method_args(args.method_arg), epochs=args.epochs, batch_size=args.batch_size,
         lr=args.lr, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs, lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha, augment=args.augment, crop_scale=(args.crop_min, 1.0), seed=args.seed,
-        eval_batch_size=args.eval_batch_size, distill=args.distill)
+        eval_batch_size=args.eval_batch_size, distill=args.distill, amp=args.amp, amp_dtype=args.amp_dtype,
+        accumulate=args.accumulate)
     config.validate()
-    if not args.checkpoint and not args.pretrained:
-        print("note: no --checkpoint or --pretrained: fine-tuning random weights", file=sys.stderr)
-    result = finetune(args.model, args.data, args.out, args.eval_data, config, checkpoint=args.checkpoint,
-                      pretrained=args.pretrained, resume=args.resume, overwrite=args.overwrite, device=args.device,
-                      show_progress=not args.no_progress, num_workers=args.num_workers, stop_after_epoch=args.stop_after)
+    check_device(args.device)
+    with distributed(args.device) as device:  # under torchrun: the process group, one GPU per process
+        writer = rank_and_world()[0] == 0
+        if not args.checkpoint and not args.pretrained and writer:
+            print("note: no --checkpoint or --pretrained: fine-tuning random weights", file=sys.stderr)
+        result = finetune(args.model, args.data, args.out, args.eval_data, config, checkpoint=args.checkpoint,
+                          pretrained=args.pretrained, resume=args.resume, overwrite=args.overwrite, device=device,
+                          show_progress=not args.no_progress, num_workers=args.num_workers,
+                          stop_after_epoch=args.stop_after)
+    if not writer:
+        return 0
     if result is None:
         print(f"stopped after epoch {args.stop_after} of {config.epochs}; continue with --resume")
         return 0
@@ -283,6 +283,30 @@ def _analyze(args: argparse.Namespace) -> int:
                  resume=args.resume, overwrite=args.overwrite, show_progress=not args.no_progress)
     print(f"wrote {args.out}/report.md (and metrics.csv, the pictures, records/)")
     return 0
+
+
+def _training_flags(parser: argparse.ArgumentParser, unit: str) -> None:
+    """The flags of the training engine, the same for every command that trains (stop-after counts `unit`s)."""
+    parser.add_argument("--seed", type=int, default=0, help="(default %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: one GPU per process; "
+                                                        "default %(default)s)")
+    parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
+                        help="autocast in --amp-dtype, the trained parameters and optimizer in fp32 (default: on for "
+                             "CUDA, off on the CPU)")
+    parser.add_argument("--amp-dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                        help="autocast dtype; float16 (CUDA only) adds a gradient scaler (default %(default)s)")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="batches per optimiser step: the global batch is --batch-size x processes x this "
+                             "(default %(default)s)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/training/checkpoint.pt")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the previous run in OUT (set aside, deleted when this run ends; a non-empty OUT "
+                             "is refused without --resume or --overwrite)")
+    parser.add_argument("--stop-after", type=int,
+                        help=f"leave after this {unit} with a checkpoint (continue with --resume)")
+    parser.add_argument("--num-workers", type=int, default=2, help="data loading workers per process "
+                                                                   "(default %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -372,17 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--scale-targets", default="4,8,12,16", help="targets r (source 0) whose mean held-out loss "
                                                                  "chooses the scale (default %(default)s)")
     tr.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default %(default)s)")
-    tr.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/training/checkpoint.pt")
-    tr.add_argument("--overwrite", action="store_true",
-                    help="replace the previous run in OUT (set aside, deleted when this run ends; a non-empty OUT "
-                         "is refused without --resume or --overwrite)")
-    tr.add_argument("--stop-after", type=int, help="leave after this step with a checkpoint (for time-sliced jobs)")
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: one GPU per process)")
-    tr.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
-                    help="bf16 autocast (default: on for CUDA, off on CPU)")
-    tr.add_argument("--num-workers", type=int, default=2, help="data loading workers per process")
-    tr.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    _training_flags(tr, "step")
     tr.set_defaults(func=_train_tocom)
 
     ft = sub.add_parser("finetune", help="parameter-efficient fine-tuning on labelled images: LoRA on qkv, a new "
@@ -415,15 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--augment", choices=("crop-flip", "none"), default="crop-flip",
                     help="random resized crops and flips, or none (default %(default)s)")
     ft.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default %(default)s)")
-    ft.add_argument("--seed", type=int, default=0)
     ft.add_argument("--eval-batch-size", type=int, default=64, help="(default %(default)s)")
-    ft.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/training/checkpoint.pt")
-    ft.add_argument("--overwrite", action="store_true",
-                    help="replace the previous run in OUT (set aside, deleted when this run ends)")
-    ft.add_argument("--stop-after", type=int, help="leave after this epoch with a checkpoint (continue with --resume)")
-    ft.add_argument("--device", default="cpu")
-    ft.add_argument("--num-workers", type=int, default=2, help="data loading workers")
-    ft.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    _training_flags(ft, "epoch")
     ft.set_defaults(func=_finetune)
 
     an = sub.add_parser("analyze", help="record what several methods do to every patch, compare them with the "

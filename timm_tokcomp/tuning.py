@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from . import attention, kernels
+from . import attention
 from .core import NO_REDUCTION, apply
-from .bench import check_dtype, mcnemar_exact_p, method_spec, precision
+from .bench import check_dtype, mcnemar_exact_p, precision
 from .models import build_base_model, check_device
 from .calibrate import save_tuned_preset
 from .data import UnlabeledImages, check_num_classes, open_images

@@ -3,7 +3,7 @@ how to load it."""
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .finetune import FinetuneConfig, FinetuneResult
+    from .recipe import FinetuneConfig, FinetuneResult
 
 
 def model_card(base_model: str, config: "FinetuneConfig", result: "FinetuneResult", train_data: str, eval_data: str,

@@ -1,0 +1,114 @@
+"""The fine-tuning recipe (FinetuneConfig, checked before any work) and what a finished run reports
+(FinetuneResult)."""
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+from ..methods import make_reducer, method_class, parse_method_tag
+from .engine import check_loop_settings
+
+NO_METHOD = "none"
+AUGMENTS = ("crop-flip", "none")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class FinetuneConfig:
+    """The recipe. method: a method tag ('tome_high', 'pyra_high', 'pyra_r16', 'evit_r8', ...) or 'none';
+    method_args: more method parameters (e.g. {'form': 'pooled'}); lr is per batch of batch_size images (no
+    scaling; 3e-3 beat PYRA's 1e-3 for 8-epoch runs, chosen on Caltech-101's train / val lists); lora_alpha None = lora_rank (LoRA scaling 1); augment 'crop-flip': random resized crops of
+    crop_scale of the area and horizontal flips, 'none': the model's eval transform; distill: learn the unreduced
+    model's outputs instead of labels (the head is kept, not replaced)."""
+
+    method: str = NO_METHOD
+    method_args: Dict[str, Any] = field(default_factory=dict)
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+    warmup_epochs: int = 1
+    lora_rank: int = 8  # 0: no LoRA, only the method's parameters train (with distill)
+    lora_alpha: Optional[float] = None
+    augment: str = "crop-flip"
+    crop_scale: Tuple[float, float] = (0.5, 1.0)
+    seed: int = 0
+    eval_batch_size: int = 64
+    distill: bool = False
+    amp: Optional[bool] = None  # None: on for CUDA, off on CPU
+    amp_dtype: str = "bfloat16"
+    accumulate: int = 1  # batches per optimiser step (the global batch is batch_size x processes x accumulate)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the command-line flag of the first bad setting, before any work."""
+        for name in ("epochs", "batch_size", "eval_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
+        for name in ("seed", "warmup_epochs", "lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{_flag(name)} must be an integer >= 0, got {value!r}")
+        if self.warmup_epochs >= self.epochs:
+            raise ValueError(f"--warmup-epochs must be in [0, epochs={self.epochs}), got {self.warmup_epochs}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay!r}")
+        if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ValueError(f"--lora-alpha must be a finite number > 0, got {self.lora_alpha!r}")
+        if not isinstance(self.distill, bool):
+            raise ValueError(f"--distill must be True or False, got {self.distill!r}")
+        if self.augment not in AUGMENTS:
+            raise ValueError(f"--augment must be one of {AUGMENTS}, got {self.augment!r}")
+        lo, hi = self.crop_scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"--crop-min must be in (0, 1], got crop_scale {self.crop_scale}")
+        check_loop_settings(self.amp, self.amp_dtype, self.accumulate)
+        method = self.method_params()  # raises for an unknown tag or parameter
+        if self.lora_rank == 0 and not (self.distill and method is not None
+                                        and getattr(method_class(method[0]), "learned_param", None)):
+            raise ValueError("--lora-rank 0 (no LoRA: only the method's parameters train) needs --distill and a method "
+                             "with learned parameters (pyra, patchmerger, sinkhorn, sit, dynamicvit)")
+        if method is not None:
+            try:  # a bad value (e.g. form='wide') fails here, before --overwrite deletes an earlier run
+                make_reducer(method[0], **method[1])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"--method-arg: {e}") from None
+
+    def method_params(self) -> Optional[Tuple[str, Dict[str, Any]]]:
+        """(method, parameters) from the tag and method_args; None for 'none'."""
+        if self.method == NO_METHOD:
+            if self.method_args:
+                raise ValueError(f"--method-arg needs a --method; got {self.method_args} with --method none")
+            return None
+        try:
+            name, params = parse_method_tag(self.method)
+        except ValueError as e:
+            raise ValueError(f"--method: {e}; or '{NO_METHOD}'") from None
+        learned = getattr(method_class(name), "learned_param", None)
+        if learned in self.method_args:
+            raise ValueError(f"--method-arg {learned} cannot be given: the method's parameters are trained here")
+        valid = method_class(name).param_names()
+        unknown = sorted(set(self.method_args) - set(valid))
+        if unknown:
+            raise ValueError(f"--method-arg: unknown parameter(s) {unknown} for {name}; valid: {list(valid)}")
+        return name, {**params, **self.method_args}
+
+
+@dataclass
+class FinetuneResult:
+    """The final evaluation of the saved (reloaded, LoRA merged) model on the evaluation images: top-1 (None when
+    they have no labels) and, for a distilled model, agreement with the unreduced model's top-1 class."""
+
+    top1: Optional[float]
+    images: int
+    gmacs: float
+    images_per_second: float
+    train_seconds: float
+    epochs: int
+    trainable_parameters: int
+    method_parameters: int  # of them, the method's own (PYRA's); 0 for a training-free method
+    agreement: Optional[float] = None
