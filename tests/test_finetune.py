@@ -267,3 +267,31 @@ def test_a_saved_folder_that_disagrees_with_its_config_is_refused(trained, tmp_p
     damage(out)
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         load_finetuned(str(out))
+
+
+def test_torchrun_two_processes_match_one_process(labelled, tmp_path):
+    """DDP on gloo: 2 processes x 3 images fine-tune the same LoRA adapter and PYRA parameters as 1 process x 6
+    images (within 1e-5), evaluate to the same per-epoch log, and only rank 0 writes and prints."""
+    args = ["finetune", MODEL, "--method", "pyra_r8", "--data", str(labelled), "--epochs", "2", "--warmup-epochs", "1",
+            "--eval-batch-size", "4", "--no-progress", "--num-workers", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29519",
+                          "-m", "timm_tokcomp.cli", *args, "--batch-size", "3", "--out", str(tmp_path / "two")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("saved ") == 1
+    one = subprocess.run([sys.executable, "-m", "timm_tokcomp.cli", *args, "--batch-size", "6",
+                          "--out", str(tmp_path / "one")], env=env, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    for name in ("adapter_model.safetensors", "pyra.safetensors"):
+        a, b = load_file(str(tmp_path / "two" / name)), load_file(str(tmp_path / "one" / name))
+        assert a.keys() == b.keys() and any(not torch.equal(v, torch.zeros_like(v)) for v in a.values())
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
+
+    def epochs(run):  # every column but the wall time
+        return [line.split(",")[:-1] for line in (tmp_path / run / "training" / "log.csv").read_text().splitlines()]
+
+    assert len(epochs("two")) == 3 and [row[2:] for row in epochs("two")] == [row[2:] for row in epochs("one")]
+    for row_two, row_one in zip(epochs("two")[1:], epochs("one")[1:]):
+        assert float(row_two[1]) == pytest.approx(float(row_one[1]), abs=1e-4)  # train loss

@@ -356,8 +356,8 @@ class _Loop:
             with contextlib.nullcontext() if sync else task.forward.no_sync():
                 with task.autocast():
                     values = task.loss(batch, self.step)
-                value = values["loss"].item()
-                if not math.isfinite(value):
+                value = self._mean_over_ranks(values["loss"])
+                if not math.isfinite(value):  # the same value on every rank: all stop together
                     raise TrainingDiverged(f"training diverged: the loss is {value} at step {self.step + 1}; nothing "
                                            f"of it is saved ({self._kept()}). Lower --lr.")
                 self.scaler.scale(values["loss"] / len(micro)).backward()
@@ -365,6 +365,14 @@ class _Loop:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return {**values, "loss": total / len(micro), "lr": lr}
+
+    def _mean_over_ranks(self, loss: torch.Tensor) -> float:
+        """The loss averaged over the processes' micro-batches (the global batch's loss)."""
+        if self.world == 1:
+            return loss.item()
+        mean = loss.detach().float().clone()
+        torch.distributed.all_reduce(mean)
+        return mean.item() / self.world
 
     def _end_epoch(self, epoch: int, began: float, bar: tqdm) -> None:
         metrics = self.task.evaluate(epoch)

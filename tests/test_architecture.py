@@ -1,0 +1,79 @@
+"""The house rules DESIGN.md sets, read from the source: nothing inside the package imports its face
+(timm_tokcomp/__init__.py), no import cycle (imports inside functions count; `if TYPE_CHECKING` ones do not), and
+one training loop (the only optimiser step is the engine's)."""
+import ast
+from pathlib import Path
+from typing import Dict, List, Set
+
+import timm_tokcomp
+
+ROOT = Path(timm_tokcomp.__file__).parent
+
+
+def _modules() -> Dict[str, Path]:
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ["timm_tokcomp", *path.relative_to(ROOT).with_suffix("").parts]
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _imports(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
+    """The package modules `name` imports."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(node) for branch in ast.walk(tree)
+                   if isinstance(branch, ast.If) and getattr(branch.test, "id", "") == "TYPE_CHECKING"
+                   for stmt in branch.body for node in ast.walk(stmt)}
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            target = ".".join(base + (node.module.split(".") if node.module else []))
+            for alias in node.names:  # `from . import kernels` imports the submodule, `from . import apply` the face
+                found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules else target)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {m for m in found if m in modules and m != name}
+
+
+def test_no_module_imports_the_package_face():
+    modules = _modules()
+    importers = sorted(name for name, path in modules.items()
+                       if name != "timm_tokcomp" and "timm_tokcomp" in _imports(name, path, modules))
+    assert importers == []
+
+
+def test_no_import_cycle():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    cycles: List[List[str]] = []
+
+    def visit(name: str, trail: List[str], done: Set[str]) -> None:
+        if name in trail:
+            cycles.append(trail[trail.index(name):] + [name])
+            return
+        if name in done:
+            return
+        for dep in sorted(graph[name]):
+            visit(dep, trail + [name], done)
+        done.add(name)
+
+    done: Set[str] = set()
+    for name in sorted(graph):
+        visit(name, [], done)
+    assert cycles == []
+
+
+def test_the_engine_holds_the_only_optimiser_step():
+    steps = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "step" \
+                    and "optimizer" in ast.unparse(node):
+                steps.append(name)
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("optim.AdamW"):
+                steps.append(name + " (AdamW)")
+    assert sorted(steps) == ["timm_tokcomp.training.engine", "timm_tokcomp.training.engine (AdamW)"]
