@@ -460,3 +460,52 @@ def test_only_the_images_a_limit_reads_are_checked(tmp_path, capsys):
     code, err = _run(["bench", MODEL, "--data", str(folder), "--limit", "2", "--methods", "tome_r8",
                       "--timing-rounds", "1", "--no-progress"], capsys)
     assert code == 0, err
+
+
+def _writers():
+    """Every public function that writes a finished output a user names: (name, write(path, overwrite))."""
+    from timm_tokcomp import bench, calibrate, speed, tuning
+    from timm_tokcomp.tocom import Compensator
+    from timm_tokcomp.tocom.hub import save
+
+    bench_rows = [bench.BenchRow("none", 1.0, 0.0, 10.0, 1.0, None, None, 197)]
+    speed_rows = [speed.SpeedRow("eager", 2, "none", 1.0, 1.0, None)]
+    calibrated = calibrate.CalibrationResult(MODEL, {"alpha": 0.9}, 1.0, 99.0, 1.0, 1.2, 4, 3)
+    tuned = {"model": MODEL, "device_name": "CPU", "dtype": "fp32", "tf32": False, "budget": 1.0}
+    return {
+        "bench.write_csv": lambda path, overwrite: bench.write_csv(bench_rows, path, MODEL, overwrite=overwrite),
+        "bench.plot_pareto": lambda path, overwrite: bench.plot_pareto(bench_rows, path, MODEL, overwrite=overwrite),
+        "speed.write_speed_csv": lambda path, overwrite: speed.write_speed_csv(speed_rows, path, MODEL, {},
+                                                                               overwrite=overwrite),
+        "calibrate.save_preset": lambda path, overwrite: calibrate.save_preset(calibrated, path, overwrite=overwrite),
+        "calibrate.save_tuned_preset": lambda path, overwrite: calibrate.save_tuned_preset(
+            path, tuning.Choice(2, None, "nothing surely faster"), tuned, overwrite=overwrite),
+        "tocom.hub.save": lambda path, overwrite: save(Compensator.init(2, 12, 192, 192, 2, 0.1), path, MODEL,
+                                                       overwrite=overwrite),
+    }
+
+
+@pytest.mark.parametrize("writer", list(_writers()))
+def test_every_writer_refuses_a_finished_output_unless_told(tmp_path, writer):
+    """The Python API keeps the CLI's rule (outputs.new_output): a second write to the same path is refused, and
+    the first output stays, until overwrite=True."""
+    write = _writers()[writer]
+    path = str(tmp_path / ("tocom" if writer == "tocom.hub.save" else "out.png" if "plot" in writer else "out.file"))
+    write(path, False)
+    finished = Path(path) / "tocom_config.json" if writer == "tocom.hub.save" else Path(path)
+    before = finished.read_bytes()
+    with pytest.raises(FileExistsError, match="overwrite"):
+        write(path, False)
+    assert finished.read_bytes() == before
+    write(path, True)
+    assert finished.exists()
+
+
+def test_overwriting_a_compensator_with_fewer_steps_leaves_a_loadable_folder(tmp_path):
+    from timm_tokcomp.tocom import Compensator, load
+    from timm_tokcomp.tocom.hub import save
+
+    save(Compensator.init(4, 12, 192, 192, 2, 0.1), str(tmp_path / "c"), MODEL)
+    save(Compensator.init(2, 12, 192, 192, 2, 0.1), str(tmp_path / "c"), MODEL, overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "c").glob("step_*")) == ["step_00", "step_01"]
+    assert load(str(tmp_path / "c"))[0].steps == 2

@@ -23,7 +23,7 @@ from .models import build_base_model
 from . import kernels
 from .attention import PROP_ATTN_IMPLS
 from .methods import METHODS, method_class, parse_method_tag
-from .outputs import replacing
+from .outputs import new_output
 
 BASELINE = "none"
 TOCOM_SUFFIX = "+ToCom"
@@ -403,16 +403,18 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(rows: Sequence[BenchRow], path: str, model_name: str) -> None:
-    with replacing(path) as tmp, open(tmp, "w", newline="") as f:
+def write_csv(rows: Sequence[BenchRow], path: str, model_name: str, overwrite: bool = False) -> None:
+    """rows as CSV, the model name on every line; an existing file is refused unless overwrite."""
+    with new_output(path, overwrite, "--out") as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["model"] + [fl.name for fl in fields(BenchRow)])
         writer.writeheader()
         for r in rows:
             writer.writerow({"model": model_name, **asdict(r)})
 
 
-def plot_pareto(rows: Sequence[BenchRow], path: str, model_name: str) -> None:
-    """GMACs against top-1 (or throughput without data), one labelled point per method."""
+def plot_pareto(rows: Sequence[BenchRow], path: str, model_name: str, overwrite: bool = False) -> None:
+    """GMACs against top-1 (or throughput without data), one labelled point per method; an existing file is
+    refused unless overwrite."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -429,6 +431,6 @@ def plot_pareto(rows: Sequence[BenchRow], path: str, model_name: str) -> None:
     ax.set_title(model_name)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    with replacing(path) as tmp:
+    with new_output(path, overwrite, "--plot") as tmp:
         fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)

@@ -21,7 +21,7 @@ from torch import nn
 from .core import NO_REDUCTION, __version__, apply, get_reducer, is_reduced, set_params
 from .measure import device_description, forward_counting
 from .schedules import check_int, is_real
-from .outputs import write_text
+from .outputs import new_output
 from .methods.atm import threshold_schedule
 
 PRESET_FORMAT = 1
@@ -44,17 +44,20 @@ class CalibrationResult:
     method: str = "atm"
 
 
-def save_preset(result: CalibrationResult, path: str) -> None:
-    """Write the preset as JSON: {"format", "method", "params", "calibration": {...}}."""
+def save_preset(result: CalibrationResult, path: str, overwrite: bool = False) -> None:
+    """Write the preset as JSON: {"format", "method", "params", "calibration": {...}}; an existing file is refused
+    unless overwrite."""
     calibration = {k: v for k, v in asdict(result).items() if k not in ("method", "params")}
     doc = {"format": PRESET_FORMAT, "method": result.method, "params": result.params, "calibration": calibration}
-    write_text(path, json.dumps(doc, indent=2) + "\n")
+    with new_output(path, overwrite, "--out") as tmp:
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def save_tuned_preset(path: Union[str, Path], choice: Any, settings: Dict[str, Any]) -> None:
+def save_tuned_preset(path: Union[str, Path], choice: Any, settings: Dict[str, Any], overwrite: bool = False) -> None:
     """Write `tokcomp tune`'s choice for one batch size (tune.Choice) as a preset: the method and its params
     (kernel and prop_attn implementation included), or method 'none' with the reason; the execution mode it was
-    timed in; and what it was measured with (device, dtype, batch size, package / torch / timm versions)."""
+    timed in; and what it was measured with (device, dtype, batch size, package / torch / timm versions). An existing
+    file is refused unless overwrite."""
     import timm
 
     row = choice.row
@@ -68,7 +71,8 @@ def save_tuned_preset(path: Union[str, Path], choice: Any, settings: Dict[str, A
     doc = {"format": PRESET_FORMAT, "method": NO_REDUCTION if row is None else row.method,
            "params": {} if row is None else json.loads(row.params),
            "execution": {"mode": "eager" if row is None else row.mode}, "tuned": tuned}
-    write_text(path, json.dumps(doc, indent=2) + "\n")
+    with new_output(path, overwrite) as tmp:
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def load_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = None,

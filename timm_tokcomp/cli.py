@@ -48,9 +48,9 @@ def _bench(args: argparse.Namespace) -> int:
           + (f", latency: {args.latency_runs} single-image forwards" if args.latency_runs else ""))
     print(format_table(rows))
     if args.out:
-        write_csv(rows, args.out, args.model)
+        write_csv(rows, args.out, args.model, overwrite=args.overwrite)
     if args.plot:
-        plot_pareto(rows, args.plot, args.model)
+        plot_pareto(rows, args.plot, args.model, overwrite=args.overwrite)
     return 0
 
 
@@ -79,7 +79,8 @@ def _speed(args: argparse.Namespace) -> int:
           f"median of {args.rounds} forwards")
     print(format_speed(rows))
     if args.out:
-        write_speed_csv(rows, args.out, args.model, {"device": device_name, "dtype": args.dtype, "tf32": args.tf32})
+        write_speed_csv(rows, args.out, args.model, {"device": device_name, "dtype": args.dtype, "tf32": args.tf32},
+                        overwrite=args.overwrite)
     return 0
 
 
@@ -180,7 +181,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(f"on {result.images} images: {result.gmacs:.4f} GMACs per image ({result.gmacs / result.baseline_gmacs:.3f}x "
           f"of {result.baseline_gmacs:.4f}; target {result.target_gmacs:.4f}), agreement with the unmodified model "
           f"{result.agreement:.2f}% ({result.evaluations} evaluations)")
-    save_preset(result, args.out)
+    save_preset(result, args.out, overwrite=args.overwrite)
     print(f"saved {args.out}; compare it with `tokcomp bench {args.model} --methods none,{args.out} --data ...`")
     return 0
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .core import get_reducer, is_reduced
-from .outputs import refuse_existing, replacing
+from .outputs import new_output, refuse_existing
 
 OPSET = 18
 EXPORTABLE = ("tome", "evit", "topk", "dpcknn", "l1", "l2", "linf", "dense_tome", "pyra", "patchmerger", "sinkhorn",
@@ -65,12 +65,12 @@ def export_onnx(model: nn.Module, path: str, example: torch.Tensor, overwrite: b
     if example.dim() != 4 or example.shape[0] < 2:
         raise ValueError(f"example must be a (B, 3, H, W) batch with B >= 2 (B = 1 would fix the batch size), "
                          f"got shape {tuple(example.shape)}")
-    refuse_existing(path, overwrite, "--out")
+    refuse_existing(path, overwrite, "--out")  # before the export's work; new_output checks again at the end
     model = copy.deepcopy(model).eval()
     for blk in getattr(model, "blocks", ()):
         blk.attn.fused_attn = False
     batch = torch.export.Dim("batch", min=1, max=4096)
-    with replacing(path) as tmp, contextlib.redirect_stdout(io.StringIO()):  # the exporter's progress lines
+    with new_output(path, overwrite, "--out") as tmp, contextlib.redirect_stdout(io.StringIO()):  # the exporter's progress lines
         program = torch.onnx.export(model, (example,), dynamo=True, dynamic_shapes=({0: batch},),
                                     opset_version=OPSET, custom_translation_table=_translations(),
                                     input_names=["images"], output_names=["logits"], verbose=False)

@@ -35,9 +35,19 @@ def write_text(path: PathLike, text: str) -> None:
 
 
 def refuse_existing(path: PathLike, overwrite: bool, flag: str) -> None:
-    """Raise FileExistsError when `path` exists and overwrite is False. flag: the option that named it."""
+    """Raise FileExistsError when `path` exists and overwrite is False. flag: the option (or parameter) that named
+    it. The one rule for every finished output a user names; commands call it before their work, writers again."""
     if not overwrite and Path(path).exists():
-        raise FileExistsError(f"{flag} {path} already exists; pass --overwrite to replace it")
+        raise FileExistsError(f"{flag} {path} already exists; pass --overwrite (overwrite=True) to replace it")
+
+
+@contextmanager
+def new_output(path: PathLike, overwrite: bool = False, flag: str = "path") -> Iterator[Path]:
+    """replacing(path) for a finished output a user named: an existing `path` is refused (refuse_existing) unless
+    overwrite. Files inside a run folder go through run_folder's transaction instead."""
+    refuse_existing(path, overwrite, flag)
+    with replacing(path) as tmp:
+        yield tmp
 
 
 REPLACED = ".replaced-"  # + the writer's process id and a unique part: an earlier run set aside while a new run works

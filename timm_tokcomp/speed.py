@@ -23,7 +23,7 @@ from .graphs import GraphedForward
 from .matching import TruncatePlan
 from .measure import no_silent_eager_fallback, time_side_by_side
 from .methods.base import TokenReducer
-from .outputs import replacing
+from .outputs import new_output
 from .patch import patch
 from .schedules import BlockCost, is_int
 
@@ -212,9 +212,11 @@ def format_speed(rows: Sequence[SpeedRow]) -> str:
     return "\n".join(out).rstrip()
 
 
-def write_speed_csv(rows: Sequence[SpeedRow], path: str, model_name: str, settings: Dict[str, Any]) -> None:
-    """rows as CSV, with the model name and the run's settings (device, dtype, ...) on every line."""
-    with replacing(path) as tmp, open(tmp, "w", newline="") as f:
+def write_speed_csv(rows: Sequence[SpeedRow], path: str, model_name: str, settings: Dict[str, Any],
+                    overwrite: bool = False) -> None:
+    """rows as CSV, with the model name and the run's settings (device, dtype, ...) on every line; an existing file
+    is refused unless overwrite."""
+    with new_output(path, overwrite, "--out") as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["model"] + [fl.name for fl in fields(SpeedRow)] + list(settings))
         writer.writeheader()
         for r in rows:

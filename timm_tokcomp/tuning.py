@@ -698,7 +698,7 @@ def write_outputs(result: TuneResult, out: str) -> None:
     plot_pareto(result, Path(out) / "pareto.png")
     for batch, path in preset_paths(out, s["batches"]).items():
         choice = next(c for c in result.choices if c.batch == batch)
-        save_tuned_preset(path, choice, s)
+        save_tuned_preset(path, choice, s, overwrite=True)  # inside the run folder tune holds
 
 
 def plot_pareto(result: TuneResult, path: Path) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from .. import ops
 from ..models import check_device
-from ..outputs import refuse_existing, replacing
+from ..outputs import new_output, refuse_existing
 from ..matching import (attentive_pruning, batch_adaptive_r, best_matches, bipartite_soft_matching, class_attention,
                         count_above, max_merges, merge_top_r)
 
@@ -188,7 +188,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     name = torch.cuda.get_device_name(args.device) if torch.device(args.device).type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}\n{format_checks(checks)}")
     if args.out:
-        with replacing(args.out) as tmp, open(tmp, "w") as f:
+        with new_output(args.out, args.overwrite, "--out") as tmp, open(tmp, "w") as f:
             json.dump([{**asdict(c), "ok": c.ok} for c in checks], f, indent=1)
     return 0 if all(c.ok for c in checks) else 1
 

@@ -4,6 +4,7 @@ exact zeros in the key rows, lora_alpha = s * 2h so that peft's scaling is s), p
 and a model card. Loaded from a local folder or the Hugging Face Hub (huggingface_hub's
 snapshot_download, which honours the HF cache and HF_HUB_OFFLINE)."""
 import json
+import shutil
 import string
 import tempfile
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from safetensors.torch import save_file
 
-from ..outputs import replacing, write_text
+from ..outputs import new_output, refuse_existing, replacing, write_text
 from ..userfiles import hub_snapshot, read_safetensors, read_versioned_json
 from .compensator import Compensator, check_scale
 
@@ -34,13 +35,15 @@ def _key(block: int, part: str) -> str:
 
 def save(compensator: Compensator, folder: str, base_model: str, method: str = "tome",
          method_settings: Optional[Dict[str, Any]] = None, training: str = "", results: str = "",
-         repo_id: str = "") -> None:
-    """Write the adapter repository layout to `folder` (created if needed). Every file is written under a
-    temporary name and renamed into place, tocom_config.json last: a folder is a loadable compensator only
-    once all its step folders are complete."""
+         repo_id: str = "", overwrite: bool = False) -> None:
+    """Write the adapter repository layout to `folder` (created if needed). A folder that already holds a
+    compensator (tocom_config.json) is refused unless overwrite (which also removes its step folders beyond this
+    compensator's). Every file is written under a temporary name and renamed into place, tocom_config.json last: a
+    folder is a loadable compensator only once all its step folders are complete."""
     from peft import LoraConfig
 
     root = Path(folder)
+    refuse_existing(root / CONFIG_NAME, overwrite, "folder")
     comp = compensator
     h, attn_dim, dim = comp.rank, comp.attn_dim, comp.dim
     lora = LoraConfig(r=2 * h, lora_alpha=comp.scale * 2 * h, target_modules=["qkv"], lora_dropout=0.0,
@@ -73,7 +76,11 @@ def save(compensator: Compensator, folder: str, base_model: str, method: str = "
         method=method, lora_rank=2 * h, rank=h, scale=comp.scale, repo_id=repo_id or "path/to/this/folder",
         training=training or "Not recorded.", results=results or "Not measured.")
     write_text(root / "README.md", card)
-    write_text(root / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
+    for stale in sorted(root.glob("step_*")):  # an earlier compensator's steps beyond this one's
+        if stale.is_dir() and stale.name not in config["subfolders"]:
+            shutil.rmtree(stale)
+    with new_output(root / CONFIG_NAME, overwrite, "folder") as tmp:
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:

@@ -194,7 +194,7 @@ class ToComTask(TrainingTask):
             save(compensator, str(out), self.base_model, method=config.method,
                  method_settings={"r": list(range(config.groups + 1))},
                  training=_training_summary(config, self.world, len(self.train_set)),
-                 results=results_summary(report, chosen))
+                 results=results_summary(report, chosen), overwrite=True)  # the run folder's policy holds here
         return compensator, report
 
     def interrupted(self) -> Tuple[Compensator, None]:
