@@ -119,3 +119,38 @@ def test_numpy_numbers_are_accepted_by_every_numeric_argument_check():
     assert timm_tokcomp.get_reducer(model).r == 2
     with pytest.raises(ValueError, match="--batches must be integers >= 1"):
         check_batches([np.float64(2.0)])
+
+
+def test_a_new_method_declares_only_its_own_parameters():
+    """methods.params: a subclass lists its one new parameter between the shared groups and gets the constructor
+    (positional or keyword, checked), the signature, param_names and params from the base class."""
+    import inspect
+
+    from timm_tokcomp.methods.base import ScheduledReducer
+    from timm_tokcomp.methods.params import COMMON, SCHEDULE, Param
+    from timm_tokcomp.methods.topk import TopK
+
+    def check_width(value):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"width must be an integer >= 1, got {value!r}")
+        return value
+
+    class Wide(TopK):
+        name = "wide"
+        PARAMS = (*SCHEDULE, Param("width", 2, check_width), *COMMON)
+
+    assert issubclass(Wide, ScheduledReducer)
+    wide = Wide(4, width=3)
+    assert (wide.r, wide.width, wide.keep_rate, wide.prop_attn) == (4, 3, None, None)
+    assert Wide.param_names() == ("r", "flops_ratio", "keep_rate", "stages", "width", "prop_attn", "trace_source",
+                                  "prefix_only_last_block")
+    assert str(inspect.signature(Wide)).startswith("(r=0, flops_ratio=None, keep_rate=None, stages=(4, 7, 10), width=2")
+    assert wide.params["width"] == 3 and "width=3" in repr(wide)
+    with pytest.raises(ValueError, match="width must be an integer >= 1, got 0"):
+        Wide(width=0)
+    with pytest.raises(ValueError, match="give one of r, flops_ratio, keep_rate"):  # the base class's joint check
+        Wide(r=2, keep_rate=0.5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'depth'"):
+        Wide(depth=3)
+    with pytest.raises(TypeError, match="missing a required argument: 'beta'"):
+        METHODS["atm"](0.9)

@@ -23,6 +23,7 @@ from .graphs import GraphedForward
 from .matching import TruncatePlan
 from .measure import no_silent_eager_fallback, time_side_by_side
 from .methods.base import TokenReducer
+from .methods.params import REQUIRED, Param
 from .outputs import new_output
 from .patch import patch
 from .schedules import BlockCost, is_int
@@ -33,19 +34,25 @@ DATA_DEPENDENT = ("atm", "ats")  # token counts read from the data: compiled, th
 LIMIT_SUFFIX = " limit"
 
 
+def _check_kept(kept: Sequence[int]) -> List[int]:
+    if not kept or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in kept):
+        raise ValueError(f"kept must be a non-empty list of token counts >= 1, got {kept!r}")
+    return list(kept)
+
+
 class LimitReducer(TokenReducer):
     """Block l keeps its first kept[l] tokens after attention (after its MLP with after_mlp, as the study
     protocol's methods reduce) and drops the rest (no metric, no matching). kept: tokens leaving each block,
     from a method's forward (limit_schedule)."""
 
     name = "limit"
+    PARAMS = (Param("kept", REQUIRED, _check_kept), Param("after_mlp", False, bool))
+    prop_attn = False
+    prefix_only_last_block = False
 
-    def __init__(self, kept: Sequence[int], after_mlp: bool = False) -> None:
-        super().__init__(prop_attn=False, prefix_only_last_block=False)
-        if not kept or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in kept):
-            raise ValueError(f"kept must be a non-empty list of token counts >= 1, got {kept!r}")
-        self.kept = list(kept)
-        self.after_mlp = self.reduce_after_mlp = bool(after_mlp)
+    @property
+    def reduce_after_mlp(self) -> bool:  # type: ignore[override]
+        return self.after_mlp
 
     def check_depth(self, num_blocks: int) -> None:
         if len(self.kept) != num_blocks:

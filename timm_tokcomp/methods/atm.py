@@ -18,7 +18,7 @@ import math
 import numbers
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from .. import kernels
 from ..matching import MergePlan, batch_adaptive_r, best_matches, count_above, max_merges, merge_top_r, size_distinctive_split
 from ..schedules import BlockCost, is_real
 from .base import TokenReducer, warn_if_compiling
+from .params import COMMON, REQUIRED, Param, kernel_choice
 from .tome import ToMe
 
 
@@ -110,6 +111,13 @@ class ATMStep:
     size_split: bool
 
 
+def _check_split_layer(value: Any) -> Optional[int]:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+        raise ValueError(f"split_layer must be None or an int >= 0 (blocks after it use size-distinctive "
+                         f"matching), got {value!r}")
+    return None if value is None else int(value)
+
+
 def _check_real(name: str, value: Any, low: Optional[float] = None) -> float:
     if not is_real(value) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -133,28 +141,10 @@ class ATM(TokenReducer):
     name = "atm"
     default_prefix_only_last_block = True
 
-    def __init__(
-        self,
-        alpha: float,
-        beta: float,
-        theta_min: float,
-        split_layer: Optional[int] = None,
-        prop_attn: Union[bool, str, None] = None,
-        trace_source: bool = False,
-        prefix_only_last_block: Optional[bool] = None,
-        kernel: str = "torch",
-    ) -> None:
-        super().__init__(prop_attn, trace_source, prefix_only_last_block)
-        self.kernel = kernels.check_kernel(kernel)
-        self.alpha = _check_real("alpha", alpha)
-        self.beta = _check_real("beta", beta, low=0.0)
-        self.theta_min = _check_real("theta_min", theta_min)
-        if split_layer is not None and (isinstance(split_layer, bool) or not isinstance(split_layer, numbers.Integral)
-                                        or split_layer < 0):
-            raise ValueError(f"split_layer must be None or an int >= 0 (blocks after it use size-distinctive "
-                             f"matching), got {split_layer!r}")
-        self.split_layer = None if split_layer is None else int(split_layer)
-        self._settings_cache: Dict[int, List[Optional[ATMStep]]] = {}
+    PARAMS = (Param("alpha", REQUIRED, lambda v: _check_real("alpha", v)),
+              Param("beta", REQUIRED, lambda v: _check_real("beta", v, low=0.0)),
+              Param("theta_min", REQUIRED, lambda v: _check_real("theta_min", v)),
+              Param("split_layer", None, _check_split_layer), *COMMON, kernel_choice())
 
     @classmethod
     def resolve_params(cls, model: nn.Module, params: Dict[str, Any]) -> Dict[str, Any]:
@@ -199,13 +189,14 @@ class ATM(TokenReducer):
         return threshold_schedule(self.alpha, self.beta, self.theta_min, num_blocks)
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[ATMStep]]:
-        if num_blocks not in self._settings_cache:
+        cache: Dict[int, List[Optional[ATMStep]]] = self.__dict__.setdefault("_settings", {})
+        if num_blocks not in cache:
             split = round(0.75 * num_blocks) if self.split_layer is None else self.split_layer
-            self._settings_cache[num_blocks] = [
+            cache[num_blocks] = [
                 ATMStep(theta, size_split=l > split) if theta < 1.0 else None
                 for l, theta in enumerate(self.thresholds(num_blocks), start=1)
             ]
-        return self._settings_cache[num_blocks]
+        return cache[num_blocks]
 
     def plan(self, metric: torch.Tensor, step: ATMStep, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[MergePlan]:
         cap = max_merges(metric.shape[1], num_prefix)

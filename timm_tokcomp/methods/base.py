@@ -8,8 +8,6 @@ A method is driven by the patched model in three steps per forward:
 and then reducer.reduce(plan, x, size, source, setting) carries the plan out. A method with fused kernels
 (ToMe, EViT, ATM with kernel='triton') does plan and reduce in one reducer.reduce_fused call where it can.
 """
-import inspect
-import math
 import warnings
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
@@ -17,12 +15,10 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..attention import check_prop_attn
-from ..kernels import check_kernel
 from ..matching import ClusterPlan, MergePlan, PrunePlan, SoftPlan, TruncatePlan
 from ..ops import apply_plan
-from ..schedules import (NAMED_SCHEDULES, STUDY_STAGES, BlockCost, RSpec, check_keep_rate, check_stages, is_real,
-                         resolve_r, solve_flops_schedule, stage_schedule, validate_r)
+from ..schedules import NAMED_SCHEDULES, BlockCost, resolve_r, solve_flops_schedule, stage_schedule
+from .params import COMMON, SCHEDULE, Param, kernel_choice, signature
 
 Plan = Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan]
 
@@ -58,13 +54,10 @@ def warn_if_compiling(method: str) -> None:
                       f"...) compile as whole graphs", stacklevel=3)
 
 
-def _check_bool(name: str, value: Any) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
 class TokenReducer(ABC):
-    """Parameters every method takes.
+    """The base of every method. Its parameters are declared once, as PARAMS (methods.params): the constructor
+    takes them (by position or name, TypeError for unknown or missing ones), checks each, keeps each as an
+    attribute of its name, then validate() checks them together. Those every token-dropping method takes (COMMON):
 
     prop_attn: add log(token size) to the attention scores; None picks the method's default. True (or 'auto') uses
         the implementation measured fastest for the device (timm_tokcomp.device_table; 'mask' where unmeasured);
@@ -86,28 +79,33 @@ class TokenReducer(ABC):
     reduce_after_mlp: bool = False  # reduce at the end of the block (after its MLP), not between attention and MLP
     metric_reads_values: ClassVar[bool] = False  # metric() also gets v: (B, H, N, d)
     masks_by_size: ClassVar[bool] = False  # pads images to one count with size-0 tokens (needs prop_attn)
+    PARAMS: ClassVar[Tuple[Param, ...]] = COMMON
+    # what a method without one of the COMMON parameters behaves as
+    prop_attn: Union[bool, str, None] = None
+    trace_source: bool = False
+    prefix_only_last_block: Optional[bool] = None
 
-    def __init__(
-        self,
-        prop_attn: Union[bool, str, None] = None,
-        trace_source: bool = False,
-        prefix_only_last_block: Optional[bool] = None,
-    ) -> None:
-        check_prop_attn(prop_attn)
-        _check_bool("trace_source", trace_source)
-        _check_bool("prefix_only_last_block", prefix_only_last_block)
-        if self.masks_by_size and prop_attn is False:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__signature__ = signature(cls.PARAMS)  # what help() and inspect.signature show
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = signature(self.PARAMS).bind(*args, **kwargs)  # TypeError for an unknown or a missing parameter
+        bound.apply_defaults()
+        for param in self.PARAMS:
+            setattr(self, param.name, param.check(bound.arguments[param.name]))
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the parameters together (each was checked alone); raise ValueError naming them."""
+        if self.masks_by_size and self.prop_attn is False:
             raise ValueError(f"prop_attn must stay on for {self.name}: its padding tokens (size 0) are kept out of "
                              f"attention by the log-size bias")
-        self.prop_attn = prop_attn
-        self.trace_source = trace_source
-        self.prefix_only_last_block = prefix_only_last_block
 
     @classmethod
     def param_names(cls) -> Tuple[str, ...]:
-        """Names of the constructor's parameters (what apply / set_params accept)."""
-        params = inspect.signature(cls.__init__).parameters.values()
-        return tuple(p.name for p in params if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)
+        """Names of the method's parameters (what apply / set_params accept), in order."""
+        return tuple(param.name for param in cls.PARAMS)
 
     @classmethod
     def resolve_params(cls, model: nn.Module, params: Dict[str, Any]) -> Dict[str, Any]:
@@ -198,12 +196,13 @@ class LearnedParams:
     learned_param: ClassVar[str]
     params: Dict[str, Any]
 
-    def checked_learned(self, value: Any) -> Any:
-        """value itself, or ValueError naming the class it must be."""
+    def validate(self) -> None:
+        """The learned parameters given are of learned_class (ValueError naming it otherwise)."""
+        value = getattr(self, self.learned_param)
         if value is not None and type(value) is not self.learned_class:
             raise ValueError(f"{self.learned_param} must be {self.learned_class.__name__} (e.g. from "
                              f"timm_tokcomp.learned.load_learned), got {type(value).__name__}")
-        return value
+        super().validate()
 
     def learned_module(self) -> Optional[nn.Module]:
         return getattr(self, self.learned_param)
@@ -238,34 +237,22 @@ class ScheduledReducer(RTagged, TokenReducer):
     '<name>_r<k>' (r = k) and '<name>_k<pct>' (keep_rate = pct / 100)."""
 
     min_keep_rate: ClassVar[float] = 0.0  # the lowest keep_rate one stage can reach
+    PARAMS = (*SCHEDULE, *COMMON)
 
-    def __init__(
-        self,
-        r: RSpec = 0,
-        flops_ratio: Optional[float] = None,
-        keep_rate: Optional[float] = None,
-        stages: Tuple[int, ...] = STUDY_STAGES,
-        prop_attn: Union[bool, str, None] = None,
-        trace_source: bool = False,
-        prefix_only_last_block: Optional[bool] = None,
-    ) -> None:
-        super().__init__(prop_attn, trace_source, prefix_only_last_block)
-        if flops_ratio is not None:
-            if not is_real(flops_ratio) or not math.isfinite(flops_ratio) or flops_ratio <= 1.0:
-                raise ValueError(f"flops_ratio must be a number > 1 (unreduced MACs / target MACs), got {flops_ratio!r}")
-        given = [name for name, value in (("r", r != 0), ("flops_ratio", flops_ratio is not None),
-                                          ("keep_rate", keep_rate is not None)) if value]
+    def validate(self) -> None:
+        super().validate()
+        given = [name for name, value in (("r", self.r != 0), ("flops_ratio", self.flops_ratio is not None),
+                                          ("keep_rate", self.keep_rate is not None)) if value]
         if len(given) > 1:
             raise ValueError(f"give one of r, flops_ratio, keep_rate, not {' and '.join(given)}")
-        self.r = validate_r(r)
-        self.flops_ratio = None if flops_ratio is None else float(flops_ratio)
-        self.keep_rate = None if keep_rate is None else check_keep_rate(keep_rate)
-        self.stages = check_stages(stages)  # checked even unused: a bad value is never kept
-        self.reduce_after_mlp = self.keep_rate is not None  # the study reduces before its stage blocks
         if self.keep_rate is not None and self.keep_rate < self.min_keep_rate:
             raise ValueError(f"keep_rate must be in [{self.min_keep_rate}, 1] for {self.name} (it reduces at most "
                              f"{1 - self.min_keep_rate:.0%} of a block's tokens), got {self.keep_rate}")
-        self._settings_cache: Dict[Tuple[int, int, int, BlockCost], List[Optional[int]]] = {}
+
+    @property
+    def reduce_after_mlp(self) -> bool:  # type: ignore[override]
+        """The study (keep_rate) reduces at the end of the block before each stage."""
+        return self.keep_rate is not None
 
     @classmethod
     def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
@@ -293,15 +280,16 @@ class ScheduledReducer(RTagged, TokenReducer):
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[int]]:
         """Tokens each block should remove (before the per-block clamp); None where 0."""
         key = (num_blocks, num_tokens, num_prefix, cost)
-        if key not in self._settings_cache:
+        cache: Dict[Tuple[int, int, int, BlockCost], List[Optional[int]]] = self.__dict__.setdefault("_settings", {})
+        if key not in cache:
             if self.flops_ratio is not None:
                 sched = solve_flops_schedule(self.flops_ratio, num_blocks, num_tokens - num_prefix, num_prefix, cost)
             elif self.keep_rate is not None:
                 sched = stage_schedule(self.keep_rate, self.stages, num_blocks, num_tokens - num_prefix)
             else:
                 sched = resolve_r(self.r, num_blocks)
-            self._settings_cache[key] = [r if r > 0 else None for r in sched]
-        return self._settings_cache[key]
+            cache[key] = [r if r > 0 else None for r in sched]
+        return cache[key]
 
 
     def patch_counts(self, num_blocks: int, num_tokens: int, num_prefix: int,
@@ -321,19 +309,7 @@ class FusedScheduledReducer(ScheduledReducer):
     Triton path serves inference outside torch.compile / export and without trace_source, and falls back to torch
     elsewhere under 'auto'. It is not the default until it has been timed on a GPU."""
 
-    def __init__(
-        self,
-        r: RSpec = 0,
-        flops_ratio: Optional[float] = None,
-        keep_rate: Optional[float] = None,
-        stages: Tuple[int, ...] = STUDY_STAGES,
-        prop_attn: Union[bool, str, None] = None,
-        trace_source: bool = False,
-        prefix_only_last_block: Optional[bool] = None,
-        kernel: str = "torch",
-    ) -> None:
-        super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
-        self.kernel = check_kernel(kernel)
+    PARAMS = (*SCHEDULE, *COMMON, kernel_choice())
 
 
 class ClusterMerging(ScheduledReducer):

@@ -5,10 +5,10 @@ from typing import List, Optional
 
 import torch
 
-from ..kernels import check_kernel
 from ..matching import MergePlan
 from ..schedules import BlockCost, check_int
 from .base import RTagged, TokenReducer
+from .params import Param, kernel_choice, optional
 from .tome import ToMe, tome_plan
 
 MERGES_PER_R = 32
@@ -22,9 +22,8 @@ class DenseToMe(RTagged, TokenReducer):
     name = "dense_tome"
     dense = True
 
-    def __init__(self, r: int = 0, k: Optional[int] = None, kernel: str = "auto") -> None:
-        super().__init__()
-        self.r, self.k, self.kernel = check_int("r", r), None if k is None else check_int("k", k), check_kernel(kernel)
+    PARAMS = (Param("r", 0, lambda v: check_int("r", v)), Param("k", None, optional(lambda v: check_int("k", v))),
+              kernel_choice("auto"))
 
     @property
     def merges(self) -> int:

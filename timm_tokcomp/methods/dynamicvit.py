@@ -10,15 +10,15 @@ gradients still reach the predictor), and decisions accumulate over the stages. 
 the ratio loss, sum over stages of (keep_rate^s - kept share)^2 averaged over images; the fine-tuning command
 adds it (weight 2, as in the paper) to its KL distillation loss. Prefix tokens are never scored or dropped.
 """
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..matching import PrunePlan
-from ..schedules import STUDY_STAGES, RSpec
 from .base import LearnedParams, Plan, ScheduledReducer
+from .params import COMMON, SCHEDULE, Param
 
 EPS = 1e-6  # the size a token dropped in training keeps (log-size bias log(EPS) ~ -13.8)
 RATIO_WEIGHT = 2.0  # the paper's weight of the ratio loss
@@ -99,19 +99,7 @@ class DynamicViT(LearnedParams, ScheduledReducer):
     learned_class = DynamicViTParams
     learned_param = "predictor_params"
 
-    def __init__(
-        self,
-        r: RSpec = 0,
-        flops_ratio: Optional[float] = None,
-        keep_rate: Optional[float] = None,
-        stages: Tuple[int, ...] = STUDY_STAGES,
-        predictor_params: Optional[DynamicViTParams] = None,
-        prop_attn: Union[bool, str, None] = None,
-        trace_source: bool = False,
-        prefix_only_last_block: Optional[bool] = None,
-    ) -> None:
-        super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
-        self.predictor_params = self.checked_learned(predictor_params)
+    PARAMS = (*SCHEDULE, Param("predictor_params", None), *COMMON)
 
     def default_prop_attn(self, global_pool: str) -> bool:
         return True

@@ -11,14 +11,14 @@ The 1 / sqrt(D) scale is ours (as in attention); sizes and source maps are share
 The other learned soft-merging methods of the study (Sinkhorn, SiT) subclass PatchMerger with their own layer:
 everything but how a layer turns its tokens into mixing weights is shared.
 """
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 
 from ..matching import SoftPlan
-from ..schedules import STUDY_STAGES, RSpec
 from .base import LearnedParams, ScheduledReducer
+from .params import COMMON, SCHEDULE, Param
 
 
 class MergerSetting(NamedTuple):
@@ -97,19 +97,7 @@ class PatchMerger(LearnedParams, ScheduledReducer):
     learned_class = PatchMergerParams
     learned_param = "merger_params"
 
-    def __init__(
-        self,
-        r: RSpec = 0,
-        flops_ratio: Optional[float] = None,
-        keep_rate: Optional[float] = None,
-        stages: Tuple[int, ...] = STUDY_STAGES,
-        merger_params: Optional[PatchMergerParams] = None,
-        prop_attn: Union[bool, str, None] = None,
-        trace_source: bool = False,
-        prefix_only_last_block: Optional[bool] = None,
-    ) -> None:
-        super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
-        self.merger_params = self.checked_learned(merger_params)
+    PARAMS = (*SCHEDULE, Param("merger_params", None), *COMMON)
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost) -> List[Optional[MergerSetting]]:
         return [None if c is None or c[0] == c[1] else MergerSetting(c[0] - c[1], c[1], layer)

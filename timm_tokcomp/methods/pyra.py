@@ -14,15 +14,15 @@ Two forms of the rank weights w_l:
             rho = i / (r - 1), and the weighted sum becomes a weighted mean (divided by r): the same
             parameters run at any r, the channel weights staying on one scale.
 """
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..matching import MergePlan, gather_tokens, split_tokens
 from ..ops import merge_sum
-from ..schedules import STUDY_STAGES, RSpec
 from .base import LearnedParams, Plan
+from .params import COMMON, SCHEDULE, Param
 from .tome import ToMe, tome_plan
 
 FORMS = ("paper", "pooled")
@@ -45,6 +45,12 @@ class PyraLayer(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.token_weight = nn.Parameter(torch.zeros(dim))
         self.rank_weight = nn.Parameter(torch.empty(num_rank_weights).uniform_(-1.0, 1.0))
+
+
+def _check_form(form: Any) -> str:
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    return form
 
 
 class PyraParams(nn.Module):
@@ -143,26 +149,12 @@ class PYRA(LearnedParams, ToMe):
     learned_class = PyraParams
     learned_param = "pyra_params"  # the constructor argument that takes saved parameters
 
-    def __init__(
-        self,
-        r: RSpec = 0,
-        flops_ratio: Optional[float] = None,
-        keep_rate: Optional[float] = None,
-        stages: Tuple[int, ...] = STUDY_STAGES,
-        form: str = "paper",
-        pyra_params: Optional[PyraParams] = None,
-        prop_attn: Union[bool, str, None] = None,
-        trace_source: bool = False,
-        prefix_only_last_block: Optional[bool] = None,
-    ) -> None:
-        super().__init__(r, flops_ratio, keep_rate, stages, prop_attn, trace_source, prefix_only_last_block)
-        if form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-        self.checked_learned(pyra_params)
-        if pyra_params is not None and pyra_params.form != form:
-            form = pyra_params.form  # the parameters decide; form only chooses what apply creates
-        self.form = form
-        self.pyra_params = pyra_params
+    PARAMS = (*SCHEDULE, Param("form", "paper", _check_form), Param("pyra_params", None), *COMMON)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.pyra_params is not None:
+            self.form = self.pyra_params.form  # the parameters decide; form only chooses what apply creates
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost) -> List[Optional[PyraSetting]]:
         return [None if r is None else PyraSetting(r, layer)

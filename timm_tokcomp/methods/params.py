@@ -1,0 +1,84 @@
+"""Method parameters declared once: a Param names one parameter, its default and its check; a method class lists
+its Params (PARAMS), composed from the shared groups below, and TokenReducer builds the constructor, the signature
+help() shows, param_names() and the params dict from that list (as peft's per-method configs feed one BaseTuner).
+A new method adds only its own parameters: PARAMS = (*SCHEDULE, Param("mine", 1, check_mine), *COMMON)."""
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, Tuple
+
+from ..attention import check_prop_attn
+from ..kernels import check_kernel
+from ..schedules import STUDY_STAGES, check_keep_rate, check_stages, is_real, validate_r
+
+REQUIRED = inspect.Parameter.empty  # a Param default meaning: no default, the caller must give it
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Param:
+    """name; default (REQUIRED: none); check: value -> the value the method keeps, raising ValueError that names
+    the parameter and its valid range."""
+
+    name: str
+    default: Any = REQUIRED
+    check: Callable[[Any], Any] = _identity
+
+
+def signature(params: Sequence[Param]) -> inspect.Signature:
+    """The keyword-or-positional signature of a method constructor taking `params`, in order."""
+    return inspect.Signature([inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=p.default)
+                              for p in params])
+
+
+def checked_by(check: Callable[[Any], None]) -> Callable[[Any], Any]:
+    """A Param check from a function that only raises."""
+    def run(value: Any) -> Any:
+        check(value)
+        return value
+
+    return run
+
+
+def flag(name: str) -> Callable[[Any], Any]:
+    """True, False or None (the method's default)."""
+    def check(value: Any) -> Any:
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+        return value
+
+    return check
+
+
+def optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """check, letting None through."""
+    return lambda value: None if value is None else check(value)
+
+
+def check_flops_ratio(value: Any) -> float:
+    if not is_real(value) or not math.isfinite(value) or value <= 1.0:
+        raise ValueError(f"flops_ratio must be a number > 1 (unreduced MACs / target MACs), got {value!r}")
+    return float(value)
+
+
+# the parameters every token-dropping method takes (TokenReducer documents them)
+COMMON: Tuple[Param, ...] = (
+    Param("prop_attn", None, checked_by(check_prop_attn)),
+    Param("trace_source", False, flag("trace_source")),
+    Param("prefix_only_last_block", None, flag("prefix_only_last_block")),
+)
+# the r schedule of ScheduledReducer: r per block, a FLOPs ratio, or the study's keep rate at its stages
+SCHEDULE: Tuple[Param, ...] = (
+    Param("r", 0, validate_r),
+    Param("flops_ratio", None, optional(check_flops_ratio)),
+    Param("keep_rate", None, optional(check_keep_rate)),
+    Param("stages", STUDY_STAGES, check_stages),  # checked even unused: a bad value is never kept
+)
+
+
+def kernel_choice(default: str = "torch") -> Param:
+    """The fused-kernel choice ('torch', 'triton', 'auto')."""
+    return Param("kernel", default, check_kernel)
