@@ -150,6 +150,7 @@ class PYRA(LearnedParams, ToMe):
     learned_param = "pyra_params"  # the constructor argument that takes saved parameters
 
     PARAMS = (*SCHEDULE, Param("form", "paper", _check_form), Param("pyra_params", None), *COMMON)
+    kernel = "torch"  # not a parameter: ToMe's fused merge has no learned modulation
 
     def validate(self) -> None:
         super().validate()
