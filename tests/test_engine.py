@@ -130,6 +130,9 @@ def test_resume_refuses_a_changed_recipe_another_run_and_an_old_checkpoint(tmp_p
     torch.save(old, path)
     with pytest.raises(ValueError, match=r"timm_tokcomp 0.1.0's trainer \(checkpoint format 1"):
         _train(tmp_path / "run", resume=True)
+    torch.save({**state, "format": 3, "version": "0.9.0"}, path)
+    with pytest.raises(ValueError, match=r"timm_tokcomp 0.9.0 \(checkpoint format 3; this is .*, format 2"):
+        _train(tmp_path / "run", resume=True)
 
 
 def test_rank_share_deals_every_batch_to_one_rank():

@@ -193,10 +193,11 @@ class TrainingTask:
 def train(make_task: Callable[[str, int], TrainingTask], out: str, run_entries: Sequence[str], resume: bool = False,
           overwrite: bool = False, device: str = "cpu", show_progress: bool = True, num_workers: int = 2,
           stop_after: Optional[int] = None, stop_unit: str = "step", seed: int = 0) -> Any:
-    """Claim `out` (a non-empty folder is refused unless resume or overwrite; outputs.run_folder), build the task with
-    make_task(device, world size) after seeding torch with `seed` (the same initial parameters in every process), train it, and return task.finish(...), or task.interrupted() after stop_after
-    steps (or epochs, stop_unit 'epoch') with a checkpoint that resume continues. Under torch.distributed every rank
-    calls this with the same arguments; rank 0 writes."""
+    """Claim `out` (a non-empty folder is refused unless resume or overwrite; outputs.run_folder), seed torch with
+    `seed` (the same initial parameters in every process), build the task with make_task(device, world size), train
+    it, and return task.finish(...); or task.interrupted() after stop_after steps (epochs with stop_unit 'epoch'),
+    leaving a checkpoint that resume continues. Under torch.distributed every rank calls this with the same
+    arguments; rank 0 writes."""
     if stop_after is not None and (not is_int(stop_after) or stop_after < 1):
         raise ValueError(f"--stop-after must be an integer >= 1 ({stop_unit}s), got {stop_after!r}")
     rank, world = rank_and_world()
@@ -244,10 +245,14 @@ class _Loop:
                 print(f"note: --resume: no {path} yet, starting from step 0", file=sys.stderr)
             return
         state = read_torch(path, "--resume")  # on the CPU: load_state_dict copies to the parameters' devices
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"--resume: {path} was written by timm_tokcomp 0.1.0's trainer (checkpoint format "
-                             f"{state.get('format', 1)}; this is {__version__}, format {CHECKPOINT_FORMAT}): finish "
-                             f"it with 0.1.0, or start again in a new --out")
+        if "format" not in state:
+            raise ValueError(f"--resume: {path} was written by timm_tokcomp 0.1.0's trainer (checkpoint format 1; "
+                             f"this is {__version__}, format {CHECKPOINT_FORMAT}): finish it with 0.1.0, or start "
+                             f"again in a new --out")
+        if state["format"] != CHECKPOINT_FORMAT:
+            raise ValueError(f"--resume: {path} was written by timm_tokcomp {state.get('version')} (checkpoint format "
+                             f"{state['format']}; this is {__version__}, format {CHECKPOINT_FORMAT}): resume it with "
+                             f"that version, or start again in a new --out")
         saved = {**self.task.old_settings, **state["config"]}
         if saved != self.task.settings or state["world_size"] != self.world:
             changed = sorted(k for k in {*saved, *self.task.settings} if saved.get(k) != self.task.settings.get(k))

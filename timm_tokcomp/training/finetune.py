@@ -10,7 +10,10 @@ The result is one folder, loadable with load_finetuned from a local path or the 
   <method>.safetensors, <method>_config.json       the method's learned parameters (if it has any)
   tokcomp_finetune.json                            base model, method, classes, recipe, results (written last)
   README.md                                        a model card
-  training/                                        checkpoint.pt (resume), log.csv, predictions.csv
+  training/                                        checkpoint.pt (resume), log.csv (per epoch), loss_log.csv
+                                                   (per step), predictions.csv
+FinetuneTask is the task the training engine (training.engine) runs; the folder's reading and writing is in
+training.folder, the recipe in training.recipe.
 """
 import contextlib
 import copy
