@@ -18,8 +18,7 @@ from torch import nn
 
 from ..core import apply, remove, set_params
 from ..patch import check_supported
-from ..training.engine import (Schedule, TrainingDiverged, TrainingTask, check_loop_settings, distill_loss, train,
-                               warmup_cosine_lr)
+from ..training.engine import Schedule, TrainingDiverged, TrainingTask, check_loop_settings, distill_loss, train
 from .compensator import Compensator
 from .heldout import HeldoutReport, choose_scale, results_summary, write_report
 from .mosaic import split_images
@@ -106,12 +105,8 @@ def draw_pair(step: int, seed: int, groups: int) -> Tuple[int, int]:
 
 
 def warmup_steps(config: TrainConfig) -> int:
+    """The linear warm-up before the cosine decay: config.warmup_steps, default 5% of the steps."""
     return config.warmup_steps if config.warmup_steps is not None else config.steps // 20
-
-
-def lr_at(step: int, config: TrainConfig, base_lr: float) -> float:
-    """Linear warmup (warmup_steps, default 5% of steps) then cosine decay to 0 (step counts from 0)."""
-    return warmup_cosine_lr(step, config.steps, warmup_steps(config), base_lr)
 
 
 class Student(nn.Module):
@@ -223,7 +218,8 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
 
 def _training_summary(config: TrainConfig, world: int, images: int) -> str:
     return (f"Self-distillation (labels never used) on {images} images, {config.steps} steps of "
-            f"{config.batch_size * world} images ({world} process{'es' if world > 1 else ''}); pairs (m, n) uniform over "
+            f"{config.batch_size * world * config.accumulate} images ({world} process{'es' if world > 1 else ''}"
+            f"{f', {config.accumulate} batches accumulated' if config.accumulate > 1 else ''}); pairs (m, n) uniform over "
             f"{{0..{config.groups}}}^2, m != n; teacher = frozen model at {config.method} r = m, student = frozen "
             f"model + plugins at r = n; KL on softmax(logits / {config.temperature:g}); AdamW, lr "
             f"{config.lr:g} per 256 images, cosine schedule, weight decay {config.weight_decay:g}; training scale "
