@@ -26,7 +26,7 @@ RUN_ENTRIES = (*PEFT_FILES, FINETUNE_CONFIG, "README.md", "*.safetensors", "*_co
 
 
 def save_folder(peft_model, model: nn.Module, out: str, base_model: str, num_classes: int,
-                 config: FinetuneConfig) -> Dict[str, Any]:
+                config: FinetuneConfig) -> Dict[str, Any]:
     """The adapter and the method's parameters; tokcomp_finetune.json (without results) last. Returns what
     that file holds."""
     if config.lora_rank:
@@ -48,8 +48,8 @@ def _write_config(out: str, data: Dict[str, Any]) -> None:
 
 
 def finish_folder(out: str, saved: Dict[str, Any], base_model: str, eval_data: str, train_data: str,
-                   train_images: int, config: FinetuneConfig, result: FinetuneResult) -> None:
-    """The model card, then tokcomp_finetune.json (saved: what _save_folder wrote) with the results."""
+                  train_images: int, config: FinetuneConfig, result: FinetuneResult) -> None:
+    """The model card, then tokcomp_finetune.json (saved: what save_folder wrote) with the results."""
     data = dict(saved)
     data["results"] = {**asdict(result), "eval_data": str(eval_data), "train_data": str(train_data),
                        "train_images": train_images}
