@@ -220,3 +220,10 @@ def test_bad_method_and_unknown_parameter():
         timm_tokcomp.apply(make_model("cls"), "tome", ratio=2)
     with pytest.raises(ValueError, match="not patched"):
         timm_tokcomp.set_params(make_model("cls"), r=2)
+
+
+def test_remove_on_a_plain_model_returns_it_unchanged():
+    model = make_model("cls")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert timm_tokcomp.remove(model) is model and type(model).__name__ == "VisionTransformer"
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

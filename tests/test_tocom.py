@@ -117,3 +117,24 @@ def test_a_compensated_model_saved_and_loaded_whole_still_detaches():
         trained.blocks[1].attn.qkv.weight[0, 0] += 0.5
     with pytest.raises(ValueError, match=r"blocks\[1\].attn.qkv.weight changed since"):
         detach(trained)
+
+
+def test_detach_gives_back_the_model_as_it_was_at_attach():
+    """Weights and method: a plain model comes back plain (set_compression had applied ToMe), a reduced one with
+    its own method and parameters; restore=False keeps both as they are."""
+    plain = make_model("cls")
+    attach(plain, _random_compensator(), source_r=0)
+    set_compression(plain, r=8)
+    detach(plain)
+    assert not timm_tokcomp.is_reduced(plain)
+    reduced = timm_tokcomp.apply(make_model("cls"), "evit", r=2, prop_attn=True)
+    attach(reduced, _random_compensator(), source_r=2)
+    set_compression(reduced, r=8)
+    detach(reduced)
+    reducer = timm_tokcomp.get_reducer(reduced)
+    assert (reducer.name, reducer.r, reducer.prop_attn) == ("evit", 2, True)
+    kept = make_model("cls")
+    attach(kept, _random_compensator(), source_r=0)
+    set_compression(kept, r=8)
+    detach(kept, restore=False)
+    assert timm_tokcomp.get_reducer(kept).r == 8

@@ -23,6 +23,7 @@ from .models import build_base_model
 from . import kernels
 from .attention import PROP_ATTN_IMPLS
 from .methods import METHODS, method_class, parse_method_tag
+from .extras import pyplot
 from .outputs import new_output
 
 BASELINE = "none"
@@ -415,11 +416,7 @@ def write_csv(rows: Sequence[BenchRow], path: str, model_name: str, overwrite: b
 def plot_pareto(rows: Sequence[BenchRow], path: str, model_name: str, overwrite: bool = False) -> None:
     """GMACs against top-1 (or throughput without data), one labelled point per method; an existing file is
     refused unless overwrite."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("plot", "bench --plot")
     use_acc = rows[0].top1 is not None
     ys = [r.top1 if use_acc else r.img_per_s for r in rows]
     fig, ax = plt.subplots(figsize=(5, 4))

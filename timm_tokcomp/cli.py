@@ -16,11 +16,14 @@ def _numbers(flag: str, text: str, kind: type) -> tuple:
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench import describe_settings, format_table, plot_pareto, run_bench, write_csv
+    from .extras import require
     from .outputs import refuse_existing
 
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         if path:
             refuse_existing(path, args.overwrite, flag)
+    if args.plot:
+        require("matplotlib", "plot", "bench --plot")  # before any work
     if not args.checkpoint and not args.pretrained:
         print("note: no --checkpoint or --pretrained: random weights, accuracy columns are meaningless",
               file=sys.stderr)

@@ -39,8 +39,10 @@ def apply(model: nn.Module, method: str = "tome", **params: Any) -> nn.Module:
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Restore the plain timm model (same classes, same weights); returns it."""
-    _patch.unpatch(model)
+    """Restore the plain timm model (same classes, same weights); returns it. A model without a method is returned
+    unchanged."""
+    if _patch.is_patched(model):
+        _patch.unpatch(model)
     return model
 
 

@@ -15,18 +15,12 @@ import torch
 from torch import nn
 
 from .core import get_reducer, is_reduced
+from .extras import require
 from .outputs import new_output, refuse_existing
 
 OPSET = 18
 EXPORTABLE = ("tome", "evit", "topk", "dpcknn", "l1", "l2", "linf", "dense_tome", "pyra", "patchmerger", "sinkhorn",
               "sit", "dynamicvit")
-
-
-def _require(module: str):
-    try:
-        return __import__(module)
-    except ImportError:
-        raise ImportError(f"ONNX export needs {module}: pip install 'timm-tokcomp[export]'") from None
 
 
 def check_exportable(model: nn.Module) -> None:
@@ -59,8 +53,8 @@ def export_onnx(model: nn.Module, path: str, example: torch.Tensor, overwrite: b
     dynamic batch dimension, using torch.onnx's dynamo exporter. example: (B, 3, H, W), B >= 2, fixing the image
     size. The model itself is not changed: a copy computes attention explicitly (ONNX opset 18 has no fused
     attention; same result within fp32 rounding). Returns path."""
-    _require("onnxscript")
-    _require("onnx")
+    require("onnxscript", "export", "ONNX export")
+    require("onnx", "export", "ONNX export")
     check_exportable(model)
     if example.dim() != 4 or example.shape[0] < 2:
         raise ValueError(f"example must be a (B, 3, H, W) batch with B >= 2 (B = 1 would fix the batch size), "
@@ -80,7 +74,7 @@ def export_onnx(model: nn.Module, path: str, example: torch.Tensor, overwrite: b
 
 def onnx_runner(path: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """A callable running the ONNX file in onnxruntime on the CPU: images (B, 3, H, W) -> logits tensor."""
-    ort = _require("onnxruntime")
+    ort = require("onnxruntime", "export", "running an ONNX export")
     session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
 

@@ -36,6 +36,7 @@ from .core import NO_REDUCTION, apply
 from .bench import check_dtype, mcnemar_exact_p, precision
 from .models import build_base_model, check_device
 from .calibrate import save_tuned_preset
+from .extras import available, pyplot
 from .data import UnlabeledImages, check_num_classes, open_images
 from .measure import device_description, forward_counting, no_silent_eager_fallback, time_runs
 from .methods import method_class
@@ -377,7 +378,7 @@ def tune(
     device offers) on `data` (a folder of images; labels not needed) and choose per batch size (module docstring).
     model: a timm architecture name (weights from checkpoint / pretrained) or a plain timm ViT module. budget: the
     largest allowed drop of top-1 agreement with the plain model, in points. out: a folder for tune.csv, table.md,
-    pareto.png and the preset(s) (preset.json for one batch size, preset_b<B>.json for several); with resume, a
+    pareto.png (with the plot extra's matplotlib) and the preset(s) (preset.json for one batch size, preset_b<B>.json for several); with resume, a
     killed run continues from its CSV."""
     modes = tuple(modes) if modes else default_modes(device)
     check_dtype(dtype)
@@ -695,7 +696,8 @@ def write_outputs(result: TuneResult, out: str) -> None:
     s = result.settings
     write_text(Path(out) / "table.md", f"# tokcomp tune: {s['model']} on {s['device_name']}, {s['dtype']}"
                                        f"{', TF32' if s['tf32'] else ''}\n\n" + result.table())
-    plot_pareto(result, Path(out) / "pareto.png")
+    if available("matplotlib"):  # the one output the core install leaves out (the plot extra)
+        plot_pareto(result, Path(out) / "pareto.png")
     for batch, path in preset_paths(out, s["batches"]).items():
         choice = next(c for c in result.choices if c.batch == batch)
         save_tuned_preset(path, choice, s, overwrite=True)  # inside the run folder tune holds
@@ -704,11 +706,7 @@ def write_outputs(result: TuneResult, out: str) -> None:
 def plot_pareto(result: TuneResult, path: Path) -> None:
     """Speed-up against held-out agreement, one panel per batch size: every timed candidate, the frontier (no
     other point both faster and more agreeing), the budget line and the chosen point."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("plot", "tune's pareto.png")
     batches = [c.batch for c in result.choices]
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
     for ax, choice in zip(axes[0], result.choices):

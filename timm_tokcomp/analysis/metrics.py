@@ -10,6 +10,8 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from ..extras import require
+
 
 def kept_overlap(kept_a: np.ndarray, kept_b: np.ndarray) -> Dict[str, float]:
     """kept_a, kept_b: (P,) bool, the patches two models keep at one stage (of one image). IoU = |A & B| /
@@ -27,9 +29,9 @@ def assignment_agreement(c: np.ndarray, k: np.ndarray) -> Dict[str, float]:
     """c, k: (P,) int, the output token of every patch under two models (c: the one that keeps more tokens).
     Homogeneity (each of k's groups lies within one of c's), completeness, and NMI with the arithmetic mean,
     which is scikit-learn's V-measure (identical by definition; one call computes all three)."""
-    from sklearn.metrics import homogeneity_completeness_v_measure
+    scores = require("sklearn.metrics", "analysis", "assignment agreement").homogeneity_completeness_v_measure
 
-    h, comp, v = homogeneity_completeness_v_measure(c, k)
+    h, comp, v = scores(c, k)
     return {"homogeneity": float(h), "completeness": float(comp), "nmi": float(v)}
 
 
@@ -44,7 +46,7 @@ def _as_distribution(depth: np.ndarray) -> np.ndarray:
 def grid_emd(map_a: np.ndarray, map_b: np.ndarray) -> float:
     """Earth mover's distance between two (H, W) maps as distributions on the grid, Euclidean ground distance
     in patch units (scipy's wasserstein_distance_nd)."""
-    from scipy.stats import wasserstein_distance_nd
+    wasserstein_distance_nd = require("scipy.stats", "analysis", "the grid EMD").wasserstein_distance_nd
 
     h, w = map_a.shape
     coords = np.stack(np.meshgrid(np.arange(h), np.arange(w), indexing="ij"), -1).reshape(-1, 2).astype(np.float64)
@@ -55,8 +57,8 @@ def depth_map_similarity(map_a: np.ndarray, map_b: np.ndarray) -> Dict[str, Opti
     """Two (H, W) mean-depth maps: Spearman rank correlation (None, undefined, where a map is constant: its
     patches have no ranks), EMD (grid_emd), Jensen-Shannon divergence (base 2, in [0, 1]) and histogram
     intersection (in [0, 1]) of the maps as distributions."""
-    from scipy.spatial.distance import jensenshannon
-    from scipy.stats import spearmanr
+    jensenshannon = require("scipy.spatial.distance", "analysis", "depth-map similarity").jensenshannon
+    spearmanr = require("scipy.stats", "analysis", "depth-map similarity").spearmanr
 
     p, q = _as_distribution(map_a), _as_distribution(map_b)
     constant = np.ptp(map_a) == 0 or np.ptp(map_b) == 0
@@ -75,7 +77,7 @@ def _centred(x: np.ndarray) -> np.ndarray:
 def procrustes_distance(x: np.ndarray, y: np.ndarray) -> float:
     """Orthogonal Procrustes distance between features x (n, d) and y (n, d) of the same n images, each centred
     and scaled to unit Frobenius norm: 2 - 2 * (nuclear norm of x^T y), in [0, 2] (scipy's orthogonal_procrustes)."""
-    from scipy.linalg import orthogonal_procrustes
+    orthogonal_procrustes = require("scipy.linalg", "analysis", "the Procrustes distance").orthogonal_procrustes
 
     a, b = _centred(x), _centred(y)
     a, b = a / np.linalg.norm(a), b / np.linalg.norm(b)

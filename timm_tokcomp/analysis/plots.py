@@ -5,6 +5,7 @@ from typing import Dict, List, Sequence, Union
 
 import numpy as np
 
+from ..extras import pyplot
 from ..outputs import replacing
 from .compare import MetricRow
 from .record import Recording
@@ -15,12 +16,7 @@ SCALES = {"nmi": (0, 1), "homogeneity": (0, 1), "completeness": (0, 1), "iou": (
 
 
 def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot("analysis", "tokcomp analyze")
 
 
 def _save(fig, path: Union[str, Path]) -> None:

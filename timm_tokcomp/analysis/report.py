@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from ..core import __version__, apply
+from ..extras import require
 from ..outputs import replacing, run_folder, write_text
 from .compare import MetricRow, compare, compared_blocks
 from .plots import plot_depth_maps, plot_metric_matrices, plot_overlays
@@ -69,6 +70,8 @@ def run_analysis(model_name: str, methods: Sequence[str], data: str, out: str, l
         raise ValueError(f"--limit must be >= 2 images, got {limit}")
     if not 0 <= overlays:
         raise ValueError(f"--overlays must be >= 0, got {overlays}")
+    for module in ("scipy", "sklearn", "matplotlib"):  # before any work
+        require(module, "analysis", "tokcomp analyze")
     # resume keeps the recordings (reused where their settings match); the report, metrics and pictures of the
     # earlier run are set aside and redrawn, so nothing of its settings lingers, and come back if this run fails
     with run_folder(out, resume, overwrite, RUN_ENTRIES, kept_on_resume=("records",)):

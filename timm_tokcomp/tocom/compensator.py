@@ -12,11 +12,12 @@ subtracting), in fp32, so any sequence of switches returns bit-identical weights
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from ..core import apply, get_reducer, is_reduced, remove, set_params
 from ..schedules import is_int, is_real
 
 QUERY, VALUE = 0, 1  # index of the projection in the plugin tensors
@@ -106,6 +107,7 @@ class _Attached:
     pristine: List[torch.Tensor]  # per block: (2, attn_dim, D) query / value rows of the source weights
     target_r: int
     scale: float
+    method: Optional[Tuple[str, Dict[str, Any]]]  # the model's method and parameters at attach (None: none)
     # per block: (qkv weight, its _version, a fingerprint of its values); the fingerprint survives what identity and
     # version do not (torch.save / load, deepcopy)
     written: List[Tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=list)
@@ -169,7 +171,8 @@ def attach(model: nn.Module, compensator: Compensator, source_r: int = 0, scale:
     for qkv in _qkv_layers(model):
         rows = qv_rows(qkv.weight, compensator.attn_dim)
         pristine.append(torch.stack([qkv.weight[s].detach().clone() for s in rows]))
-    model._tocom = _Attached(compensator, source_r, pristine, source_r, scale)
+    method = (get_reducer(model).name, get_reducer(model).params) if is_reduced(model) else None
+    model._tocom = _Attached(compensator, source_r, pristine, source_r, scale, method)
     model._tocom.record(_qkv_layers(model))
     return model
 
@@ -202,8 +205,6 @@ def set_compression(model: nn.Module, r: int, scale: Optional[float] = None) -> 
     """Run the model at ToMe / EViT degree r with the compensator for (source_r -> r): sets the
     method's r (timm_tokcomp.set_params; a model without a method gets ToMe) and rewrites the query /
     value rows. Reversible and exact."""
-    from ..core import apply, get_reducer, is_reduced, set_params
-
     state = _attached(model)
     r = state.compensator.check_degree("r", r)
     if scale is not None:
@@ -223,8 +224,9 @@ def set_compression(model: nn.Module, r: int, scale: Optional[float] = None) -> 
 
 @torch.no_grad()
 def detach(model: nn.Module, restore: bool = True) -> nn.Module:
-    """Drop the compensator, restoring the source weights (restore=True; refused with ValueError when the
-    weights were changed since the compensator set them) or keeping the current ones (restore=False)."""
+    """Drop the compensator. restore=True: the model as it was at attach, its source weights and its method (or
+    none, where set_compression applied ToMe); refused with ValueError when the weights were changed since the
+    compensator set them. restore=False: the current weights and method stay."""
     state = _attached(model)
     if restore:
         layers = _qkv_layers(model)
@@ -232,5 +234,9 @@ def detach(model: nn.Module, restore: bool = True) -> nn.Module:
         for qkv, pristine in zip(layers, state.pristine):
             for j, rows in enumerate(qv_rows(qkv.weight, state.compensator.attn_dim)):
                 qkv.weight[rows] = pristine[j].to(qkv.weight.device)
+        if state.method is not None:
+            apply(model, state.method[0], **state.method[1])
+        elif is_reduced(model):
+            remove(model)
     del model._tocom
     return model

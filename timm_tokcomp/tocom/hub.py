@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from safetensors.torch import save_file
 
+from ..extras import require
 from ..outputs import new_output, refuse_existing, replacing, write_text
 from ..userfiles import hub_snapshot, read_safetensors, read_versioned_json
 from .compensator import Compensator, check_scale
@@ -40,8 +41,7 @@ def save(compensator: Compensator, folder: str, base_model: str, method: str = "
     compensator (tocom_config.json) is refused unless overwrite (which also removes its step folders beyond this
     compensator's). Every file is written under a temporary name and renamed into place, tocom_config.json last: a
     folder is a loadable compensator only once all its step folders are complete."""
-    from peft import LoraConfig
-
+    LoraConfig = require("peft", "tocom", "saving a ToCom compensator").LoraConfig
     root = Path(folder)
     refuse_existing(root / CONFIG_NAME, overwrite, "folder")
     comp = compensator

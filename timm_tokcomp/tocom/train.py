@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..core import apply, remove, set_params
+from ..extras import require
 from ..patch import check_supported
 from ..training.engine import Schedule, TrainingDiverged, TrainingTask, check_loop_settings, distill_loss, train
 from .compensator import Compensator
@@ -211,6 +212,7 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
     continues). The model is given back as it came (plugins and method removed)."""
     config.validate()
     check_supported(model)
+    require("peft", "tocom", "tokcomp train-tocom")  # what saves the adapters, checked before any work
     return train(lambda device, world: ToComTask(model, data, base_model, config, device, world, show_progress),
                  out, RUN_ENTRIES, resume=resume, overwrite=overwrite, device=device, show_progress=show_progress,
                  num_workers=num_workers, stop_after=stop_after, seed=config.seed)

@@ -29,6 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..core import apply, get_reducer
+from ..extras import require
 from ..data import check_num_classes, open_dataset, open_images
 from ..models import build_base_model
 from ..outputs import replacing
@@ -53,8 +54,7 @@ def _transforms(model: nn.Module, config: FinetuneConfig):
 
 
 def _lora_config(config: FinetuneConfig, model: nn.Module, base_model: str):
-    from peft import LoraConfig
-
+    LoraConfig = require("peft", "train", "tokcomp finetune's LoRA").LoraConfig
     heads = [] if config.distill else [name for name in ("head", "head_dist") if isinstance(getattr(model, name, None), nn.Linear)]
     return LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha or config.lora_rank, target_modules=["qkv"],
                       lora_dropout=0.0, modules_to_save=heads, base_model_name_or_path=base_model)
@@ -89,8 +89,7 @@ class FinetuneTask(TrainingTask):
 
     def __init__(self, base_model: str, train_data: str, eval_data: str, config: FinetuneConfig, checkpoint: Optional[str],
                  pretrained: bool, device: str, world: int, show_progress: bool, num_workers: int) -> None:
-        from peft import get_peft_model
-
+        get_peft_model = require("peft", "train", "tokcomp finetune's LoRA").get_peft_model
         self.name = f"fine-tune {config.method}"
         self.config, self.base_model, self.device, self.world = config, base_model, device, world
         self.checkpoint, self.pretrained, self.show_progress = checkpoint, pretrained, show_progress
@@ -195,6 +194,7 @@ def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str
     Seeded: the same config gives the same run. stop_after_epoch: leave after that epoch with a checkpoint;
     returns None then (and on ranks other than 0), else the final evaluation."""
     config.validate()
+    require("peft", "train", "tokcomp finetune")  # before any work
     return train(lambda device, world: FinetuneTask(base_model, train_data, eval_data or train_data, config, checkpoint,
                                                     pretrained, device, world, show_progress, num_workers),
                  out, RUN_ENTRIES, resume=resume, overwrite=overwrite, device=device, show_progress=show_progress,

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..core import apply
+from ..extras import require
 from ..learned import load_learned, save_learned
 from ..methods import method_class
 from ..models import build_base_model
@@ -83,7 +84,7 @@ def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretr
     pretrained ones), its new head, the method with its learned parameters, and the LoRA adapter, merged
     into the weights unless merge=False (then a peft model). In eval mode. Without checkpoint or pretrained the
     base is timm's random initialisation under the recipe's seed, the one finetune started from then."""
-    from peft import PeftModel
+    PeftModel = require("peft", "train", "loading a fine-tuned folder").PeftModel
 
     folder = hub_snapshot(repo_id_or_path, "a fine-tuned", revision=revision)
     data = read_versioned_json(folder, FINETUNE_CONFIG, FORMAT_VERSION, "a complete fine-tuned folder")

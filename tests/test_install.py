@@ -1,0 +1,51 @@
+"""The core install: with the optional packages unimportable (as after `pip install timm-tokcomp`), apply, the
+registered names, bench and ToCom loading work, and each optional feature fails at once with one error that
+names the extra to install."""
+import subprocess
+import sys
+
+import pytest
+
+OPTIONAL = ("peft", "matplotlib", "scipy", "sklearn", "onnx", "onnxscript", "onnxruntime", "transformers")
+BLOCK = "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in OPTIONAL)  # import raises ImportError
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCK + code], capture_output=True, text=True, timeout=300)
+
+
+def test_the_core_install_runs_apply_the_names_and_bench(tmp_path):
+    done = _run(f"""
+import timm, torch, timm_tokcomp
+from timm_tokcomp.bench import run_bench
+from timm_tokcomp.cli import main
+from timm_tokcomp.tocom import Compensator, load
+model = timm.create_model("deit_tiny_patch16_224.tome_r8")
+plain = timm_tokcomp.apply(timm.create_model("deit_tiny_patch16_224"), "tome", r=4)
+assert timm_tokcomp.get_reducer(model).params["r"] == 8 and timm_tokcomp.is_reduced(plain)
+rows = run_bench("deit_tiny_patch16_224", ["none", "tome_r8"], batch_size=2, timing_rounds=1, latency_runs=0,
+                 show_progress=False)
+assert rows[1].gmacs < rows[0].gmacs
+assert main(["bench", "deit_tiny_patch16_224", "--methods", "none,tome_r8", "--batch-size", "2", "--timing-rounds",
+             "1", "--latency-runs", "0", "--no-progress", "--out", {str(tmp_path / "b.csv")!r}]) == 0
+assert "peft" not in sys.modules or sys.modules["peft"] is None
+print("core ok")
+""")
+    assert done.returncode == 0 and "core ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("code, extra", [
+    ("from timm_tokcomp.tocom import Compensator, save\nsave(Compensator.init(2, 12, 192, 192), OUT, 'm')", "tocom"),
+    ("from timm_tokcomp.training import finetune\nfinetune('deit_tiny_patch16_224', OUT, OUT + '/o')", "train"),
+    ("from timm_tokcomp.cli import main\nsys.exit(main(['bench', '--plot', OUT + '/p.png']))", "plot"),
+    ("from timm_tokcomp.cli import main\nsys.exit(main(['analyze', 'deit_tiny_patch16_224', '--methods', 'tome_r8,evit_r8', "
+     "'--data', OUT, '--out', OUT + '/a']))", "analysis"),
+    ("from timm_tokcomp.cli import main\nsys.exit(main(['train-tocom', '--model', 'deit_tiny_patch16_224', '--data', "
+     "OUT, '--out', OUT + '/t']))", "tocom"),
+])
+def test_a_missing_extra_is_named_before_any_work(tmp_path, code, extra):
+    done = _run(f"OUT = {str(tmp_path)!r}\n" + code)
+    assert done.returncode != 0
+    message = done.stderr.strip().splitlines()[-1]
+    assert f"pip install 'timm-tokcomp[{extra}]'" in message, done.stderr[-2000:]
+    assert not any(p.name in ("o", "a", "t", "p.png") for p in tmp_path.iterdir())
