@@ -1,9 +1,21 @@
 """The `tokcomp` command line."""
 import argparse
 import sys
+import textwrap
 from typing import List, Optional
 
-from .methods import TAG_SUMMARY
+from .methods import FAMILIES
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, where it has one (not None, not an off switch) and the help does
+    not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def _numbers(flag: str, text: str, kind: type) -> tuple:
@@ -289,6 +301,17 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _methods(args: argparse.Namespace) -> int:
+    from .methods import METHODS
+
+    for name, cls in METHODS.items():
+        print(textwrap.fill(", ".join(cls.tag_forms()), 110, initial_indent=f"{name}\n  tags: ",
+                            subsequent_indent="    "))
+        print(textwrap.fill(", ".join(cls.param_names()), 110, initial_indent="  parameters: ",
+                            subsequent_indent="    "))
+    return 0
+
+
 def _training_flags(parser: argparse.ArgumentParser, unit: str) -> None:
     """The flags of the training engine, the same for every command that trains (stop-after counts `unit`s)."""
     parser.add_argument("--seed", type=int, default=0, help="(default %(default)s)")
@@ -314,12 +337,21 @@ def _training_flags(parser: argparse.ArgumentParser, unit: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokcomp", description="Token compression for timm ViTs.")
+    from . import __version__
+    from .export import EXPORTABLE
+
+    parser = argparse.ArgumentParser(prog="tokcomp", description="Token compression for timm ViTs.",
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tokcomp (timm_tokcomp) {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_parser = sub.add_parser
+    sub.add_parser = lambda *a, **k: add_parser(*a, formatter_class=_HelpFormatter, **k)  # defaults in every help
+    methods = sub.add_parser("methods", help="list the methods, their name tags and their parameters")
+    methods.set_defaults(func=_methods)
     bench = sub.add_parser("bench", help="GMACs / throughput / accuracy table of several methods, side by side")
     bench.add_argument("model", nargs="?", default="deit_tiny_patch16_224", help="timm architecture (default %(default)s)")
     bench.add_argument("--methods", default="none,tome_r8,tome_r16",
-                       help=f"comma list of 'none' and method tags ({TAG_SUMMARY}); default %(default)s")
+                       help=f"comma list of 'none' and method tags ({FAMILIES}); default %(default)s")
     bench.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
     bench.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
     bench.add_argument("--data", help="ImageFolder tree or folder with labels.csv (file,label): top-1 and "
@@ -407,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "head and the method's own parameters (PYRA's recipe); with --distill, on "
                                          "unlabelled images, learning the unreduced model's outputs")
     ft.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
-    ft.add_argument("--method", default="none", help=f"token reduction trained with: a method tag ({TAG_SUMMARY}) "
+    ft.add_argument("--method", default="none", help=f"token reduction trained with: a method tag ({FAMILIES}) "
                                                      f"or none (default %(default)s)")
     ft.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="another method parameter, e.g. form=pooled (repeatable)")
@@ -441,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "study's pattern metrics, draw pictures, write a Markdown report")
     an.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
     an.add_argument("--methods", default="tome_r8,evit_r8,atm",
-                    help=f"comma list of two or more method tags ({TAG_SUMMARY}) or presets; default %(default)s")
+                    help=f"comma list of two or more method tags ({FAMILIES}) or presets; default %(default)s")
     an.add_argument("--data", required=True, help="folder of images (labels.csv, ImageFolder or plain; labels unused)")
     an.add_argument("--limit", type=int, default=256, help="first N images (default %(default)s)")
     an.add_argument("--out", required=True, help="report folder")
@@ -457,10 +489,11 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--no-progress", action="store_true", help="hide progress bars")
     an.set_defaults(func=_analyze)
 
-    ex = sub.add_parser("export", help="write a plain, ToMe, EViT or dense_tome model as ONNX (dynamic batch) "
-                                       "and check it in onnxruntime")
+    ex = sub.add_parser("export", help=f"write a plain or reduced model ({', '.join(EXPORTABLE)}) as ONNX (dynamic "
+                                       f"batch) and check it in onnxruntime")
     ex.add_argument("model", help="timm architecture, or a tagged name such as deit_tiny_patch16_224.tome_r16")
-    ex.add_argument("--method", help=f"method tag ({TAG_SUMMARY}; ATM does not export)")
+    ex.add_argument("--method", help=f"method tag of {', '.join(EXPORTABLE)} (atm, ats and kmedoids do not export: "
+                                     f"their token counts or round-off depend on the data)")
     ex.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
     ex.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
     ex.add_argument("--out", required=True, help="the .onnx file to write")
@@ -470,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("speed", help="forward time of each method against the plain model and against its limit "
                                       "(no matching), per batch size, in eager / compiled / CUDA-graph mode")
     sp.add_argument("model", nargs="?", default="deit_base_patch16_224", help="timm architecture (default %(default)s)")
-    sp.add_argument("--methods", help=f"comma list of method tags ({TAG_SUMMARY}), '<tag>@<path>' "
+    sp.add_argument("--methods", help=f"comma list of method tags ({FAMILIES}), '<tag>@<path>' "
                                       f"(a kernel, a prop_attn implementation or both: tome_r16@triton, "
                                       f"tome_r16@fold_qkv, tome_r16@triton+fold) or presets; default {SPEED_METHODS}, and on "
                                       f"CUDA also {SPEED_METHODS_CUDA[1:]}")
@@ -520,6 +553,10 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
     tu.add_argument("--no-progress", action="store_true", help="hide progress bars")
     tu.set_defaults(func=_tune)
+    for command in sub.choices.values():  # an option without help text still shows its default
+        for action in command._actions:
+            if action.help is None and action.default not in (None, False, argparse.SUPPRESS):
+                action.help = "(default: %(default)s)"
     return parser
 
 

@@ -38,6 +38,9 @@ def _summary(forms: Tuple[str, ...]) -> str:
 
 
 TAG_SUMMARY = _summary(TAG_FORMS)
+# what --help lists: the method families and an example tag of each kind; `tokcomp methods` lists every form
+FAMILIES = (f"{', '.join(METHODS)}; tags such as tome_r16, tome_high, evit_k70, atm_fast, dense_tome_r8 "
+            f"(tokcomp methods lists every form)")
 
 
 def method_class(method: str) -> Type[TokenReducer]:

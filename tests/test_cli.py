@@ -1,0 +1,40 @@
+"""The command line's own surface: --version, `tokcomp methods`, and help that shows every default and lists the
+method families rather than every preset."""
+import argparse
+
+import pytest
+
+import timm_tokcomp
+from timm_tokcomp.cli import build_parser, main
+from timm_tokcomp.methods import METHODS, TAG_FORMS
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"tokcomp (timm_tokcomp) {timm_tokcomp.__version__}"
+
+
+def test_methods_lists_every_method_tag_form_and_parameter(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    words = set(out.replace(",", " ").split())
+    assert set(METHODS) <= words and set(TAG_FORMS) <= words
+    assert all(set(cls.param_names()) <= words for cls in METHODS.values())
+
+
+def _commands():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+@pytest.mark.parametrize("command", sorted(_commands()))
+def test_help_shows_every_default_and_no_preset_list(command, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "3000")  # no line breaks inside a default such as crop-flip
+    parser = _commands()[command]
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings != ["-h", "--help"]:
+            shown = ", ".join(map(str, action.default)) if isinstance(action.default, tuple) else str(action.default)
+            assert f"default {shown}" in text or f"default: {shown}" in text, (command, action.dest)
+    assert "atm_g105" not in text  # the operating points are listed by `tokcomp methods` only
