@@ -205,3 +205,40 @@ def test_mcnemar_exact_p():
     assert mcnemar_exact_p(16, 19) == pytest.approx(0.7359, abs=1e-4)  # scipy.stats.binomtest(16, 35).pvalue
     with pytest.raises(ValueError, match="gained and lost"):
         mcnemar_exact_p(-1, 2)
+
+
+def test_no_timing_reports_gmacs_and_accuracy_only(tmp_path, capsys):
+    names = _write_images(tmp_path / "val" / "images", 6)
+    with open(tmp_path / "val" / "labels.csv", "w") as f:
+        f.write("file,label\n" + "".join(f"{n},{i % 3}\n" for i, n in enumerate(names)))
+    out, plot = tmp_path / "r.csv", tmp_path / "p.png"
+    assert main(["bench", "deit_tiny", "--data", str(tmp_path / "val"), "--methods", "none,tome_r8", "--no-timing",
+                 "--limit", "4", "--out", str(out), "--plot", str(plot)] + FAST) == 0
+    table = capsys.readouterr().out
+    assert "tput" not in table and "lat ms" not in table and "tokens@last" in table
+    rows = list(csv.DictReader(open(out)))
+    assert all(r["speedup"] == r["img_per_s"] == r["latency_ms"] == "" for r in rows)
+    assert float(rows[1]["gmacs"]) < float(rows[0]["gmacs"]) and rows[1]["top1"] != ""
+    assert plot.stat().st_size > 1000
+    assert main(["bench", "deit_tiny", "--no-timing", "--plot", str(tmp_path / "q.png")] + FAST) == 2
+    assert "nothing to plot" in capsys.readouterr().err and not (tmp_path / "q.png").exists()
+
+
+def test_the_table_names_its_columns_and_flags_ratios_within_noise():
+    from timm_tokcomp.bench import BenchRow, format_table
+
+    rows = [BenchRow("none", 1.25, None, 100.0, 1.0, None, None, 197, speedup_lo=1.0, speedup_hi=1.0),
+            BenchRow("tome_r8", 0.9, None, 130.0, 1.3, None, None, 109, speedup_lo=1.2, speedup_hi=1.4),
+            BenchRow("tome_r2", 1.2, None, 102.0, 1.02, None, None, 185, speedup_lo=0.95, speedup_hi=1.09)]
+    table = format_table(rows)
+    assert "tput img/s" in table and "tput x [95%]" in table and "1.30x [1.20, 1.40]" in table
+    assert "tokens@last: tokens entering the last block" in table
+    noise = [line for line in table.splitlines() if line.startswith("note: within timing noise")]
+    assert len(noise) == 1 and "tome_r2" in noise[0] and "tome_r8" not in noise[0]
+
+
+def test_the_evaluation_progress_counts_images(tmp_path, capsys):
+    _write_images(tmp_path / "imgs", 5)
+    assert main(["bench", "deit_tiny", "--data", str(tmp_path / "imgs"), "--methods", "none,tome_r8", "--no-timing",
+                 "--batch-size", "2", "--num-workers", "0"]) == 0
+    assert "5/5" in capsys.readouterr().err  # images, not the 3 batches

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import timm_tokcomp
-from timm_tokcomp import tuning
+from timm_tokcomp import measure, tuning
 from timm_tokcomp.bench import run_bench
 from timm_tokcomp.cli import main
 from timm_tokcomp.tuning import TuneRow, candidate_paths, choose, read_rows
@@ -25,7 +25,7 @@ def _row(name, ms, lo, hi, agree, batch=64, mode="eager", plain=10.0):
 
 def test_t_quantile_and_binomial_bound_match_scipy():
     for df in (3, 5, 9, 20, 60):
-        assert tuning.t_quantile_975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), abs=2e-3)
+        assert measure.t_quantile_975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), abs=2e-3)
     for changed, n in ((1, 50), (4, 128), (13, 128), (30, 1000)):
         expected = scipy_stats.beta.ppf(0.05, changed, n - changed + 1)
         assert tuning.disagreement_lower_bound(changed, n) == pytest.approx(expected, abs=1e-6)
@@ -33,9 +33,9 @@ def test_t_quantile_and_binomial_bound_match_scipy():
 
 
 def test_speedup_interval_pairs_rounds():
-    point, lo, hi = tuning.speedup_interval([2.0, 2.1, 1.9, 2.0], [1.0, 1.05, 0.95, 1.0])
+    point, lo, hi = measure.speedup_interval([2.0, 2.1, 1.9, 2.0], [1.0, 1.05, 0.95, 1.0])
     assert point == pytest.approx(2.0) and lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
-    point, lo, hi = tuning.speedup_interval([1.0, 1.0, 1.0, 1.0], [0.8, 1.3, 0.9, 1.1])
+    point, lo, hi = measure.speedup_interval([1.0, 1.0, 1.0, 1.0], [0.8, 1.3, 0.9, 1.1])
     assert lo < 1.0 < hi
 
 
@@ -203,7 +203,7 @@ def test_where_reduction_cannot_pay_tune_declines_or_bench_confirms(tuned):
     model = _small_model()
     x = torch.randn(1, 3, 32, 32)
     times = time_runs({"plain": model, "chosen": timm_tokcomp.apply(_small_model(), method, **params)}, x, rounds=40)
-    assert tuning.speedup_interval(times["plain"], times["chosen"])[0] > 1.0
+    assert measure.speedup_interval(times["plain"], times["chosen"])[0] > 1.0
 
 
 def test_screening_prunes_what_breaks_the_budget(image_folder, monkeypatch):

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from .core import apply, is_reduced, last_stats
 from .data import UnlabeledImages, check_num_classes, open_images
 from .calibrate import load_preset
-from .measure import count_macs, forward_counting, no_silent_eager_fallback, time_runs
+from .measure import count_macs, forward_counting, no_silent_eager_fallback, speedup_interval, time_runs
 from .models import build_base_model
 from . import kernels
 from .attention import PROP_ATTN_IMPLS
@@ -39,14 +39,16 @@ class BenchRow:
     (the '+ToCom' rows) are compared with it image by image: paired_with names that row, agree_gained /
     agree_lost count the images whose agreement with the baseline this row gains / loses against it,
     and agree_change_p is the exact two-sided McNemar p-value of that split (None elsewhere). backend: what
-    ran the timed forwards; latency_ms / latency_p90_ms: median and 90th percentile of single-image forwards,
-    latency_speedup: the baseline's median latency / this one (None without latency runs)."""
+    ran the timed forwards; img_per_s: throughput of the timing batch, speedup: the baseline's median batch time /
+    this one, speedup_lo / speedup_hi: the 95 % interval of the rounds' ratios (None without timing);
+    latency_ms / latency_p90_ms: median and 90th percentile of single-image forwards, latency_speedup (lo, hi):
+    the baseline's median latency / this one (None without latency runs)."""
 
     method: str
     gmacs: float
     gmacs_std: Optional[float]
-    img_per_s: float
-    speedup: float
+    img_per_s: Optional[float]
+    speedup: Optional[float]
     top1: Optional[float]
     agreement: Optional[float]
     tokens_last_block: int
@@ -60,6 +62,10 @@ class BenchRow:
     latency_ms: Optional[float] = None
     latency_p90_ms: Optional[float] = None
     latency_speedup: Optional[float] = None
+    speedup_lo: Optional[float] = None
+    speedup_hi: Optional[float] = None
+    latency_speedup_lo: Optional[float] = None
+    latency_speedup_hi: Optional[float] = None
 
 
 @contextlib.contextmanager
@@ -251,7 +257,8 @@ def evaluate(models: Dict[str, nn.Module], loader: Iterable, device: str, show_p
     agrees: Dict[str, List[torch.Tensor]] = {k: [] for k in models}
     batch_macs: Dict[str, List[float]] = {k: [] for k in models}
     sizes: List[int] = []
-    for x, y in tqdm(loader, desc="evaluate", disable=not show_progress, file=sys.stderr):
+    bar = tqdm(total=len(loader.dataset), desc="evaluate", unit="img", disable=not show_progress, file=sys.stderr)
+    for x, y in loader:
         x, y = x.to(device), y.to(device)
         reference = None
         for name, model in models.items():
@@ -262,6 +269,8 @@ def evaluate(models: Dict[str, nn.Module], loader: Iterable, device: str, show_p
             correct[name] += (pred == y).sum().item()
             agrees[name].append((pred == reference).cpu())
         sizes.append(len(y))
+        bar.update(len(y))
+    bar.close()
     seen = sum(sizes)
     if seen == 0:
         raise ValueError("--data: the dataset holds no images")
@@ -306,12 +315,14 @@ def run_bench(
     source_r; adds a '+ToCom' row after each ToMe / EViT row (its scale, or tocom_scale). dtype: 'fp32',
     or 'bf16' / 'fp16' autocast for every forward; tf32: allow TF32 on CUDA (torch's default is off).
     backend: 'eager', 'compile' or 'onnx' (onnxruntime, CPU) runs the timed forwards; GMACs and accuracy come
-    from the PyTorch models. latency_runs: single-image forwards timed per model (0: none)."""
+    from the PyTorch models. timing_rounds: timed batch forwards per model (0, --no-timing: none, and no latency
+    either; the timing batch is the first batch of the data, so no larger than `limit`). latency_runs: single-image
+    forwards timed per model (0: none)."""
     check_dtype(dtype)
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
-    if timing_rounds < 1:
-        raise ValueError(f"--timing-rounds must be >= 1, got {timing_rounds}")
+    if timing_rounds < 0:
+        raise ValueError(f"--timing-rounds must be >= 0 (0: no timing), got {timing_rounds}")
     if checkpoint and pretrained:
         raise ValueError("give --checkpoint or --pretrained, not both")
     if latency_runs < 0:
@@ -340,30 +351,22 @@ def run_bench(
         batch = torch.randn(batch_size, *cfg["input_size"], device=device)
         macs = {k: count_macs(m, batch[:1]) for k, m in models.items()}
 
-    warmup = 1 if backend == "eager" else 2  # compiled: the first calls compile (one per input shape)
-    total = len(models) * (timing_rounds + warmup + (latency_runs + warmup if latency_runs else 0))
-    with tempfile.TemporaryDirectory() as workdir, no_silent_eager_fallback(len(models)), \
-            tqdm(total=total, desc=f"timing ({backend})", disable=not show_progress, file=sys.stderr) as bar, \
-            precision(device, dtype, tf32):
-        runners = backend_runners(models, backend, batch, workdir)
-        seconds = {name: statistics.median(t) for name, t in
-                   time_runs(runners, batch, rounds=timing_rounds, warmup=warmup, progress=bar.update).items()}
-        latency = {}
-        if latency_runs:
-            latency = time_runs(runners, batch[:1], rounds=latency_runs, warmup=warmup, progress=bar.update)
-    latency_median = {name: statistics.median(t) for name, t in latency.items()}
+    times, latency = _time(models, batch, backend, timing_rounds, latency_runs if timing_rounds else 0, device, dtype,
+                           tf32, show_progress)
     num_tokens = base.patch_embed.num_patches + base.num_prefix_tokens
     paired = {}
     if evaluation is not None:
         paired = {name: paired_change(evaluation.agrees, name, name[:-len(TOCOM_SUFFIX)])
                   for name in models if name.endswith(TOCOM_SUFFIX)}
-    return [
-        BenchRow(
+    rows = []
+    for name, model in models.items():
+        speed, fast = _ratio(times, name), _ratio(latency, name)
+        rows.append(BenchRow(
             method=name,
             gmacs=macs[name] / 1e9,
             gmacs_std=None if evaluation is None else evaluation.macs_std[name] / 1e9,
-            img_per_s=len(batch) / seconds[name],
-            speedup=seconds[BASELINE] / seconds[name],
+            img_per_s=len(batch) / statistics.median(times[name]) if times else None,
+            speedup=speed[0],
             top1=evaluation.top1[name] if labelled else None,
             agreement=None if evaluation is None else evaluation.agreement[name],
             tokens_last_block=_tokens_last_block(model, num_tokens),
@@ -371,30 +374,70 @@ def run_bench(
             dtype=dtype,
             tf32=tf32,
             backend=backend,
-            latency_ms=1e3 * latency_median[name] if latency else None,
+            latency_ms=1e3 * statistics.median(latency[name]) if latency else None,
             latency_p90_ms=1e3 * p90(latency[name]) if latency else None,
-            latency_speedup=latency_median[BASELINE] / latency_median[name] if latency else None,
-        )
-        for name, model in models.items()
-    ]
+            latency_speedup=fast[0], speedup_lo=speed[1], speedup_hi=speed[2], latency_speedup_lo=fast[1],
+            latency_speedup_hi=fast[2],
+        ))
+    return rows
+
+
+def _time(models: Dict[str, nn.Module], batch: torch.Tensor, backend: str, rounds: int, latency_runs: int,
+          device: str, dtype: str, tf32: bool, show_progress: bool) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
+    """Seconds per round of batch forwards and of single-image forwards, every model interleaved ({} for none)."""
+    if not rounds:
+        return {}, {}
+    warmup = 1 if backend == "eager" else 2  # compiled: the first calls compile (one per input shape)
+    total = len(models) * (rounds + warmup + (latency_runs + warmup if latency_runs else 0))
+    with tempfile.TemporaryDirectory() as workdir, no_silent_eager_fallback(len(models)), \
+            tqdm(total=total, desc=f"timing ({backend})", disable=not show_progress, file=sys.stderr) as bar, \
+            precision(device, dtype, tf32):
+        runners = backend_runners(models, backend, batch, workdir)
+        times = time_runs(runners, batch, rounds=rounds, warmup=warmup, progress=bar.update)
+        latency = {}
+        if latency_runs:
+            latency = time_runs(runners, batch[:1], rounds=latency_runs, warmup=warmup, progress=bar.update)
+    return times, latency
+
+
+def _ratio(times: Dict[str, List[float]], name: str) -> Tuple[Optional[float], Optional[float], Optional[float]]:
+    """(baseline median / this median, the 95 % interval of the rounds' ratios), or Nones without timing."""
+    return speedup_interval(times[BASELINE], times[name]) if times else (None, None, None)
 
 
 def format_table(rows: Sequence[BenchRow]) -> str:
-    """GMACs +- its spread across batches (adaptive methods vary per batch), tokens entering the last
-    block; then, for rows compared with another row, the images whose agreement changed."""
+    """GMACs +- its spread across batches (adaptive methods vary per batch); throughput and latency with their
+    ratios to the plain model and the ratios' 95 % intervals; top-1, agreement, tokens entering the last block;
+    a legend; a note on the ratios within timing noise; for rows compared with another row, the images whose
+    agreement changed."""
     width = max(12, max(len(r.method) for r in rows) + 2)
-    with_latency = rows[0].latency_ms is not None
-    latency_header = f"{'1-img ms':>10}{'p90':>8}{'speedup':>9}" if with_latency else ""
-    header = (f"{'method':<{width}}{'GMACs':>9}{'+-batch':>9}{'img/s':>10}{'speedup':>9}{latency_header}"
-              f"{'top-1 %':>9}{'agree %':>9}{'tokens':>8}")
+    timed, with_latency = rows[0].speedup is not None, rows[0].latency_ms is not None
+    header = f"{'method':<{width}}{'GMACs':>9}{'+-batch':>9}"
+    header += f"{'tput img/s':>12}{'tput x [95%]':>20}" if timed else ""
+    header += f"{'lat ms':>9}{'lat p90':>9}{'lat x [95%]':>20}" if with_latency else ""
+    header += f"{'top-1 %':>9}{'agree %':>9}{'tokens@last':>13}"
     lines = [header, "-" * len(header)]
     for r in rows:
         std = "-" if r.gmacs_std is None else f"{r.gmacs_std:.4f}"
+        line = f"{r.method:<{width}}{r.gmacs:>9.4f}{std:>9}"
+        if timed:
+            line += f"{r.img_per_s:>12.1f}{_ratio_cell(r.speedup, r.speedup_lo, r.speedup_hi):>20}"
+        if with_latency:
+            line += (f"{r.latency_ms:>9.2f}{r.latency_p90_ms:>9.2f}"
+                     f"{_ratio_cell(r.latency_speedup, r.latency_speedup_lo, r.latency_speedup_hi):>20}")
         acc = "-" if r.top1 is None else f"{r.top1:.2f}"
         agr = "-" if r.agreement is None else f"{r.agreement:.2f}"
-        latency = f"{r.latency_ms:>10.2f}{r.latency_p90_ms:>8.2f}{r.latency_speedup:>8.2f}x" if with_latency else ""
-        lines.append(f"{r.method:<{width}}{r.gmacs:>9.4f}{std:>9}{r.img_per_s:>10.1f}{r.speedup:>8.2f}x{latency}"
-                     f"{acc:>9}{agr:>9}{r.tokens_last_block:>8}")
+        lines.append(line + f"{acc:>9}{agr:>9}{r.tokens_last_block:>13}")
+    legend = ["tput: throughput of the timing batch"] if timed else []
+    legend += ["lat: one image (median, 90th percentile)"] if with_latency else []
+    legend += ["x: the plain model's time / this one, [95 % interval of the timed rounds]"] if timed else []
+    lines += ["", "; ".join(legend + ["tokens@last: tokens entering the last block"])]
+    noisy = [r.method for r in rows if r.method != BASELINE and any(
+        lo is not None and lo <= 1.0 <= hi for lo, hi in ((r.speedup_lo, r.speedup_hi),
+                                                          (r.latency_speedup_lo, r.latency_speedup_hi)))]
+    if noisy:
+        lines.append(f"note: within timing noise (the interval holds 1.00x, the spread is larger than the effect): "
+                     f"{', '.join(noisy)}; time more rounds (--timing-rounds, --latency-runs) or on a quieter machine")
     compared = [r for r in rows if r.paired_with is not None]
     if compared:
         lines += ["", "agreement changed image by image, against the row modified "
@@ -402,6 +445,11 @@ def format_table(rows: Sequence[BenchRow]) -> str:
         lines += [f"  {r.method:<{width}}+{r.agree_gained} / -{r.agree_lost} images vs {r.paired_with}, "
                   f"p = {r.agree_change_p:.2g}" for r in compared]
     return "\n".join(lines)
+
+
+def _ratio_cell(point: float, lo: Optional[float], hi: Optional[float]) -> str:
+    """'1.52x [1.40, 1.61]'; the interval is unbounded ('inf') with fewer than two rounds."""
+    return f"{point:.2f}x [{lo:.2f}, {hi:.2f}]"
 
 
 def write_csv(rows: Sequence[BenchRow], path: str, model_name: str, overwrite: bool = False) -> None:
@@ -414,17 +462,23 @@ def write_csv(rows: Sequence[BenchRow], path: str, model_name: str, overwrite: b
 
 
 def plot_pareto(rows: Sequence[BenchRow], path: str, model_name: str, overwrite: bool = False) -> None:
-    """GMACs against top-1 (or throughput without data), one labelled point per method; an existing file is
-    refused unless overwrite."""
+    """GMACs against top-1 (throughput without labels, agreement without labels or timing), one labelled point per
+    method; an existing file is refused unless overwrite."""
     plt = pyplot("plot", "bench --plot")
-    use_acc = rows[0].top1 is not None
-    ys = [r.top1 if use_acc else r.img_per_s for r in rows]
+    if rows[0].top1 is not None:
+        ys, label = [r.top1 for r in rows], "top-1 (%)"
+    elif rows[0].img_per_s is not None:
+        ys, label = [r.img_per_s for r in rows], "images / s"
+    elif rows[0].agreement is not None:
+        ys, label = [r.agreement for r in rows], "agreement with the plain model (%)"
+    else:
+        raise ValueError("--plot needs --data or timing: with --no-timing and random inputs there is nothing to plot")
     fig, ax = plt.subplots(figsize=(5, 4))
     ax.plot([r.gmacs for r in rows], ys, "o")
     for r, y in zip(rows, ys):
         ax.annotate(r.method, (r.gmacs, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("GMACs per image")
-    ax.set_ylabel("top-1 (%)" if use_acc else "images / s")
+    ax.set_ylabel(label)
     ax.set_title(model_name)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()

@@ -36,6 +36,8 @@ def _bench(args: argparse.Namespace) -> int:
             refuse_existing(path, args.overwrite, flag)
     if args.plot:
         require("matplotlib", "plot", "bench --plot")  # before any work
+        if args.no_timing and not args.data:
+            raise ValueError("--plot needs --data or timing: with --no-timing and random inputs there is nothing to plot")
     if not args.checkpoint and not args.pretrained:
         print("note: no --checkpoint or --pretrained: random weights, accuracy columns are meaningless",
               file=sys.stderr)
@@ -47,7 +49,7 @@ def _bench(args: argparse.Namespace) -> int:
         data=args.data,
         batch_size=args.batch_size,
         device=args.device,
-        timing_rounds=args.timing_rounds,
+        timing_rounds=0 if args.no_timing else args.timing_rounds,
         limit=args.limit,
         num_workers=args.num_workers,
         show_progress=not args.no_progress,
@@ -369,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="single-image forwards timed per method for latency (median, p90; 0: none; "
                             "default %(default)s)")
     bench.add_argument("--timing-rounds", type=int, default=5, help="timed forwards per method (median)")
+    bench.add_argument("--no-timing", action="store_true", help="GMACs and accuracy only: no throughput or latency")
     bench.add_argument("--limit", type=int, help="evaluate only the first N images")
     bench.add_argument("--num-workers", type=int, default=2, help="data loading workers")
     bench.add_argument("--out", help="write the table as CSV")

@@ -6,6 +6,7 @@ attention op that the installed torch dispatches to but has no formula for (torc
 silently counts as 0). A guard then checks every attention op that ran against its analytic count, so a
 missing or doubled formula raises `AttentionCountError` instead of giving a wrong number.
 """
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -263,6 +264,34 @@ def no_silent_eager_fallback(num_models: int):
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     fail = "fail_on_recompile_limit_hit" if hasattr(config, "fail_on_recompile_limit_hit") else "fail_on_cache_limit_hit"
     return config.patch(**{limit: max(8, 2 * num_models), fail: True})
+
+
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_quantile_975(df: int) -> float:
+    """The 97.5 % quantile of Student's t with df degrees of freedom: the table to df = 30, a Cornish-Fisher
+    expansion beyond (within 1e-4 there)."""
+    if df < 1:
+        return float("inf")
+    if df <= len(T_975):
+        return T_975[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2) \
+        + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3)
+
+
+def speedup_interval(plain: Sequence[float], times: Sequence[float]) -> Tuple[float, float, float]:
+    """Speed-up of `times` against `plain` (seconds of interleaved rounds, paired by position): the ratio of
+    medians, and the 95 % t interval of the rounds' log ratios (lo, hi); (ratio, 0, inf) with fewer than 2 rounds."""
+    point = statistics.median(plain) / statistics.median(times)
+    logs = [math.log(p / t) for p, t in zip(plain, times)]
+    if len(logs) < 2:
+        return point, 0.0, float("inf")
+    half = t_quantile_975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    mean = statistics.fmean(logs)
+    return point, math.exp(mean - half), math.exp(mean + half)
 
 
 @torch.inference_mode()

@@ -38,7 +38,7 @@ from .models import build_base_model, check_device
 from .calibrate import save_tuned_preset
 from .extras import available, pyplot
 from .data import UnlabeledImages, check_num_classes, open_images
-from .measure import device_description, forward_counting, no_silent_eager_fallback, time_runs
+from .measure import device_description, forward_counting, no_silent_eager_fallback, speedup_interval, time_runs
 from .methods import method_class
 from .outputs import replacing, run_folder, write_text
 from .schedules import is_int, is_real
@@ -152,34 +152,6 @@ class TuneResult:
 
 
 # ---------------------------------------------------------------- statistics
-
-
-T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def t_quantile_975(df: int) -> float:
-    """The 97.5 % quantile of Student's t with df degrees of freedom: the table to df = 30, a Cornish-Fisher
-    expansion beyond (within 1e-4 there)."""
-    if df < 1:
-        return float("inf")
-    if df <= len(T_975):
-        return T_975[df - 1]
-    z = 1.959964
-    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2) \
-        + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3)
-
-
-def speedup_interval(plain: Sequence[float], times: Sequence[float]) -> Tuple[float, float, float]:
-    """Speed-up of `times` against `plain` (seconds of interleaved rounds, paired by position): the ratio of
-    medians, and the 95 % t interval of the rounds' log ratios (lo, hi); (ratio, 0, inf) with fewer than 2 rounds."""
-    point = statistics.median(plain) / statistics.median(times)
-    logs = [math.log(p / t) for p, t in zip(plain, times)]
-    if len(logs) < 2:
-        return point, 0.0, float("inf")
-    half = t_quantile_975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-    mean = statistics.fmean(logs)
-    return point, math.exp(mean - half), math.exp(mean + half)
 
 
 def _log_binom_pmf(k: int, n: int, p: float) -> float:
