@@ -38,3 +38,21 @@ def test_help_shows_every_default_and_no_preset_list(command, monkeypatch):
             shown = ", ".join(map(str, action.default)) if isinstance(action.default, tuple) else str(action.default)
             assert f"default {shown}" in text or f"default: {shown}" in text, (command, action.dest)
     assert "atm_g105" not in text  # the operating points are listed by `tokcomp methods` only
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "deit_tiny_patch16_224", "--methods", "none,tome_x", "--no-progress"],
+    ["calibrate", "deit_tiny_patch16_224", "--target-ratio", "0.8", "--data", "/no/such/folder", "--no-progress"],
+    ["finetune", "deit_tiny_patch16_224", "--data", "/no/such/folder", "--out", "unused", "--no-progress"],
+])
+def test_an_error_is_the_only_line_even_with_random_weights(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tokcomp: error:"), err
+
+
+def test_the_random_weights_note_follows_the_result(capsys):
+    assert main(["bench", "deit_tiny_patch16_224", "--methods", "none,tome_r8", "--batch-size", "2", "--no-timing",
+                 "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "tome_r8" in captured.out and captured.err.strip().splitlines()[-1].startswith("note: no --checkpoint")

@@ -39,8 +39,7 @@ def _bench(args: argparse.Namespace) -> int:
         if args.no_timing and not args.data:
             raise ValueError("--plot needs --data or timing: with --no-timing and random inputs there is nothing to plot")
     if not args.checkpoint and not args.pretrained:
-        print("note: no --checkpoint or --pretrained: random weights, accuracy columns are meaningless",
-              file=sys.stderr)
+        args.notes.append("no --checkpoint or --pretrained: random weights, accuracy columns are meaningless")
     rows = run_bench(
         args.model,
         methods=args.methods.split(","),
@@ -106,8 +105,7 @@ def _tune(args: argparse.Namespace) -> int:
     from .tuning import preset_paths, tune
 
     if not args.checkpoint and not args.pretrained:
-        print("note: no --checkpoint or --pretrained: tuning random weights, whose agreement says nothing",
-              file=sys.stderr)
+        args.notes.append("no --checkpoint or --pretrained: random weights were tuned, whose agreement says nothing")
     space = None
     if args.methods:
         try:
@@ -178,7 +176,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.limit < 1 or args.batch_size < 1:
         raise ValueError(f"--limit and --batch-size must be >= 1, got {args.limit} and {args.batch_size}")
     if not args.checkpoint and not args.pretrained:
-        print("note: no --checkpoint or --pretrained: calibrating random weights", file=sys.stderr)
+        args.notes.append("no --checkpoint or --pretrained: the thresholds were calibrated for random weights")
     base = build_base_model(args.model, args.checkpoint, args.pretrained, args.device)
     dataset = open_images(args.data, timm.data.create_transform(**timm.data.resolve_model_data_config(base)),
                           limit=args.limit)
@@ -225,7 +223,7 @@ def _train_tocom(args: argparse.Namespace) -> int:
     with distributed(args.device) as device:  # under torchrun: the process group, one GPU per process
         writer = rank_and_world()[0] == 0
         if not args.checkpoint and not args.pretrained and writer:
-            print("note: no --checkpoint or --pretrained: training plugins for random weights", file=sys.stderr)
+            args.notes.append("no --checkpoint or --pretrained: the plugins were trained for random weights")
         torch.manual_seed(args.seed)  # the same random weights in every process when there is no checkpoint
         model = build_base_model(args.model, args.checkpoint, args.pretrained, "cpu")
         _, report = train_tocom(model, args.data, args.out, args.model, config, resume=args.resume, device=device,
@@ -274,7 +272,7 @@ def _finetune(args: argparse.Namespace) -> int:
     with distributed(args.device) as device:  # under torchrun: the process group, one GPU per process
         writer = rank_and_world()[0] == 0
         if not args.checkpoint and not args.pretrained and writer:
-            print("note: no --checkpoint or --pretrained: fine-tuning random weights", file=sys.stderr)
+            args.notes.append("no --checkpoint or --pretrained: random weights were fine-tuned")
         result = finetune(args.model, args.data, args.out, args.eval_data, config, checkpoint=args.checkpoint,
                           pretrained=args.pretrained, resume=args.resume, overwrite=args.overwrite, device=device,
                           show_progress=not args.no_progress, num_workers=args.num_workers,
@@ -578,8 +576,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .training.engine import TrainingDiverged
 
     args = build_parser().parse_args(argv)
+    args.notes = []  # what qualifies the result, printed after it: an error stays the only line
     try:
-        return args.func(args)
+        code = args.func(args)
+        for note in args.notes:
+            print(f"note: {note}", file=sys.stderr)
+        return code
     except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:
         print(f"tokcomp: error: {_one_line(e)}", file=sys.stderr)
         return 2
