@@ -56,3 +56,14 @@ def test_the_random_weights_note_follows_the_result(capsys):
                  "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert "tome_r8" in captured.out and captured.err.strip().splitlines()[-1].startswith("note: no --checkpoint")
+
+
+def test_train_tocom_takes_the_model_first_and_still_reads_the_old_flag(tmp_path, capsys):
+    assert main(["train-tocom", "--data", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "the model is required" in capsys.readouterr().err
+    assert main(["train-tocom", "deit_tiny_patch16_224", "--model", "deit_tiny_patch16_224", "--data", str(tmp_path),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "give the model once" in capsys.readouterr().err
+    assert main(["train-tocom", "--model", "test_vit", "--data", str(tmp_path / "none"), "--out",
+                 str(tmp_path / "o"), "--steps", "0"]) == 2  # the old spelling parses; the bad setting is refused
+    assert "--steps must be an integer >= 1" in capsys.readouterr().err

@@ -89,7 +89,7 @@ def _commands(data, out):
         "calibrate": ["calibrate", MODEL, "--target-ratio", "1.5", "--data", data, "--no-progress"],
         "analyze": ["analyze", MODEL, "--methods", "tome_r8,evit_r8", "--data", data, "--out", out, "--no-progress"],
         "finetune": ["finetune", MODEL, "--data", data, "--out", out, "--no-progress", "--batch-size", "2"],
-        "train-tocom": ["train-tocom", "--model", MODEL, "--data", data, "--out", out, "--no-progress"],
+        "train-tocom": ["train-tocom", MODEL, "--data", data, "--out", out, "--no-progress"],
         "speed": ["speed", MODEL, "--data", data, "--batches", "2", "--rounds", "1", "--methods", "tome_r8",
                   "--no-progress"],
         "tune": ["tune", MODEL, "--data", data, "--out", out, "--no-progress"],

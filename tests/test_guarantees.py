@@ -20,7 +20,7 @@ from timm_tokcomp.outputs import replacing
 from timm_tokcomp.tocom import load
 from conftest import make_model
 
-TRAIN = ["train-tocom", "--model", "test_vit", "--batch-size", "4", "--holdout", "4", "--scale-grid", "0.05,0.1",
+TRAIN = ["train-tocom", "test_vit", "--batch-size", "4", "--holdout", "4", "--scale-grid", "0.05,0.1",
          "--scale-targets", "8,16", "--no-progress", "--num-workers", "0"]
 
 
@@ -340,7 +340,7 @@ def test_cli_names_a_truncated_adapter_file_and_refuses_a_non_finite_scale(tmp_p
 
 
 def test_training_an_unsupported_model_leaves_no_folder(image_folder, tmp_path, capsys):
-    assert main(["train-tocom", "--model", "resnet18", "--data", str(image_folder), "--out", str(tmp_path / "o"),
+    assert main(["train-tocom", "resnet18", "--data", str(image_folder), "--out", str(tmp_path / "o"),
                  "--steps", "2", "--no-progress", "--num-workers", "0"]) == 2
     assert "VisionTransformer" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

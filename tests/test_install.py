@@ -40,7 +40,7 @@ print("core ok")
     ("from timm_tokcomp.cli import main\nsys.exit(main(['bench', '--plot', OUT + '/p.png']))", "plot"),
     ("from timm_tokcomp.cli import main\nsys.exit(main(['analyze', 'deit_tiny_patch16_224', '--methods', 'tome_r8,evit_r8', "
      "'--data', OUT, '--out', OUT + '/a']))", "analysis"),
-    ("from timm_tokcomp.cli import main\nsys.exit(main(['train-tocom', '--model', 'deit_tiny_patch16_224', '--data', "
+    ("from timm_tokcomp.cli import main\nsys.exit(main(['train-tocom', 'deit_tiny_patch16_224', '--data', "
      "OUT, '--out', OUT + '/t']))", "tocom"),
 ])
 def test_a_missing_extra_is_named_before_any_work(tmp_path, code, extra):

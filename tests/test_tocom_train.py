@@ -261,7 +261,7 @@ def test_a_checkpoint_from_before_holdout_pick_resumes_as_holding_out_the_end(im
 def test_torchrun_two_processes_match_one_process(image_folder, tmp_path):
     """DDP on gloo: 2 processes x 4 images train the same plugins as 1 process x 8 images, and share
     the 8 held-out images (a batch each) to the same held-out report."""
-    args = ["train-tocom", "--model", "test_vit", "--data", str(image_folder), "--steps", "3", "--holdout", "8",
+    args = ["train-tocom", "test_vit", "--data", str(image_folder), "--steps", "3", "--holdout", "8",
             "--scale-grid", "0.1", "--scale-targets", "16", "--no-progress", "--num-workers", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
@@ -296,10 +296,10 @@ def test_torchrun_two_processes_match_one_process(image_folder, tmp_path):
 def test_cli_refuses_bad_arguments(image_folder, tmp_path, capsys):
     from timm_tokcomp.cli import main
 
-    assert main(["train-tocom", "--model", "test_vit", "--data", str(image_folder), "--out", str(tmp_path),
+    assert main(["train-tocom", "test_vit", "--data", str(image_folder), "--out", str(tmp_path),
                  "--steps", "0"]) == 2
     assert "--steps must be an integer >= 1" in capsys.readouterr().err
-    assert main(["train-tocom", "--model", "test_vit", "--data", str(image_folder), "--out", str(tmp_path),
+    assert main(["train-tocom", "test_vit", "--data", str(image_folder), "--out", str(tmp_path),
                  "--holdout", "18", "--batch-size", "4", "--no-progress"]) == 2
     assert "fewer than one global batch" in capsys.readouterr().err
 

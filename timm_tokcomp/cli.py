@@ -220,6 +220,14 @@ def _train_tocom(args: argparse.Namespace) -> int:
         accumulate=args.accumulate)
     config.validate()
     check_device(args.device)
+    if args.model_flag is not None:
+        if args.model is not None:
+            raise ValueError(f"give the model once: positional {args.model!r} or --model {args.model_flag!r}")
+        args.notes.append("train-tocom --model MODEL is deprecated: give the model first, as every command takes it "
+                          "(tokcomp train-tocom MODEL ...)")
+        args.model = args.model_flag
+    if args.model is None:
+        raise ValueError("the model is required: tokcomp train-tocom MODEL --data DIR --out DIR")
     with distributed(args.device) as device:  # under torchrun: the process group, one GPU per process
         writer = rank_and_world()[0] == 0
         if not args.checkpoint and not args.pretrained and writer:
@@ -405,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train-tocom", help="train ToCom compensator plugins by self-distillation (no labels); "
                                             "runs under torchrun --nproc_per_node=N too")
-    tr.add_argument("--model", required=True, help="timm architecture, e.g. deit_tiny_patch16_224")
+    tr.add_argument("model", nargs="?", help="timm architecture, e.g. deit_tiny_patch16_224")
+    tr.add_argument("--model", dest="model_flag", help="deprecated spelling of the positional MODEL")
     tr.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
     tr.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
     tr.add_argument("--data", required=True, help="folder of images (plain, labels.csv or ImageFolder; labels unused)")
