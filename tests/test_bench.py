@@ -235,6 +235,9 @@ def test_the_table_names_its_columns_and_flags_ratios_within_noise():
     assert "tokens@last: tokens entering the last block" in table
     noise = [line for line in table.splitlines() if line.startswith("note: within timing noise")]
     assert len(noise) == 1 and "tome_r2" in noise[0] and "tome_r8" not in noise[0]
+    idle = format_table(rows + [BenchRow("atm", 1.25, 0.0, 99.0, 0.99, None, None, 197, speedup_lo=0.9,
+                                         speedup_hi=1.1)])
+    assert "note: reduced nothing on these inputs: atm (an adaptive method" in idle and "tome_r8 (" not in idle
 
 
 def test_the_evaluation_progress_counts_images(tmp_path, capsys):

@@ -438,6 +438,12 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     if noisy:
         lines.append(f"note: within timing noise (the interval holds 1.00x, the spread is larger than the effect): "
                      f"{', '.join(noisy)}; time more rounds (--timing-rounds, --latency-runs) or on a quieter machine")
+    idle = [r.method for r in rows if r.method != BASELINE and r.tokens_last_block == rows[0].tokens_last_block
+            and r.gmacs >= rows[0].gmacs]
+    if idle:
+        lines.append(f"note: reduced nothing on these inputs: {', '.join(idle)} (an adaptive method merges only tokens "
+                     f"more similar than its thresholds, which random weights or inputs rarely reach; a schedule of "
+                     f"r = 0 reduces nothing by design)")
     compared = [r for r in rows if r.paired_with is not None]
     if compared:
         lines += ["", "agreement changed image by image, against the row modified "
