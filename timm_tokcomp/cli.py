@@ -323,8 +323,7 @@ def _methods(args: argparse.Namespace) -> int:
 def _training_flags(parser: argparse.ArgumentParser, unit: str) -> None:
     """The flags of the training engine, the same for every command that trains (stop-after counts `unit`s)."""
     parser.add_argument("--seed", type=int, default=0, help="(default %(default)s)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: one GPU per process; "
-                                                        "default %(default)s)")
+    _device_flag(parser, "; under torchrun, one GPU per process")
     parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                         help="autocast in --amp-dtype, the trained parameters and optimizer in fp32 (default: on for "
                              "CUDA, off on the CPU)")
@@ -341,6 +340,21 @@ def _training_flags(parser: argparse.ArgumentParser, unit: str) -> None:
                         help=f"leave after this {unit} with a checkpoint (continue with --resume)")
     parser.add_argument("--num-workers", type=int, default=2, help="data loading workers per process "
                                                                    "(default %(default)s)")
+    _progress_flag(parser)
+
+
+def _weights_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the model's weights come from (neither: timm's random initialisation, with a note)."""
+    parser.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
+    parser.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub; offline: "
+                                                                   "the HF cache with HF_HUB_OFFLINE=1)")
+
+
+def _device_flag(parser: argparse.ArgumentParser, more: str = "") -> None:
+    parser.add_argument("--device", default="cpu", help=f"cpu, cuda or cuda:N{more}")
+
+
+def _progress_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
@@ -360,13 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("model", nargs="?", default="deit_tiny_patch16_224", help="timm architecture (default %(default)s)")
     bench.add_argument("--methods", default="none,tome_r8,tome_r16",
                        help=f"comma list of 'none' and method tags ({FAMILIES}); default %(default)s")
-    bench.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
-    bench.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
+    _weights_flags(bench)
     bench.add_argument("--data", help="ImageFolder tree or folder with labels.csv (file,label): top-1 and "
                                       "agreement; a plain folder of images: agreement only; without it, "
                                       "random inputs and no accuracy")
     bench.add_argument("--batch-size", type=int, default=64)
-    bench.add_argument("--device", default="cpu")
+    _device_flag(bench)
     bench.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                        help="fp32, or bf16 / fp16 autocast for every forward (default %(default)s)")
     bench.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (torch's default: off)")
@@ -387,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--source-r", type=int, default=0, help="ToMe r the model was trained at (default %(default)s)")
     bench.add_argument("--tocom-scale", type=float, help="compensator scale s (default: the one in its config)")
     bench.add_argument("--overwrite", action="store_true", help="replace existing --out / --plot files")
-    bench.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    _progress_flag(bench)
     bench.set_defaults(func=_bench)
 
     cal = sub.add_parser("calibrate", help="find ATM thresholds that hit a GMACs budget on your images (no labels)")
@@ -396,27 +409,25 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--target-gmacs", type=float, help="GMACs per image to reach")
     target.add_argument("--target-ratio", type=float, help="fraction of the unmodified model's GMACs, in (0, 1)")
     cal.add_argument("--data", required=True, help="folder of images (plain, labels.csv or ImageFolder; labels unused)")
-    cal.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
-    cal.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
+    _weights_flags(cal)
     cal.add_argument("--limit", type=int, default=512, help="calibrate on the first N images (default %(default)s)")
     cal.add_argument("--tolerance", type=float, default=0.02, help="relative GMACs tolerance (default %(default)s)")
     cal.add_argument("--alpha", type=float, default=1.0, help="initial threshold, kept fixed (default %(default)s)")
     cal.add_argument("--split-layer", type=int, help="blocks after it use size-distinctive matching "
                                                     "(default: three quarters of the depth)")
     cal.add_argument("--batch-size", type=int, default=64)
-    cal.add_argument("--device", default="cpu")
+    _device_flag(cal)
     cal.add_argument("--num-workers", type=int, default=2, help="data loading workers")
     cal.add_argument("--out", default="atm_preset.json", help="where to save the preset (default %(default)s)")
     cal.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    cal.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    _progress_flag(cal)
     cal.set_defaults(func=_calibrate)
 
     tr = sub.add_parser("train-tocom", help="train ToCom compensator plugins by self-distillation (no labels); "
                                             "runs under torchrun --nproc_per_node=N too")
     tr.add_argument("model", nargs="?", help="timm architecture, e.g. deit_tiny_patch16_224")
     tr.add_argument("--model", dest="model_flag", help="deprecated spelling of the positional MODEL")
-    tr.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
-    tr.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
+    _weights_flags(tr)
     tr.add_argument("--data", required=True, help="folder of images (plain, labels.csv or ImageFolder; labels unused)")
     tr.add_argument("--out", required=True, help="adapter repository folder to write (training state in OUT/training)")
     tr.add_argument("--steps", type=int, default=1100, help="optimizer steps (default %(default)s)")
@@ -460,8 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "model's outputs (KL, temperature 1); --data may be any image "
                                                           "folder; the evaluation reports agreement with the unreduced model")
     ft.add_argument("--out", required=True, help="folder to write: peft adapter, method parameters, card, training/")
-    ft.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
-    ft.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
+    _weights_flags(ft)
     ft.add_argument("--epochs", type=int, default=10, help="(default %(default)s)")
     ft.add_argument("--batch-size", type=int, default=32, help="(default %(default)s)")
     ft.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default %(default)s)")
@@ -487,16 +497,15 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--data", required=True, help="folder of images (labels.csv, ImageFolder or plain; labels unused)")
     an.add_argument("--limit", type=int, default=256, help="first N images (default %(default)s)")
     an.add_argument("--out", required=True, help="report folder")
-    an.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
-    an.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
+    _weights_flags(an)
     an.add_argument("--batch-size", type=int, default=32)
     an.add_argument("--overlays", type=int, default=4, help="images drawn with each method's groups (default %(default)s)")
-    an.add_argument("--device", default="cpu")
+    _device_flag(an)
     an.add_argument("--resume", action="store_true", help="reuse OUT: recordings with the same settings are kept, "
                                                           "the rest is redrawn")
     an.add_argument("--overwrite", action="store_true",
                     help="replace the previous report in OUT (set aside, deleted when this run ends)")
-    an.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    _progress_flag(an)
     an.set_defaults(func=_analyze)
 
     ex = sub.add_parser("export", help=f"write a plain or reduced model ({', '.join(EXPORTABLE)}) as ONNX (dynamic "
@@ -504,15 +513,15 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("model", help="timm architecture, or a tagged name such as deit_tiny_patch16_224.tome_r16")
     ex.add_argument("--method", help=f"method tag of {', '.join(EXPORTABLE)} (atm, ats and kmedoids do not export: "
                                      f"their token counts or round-off depend on the data)")
-    ex.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
-    ex.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
+    _weights_flags(ex)
     ex.add_argument("--out", required=True, help="the .onnx file to write")
     ex.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     ex.set_defaults(func=_export)
 
     sp = sub.add_parser("speed", help="forward time of each method against the plain model and against its limit "
                                       "(no matching), per batch size, in eager / compiled / CUDA-graph mode")
-    sp.add_argument("model", nargs="?", default="deit_base_patch16_224", help="timm architecture (default %(default)s)")
+    sp.add_argument("model", nargs="?", default="deit_tiny_patch16_224",
+                    help="timm architecture (the same default as bench; the GPU tables use deit_base_patch16_224)")
     sp.add_argument("--methods", help=f"comma list of method tags ({FAMILIES}), '<tag>@<path>' "
                                       f"(a kernel, a prop_attn implementation or both: tome_r16@triton, "
                                       f"tome_r16@fold_qkv, tome_r16@triton+fold) or presets; default {SPEED_METHODS}, and on "
@@ -521,18 +530,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--modes", default="eager", help="comma list of eager, compile (torch.compile), cudagraph "
                                                      "(torch.compile mode='reduce-overhead', CUDA only), graph (the "
                                                      "eager forward in a CUDA graph, CUDA only); default %(default)s")
-    sp.add_argument("--device", default="cpu")
+    _device_flag(sp)
     sp.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                     help="fp32, or bf16 / fp16 autocast (default %(default)s)")
     sp.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (torch's default: off)")
     sp.add_argument("--rounds", type=int, default=20, help="timed forwards per model (median; default %(default)s)")
-    sp.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
-    sp.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
+    _weights_flags(sp)
     sp.add_argument("--data", help="folder of images whose first batch is timed (random inputs without it; "
                                    "adaptive methods such as ATM need real images)")
     sp.add_argument("--out", help="write the rows as CSV")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    sp.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    _progress_flag(sp)
     sp.set_defaults(func=_speed)
     tu = sub.add_parser("tune", help="measure the training-free methods on this device and choose the fastest that "
                                       "keeps top-1 agreement within a budget, or no reduction")
@@ -540,9 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--data", required=True, help="folder of images (labels not needed; with labels top-1 is reported)")
     tu.add_argument("--out", required=True, help="folder for tune.csv, table.md, pareto.png and preset.json "
                                                  "(preset_b<B>.json per batch size when several)")
-    tu.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
-    tu.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub)")
-    tu.add_argument("--device", default="cpu")
+    _weights_flags(tu)
+    _device_flag(tu)
     tu.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                     help="fp32, or bf16 / fp16 autocast (default %(default)s)")
     tu.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (torch's default: off)")
@@ -561,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "%(default)s)")
     tu.add_argument("--resume", action="store_true", help="continue a killed run in --out from its tune.csv")
     tu.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
-    tu.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    _progress_flag(tu)
     tu.set_defaults(func=_tune)
     for command in sub.choices.values():  # an option without help text still shows its default
         for action in command._actions:
