@@ -67,3 +67,18 @@ def test_train_tocom_takes_the_model_first_and_still_reads_the_old_flag(tmp_path
     assert main(["train-tocom", "--model", "test_vit", "--data", str(tmp_path / "none"), "--out",
                  str(tmp_path / "o"), "--steps", "0"]) == 2  # the old spelling parses; the bad setting is refused
     assert "--steps must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_precision_is_spelled_as_timm_spells_it_and_the_old_flag_still_works(tmp_path, capsys):
+    import csv
+
+    common = ["bench", "deit_tiny_patch16_224", "--methods", "none,tome_r8", "--batch-size", "2", "--no-timing",
+              "--no-progress"]
+    assert main(common + ["--amp", "--out", str(tmp_path / "a.csv")]) == 0
+    assert {r["dtype"] for r in csv.DictReader(open(tmp_path / "a.csv"))} == {"bf16"}
+    assert "--dtype is deprecated" not in capsys.readouterr().err
+    assert main(common + ["--dtype", "bf16", "--out", str(tmp_path / "b.csv")]) == 0
+    assert {r["dtype"] for r in csv.DictReader(open(tmp_path / "b.csv"))} == {"bf16"}
+    assert "note: --dtype is deprecated: --dtype bf16 is --amp" in capsys.readouterr().err
+    assert main(common + ["--amp", "--dtype", "fp16"]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -354,6 +354,29 @@ def _device_flag(parser: argparse.ArgumentParser, more: str = "") -> None:
     parser.add_argument("--device", default="cpu", help=f"cpu, cuda or cuda:N{more}")
 
 
+def _precision_flags(parser: argparse.ArgumentParser) -> None:
+    """The precision of every forward, spelled as timm's scripts do (--amp, --amp-dtype); --dtype fp32|bf16|fp16
+    still works, with a deprecation note. main() resolves them into args.dtype ('fp32', 'bf16' or 'fp16')."""
+    parser.add_argument("--amp", action="store_true", help="autocast every forward (evaluation and timing) to "
+                                                          "--amp-dtype, as a half-precision deployment does")
+    parser.add_argument("--amp-dtype", choices=("bfloat16", "float16"), default="bfloat16", help="with --amp")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                        help="deprecated spelling: --dtype bf16 is --amp, --dtype fp16 is --amp --amp-dtype float16")
+    parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (torch's default: off)")
+    parser.set_defaults(inference_precision=True)
+
+
+def _resolve_precision(args: argparse.Namespace) -> str:
+    """'fp32', 'bf16' or 'fp16' from --amp / --amp-dtype or the deprecated --dtype."""
+    if args.dtype is None:
+        return {"bfloat16": "bf16", "float16": "fp16"}[args.amp_dtype] if args.amp else "fp32"
+    if args.amp:
+        raise ValueError("give --amp / --amp-dtype or the deprecated --dtype, not both")
+    args.notes.append(f"--dtype is deprecated: --dtype {args.dtype} is "
+                      f"{ {'fp32': 'the default (no --amp)', 'bf16': '--amp', 'fp16': '--amp --amp-dtype float16'}[args.dtype]}")
+    return args.dtype
+
+
 def _progress_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -380,9 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "random inputs and no accuracy")
     bench.add_argument("--batch-size", type=int, default=64)
     _device_flag(bench)
-    bench.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                       help="fp32, or bf16 / fp16 autocast for every forward (default %(default)s)")
-    bench.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (torch's default: off)")
+    _precision_flags(bench)
     bench.add_argument("--backend", choices=("eager", "compile", "onnx"), default="eager",
                        help="what runs the timed forwards: PyTorch eager, torch.compile, or the ONNX export in "
                             "onnxruntime (CPU, fp32; needs the export extra); default %(default)s")
@@ -531,9 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(torch.compile mode='reduce-overhead', CUDA only), graph (the "
                                                      "eager forward in a CUDA graph, CUDA only); default %(default)s")
     _device_flag(sp)
-    sp.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                    help="fp32, or bf16 / fp16 autocast (default %(default)s)")
-    sp.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (torch's default: off)")
+    _precision_flags(sp)
     sp.add_argument("--rounds", type=int, default=20, help="timed forwards per model (median; default %(default)s)")
     _weights_flags(sp)
     sp.add_argument("--data", help="folder of images whose first batch is timed (random inputs without it; "
@@ -550,9 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "(preset_b<B>.json per batch size when several)")
     _weights_flags(tu)
     _device_flag(tu)
-    tu.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                    help="fp32, or bf16 / fp16 autocast (default %(default)s)")
-    tu.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (torch's default: off)")
+    _precision_flags(tu)
     tu.add_argument("--batches", default="64", help="batch sizes, one choice each (default %(default)s)")
     tu.add_argument("--budget", type=float, default=1.0,
                     help="largest allowed drop of top-1 agreement with the plain model, in points (default %(default)s)")
@@ -594,6 +611,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     args.notes = []  # what qualifies the result, printed after it: an error stays the only line
     try:
+        if getattr(args, "inference_precision", False):
+            args.dtype = _resolve_precision(args)
         code = args.func(args)
         for note in args.notes:
             print(f"note: {note}", file=sys.stderr)
