@@ -382,7 +382,7 @@ def _progress_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .core import __version__
     from .export import EXPORTABLE
 
     parser = argparse.ArgumentParser(prog="tokcomp", description="Token compression for timm ViTs.",
