@@ -38,7 +38,7 @@ def refuse_existing(path: PathLike, overwrite: bool, flag: str) -> None:
     """Raise FileExistsError when `path` exists and overwrite is False. flag: the option (or parameter) that named
     it. The one rule for every finished output a user names; commands call it before their work, writers again."""
     if not overwrite and Path(path).exists():
-        raise FileExistsError(f"{flag} {path} already exists; pass --overwrite (overwrite=True) to replace it")
+        raise FileExistsError(f"{flag} {path} already exists; pass --overwrite to replace it")
 
 
 @contextmanager
