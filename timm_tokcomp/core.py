@@ -30,9 +30,7 @@ def apply(model: nn.Module, method: str = "tome", **params: Any) -> nn.Module:
     if method == NO_REDUCTION:  # a tune preset that chose the plain model
         if params:
             raise ValueError(f"method 'none' takes no parameters, got {sorted(params)}")
-        if _patch.is_patched(model):
-            _patch.unpatch(model)
-        return model
+        return remove(model)
     params = method_class(method).resolve_params(model, params)
     _patch.patch(model, make_reducer(method, **params))
     return model

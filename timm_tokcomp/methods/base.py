@@ -90,7 +90,7 @@ class TokenReducer(ABC):
         cls.__signature__ = signature(cls.PARAMS)  # what help() and inspect.signature show
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        bound = signature(self.PARAMS).bind(*args, **kwargs)  # TypeError for an unknown or a missing parameter
+        bound = type(self).__signature__.bind(*args, **kwargs)  # TypeError for an unknown or a missing parameter
         bound.apply_defaults()
         for param in self.PARAMS:
             setattr(self, param.name, param.check(bound.arguments[param.name]))

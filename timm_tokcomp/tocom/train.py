@@ -19,7 +19,8 @@ from torch import nn
 from ..core import apply, remove, set_params
 from ..extras import require
 from ..patch import check_supported
-from ..training.engine import Schedule, TrainingDiverged, TrainingTask, check_loop_settings, distill_loss, train
+from ..training.engine import (Schedule, TrainingDiverged, TrainingTask, check_loop_settings, distill_loss,
+                               rank_and_world, train)
 from .compensator import Compensator
 from .heldout import HeldoutReport, choose_scale, results_summary, write_report
 from .mosaic import split_images
@@ -174,7 +175,7 @@ class ToComTask(TrainingTask):
 
     def finish(self, out: Path, writer: bool, seconds: float) -> Tuple[Compensator, Optional[HeldoutReport]]:
         config = self.config
-        rank = torch.distributed.get_rank() if self.world > 1 else 0
+        rank = rank_and_world()[0]
         report, chosen = choose_scale(self.model, self.plugins, self.heldout_set, config, self.has_head, self.autocast,
                                       self.device, self.show_progress and writer, rank, self.world)
         losses = [] if report is None else [*report.loss.values(), *(v for per in report.loss_compensated.values()

@@ -342,7 +342,7 @@ class _Loop:
         bar.close()
         if self.step < s.steps:
             return task.interrupted()
-        self._check_finite()
+        # the parameters are finite: _save checked them at the last step (or before writing the checkpoint resumed)
         result = task.finish(self.out, self.rank == 0, time.time() - began)
         if self.world > 1:
             torch.distributed.barrier()
