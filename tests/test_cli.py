@@ -56,6 +56,7 @@ def test_the_random_weights_note_follows_the_result(capsys):
                  "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert "tome_r8" in captured.out and captured.err.strip().splitlines()[-1].startswith("note: no --checkpoint")
+    assert "no timing" in captured.out and "latency" not in captured.out.splitlines()[0]  # nothing was timed
 
 
 def test_train_tocom_takes_the_model_first_and_still_reads_the_old_flag(tmp_path, capsys):

@@ -58,10 +58,11 @@ def _bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         tf32=args.tf32,
         backend=args.backend,
-        latency_runs=args.latency_runs,
+        latency_runs=0 if args.no_timing else args.latency_runs,
     )
-    print(describe_settings(args.device, args.dtype, args.tf32) + f", batch {args.batch_size}, backend {args.backend}"
-          + (f", latency: {args.latency_runs} single-image forwards" if args.latency_runs else ""))
+    timing = ("no timing" if args.no_timing else f"backend {args.backend}"
+              + (f", latency: {args.latency_runs} single-image forwards" if args.latency_runs else ""))
+    print(describe_settings(args.device, args.dtype, args.tf32) + f", batch {args.batch_size}, {timing}")
     print(format_table(rows))
     if args.out:
         write_csv(rows, args.out, args.model, overwrite=args.overwrite)

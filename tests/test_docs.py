@@ -1,0 +1,132 @@
+"""The documentation as a reader meets it: every Python block of README.md and docs/*.md runs, every command block
+either runs here or says what it needs, and the mkdocs site (docs/ and the API pages) builds with warnings as
+errors, so a renamed function breaks the tests and not the reader.
+
+Stand-ins for what the tests cannot reach: timm's pretrained weights (no network) leave the random initialisation,
+and a file a snippet reads that an earlier command block writes (a tune preset, a calibration) is written here."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
+NEEDS = re.compile(r"^# needs: (.+)$", re.M)
+COMMAND_LANGUAGES = ("bash", "sh", "shell", "console")
+# What a block marked "# needs: ..." may need, and why the tests cannot give it.
+KNOWN_NEEDS = ("data", "gpu", "network", "hours")
+
+
+def blocks(language: Tuple[str, ...]) -> List[Tuple[str, int, str]]:
+    """(page, first line, code) of every fenced block in one of `language`, over all pages."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for m in FENCE.finditer(text):
+            if m.group(1).strip() in language:
+                found.append((str(page.relative_to(ROOT)), text[:m.start()].count("\n") + 1, m.group(2)))
+    return found
+
+
+def _ids(items):
+    return [f"{page}:{line}" for page, line, _ in items]
+
+
+PYTHON = blocks(("python",))
+COMMANDS = blocks(COMMAND_LANGUAGES)
+
+
+def test_every_fence_names_its_language():
+    """An unlabelled fence would be neither run nor marked: every block says python, bash or text."""
+    untagged = [f"{page}:{line}" for page, line, _ in blocks(("",))]
+    assert not untagged, f"fenced blocks without a language (use python, bash or text): {untagged}"
+
+
+@pytest.fixture
+def reader_folder(tmp_path, monkeypatch):
+    """A fresh working folder with the repository's shipped folders at hand and the files that the pages'
+    command blocks would have written; timm's pretrained download is a no-op (random weights)."""
+    import timm.models._builder as builder
+
+    from timm_tokcomp.calibrate import PRESET_FORMAT
+
+    monkeypatch.setattr(builder, "load_pretrained", lambda *args, **kwargs: None)
+    monkeypatch.chdir(tmp_path)
+    for shipped in ("hub_cards", "examples"):
+        (tmp_path / shipped).symlink_to(ROOT / shipped)
+    (tmp_path / "tuned").mkdir()
+    stand_ins = {"tuned/preset_b64.json": ("tome", {"r": 8}), "atm_preset.json": ("atm", {"theta_min": 0.87})}
+    for name, (method, params) in stand_ins.items():
+        (tmp_path / name).write_text(json.dumps({"format": PRESET_FORMAT, "method": method, "params": params}))
+    torch.manual_seed(0)
+    return tmp_path
+
+
+@pytest.mark.parametrize("page,line,code", PYTHON, ids=_ids(PYTHON))
+def test_python_snippet_runs(page, line, code, reader_folder):
+    """Each block on its own, as a reader pastes it: its own imports and inputs."""
+    needs = NEEDS.findall(code)
+    if "gpu" in "".join(needs) and not torch.cuda.is_available():
+        pytest.skip(f"{page}:{line} needs a GPU ({needs[0]})")
+    exec(compile(code, f"{page}:{line}", "exec"), {"__name__": "__snippet__"})
+
+
+@pytest.mark.parametrize("page,line,code", COMMANDS, ids=_ids(COMMANDS))
+def test_command_block_runs_or_says_what_it_needs(page, line, code, reader_folder):
+    """A command block marked '# needs: data / gpu / network / hours' names what it needs; every other block runs
+    here, in a fresh folder, and succeeds."""
+    needs = NEEDS.findall(code)
+    if needs:
+        unknown = [n for n in needs if not any(n.startswith(k) for k in KNOWN_NEEDS)]
+        assert not unknown, f"{page}:{line}: '# needs:' names {unknown}; say one of {KNOWN_NEEDS}"
+        pytest.skip(f"{page}:{line} needs {'; '.join(needs)}")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=reader_folder, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, f"{page}:{line} failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}"
+
+
+def test_the_site_builds_with_warnings_as_errors(tmp_path):
+    """mkdocs build --strict: broken links and anchors between pages, and API pages whose objects are gone, fail."""
+    pytest.importorskip("mkdocs", reason="the docs extra (mkdocs, mkdocstrings) is not installed")
+    pytest.importorskip("mkdocstrings", reason="the docs extra (mkdocs, mkdocstrings) is not installed")
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert (tmp_path / "site" / "api" / "index.html").is_file()
+    assert "timm_tokcomp.core.apply" in (tmp_path / "site" / "api" / "index.html").read_text()
+
+
+def test_readme_stays_short():
+    """The README is the first ten minutes; everything else lives in docs/."""
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= 250, f"README.md has {lines} lines; move detail to docs/"
+
+
+def test_every_docs_page_is_in_the_site_navigation():
+    yaml = pytest.importorskip("yaml", reason="the docs extra (mkdocs brings PyYAML) is not installed")
+
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    listed = {next(iter(item.values())) for item in config["nav"]}
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert pages == listed, f"pages not in mkdocs.yml's nav: {pages - listed}; nav entries without a page: {listed - pages}"
+
+
+def test_docs_tools_are_in_the_test_extra():
+    """The build runs in the tests, so command 2 (the test extra) must install it."""
+    text = (ROOT / "pyproject.toml").read_text()
+    test_extra = re.search(r"^test = \[(.*?)\]", text, re.M | re.S).group(1)
+    assert "mkdocs" in test_extra and "mkdocstrings" in test_extra
+
+
+def test_shutil_which_finds_the_cli():
+    """The command blocks run `tokcomp` from the environment the tests run in."""
+    assert shutil.which("tokcomp", path=str(Path(sys.executable).parent)), "the tokcomp script is not installed"
