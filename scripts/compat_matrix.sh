@@ -4,7 +4,7 @@
 #
 # Too slow for CI: every combination installs a CUDA build of torch (several GB, cached by pip after the
 # first download) and runs the full suite (about 5 minutes on 2 CPU cores). Run it by hand when the
-# dependency range in pyproject.toml changes, and paste the table into the README.
+# dependency range in pyproject.toml changes, and paste the table into docs/versions.md.
 #
 #   scripts/compat_matrix.sh                       # the combinations below
 #   scripts/compat_matrix.sh 2.15.0:1.0.31 ...     # TORCH:TIMM pairs of your own

@@ -94,15 +94,33 @@ def test_command_block_runs_or_says_what_it_needs(page, line, code, reader_folde
     assert run.returncode == 0, f"{page}:{line} failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}"
 
 
-def test_the_site_builds_with_warnings_as_errors(tmp_path):
-    """mkdocs build --strict: broken links and anchors between pages, and API pages whose objects are gone, fail."""
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """mkdocs build --strict: broken links and anchors between pages, and API entries whose objects are gone, fail."""
     pytest.importorskip("mkdocs", reason="the docs extra (mkdocs, mkdocstrings) is not installed")
     pytest.importorskip("mkdocstrings", reason="the docs extra (mkdocs, mkdocstrings) is not installed")
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = tmp_path_factory.mktemp("site")
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert (tmp_path / "site" / "api" / "index.html").is_file()
-    assert "timm_tokcomp.core.apply" in (tmp_path / "site" / "api" / "index.html").read_text()
+    return out
+
+
+def test_the_site_builds_with_warnings_as_errors(site):
+    api = (site / "api" / "index.html").read_text()
+    assert 'id="timm_tokcomp.core.apply"' in api and 'id="timm_tokcomp.tocom.attach"' in api
+
+
+def test_the_readme_links_reach_pages_and_headings(site):
+    """The README is not part of the site, so mkdocs does not check its links: every docs/ link must name a page and,
+    where it has one, a heading of that page."""
+    links = re.findall(r"\]\((docs/[^)#]*)(?:#([^)]*))?\)", (ROOT / "README.md").read_text())
+    assert links
+    for page, anchor in links:
+        assert (ROOT / page).is_file(), f"README links to {page}, which does not exist"
+        if page.endswith(".md") and anchor:
+            html = (site / Path(page).relative_to("docs").with_suffix("") / "index.html").read_text()
+            assert f'id="{anchor}"' in html, f"README links to {page}#{anchor}, a heading that page does not have"
 
 
 def test_readme_stays_short():

@@ -1,4 +1,4 @@
-"""The README's "Errors and guarantees": runs never overwrite runs, a killed run leaves complete files and
+"""docs/guarantees.md: runs never overwrite runs, a killed run leaves complete files and
 resumes to the uninterrupted result, features carry their own token sizes, calibration refuses a reduced
 reference, training refuses non-finite settings and stops before saving non-finite weights, parameters are
 checked when given, compensator switching is transactional, and command-line errors exit 2 with one line."""
