@@ -3,7 +3,7 @@
 # prints a Markdown table of the results (also written to compat_matrix.md, logs to compat_logs/).
 #
 # Too slow for CI: every combination installs a CUDA build of torch (several GB, cached by pip after the
-# first download) and runs the full suite (about 5 minutes on 2 CPU cores). Run it by hand when the
+# first download) and runs the full suite (about 25 minutes on 2 CPU cores). Run it by hand when the
 # dependency range in pyproject.toml changes, and paste the table into docs/versions.md.
 #
 #   scripts/compat_matrix.sh                       # the combinations below
