@@ -195,6 +195,28 @@ def test_an_uncached_hub_model_offline_says_what_to_do(tmp_path):
     assert "--pretrained" in errors[0] and "not in the local cache" in errors[0] and "--checkpoint FILE" in errors[0]
 
 
+def test_an_uncached_pretrained_name_offline_says_what_to_do_in_python(tmp_path):
+    """timm.create_model(<a name this package serves>, pretrained=True) offline with nothing cached: an OSError (as
+    huggingface_hub's) whose message names the cache and the local-file way out, not a bare LocalEntryNotFoundError."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import timm, timm_tokcomp\n"
+            "from timm_tokcomp.userfiles import HubUnreachableError\n"
+            "for name in ('deit_tiny_patch16_224.tome_r8', 'deit_tiny_patch16_224'):\n"
+            "    try:\n"
+            "        timm.create_model(name, pretrained=True)\n"
+            "    except HubUnreachableError as e:\n"
+            "        assert isinstance(e, OSError) and 'pretrained_cfg_overlay=dict(file=FILE)' in str(e), e\n"
+            "        assert 'HF_HUB_OFFLINE=1 is set' in str(e) and 'not in the local cache' in str(e), e\n"
+            "    else:\n"
+            "        raise AssertionError(name)\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+
+
 def test_a_truncated_adapter_is_refused_naming_it(tmp_path, capsys):
     from timm_tokcomp.tocom import Compensator
     from timm_tokcomp.tocom.hub import save

@@ -16,6 +16,7 @@ from timm.models._features import FeatureGetterNet
 from timm.models._pretrained import DefaultCfg
 
 from .methods import TAG_SUMMARY, is_method_tag, method_class, parse_method_tag
+from .userfiles import pretrained_unreachable
 
 _MODULES = ("vision_transformer", "deit")
 SHORT_NAMES = {
@@ -106,7 +107,13 @@ def _wrap_entrypoint(arch: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             raise ValueError(f"features_only with a method tag ({method_tag}) needs feature_cls='getter' (the "
                              f"default): the reduced blocks run only inside the model's forward_intermediates, "
                              f"not one by one as the hook-based feature classes call them")
-        model = fn(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
+        try:
+            model = fn(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
+        except OSError as e:  # huggingface_hub's download errors
+            error = pretrained_unreachable(e, arch)
+            if error is e:
+                raise
+            raise error from e
         if method_tag:
             from .core import apply
 

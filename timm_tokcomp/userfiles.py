@@ -134,16 +134,46 @@ def hub_snapshot(repo_id_or_path: str, what: str, flag: Optional[str] = None, **
         raise hub_error(e, repo_id_or_path, flag) from None
 
 
+class HubUnreachableError(OSError):
+    """A Hub download that failed with nothing cached, saying what to do instead (an OSError, as
+    huggingface_hub's own download errors are)."""
+
+
+def _offline(error: Exception) -> bool:
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    return isinstance(error, (LocalEntryNotFoundError, OfflineModeIsEnabled, HubUnreachableError)) \
+        or "offline" in str(error).lower()
+
+
+CLI_LOCAL_FILES = "--checkpoint FILE for a model's weights, a folder path for an adapter"
+
+
+def offline_advice(name: str, local_files: str = CLI_LOCAL_FILES) -> str:
+    """'<name>: the Hub cannot be reached ...' with the ways out: the cache path, local files, HF_HUB_OFFLINE."""
+    from huggingface_hub import constants
+
+    retries = ("HF_HUB_OFFLINE=1 is set, so nothing was tried on the network" if constants.HF_HUB_OFFLINE
+               else "set HF_HUB_OFFLINE=1 to skip the network retries")
+    return (f"{name}: the Hub cannot be reached and this repository is not in the local cache "
+            f"({constants.HF_HUB_CACHE}); download it once where there is a network, or give local files "
+            f"({local_files}); {retries}")
+
+
+def pretrained_unreachable(error: OSError, model_name: str) -> OSError:
+    """The error timm.create_model(..., pretrained=True) raises for a registered name: an unreachable Hub with
+    nothing cached says what to do (HubUnreachableError); any other OSError as it was."""
+    if not _offline(error):
+        return error
+    return HubUnreachableError(offline_advice(f"pretrained weights of {model_name}",
+                                              "pretrained_cfg_overlay=dict(file=FILE) in timm.create_model, or "
+                                              "--checkpoint FILE in tokcomp's commands"))
+
+
 def hub_error(error: Exception, repo_id: str, flag: Optional[str]) -> Exception:
     """The error to show for a failed Hub download: offline or unreachable with nothing cached says what to do;
     others (an unknown repo, a denied token) keep their message, naming the flag."""
-    from huggingface_hub.constants import HF_HUB_CACHE
-    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
-
     name = f"{flag + ' ' if flag else ''}{repo_id}"
-    if isinstance(error, (LocalEntryNotFoundError, OfflineModeIsEnabled)) or "offline" in str(error).lower():
-        return UserFileError(f"{name}: the Hub cannot be reached and this repository is not in the local cache "
-                             f"({HF_HUB_CACHE}); download it once where there is a network, or give local files "
-                             "(--checkpoint FILE for a model's weights, a folder path for an adapter), and set "
-                             "HF_HUB_OFFLINE=1 to skip the network retries")
+    if _offline(error):
+        return UserFileError(offline_advice(name))
     return UserFileError(f"{name}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
