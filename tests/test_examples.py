@@ -96,3 +96,20 @@ def test_kernel_paths_example_compares_both_paths_image_by_image(capsys):
     assert "same top-1: 2/2" in out and "images with one above 1e-3: 0" in out
     torch_right, triton_right = map(int, re.search(r"top-1 right: torch (\d+), triton (\d+)", out).groups())
     assert torch_right == triton_right
+
+
+def test_study_paired_example_counts_images_gained_and_lost_per_set_and_pooled():
+    from timm_tokcomp.bench import mcnemar_exact_p
+
+    study = _load("study_paired")
+    right = {"imagenet-val-1300": {"dpcknn_k50": torch.tensor([1, 1, 1, 0], dtype=torch.bool),
+                                   "topk_k50": torch.tensor([1, 0, 0, 1], dtype=torch.bool)},
+             "nips17-1000": {"dpcknn_k50": torch.tensor([1, 0], dtype=torch.bool),
+                             "topk_k50": torch.tensor([0, 0], dtype=torch.bool)}}
+    rows = study.paired_rows(right, [("dpcknn", "topk")], [0.5])
+    by_set = {r["set"]: r for r in rows}
+    assert (by_set["imagenet-val-1300"]["gained"], by_set["imagenet-val-1300"]["lost"]) == (2, 1)
+    assert (by_set["nips17-1000"]["gained"], by_set["nips17-1000"]["lost"]) == (1, 0)
+    pooled = by_set["pooled"]
+    assert (pooled["images"], pooled["gained"], pooled["lost"]) == (6, 3, 1)
+    assert pooled["top1_first"] == pytest.approx(400 / 6) and pooled["p"] == mcnemar_exact_p(3, 1)
