@@ -189,7 +189,7 @@ class ATM(TokenReducer):
         return threshold_schedule(self.alpha, self.beta, self.theta_min, num_blocks)
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[ATMStep]]:
-        cache: Dict[int, List[Optional[ATMStep]]] = self.__dict__.setdefault("_settings", {})
+        cache: Dict[int, List[Optional[ATMStep]]] = self._settings
         if num_blocks not in cache:
             split = round(0.75 * num_blocks) if self.split_layer is None else self.split_layer
             cache[num_blocks] = [

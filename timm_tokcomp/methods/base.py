@@ -95,6 +95,9 @@ class TokenReducer(ABC):
         for param in self.PARAMS:
             setattr(self, param.name, param.check(bound.arguments[param.name]))
         self.validate()
+        # block_settings' results per model shape. Made here, not lazily inside a forward: on torch 2.8 a cache made
+        # while dynamo traces turns a second model's settings into symbolic ints, and compiling it never ends.
+        self._settings: Dict[Any, list] = {}
 
     def validate(self) -> None:
         """Check the parameters together (each was checked alone); raise ValueError naming them."""
@@ -280,7 +283,7 @@ class ScheduledReducer(RTagged, TokenReducer):
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[Optional[int]]:
         """Tokens each block should remove (before the per-block clamp); None where 0."""
         key = (num_blocks, num_tokens, num_prefix, cost)
-        cache: Dict[Tuple[int, int, int, BlockCost], List[Optional[int]]] = self.__dict__.setdefault("_settings", {})
+        cache: Dict[Tuple[int, int, int, BlockCost], List[Optional[int]]] = self._settings
         if key not in cache:
             if self.flops_ratio is not None:
                 sched = solve_flops_schedule(self.flops_ratio, num_blocks, num_tokens - num_prefix, num_prefix, cost)
