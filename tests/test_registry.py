@@ -130,6 +130,7 @@ def test_a_method_tag_in_the_name_is_kept_or_refused_with_pretrained_cfg():
     with torch.device("meta"):
         model = timm.create_model("deit_tiny_patch16_224.tome_r8", pretrained_cfg="fb_in1k")
         assert timm_tokcomp.get_reducer(model).r == 8
+        assert timm_tokcomp.get_reducer(timm.create_model("deit_tiny.evit_r4", pretrained_cfg="fb_in1k")).r == 4
         with pytest.raises(ValueError, match="carries method tag 'tome_r8'.*timm_tokcomp.apply"):
             timm.create_model("deit_tiny_patch16_224.tome_r8", pretrained_cfg={"input_size": (3, 224, 224)})
         assert not timm_tokcomp.is_reduced(timm.create_model("deit_tiny_patch16_224", pretrained_cfg="fb_in1k"))

@@ -5,6 +5,7 @@ The method tag is parsed by the wrapped entry point, which builds the plain mode
 `pretrained=True` loads the usual weights) and then applies the method. The listed pretrained cfgs of
 the tagged names are unchanged copies of the base cfgs: no compression parameter lives in them.
 """
+import contextvars
 import functools
 from collections import deque
 from dataclasses import replace
@@ -17,6 +18,11 @@ from timm.models._pretrained import DefaultCfg
 
 from .methods import TAG_SUMMARY, is_method_tag, method_class, parse_method_tag
 from .userfiles import pretrained_unreachable
+
+# timm < 1.0.31 resolves the name inside create_model and drops its tag when pretrained_cfg is also given; the method
+# tag the name carried is remembered here, (name, method tag), for the entrypoint that create_model calls next.
+_NAME_METHOD_TAG: contextvars.ContextVar[Optional[Tuple[str, str]]] = contextvars.ContextVar("tokcomp_name_method_tag",
+                                                                                             default=None)
 
 _MODULES = ("vision_transformer", "deit")
 SHORT_NAMES = {
@@ -99,6 +105,10 @@ def split_method_tag(arch: str, tag: str) -> Tuple[str, Optional[str]]:
 def _wrap_entrypoint(arch: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def entrypoint(pretrained: bool = False, pretrained_cfg: Any = None, **kwargs: Any):
+        name_tag = _NAME_METHOD_TAG.get()
+        _NAME_METHOD_TAG.set(None)
+        if name_tag and name_tag[0] == arch and pretrained_cfg is not None:
+            pretrained_cfg = _cfg_keeping_method(f"{arch}.{name_tag[1]}", name_tag[1], pretrained_cfg)
         method_tag = None
         if isinstance(pretrained_cfg, str):
             base, method_tag = split_method_tag(arch, pretrained_cfg)
@@ -130,25 +140,42 @@ def _wrap_entrypoint(arch: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return entrypoint
 
 
+def _cfg_keeping_method(model_name: str, method_tag: str, pretrained_cfg: Any) -> Any:
+    """The pretrained_cfg to build `model_name` (which carries `method_tag`) with: a tag name gains the method tag;
+    any other pretrained_cfg, which timm would use instead of the name's tag, is refused rather than silently
+    building a plain model."""
+    if not isinstance(pretrained_cfg, str):
+        raise ValueError(f"{model_name!r} carries method tag {method_tag!r}, which timm ignores when "
+                         f"pretrained_cfg is given as a {type(pretrained_cfg).__name__}; build the model "
+                         f"without the method tag and call timm_tokcomp.apply(model, ...)")
+    return pretrained_cfg if is_method_tag(pretrained_cfg.rpartition(".")[2]) else f"{pretrained_cfg}.{method_tag}"
+
+
 def _keep_method_tag(resolve: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap timm's name resolution, which drops the name's tag when pretrained_cfg is also given: a method tag in
-    the name then rides on a pretrained_cfg given as a tag name, and is refused with any other pretrained_cfg
-    instead of silently building a plain model."""
+    """Wrap timm's name resolution (timm >= 1.0.31), which drops the name's tag when pretrained_cfg is also given."""
     @functools.wraps(resolve)
     def resolve_keeping_method(model_name: Any, pretrained_cfg: Any, *args: Any, **kwargs: Any):
         tag = treg.split_model_name_tag(model_name)[1] if isinstance(model_name, str) else ""
         method_tag = tag.rpartition(".")[2]
         if pretrained_cfg and is_method_tag(method_tag):
-            if not isinstance(pretrained_cfg, str):
-                raise ValueError(f"{model_name!r} carries method tag {method_tag!r}, which timm ignores when "
-                                 f"pretrained_cfg is given as a {type(pretrained_cfg).__name__}; build the model "
-                                 f"without the method tag and call timm_tokcomp.apply(model, ...)")
-            if not is_method_tag(pretrained_cfg.rpartition(".")[2]):
-                pretrained_cfg = f"{pretrained_cfg}.{method_tag}"
+            pretrained_cfg = _cfg_keeping_method(model_name, method_tag, pretrained_cfg)
         return resolve(model_name, pretrained_cfg, *args, **kwargs)
 
     resolve_keeping_method._tokcomp_original = resolve
     return resolve_keeping_method
+
+
+def _remember_method_tag(split: Callable[..., Tuple[str, str]]) -> Callable[..., Tuple[str, str]]:
+    """Wrap the name split that timm < 1.0.31's create_model calls before the entrypoint: remember a method tag."""
+    @functools.wraps(split)
+    def split_remembering_method(model_name: str, *args: Any, **kwargs: Any) -> Tuple[str, str]:
+        name, tag = split(model_name, *args, **kwargs)
+        method_tag = tag.rpartition(".")[2]
+        _NAME_METHOD_TAG.set((SHORT_NAMES.get(name, name), method_tag) if is_method_tag(method_tag) else None)
+        return name, tag
+
+    split_remembering_method._tokcomp_original = split
+    return split_remembering_method
 
 
 def _make_short_entrypoint(short: str, arch: str) -> Callable[..., Any]:
@@ -259,9 +286,11 @@ def register_all() -> None:
     for arch in supported_archs():
         _list_method_names(arch)
     _supported.cache_clear()
-    resolve = getattr(_factory, "_resolve_model_source", None)  # timm >= 1.0.2x; older versions resolve inline
+    resolve = getattr(_factory, "_resolve_model_source", None)  # timm >= 1.0.31; older versions resolve inline
     if resolve is not None and not hasattr(resolve, "_tokcomp_original"):
         _factory._resolve_model_source = _keep_method_tag(resolve)
+    elif resolve is None and not hasattr(_factory.split_model_name_tag, "_tokcomp_original"):
+        _factory.split_model_name_tag = _remember_method_tag(_factory.split_model_name_tag)
     if type(treg._model_pretrained_cfgs) is dict:
         treg._model_pretrained_cfgs = _PretrainedCfgs(treg._model_pretrained_cfgs)
     if type(treg._model_has_pretrained) is set:
