@@ -18,6 +18,7 @@ import torch
 import timm_tokcomp
 from timm_tokcomp.bench import mcnemar_exact_p
 from timm_tokcomp.data import open_dataset
+from timm_tokcomp.methods import parse_method_tag
 from timm_tokcomp.models import build_base_model
 from timm_tokcomp.training.finetune import predict
 
@@ -36,8 +37,8 @@ def correct_per_image(data: Path, tags: List[str], batch_size: int) -> Dict[str,
         for tag in tags:
             timm_tokcomp.remove(model)
             if tag != "none":
-                method, keep = tag.rsplit("_k", 1)
-                timm_tokcomp.apply(model, method, keep_rate=int(keep) / 100)
+                method, params = parse_method_tag(tag)
+                timm_tokcomp.apply(model, method, **params)
             with torch.inference_mode():
                 labels, preds = predict(model, loader, "cpu", True, f"{name} {tag}")
             result[name][tag] = preds == labels
