@@ -33,7 +33,7 @@ def _summary(forms: Tuple[str, ...]) -> str:
     if points:
         at = shown.index("atm_fast") + 1 if "atm_fast" in shown else len(shown)
         shown.insert(at, f"atm_g<GFLOPs> / atm_mae_g<GFLOPs> ({len(points)} operating points of the ATM paper; "
-                         "timm_tokcomp.methods.TAG_FORMS lists them)")
+                         "`tokcomp methods` or timm_tokcomp.methods.TAG_FORMS list them)")
     return ", ".join(shown)
 
 
