@@ -25,6 +25,7 @@ from .attention import PROP_ATTN_IMPLS
 from .methods import METHODS, method_class, parse_method_tag
 from .extras import pyplot
 from .outputs import new_output
+from .tables import text_table
 
 BASELINE = "none"
 TOCOM_SUFFIX = "+ToCom"
@@ -410,24 +411,23 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     ratios to the plain model and the ratios' 95 % intervals; top-1, agreement, tokens entering the last block;
     a legend; a note on the ratios within timing noise; for rows compared with another row, the images whose
     agreement changed."""
-    width = max(12, max(len(r.method) for r in rows) + 2)
     timed, with_latency = rows[0].speedup is not None, rows[0].latency_ms is not None
-    header = f"{'method':<{width}}{'GMACs':>9}{'+-batch':>9}"
-    header += f"{'tput img/s':>12}{'tput x [95%]':>20}" if timed else ""
-    header += f"{'lat ms':>9}{'lat p90':>9}{'lat x [95%]':>20}" if with_latency else ""
-    header += f"{'top-1 %':>9}{'agree %':>9}{'tokens@last':>13}"
-    lines = [header, "-" * len(header)]
+    header = ["method", "GMACs", "+-batch"]
+    header += ["tput img/s", "tput x [95%]"] if timed else []
+    header += ["lat ms", "lat p90", "lat x [95%]"] if with_latency else []
+    header += ["top-1 %", "agree %", "tokens@last"]
+    cells = []
     for r in rows:
-        std = "-" if r.gmacs_std is None else f"{r.gmacs_std:.4f}"
-        line = f"{r.method:<{width}}{r.gmacs:>9.4f}{std:>9}"
+        row = [r.method, f"{r.gmacs:.4f}", "-" if r.gmacs_std is None else f"{r.gmacs_std:.4f}"]
         if timed:
-            line += f"{r.img_per_s:>12.1f}{_ratio_cell(r.speedup, r.speedup_lo, r.speedup_hi):>20}"
+            row += [f"{r.img_per_s:.1f}", _ratio_cell(r.speedup, r.speedup_lo, r.speedup_hi)]
         if with_latency:
-            line += (f"{r.latency_ms:>9.2f}{r.latency_p90_ms:>9.2f}"
-                     f"{_ratio_cell(r.latency_speedup, r.latency_speedup_lo, r.latency_speedup_hi):>20}")
-        acc = "-" if r.top1 is None else f"{r.top1:.2f}"
-        agr = "-" if r.agreement is None else f"{r.agreement:.2f}"
-        lines.append(line + f"{acc:>9}{agr:>9}{r.tokens_last_block:>13}")
+            row += [f"{r.latency_ms:.2f}", f"{r.latency_p90_ms:.2f}",
+                    _ratio_cell(r.latency_speedup, r.latency_speedup_lo, r.latency_speedup_hi)]
+        row += ["-" if r.top1 is None else f"{r.top1:.2f}", "-" if r.agreement is None else f"{r.agreement:.2f}",
+                str(r.tokens_last_block)]
+        cells.append(row)
+    lines = text_table(header, cells, rule=True)
     legend = ["tput: throughput of the timing batch"] if timed else []
     legend += ["lat: one image (median, 90th percentile)"] if with_latency else []
     legend += ["x: the plain model's time / this one, [95 % interval of the timed rounds]"] if timed else []
@@ -446,6 +446,7 @@ def format_table(rows: Sequence[BenchRow]) -> str:
                      f"r = 0 reduces nothing by design)")
     compared = [r for r in rows if r.paired_with is not None]
     if compared:
+        width = max(len(r.method) for r in compared) + 2
         lines += ["", "agreement changed image by image, against the row modified "
                       "(exact McNemar p; p > 0.05: within noise):"]
         lines += [f"  {r.method:<{width}}+{r.agree_gained} / -{r.agree_lost} images vs {r.paired_with}, "

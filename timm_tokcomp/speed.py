@@ -27,6 +27,7 @@ from .methods.params import REQUIRED, Param
 from .outputs import new_output
 from .patch import patch
 from .schedules import BlockCost, is_int
+from .tables import text_table
 
 MODES = ("eager", "compile", "cudagraph", "graph")
 CUDA_MODES = ("cudagraph", "graph")
@@ -202,19 +203,16 @@ def format_speed(rows: Sequence[SpeedRow]) -> str:
         batches = list(dict.fromkeys(r.batch for r in in_mode))
         methods = list(dict.fromkeys(r.method for r in in_mode))
         cell: Dict = {(r.method, r.batch): r for r in in_mode}
-        width = max(len(m) for m in methods) + 2
         out.append(f"{mode}: speed against plain (x), and against the method's limit in parentheses")
-        out.append(f"{'method':<{width}}" + "".join(f"{'batch ' + str(b):>22}" for b in batches))
+        cells = []
         for m in methods:
-            texts = []
+            row = [m]
             for b in batches:
                 r = cell.get((m, b))
-                if r is None:
-                    texts.append(f"{'-':>22}")
-                    continue
-                limit = "" if r.vs_limit is None else f" ({r.vs_limit:.2f})"
-                texts.append(f"{f'{r.vs_plain:.2f}x{limit} {r.ms:.1f}ms':>22}")
-            out.append(f"{m:<{width}}" + "".join(texts))
+                limit = "" if r is None or r.vs_limit is None else f" ({r.vs_limit:.2f})"
+                row.append("-" if r is None else f"{r.vs_plain:.2f}x{limit} {r.ms:.1f}ms")
+            cells.append(row)
+        out += text_table(["method"] + [f"batch {b}" for b in batches], cells)
         out.append("")
     return "\n".join(out).rstrip()
 

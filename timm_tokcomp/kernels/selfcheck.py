@@ -23,6 +23,7 @@ import torch
 from .. import ops
 from ..models import check_device
 from ..outputs import new_output, refuse_existing
+from ..tables import text_table
 from ..matching import (attentive_pruning, batch_adaptive_r, best_matches, bipartite_soft_matching, class_attention,
                         count_above, max_merges, merge_top_r)
 
@@ -158,14 +159,12 @@ def run_checks(device: str = "cuda", dtypes: Sequence[str] = ("fp32", "bf16"), b
 
 
 def format_checks(checks: Sequence[StepCheck]) -> str:
-    width = max(len(c.step) for c in checks) + 2
-    lines = [f"{'step':<{width}}{'dtype':>6}{'max |diff|':>12}{'tol':>8}{'torch ms':>10}{'triton ms':>11}{'speedup':>9}"]
+    cells = []
     for c in checks:
-        timing = (f"{c.torch_ms:>10.3f}{c.triton_ms:>11.3f}{c.torch_ms / c.triton_ms:>8.2f}x"
-                  if c.torch_ms is not None else f"{'-':>10}{'-':>11}{'-':>9}")
-        flag = "" if c.ok else "  OFF"
-        lines.append(f"{c.step:<{width}}{c.dtype:>6}{c.max_abs_diff:>12.2e}{c.tolerance:>8.0e}{timing}{flag}")
-    return "\n".join(lines)
+        timing = ([f"{c.torch_ms:.3f}", f"{c.triton_ms:.3f}", f"{c.torch_ms / c.triton_ms:.2f}x"]
+                  if c.torch_ms is not None else ["-", "-", "-"])
+        cells.append([c.step, c.dtype, f"{c.max_abs_diff:.2e}", f"{c.tolerance:.0e}", *timing, "" if c.ok else "OFF"])
+    return "\n".join(text_table(["step", "dtype", "max |diff|", "tol", "torch ms", "triton ms", "speedup", ""], cells))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
