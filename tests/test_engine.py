@@ -77,6 +77,17 @@ def test_a_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path):
     assert epochs[0] == "epoch,train_loss,error,last_lr,seconds" and len(epochs) == 1 + 12 // 6  # 6 steps an epoch
 
 
+def test_a_run_leaves_the_callers_random_stream_as_it_was(tmp_path):
+    """The run seeds its own draws; the caller's next random numbers are those it would have drawn without it."""
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    first, _ = _train(tmp_path / "a")
+    assert torch.equal(torch.rand(4), expected)
+    second, _ = _train(tmp_path / "b")  # and the run's own result does not depend on the caller's stream
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
 def test_accumulated_batches_equal_one_large_batch(tmp_path):
     large, _ = _train(tmp_path / "large", {"batch_size": 8})
     accumulated, _ = _train(tmp_path / "acc", {"batch_size": 4, "accumulate": 2})

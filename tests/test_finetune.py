@@ -66,7 +66,11 @@ def test_the_folder_is_a_peft_adapter_that_reloads_to_the_same_predictions(train
     weights = load_file(str(out / "adapter_model.safetensors"))
     assert any("lora_A" in k for k in weights) and any(".head." in k for k in weights)
 
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
     model = load_finetuned(str(out))
+    assert torch.equal(torch.rand(4), expected)  # loading seeds its own draws, not the caller's stream
     assert type(model).__name__ == "ReducingVisionTransformer" and model.head.out_features == 3
     assert not any("lora" in name for name, _ in model.named_parameters())  # merged
     with open(out / "training" / "predictions.csv") as f:

@@ -194,14 +194,17 @@ def train(make_task: Callable[[str, int], TrainingTask], out: str, run_entries: 
           overwrite: bool = False, device: str = "cpu", show_progress: bool = True, num_workers: int = 2,
           stop_after: Optional[int] = None, stop_unit: str = "step", seed: int = 0) -> Any:
     """Claim `out` (a non-empty folder is refused unless resume or overwrite; outputs.run_folder), seed torch with
-    `seed` (the same initial parameters in every process), build the task with make_task(device, world size), train
-    it, and return task.finish(...); or task.interrupted() after stop_after steps (epochs with stop_unit 'epoch'),
-    leaving a checkpoint that resume continues. Under torch.distributed every rank calls this with the same
-    arguments; rank 0 writes."""
+    `seed` (the same initial parameters in every process; the caller's generators are restored afterwards), build
+    the task with make_task(device, world size), train it, and return task.finish(...); or task.interrupted() after
+    stop_after steps (epochs with stop_unit 'epoch'), leaving a checkpoint that resume continues. Under
+    torch.distributed every rank calls this with the same arguments; rank 0 writes."""
     if stop_after is not None and (not is_int(stop_after) or stop_after < 1):
         raise ValueError(f"--stop-after must be an integer >= 1 ({stop_unit}s), got {stop_after!r}")
     rank, world = rank_and_world()
-    with run_folder(out, resume, overwrite, run_entries, writer=rank == 0):
+    kind = torch.device(device)
+    forked = [kind.index if kind.index is not None else torch.cuda.current_device()] if kind.type == "cuda" else []
+    # the caller's random streams are left as they were: the run draws from its own, seeded ones
+    with run_folder(out, resume, overwrite, run_entries, writer=rank == 0), torch.random.fork_rng(devices=forked):
         torch.manual_seed(seed)
         task = make_task(device, world)
         try:

@@ -90,19 +90,20 @@ def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretr
     data = read_versioned_json(folder, FINETUNE_CONFIG, FORMAT_VERSION, "a complete fine-tuned folder")
     recipe = FinetuneConfig(**{**data["recipe"], "crop_scale": tuple(data["recipe"]["crop_scale"])})
     check_adapter_files(folder, recipe.lora_rank)
-    if not checkpoint and not pretrained:  # timm's random init, as finetune drew it from the recipe's seed
-        torch.manual_seed(recipe.seed)
-    model = build_base_model(data["base_model"], checkpoint, pretrained, "cpu")
-    if not recipe.distill:  # a distilled model keeps the base model's head
-        model.reset_classifier(data["num_classes"])
-    method = recipe.method_params()
-    if method is not None:
-        name, params = method
-        learned_param = getattr(method_class(name), "learned_param", None)
-        if learned_param is not None:
-            params = {**params, learned_param: load_learned(name, folder)}
-        apply(model, name, **params)
-    if recipe.lora_rank:
-        peft_model = PeftModel.from_pretrained(model, str(folder))
-        model = peft_model.merge_and_unload() if merge else peft_model
+    with torch.random.fork_rng(devices=[]):  # leaves the caller's random stream as it was
+        if not checkpoint and not pretrained:  # timm's random init, as finetune drew it from the recipe's seed
+            torch.manual_seed(recipe.seed)
+        model = build_base_model(data["base_model"], checkpoint, pretrained, "cpu")
+        if not recipe.distill:  # a distilled model keeps the base model's head
+            model.reset_classifier(data["num_classes"])
+        method = recipe.method_params()
+        if method is not None:
+            name, params = method
+            learned_param = getattr(method_class(name), "learned_param", None)
+            if learned_param is not None:
+                params = {**params, learned_param: load_learned(name, folder)}
+            apply(model, name, **params)
+        if recipe.lora_rank:
+            peft_model = PeftModel.from_pretrained(model, str(folder))
+            model = peft_model.merge_and_unload() if merge else peft_model
     return model.to(device).eval()
