@@ -201,8 +201,8 @@ def train(make_task: Callable[[str, int], TrainingTask], out: str, run_entries: 
     if stop_after is not None and (not is_int(stop_after) or stop_after < 1):
         raise ValueError(f"--stop-after must be an integer >= 1 ({stop_unit}s), got {stop_after!r}")
     rank, world = rank_and_world()
-    kind = torch.device(device)
-    forked = [kind.index if kind.index is not None else torch.cuda.current_device()] if kind.type == "cuda" else []
+    dev = torch.device(device)
+    forked = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
     # the caller's random streams are left as they were: the run draws from its own, seeded ones
     with run_folder(out, resume, overwrite, run_entries, writer=rank == 0), torch.random.fork_rng(devices=forked):
         torch.manual_seed(seed)
