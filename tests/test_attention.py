@@ -103,6 +103,97 @@ def test_padded_qkv_follows_weights_changed_in_place(images):
     torch.testing.assert_close(_logits(model, images), reference, atol=1e-5, rtol=0)
 
 
+# Every implementation computes with what attn.qkv gives when called, never with a copy of its weights: whatever
+# wraps or changes the projection (an unmerged adapter, hooks, quantisation, weights edited through .data) runs.
+
+def _both(base, impl, images):
+    """(logits on the float-mask path, logits on impl) of two copies of base reduced by ToMe r=4."""
+    reference = _logits(timm_tokcomp.apply(copy.deepcopy(base), "tome", r=4, prop_attn="mask"), images)
+    return reference, _logits(timm_tokcomp.apply(copy.deepcopy(base), "tome", r=4, prop_attn=impl), images)
+
+
+def _lora(model):
+    """model with an unmerged peft LoRA on every attn.qkv, B drawn at random so that it changes the outputs."""
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["qkv"], lora_alpha=4))
+    torch.manual_seed(3)
+    for name, p in wrapped.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    return wrapped.base_model.model
+
+
+@pytest.mark.parametrize("impl", FOLDED)
+def test_an_unmerged_lora_on_qkv_is_applied(impl, images):
+    model = _lora(make_model("cls"))
+    reference, got = _both(model, impl, images)
+    plain = _logits(timm_tokcomp.apply(make_model("cls"), "tome", r=4, prop_attn="mask"), images)
+    assert (reference - plain).abs().max() > 1e-2  # the adapter changes the outputs
+    torch.testing.assert_close(got, reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", FOLDED)
+def test_the_lora_of_every_block_trains(impl, images):
+    model = timm_tokcomp.apply(_lora(make_model("cls")).train(), "tome", r=4, prop_attn=impl)
+    model(images).square().sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if "lora_B" in n}
+    assert len(grads) == len(model.blocks)
+    assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), \
+        [n for n, g in grads.items() if g is None or g.abs().sum() == 0]
+
+
+@pytest.mark.parametrize("impl", FOLDED)
+def test_forward_hooks_on_qkv_run(impl, images):
+    base, calls = make_model("cls"), []
+
+    def shift(module, args, output):
+        calls.append(module)
+        return output + 0.5
+
+    for blk in base.blocks:
+        blk.attn.qkv.register_forward_hook(shift)
+    reference, got = _both(base, impl, images)
+    assert len(calls) == 2 * len(base.blocks)  # once per block in each of the two models
+    torch.testing.assert_close(got, reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", FOLDED)
+def test_a_dynamically_quantised_model_runs(impl, images):
+    quantize_dynamic = pytest.importorskip("torch.ao.quantization").quantize_dynamic
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation
+        base = quantize_dynamic(make_model("cls"), {torch.nn.Linear}, dtype=torch.qint8)
+    reference, got = _both(base, impl, images)
+    torch.testing.assert_close(got, reference, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("impl", FOLDED)
+def test_weights_edited_through_data_after_a_forward_are_read(impl, images):
+    base = make_model("cls")
+    model = timm_tokcomp.apply(copy.deepcopy(base), "tome", r=4, prop_attn=impl)
+    _logits(model, images)
+    for a, b in zip(model.blocks, base.blocks):
+        for blk in (a, b):
+            blk.attn.qkv.weight.data.mul_(1.5)  # .data: no version bump
+    reference = _logits(timm_tokcomp.apply(base, "tome", r=4, prop_attn="mask"), images)
+    torch.testing.assert_close(_logits(model, images), reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", FOLDED)
+def test_a_forward_under_inference_mode_leaves_gradients_possible(impl, images):
+    """A frozen model first run under inference_mode, then differentiated with respect to its input (a saliency
+    map): nothing made under inference_mode may enter the later graph."""
+    grads = {}
+    for name in ("mask", impl):
+        model = timm_tokcomp.apply(make_model("cls").requires_grad_(False), "tome", r=4, prop_attn=name)
+        with torch.inference_mode():
+            model(images)
+        x = images.clone().requires_grad_(True)
+        model(x).square().sum().backward()
+        grads[name] = x.grad
+    torch.testing.assert_close(grads[impl], grads["mask"], atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("impl", FOLDED)
 def test_gradients_reach_the_qkv_weights_as_on_the_mask_path(impl, images):
     grads = {}

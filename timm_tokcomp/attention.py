@@ -6,14 +6,13 @@ same result, so that the fastest one for a device can be chosen (`tokcomp tune`)
 - 'fold': the bias folded into extra head dimensions, q' = [q * scale, 1, 0...], k' = [k, log s, 0...], v padded,
   the head dimension padded to a multiple of 8, and SDPA called with scale=1 and no mask (q' . k' = q . k * scale +
   log s), so it keeps its fused kernels.
-- 'fold_qkv': the same, with the qkv projection's output laid out padded at the source (a padded copy of its
-  weights, q rows pre-scaled, a 1 in the q bias): only log s is written into the projection's output, no
-  concatenation copies q, k and v. Needs an attention without q / k norm.
+- 'fold_qkv': the same, in one copy: the qkv projection's output (the module called as timm calls it) padded once
+  per head, q' = [q, 1, 0...], k' = [k, log s / scale, 0...], and SDPA called with the attention's own scale; no
+  concatenation copies q and k apart, and nothing is cached. Needs an attention without q / k norm.
 - 'flex': FlexAttention with a score_mod adding log s (torch >= 2.5); fast only under torch.compile.
 
 'auto' resolves per device class and dtype from the measured table (timm_tokcomp.device_table), 'mask' where it
 has no entry. The pure tensor math lives here; patch.ReducingAttention calls it."""
-import weakref
 from typing import Tuple
 
 import torch
@@ -62,9 +61,11 @@ def fold_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_size: torch.T
             F.pad(v, (0, pad)))
 
 
-def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: int, dropout_p: float) -> torch.Tensor:
-    """SDPA of folded q', k', v' (B, H, N, d') with scale 1 -> (B, H, N, d): the padding columns dropped."""
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=1.0)[..., :d]
+def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: int, dropout_p: float, scale: float = 1.0
+                     ) -> torch.Tensor:
+    """SDPA of folded q', k', v' (B, H, N, d') with `scale` (1 after fold_qk, attn.scale after folded_qkv) ->
+    (B, H, N, d): the padding columns dropped."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)[..., :d]
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_size: torch.Tensor, scale: float
@@ -80,47 +81,17 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_size: 
     return flex(q, k, v, score_mod=add_log_size, scale=scale)
 
 
-# attention module -> (key, padded weight, padded bias): outside the module, so state_dict, deepcopy and pickling
-# never meet it; the key holds the weights' versions, so weights changed in place are read again
-_PADDED_QKV: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
-def padded_qkv_params(attn: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The qkv projection of timm Attention `attn` laid out per head as [q * scale, 1, 0...], [k, 0, 0...],
-    [v, 0...] with head dimension padded_head_dim(d): weight (3 H d', C), bias (3 H d'). Built with autograd
-    when a gradient is needed (gradients reach qkv's own weights), cached otherwise."""
-    weight, bias = attn.qkv.weight, attn.qkv.bias
-    grad = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
-    key = (weight._version, weight.data_ptr(), weight.dtype, weight.device,
-           None if bias is None else (bias._version, bias.data_ptr()))
-    cached = None if grad else _PADDED_QKV.get(attn)
-    if cached is not None and cached[0] == key:
-        return cached[1], cached[2]
-    H, d = attn.num_heads, attn.head_dim
-    dp = padded_head_dim(d)
-    C = weight.shape[1]
-    w = weight.reshape(3, H, d, C)
-    b = (bias if bias is not None else weight.new_zeros(3 * H * d)).reshape(3, H, d)
-    w = torch.cat([w[:1] * attn.scale, w[1:]])  # no tensor from Python data: no host wait on a first call
-    b = torch.cat([b[:1] * attn.scale, b[1:]])
-    w_padded = torch.cat([w, weight.new_zeros(3, H, dp - d, C)], dim=2).reshape(3 * H * dp, C)
-    extra = weight.new_zeros(3, H, dp - d)
-    extra[0, :, 0] = 1.0  # q's extra dimension is 1, so q' . k' picks up k's log size
-    b_padded = torch.cat([b, extra], dim=2).reshape(3 * H * dp)
-    if not grad:
-        _PADDED_QKV[attn] = (key, w_padded, b_padded)
-    return w_padded, b_padded
-
-
 def folded_qkv(attn: nn.Module, x: torch.Tensor, log_size: torch.Tensor
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: (B, N, C), log_size: (B, 1, 1, N) -> q', k', v': (B, H, N, d') views of one padded projection, log s
-    written into k's extra dimension in place (scale already in q')."""
+    """x: (B, N, C), log_size: (B, 1, 1, N) -> q', k', v': (B, H, N, padded_head_dim(d)) views of one padded copy of
+    attn.qkv(x), q' = [q, 1, 0...], k' = [k, log s / scale, 0...], v' = [v, 0...], so that SDPA with attn.scale gives
+    q . k * scale + log s. The projection is the module itself, called as timm calls it: its hooks, an unmerged
+    adapter, a quantised Linear and weights changed in any way are what runs."""
     B, N, _ = x.shape
-    weight, bias = padded_qkv_params(attn)
-    dp = padded_head_dim(attn.head_dim)
-    qkv = F.linear(x, weight, bias).reshape(B, N, 3, attn.num_heads, dp)
-    qkv[:, :, 1, :, attn.head_dim] = log_size.reshape(B, N, 1).to(qkv.dtype)
+    H, d = attn.num_heads, attn.head_dim
+    qkv = F.pad(attn.qkv(x).reshape(B, N, 3, H, d), (0, padded_head_dim(d) - d))  # (B, N, 3, H, d'), zeros padded
+    qkv[:, :, 0, :, d].fill_(1.0)  # fill_, not item assignment: no tensor from Python data, no host wait
+    qkv[:, :, 1, :, d].copy_(log_size.reshape(B, N, 1).mul(1.0 / attn.scale))
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     return q, k, v
 

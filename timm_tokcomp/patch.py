@@ -40,10 +40,10 @@ class ReducingAttention(Attention):
         dropout_p = self.attn_drop.p if self.training else 0.0
         d = self.head_dim
         if attn_bias is not None and self.fused_attn and prop_impl == "fold_qkv":
-            q, k, v = attention.folded_qkv(self, x, attn_bias)  # (B, H, N, d') views, q pre-scaled
+            q, k, v = attention.folded_qkv(self, x, attn_bias)  # (B, H, N, d') views of one padded copy
             attn_bias = attn_bias.to(q.dtype)
-            metric = self._metric(reducer, q[..., :d], k[..., :d], v[..., :d], attn_bias, 1.0)
-            x = attention.padded_attention(q, k, v, d, dropout_p)
+            metric = self._metric(reducer, q[..., :d], k[..., :d], v[..., :d], attn_bias, self.scale)
+            x = attention.padded_attention(q, k, v, d, dropout_p, self.scale)
         else:
             qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, d).permute(2, 0, 3, 1, 4)
             q, k, v = qkv.unbind(0)
