@@ -91,3 +91,16 @@ def test_attentive_pruning_fuses_least_attended():
     assert torch.allclose(new_x[0, -1], fused)
     assert torch.equal(new_x[0, :4], x[0, [0, 2, 4, 6]])
     assert size[0, :, 0].tolist() == [1, 1, 1, 1, 3]
+
+
+def test_pairwise_distances_are_exactly_symmetric_with_a_zero_diagonal():
+    """A large component shared by all tokens (as in a ViT's residual stream) must neither break the symmetry (a
+    two-member cluster's medoid tie) nor cancel the precision of the differences."""
+    from timm_tokcomp.matching import pairwise_distances
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 37, 64) * 0.1 + torch.randn(2, 1, 64) * 50
+    d = pairwise_distances(x)
+    assert torch.equal(d, d.transpose(1, 2))
+    assert torch.equal(d.diagonal(dim1=1, dim2=2), torch.zeros(2, 37))
+    torch.testing.assert_close(d, torch.cdist(x.double(), x.double()).float(), atol=1e-4, rtol=1e-4)

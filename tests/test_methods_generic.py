@@ -154,3 +154,19 @@ def test_a_new_method_declares_only_its_own_parameters():
         Wide(depth=3)
     with pytest.raises(TypeError, match="missing a required argument: 'beta'"):
         METHODS["atm"](0.9)
+
+
+PROP_IMPLS = [i for i in ("fold", "fold_qkv", "flex") if i != "flex" or timm_tokcomp.attention.flex_available()]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("method, impl", [(m, i) for m in TOKEN_METHODS for i in PROP_IMPLS])
+def test_every_prop_attn_implementation_gives_the_float_mask_result(method, impl, images):
+    """Every method reads the same q, k, v and tokens whichever implementation adds log(size) (one model with a
+    class token and registers, proportional attention on)."""
+    results = {}
+    for name in ("mask", impl):
+        model = timm_tokcomp.apply(make_model("registers"), method, prop_attn=name, **_reducing_params(method))
+        with torch.no_grad():
+            results[name] = model(images)
+    torch.testing.assert_close(results[impl], results["mask"], atol=1e-5, rtol=0)

@@ -271,10 +271,16 @@ def attentive_pruning(cls_attn: torch.Tensor, r: int, num_prefix: int) -> PruneP
 
 def pairwise_distances(x: torch.Tensor) -> torch.Tensor:
     """Euclidean distances between the tokens of x: (B, n, C) -> (B, n, n), in fp32 (a batched matmul, so
-    the MAC counter sees the cost)."""
+    the MAC counter sees the cost). Exactly symmetric with an exact zero diagonal: a two-member cluster's members
+    tie exactly as medoids, and the tie-break (the lower index) decides, not which rounding of d(a, b) or d(b, a)
+    came out smaller (that made K-Medoids follow noise of 1e-6 in its input). The tokens are centred first, so
+    the large component they share does not cancel away the precision of their differences."""
     x = x.float()
+    x = x - x.mean(dim=1, keepdim=True)
     sq = (x * x).sum(dim=-1)
     d2 = sq.unsqueeze(2) + sq.unsqueeze(1) - 2 * torch.bmm(x, x.transpose(1, 2))
+    d2 = (d2 + d2.transpose(1, 2)) * 0.5
+    d2.diagonal(dim1=1, dim2=2).zero_()
     return d2.clamp_min(0).sqrt()
 
 

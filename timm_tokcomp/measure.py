@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 # fused attention ops (forward) -> layout of their (query, key, value) arguments; "bhnd": (B, H, N, d),
 # "bnhd": (B, N, H, d). The math path decomposes into bmm / matmul, which torch counts itself.
@@ -197,8 +197,11 @@ class OpCounter(TorchDispatchMode):
     and the launches of the package's Triton kernels.
 
     with OpCounter() as ops: model(x)
-    then ops.counts maps 'aten.<op>.<overload>' and 'triton.<kernel>' to calls, ops.total is their sum and
-    ops.host_syncs the calls that make the host wait for the device (HOST_SYNC_OPS)."""
+    then ops.counts maps 'aten.<op>.<overload>', 'triton.<kernel>' and 'hop.<operator>' (a higher-order operator
+    such as FlexAttention, counted as one call: what it runs inside is not counted) to calls, ops.total is their
+    sum and ops.host_syncs the calls that make the host wait for the device (HOST_SYNC_OPS)."""
+
+    supports_higher_order_operators = True  # FlexAttention's eager call passes through __torch_dispatch__
 
     def __init__(self):
         super().__init__()
@@ -216,6 +219,10 @@ class OpCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            self.counts[f"hop.{func.name()}"] += 1
+            with _disable_current_modes():  # its eager implementation refuses a dispatch mode on the stack
+                return func(*args, **(kwargs or {}))
         if not _LAUNCHING[0]:
             self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
