@@ -24,8 +24,6 @@ class Regression(TrainingTask):
         self.train_set = SeededAugment(torch.utils.data.TensorDataset(self.x, self.y), seed=0)
         self.module = nn.Linear(8, 2)
         per_step = batch_size * world * accumulate
-        self.settings = {"lr": lr, "batch_size": batch_size, "accumulate": accumulate, "amp": amp}
-        self.run = {"data": "points"}
         self.schedule = Schedule(steps=steps, steps_per_epoch=24 // per_step, batch_size=batch_size, lr=lr,
                                  weight_decay=0.0, warmup_steps=2, seed=0, checkpoint_every=2, accumulate=accumulate,
                                  amp=amp, amp_dtype=amp_dtype)
@@ -50,13 +48,17 @@ class Regression(TrainingTask):
 
 def _train(out: Path, task_args=None, **kwargs):
     tasks = []
+    task_args = task_args or {}
 
     def make(device, world):
-        tasks.append(Regression(device, world, **(task_args or {})))
+        tasks.append(Regression(device, world, **task_args))
         return tasks[-1]
 
-    result = train(make, str(out), ("training",), show_progress=False, num_workers=0, **kwargs)
-    return result, tasks[-1]
+    settings = {key: task_args.get(key, default) for key, default in
+                (("lr", 0.05), ("batch_size", 4), ("accumulate", 1), ("amp", None))}
+    result = train(make, str(out), ("training",), settings, {"data": "points"}, show_progress=False, num_workers=0,
+                   **kwargs)
+    return result, tasks[-1] if tasks else None
 
 
 def test_a_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path):
@@ -128,7 +130,7 @@ def test_divergence_raises_and_saves_nothing_non_finite(tmp_path):
         assert all(torch.isfinite(t).all() for t in state["trainable"].values())
 
 
-def test_resume_refuses_a_changed_recipe_another_run_and_an_old_checkpoint(tmp_path):
+def test_resume_refuses_a_changed_recipe_another_run_and_an_old_checkpoint(tmp_path, monkeypatch):
     _train(tmp_path / "run", stop_after=2)
     with pytest.raises(ValueError, match=r"other settings \(lr=0.05\)"):
         _train(tmp_path / "run", {"lr": 0.1}, resume=True)
@@ -141,9 +143,21 @@ def test_resume_refuses_a_changed_recipe_another_run_and_an_old_checkpoint(tmp_p
     torch.save(old, path)
     with pytest.raises(ValueError, match=r"timm_tokcomp 0.1.0's trainer \(checkpoint format 1"):
         _train(tmp_path / "run", resume=True)
-    torch.save({**state, "format": 3, "version": "0.9.0"}, path)
-    with pytest.raises(ValueError, match=r"timm_tokcomp 0.9.0 \(checkpoint format 3; this is .*, format 2"):
+    torch.save({**state, "format": CHECKPOINT_FORMAT + 1, "version": "0.9.0"}, path)
+    with pytest.raises(ValueError, match=rf"timm_tokcomp 0.9.0 \(checkpoint format {CHECKPOINT_FORMAT + 1}; this is .*, "
+                                         rf"format {CHECKPOINT_FORMAT}"):
         _train(tmp_path / "run", resume=True)
+
+
+def test_a_resume_on_other_inputs_is_refused_before_the_task_is_built(tmp_path):
+    _train(tmp_path / "run", stop_after=2)
+
+    def make(device, world):
+        raise AssertionError("the task was built (its data read) before the checkpoint was checked")
+
+    with pytest.raises(ValueError, match=r"another data \(data='points'; now data='other points'\)"):
+        train(make, str(tmp_path / "run"), ("training",), {"lr": 0.05, "batch_size": 4, "accumulate": 1, "amp": None},
+              {"data": "other points"}, resume=True, show_progress=False)
 
 
 def test_rank_share_deals_every_batch_to_one_rank():

@@ -142,8 +142,36 @@ def test_a_resumed_run_equals_an_uninterrupted_one(trained, labelled, tmp_path):
         _run(labelled, tmp_path / "cut")
     with pytest.raises(ValueError, match="other settings"):
         _run(labelled, tmp_path / "cut", resume=True, config=_config(lr=1e-2))
-    with pytest.raises(ValueError, match="another eval_data"):
-        _run(labelled, tmp_path / "cut", resume=True, eval_data=str(labelled / "labels.csv"))
+
+
+def test_resume_knows_the_data_by_content_and_checks_it_before_reading_images(labelled, tmp_path, monkeypatch):
+    """Another folder behind the same relative path, or another checkpoint, is refused before any image is read;
+    the same folder spelled another way (relative; its labels.csv named) resumes."""
+    import importlib
+
+    finetune_module = importlib.import_module("timm_tokcomp.training.finetune")
+
+    config = _config(epochs=2)
+    _run(labelled, tmp_path / "cut", stop_after_epoch=1, config=config)
+    other = tmp_path / "elsewhere" / labelled.name
+    other.mkdir(parents=True)
+    for file in labelled.iterdir():
+        (other / file.name).write_bytes(file.read_bytes() + (b"\0" if file.suffix == ".png" else b""))
+    real = finetune_module.open_dataset
+    monkeypatch.setattr(finetune_module, "open_dataset", lambda *a, **k: pytest.fail("images read before the check"))
+    monkeypatch.chdir(other.parent)
+    with pytest.raises(ValueError, match=r"another data_sha256, eval_data_sha256"):
+        _run(labelled.name, tmp_path / "cut", resume=True, config=config)
+    monkeypatch.chdir(labelled.parent)
+    checkpoint = tmp_path / "other.pth"
+    torch.manual_seed(5)
+    torch.save(__import__("timm").create_model(MODEL).state_dict(), checkpoint)
+    with pytest.raises(ValueError, match=r"another weights_sha256"):
+        _run(labelled.name, tmp_path / "cut", resume=True, config=config, checkpoint=str(checkpoint))
+    monkeypatch.setattr(finetune_module, "open_dataset", real)
+    result = finetune(MODEL, f"{labelled.name}/labels.csv", str(tmp_path / "cut"), eval_data=labelled.name,
+                      config=config, resume=True, show_progress=False, num_workers=0, stop_after_epoch=1)
+    assert result is None  # accepted: already past epoch 1, it stops again at once
 
 
 def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_open_its_data(trained, labelled, tmp_path):
@@ -245,8 +273,8 @@ def test_lora_rank_0_trains_only_the_methods_parameters(image_folder, tmp_path):
     torch.manual_seed(0)
     base = timm.create_model(MODEL)
     assert torch.equal(model.blocks[5].attn.qkv.weight, base.blocks[5].attn.qkv.weight)
-    torch.manual_seed(0)  # the start finetune drew: the seed, the base model, then the method's parameters
-    untrained = timm_tokcomp.apply(timm.create_model(MODEL), "dynamicvit", keep_rate=0.7).tokcomp["dynamicvit"]
+    torch.manual_seed(0)  # the start finetune drew: the base model from the seed, then the method's from the seed
+    untrained = timm_tokcomp.apply(base, "dynamicvit", keep_rate=0.7).tokcomp["dynamicvit"]
     trained = model.tokcomp["dynamicvit"].predictors["0"]
     moved = (trained.proj.weight - untrained.predictors["0"].proj.weight).abs().max()
     assert 0 < moved < 0.1  # trained, from that start

@@ -119,3 +119,18 @@ def test_inference_mode_counts_the_same(fused):
     with MacCounter() as counter, torch.inference_mode():
         model(x)
     assert counter.total == count_macs(model, x)
+
+
+@pytest.mark.skipif(not timm_tokcomp.attention.flex_available(), reason="this torch has no FlexAttention")
+def test_op_counter_counts_flex_attention_as_one_call(monkeypatch):
+    """Eager FlexAttention runs through torch.compile, which refuses a dispatch mode; with torch's debug switch it
+    calls its higher-order operator directly, and the counter counts that as one call."""
+    import torch.nn.attention.flex_attention as fa
+    from conftest import make_model
+    from timm_tokcomp.measure import OpCounter
+
+    monkeypatch.setattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    model = timm_tokcomp.apply(make_model("cls"), "tome", r=4, prop_attn="flex")
+    with torch.no_grad(), OpCounter() as ops:
+        model(torch.randn(2, 3, 32, 32))
+    assert ops.counts["hop.flex_attention"] == len(model.blocks) - 1  # the first block has no sizes yet

@@ -221,6 +221,30 @@ def test_resume_continues_to_the_same_plugins(image_folder, tmp_path):
                     resume=True, show_progress=False, num_workers=0)
 
 
+def test_resume_on_another_model_of_the_same_architecture_is_refused(image_folder, tmp_path):
+    config = TrainConfig(**TINY)
+    train_tocom(_test_vit(), str(image_folder), str(tmp_path / "b"), "test_vit", config, show_progress=False,
+                num_workers=0, stop_after=2)
+    torch.manual_seed(1)
+    with pytest.raises(ValueError, match="another weights_sha256"):
+        train_tocom(timm.create_model("test_vit"), str(image_folder), str(tmp_path / "b"), "test_vit", config,
+                    resume=True, show_progress=False, num_workers=0)
+
+
+def test_the_callers_model_is_left_as_it_came(image_folder, tmp_path):
+    """Its method (ToMe r=8), training mode, requires_grad flags and weights, whether the run ends or stops."""
+    model = timm_tokcomp.apply(_test_vit().train(), "tome", r=8)
+    model.blocks[0].requires_grad_(False)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    for out, stop in (("a", None), ("b", 2)):
+        train_tocom(model, str(image_folder), str(tmp_path / out), "test_vit", TrainConfig(**TINY), show_progress=False,
+                    num_workers=0, stop_after=stop)
+        assert timm_tokcomp.get_reducer(model).params["r"] == 8 and model.training
+        assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+        assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
 def test_heldout_images_are_spread_through_a_sorted_folder_or_taken_from_its_end():
     """3,000 photos sorted by class (150 per class): 'spread' holds out 15 of every class, 'end' the last two."""
     spread = heldout_indices(3000, 300, "spread")

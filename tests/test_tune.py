@@ -190,6 +190,47 @@ def test_resume_measures_nothing_again_and_refuses_other_settings(tuned, image_f
                           show_progress=False)
 
 
+def _resume_tuned(model, data, out):
+    return timm_tokcomp.tune(model, str(data), batches=[1, 8], budget=100.0,
+                             space=[("tome", {"r": 4}), ("evit", {"r": 3})], limit=20, prune_images=8, max_rounds=6,
+                             out=str(out), resume=True, show_progress=False)
+
+
+def test_resume_knows_inputs_by_content_not_by_spelling(tuned, image_folder, tmp_path, monkeypatch):
+    """The same folder by a relative path resumes; another module of the same architecture, or other images behind
+    the same relative path, are refused, and before any image is read."""
+    _, out = tuned
+    monkeypatch.setattr(tuning, "time_runs", lambda *a, **k: pytest.fail("a resumed run timed again"))
+    monkeypatch.chdir(image_folder.parent)
+    _resume_tuned(_small_model(), image_folder.name, out)  # relative now, absolute when the run was made
+
+    real_load = tuning._load_images
+    monkeypatch.setattr(tuning, "_load_images", lambda *a, **k: pytest.fail("images read before the check"))
+    other_weights = _small_model()
+    other_weights.load_state_dict(make_model("cls", seed=1).state_dict())
+    with pytest.raises(ValueError, match=r"other settings \(other weights"):
+        _resume_tuned(other_weights, image_folder, out)
+
+    other = tmp_path / "elsewhere" / image_folder.name  # the same relative name, in another directory
+    other.mkdir(parents=True)
+    for i, image in enumerate(sorted(image_folder.iterdir())):
+        (other / image.name).write_bytes(image.read_bytes() + b"\0" * i)  # other bytes, one more per file
+    monkeypatch.chdir(other.parent)
+    with pytest.raises(ValueError, match=r"other settings \(other images in --data\)"):
+        _resume_tuned(_small_model(), image_folder.name, out)
+    monkeypatch.setattr(tuning, "_load_images", real_load)
+
+
+def test_resume_with_overwrite_is_refused_naming_both(tmp_path, image_folder, capsys):
+    with pytest.raises(ValueError, match="--resume and --overwrite exclude each other"):
+        timm_tokcomp.tune(_small_model(), str(image_folder), out=str(tmp_path / "run"), resume=True, overwrite=True,
+                          limit=20, prune_images=8, show_progress=False)
+    assert main(["finetune", "deit_tiny_patch16_224", "--data", str(image_folder), "--out", str(tmp_path / "ft"),
+                 "--resume", "--overwrite"]) != 0
+    assert "--resume and --overwrite exclude each other" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "ft").exists()
+
+
 def test_where_reduction_cannot_pay_tune_declines_or_bench_confirms(tuned):
     """Batch 1 of a 4-block, 64-token model: the reduction step's own ops cost about what it saves."""
     result, _ = tuned

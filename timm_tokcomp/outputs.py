@@ -59,7 +59,7 @@ def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, 
     """Hold `folder` for a run that writes `run_entries` (glob names of files / folders) into it, as one
     transaction that never loses an earlier run's work:
     - a folder that holds something is refused (FileExistsError) unless resume or overwrite, and so is a folder
-      another process is writing (folder/.lock);
+      another process is writing (folder/.lock); resume and overwrite together are refused (ValueError);
     - overwrite sets the earlier run's entries aside (folder/.replaced-<pid>-<unique>/, a rename); resume does the
       same for the entries not named in kept_on_resume (those the run continues from: checkpoints, cached records);
     - the run ends without an error: what was set aside is deleted;
@@ -67,6 +67,9 @@ def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, 
       they were; after writing something: both stay, the new partial run in place (a resume continues it) and the
       earlier one in .replaced-<pid>-<unique>, until a run in the folder ends without an error.
     writer=False (the other processes of a distributed run): only the refusal; the writer does the rest."""
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
+                         "--overwrite replaces it with a new one; give one of them")
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise FileExistsError(f"--out {folder} is a file, not a folder")

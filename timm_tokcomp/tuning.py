@@ -37,6 +37,7 @@ from .bench import check_dtype, mcnemar_exact_p, precision
 from .models import build_base_model, check_device
 from .calibrate import save_tuned_preset
 from .extras import available, pyplot
+from .identity import data_digest, weights_digest
 from .data import UnlabeledImages, check_num_classes, open_images
 from .measure import device_description, forward_counting, no_silent_eager_fallback, speedup_interval, time_runs
 from .methods import method_class
@@ -371,15 +372,23 @@ def tune(
     settings = {"model": name, "device": device, "device_name": device_description(device), "dtype": dtype, "tf32": tf32,
                 "batches": list(batches), "budget": budget, "min_speedup": min_speedup, "modes": list(modes),
                 "limit": limit, "prune_images": prune_images, "max_rounds": max_rounds, "data": str(data),
-                "space": [[m, p] for m, p in space]}
+                "space": [[m, p] for m, p in space],
+                # what the rows were measured on, by content (a resume needs the same; the path is only shown)
+                "weights_sha256": weights_digest(base), "data_sha256": data_digest(data)}
     # an earlier run in out is set aside (--overwrite) and comes back if this one fails before writing
     with run_folder(out, resume, overwrite, OUT_FILES) if out else contextlib.nullcontext():
+        previous = _resume(out, settings) if out and resume else {}  # before any image is read
         tuner = _Tuner(base, data, settings, space, out, show_progress)  # opens and checks every input
-        tuner.previous = _resume(out, settings) if out and resume else {}
+        tuner.previous = previous
         result = tuner.run()
         if out:
             write_outputs(result, out)
     return result
+
+
+SHOWN_ONLY = ("data",)  # recorded for the reader; a resume compares data_sha256, not how the path was spelled
+_RESUME_NAMES = {"weights_sha256": "other weights (--checkpoint / --pretrained, or another module)",
+                 "data_sha256": "other images in --data"}
 
 
 def _resume(out: str, settings: Dict[str, Any]) -> Dict[Tuple[int, str], TuneRow]:
@@ -388,10 +397,11 @@ def _resume(out: str, settings: Dict[str, Any]) -> Dict[Tuple[int, str], TuneRow
     if not config.is_file():
         return {}
     saved = read_json(config)
-    differing = sorted(k for k in settings if saved.get(k) != json.loads(json.dumps(settings[k])))
+    differing = sorted(k for k in settings if k not in SHOWN_ONLY and saved.get(k) != json.loads(json.dumps(settings[k])))
     if differing:
-        raise ValueError(f"--resume: {out} holds a run with other settings ({', '.join(differing)}); "
-                         f"use --overwrite or another --out")
+        named = ", ".join(_RESUME_NAMES.get(k, k) for k in differing)
+        raise ValueError(f"--resume: {out} holds a run measured with other settings ({named}); give the same ones, or "
+                         f"replace that run with --overwrite (without --resume), or choose another --out")
     return {(r.batch, r.candidate): r for r in read_rows(Path(out) / "tune.csv")}
 
 

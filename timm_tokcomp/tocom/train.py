@@ -7,6 +7,7 @@ plugins, method r = m. Student: the frozen model plus s * sign(n - m) * sum of p
 outputs of every block's qkv). Loss: KL(teacher || student) on softmax(logits / T) times T^2, or L1 on
 the pooled features of a model without a head.
 """
+import copy
 import math
 import random
 from dataclasses import asdict, dataclass
@@ -18,7 +19,8 @@ from torch import nn
 
 from ..core import apply, remove, set_params
 from ..extras import require
-from ..patch import check_supported
+from ..identity import data_digest, weights_digest
+from ..patch import check_supported, is_patched
 from ..training.engine import (Schedule, TrainingDiverged, TrainingTask, check_loop_settings, distill_loss,
                                rank_and_world, train)
 from .compensator import Compensator
@@ -134,7 +136,6 @@ class ToComTask(TrainingTask):
 
     name = "train ToCom"
     log_columns = ("r_src", "r_tgt", "loss")
-    old_settings = {"holdout_pick": "end"}  # checkpoints from before holdout_pick held out the last images
 
     def __init__(self, model: nn.Module, data: str, base_model: str, config: TrainConfig, device: str, world: int,
                  show_progress: bool) -> None:
@@ -155,7 +156,6 @@ class ToComTask(TrainingTask):
         self.plugins = Plugins(init).to(device)
         self.plugins.install(model)
         self.module = Student(model, self.plugins)
-        self.settings, self.run = asdict(config), {"base_model": base_model, "data": str(data)}
         self.schedule = Schedule(
             steps=config.steps, steps_per_epoch=len(self.train_set) // per_step, batch_size=config.batch_size,
             lr=config.lr * per_step / 256, weight_decay=config.weight_decay, warmup_steps=warmup_steps(config),
@@ -210,13 +210,19 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
     report), through the training engine (training.engine.train: run folder and lock, resume, DDP under
     torch.distributed with rank 0 writing, AMP, divergence checks). Returns the compensator (at the chosen scale)
     and the held-out report; after stop_after steps, the plugins at the training scale and None (resume
-    continues). The model is given back as it came (plugins and method removed)."""
+    continues). `model` itself is left as it came (mode, requires_grad, device, a method applied to it): the
+    training runs on a copy, without the copy's method."""
     config.validate()
     check_supported(model)
     require("peft", "tocom", "tokcomp train-tocom")  # what saves the adapters, checked before any work
+    model = copy.deepcopy(model)
+    if is_patched(model):
+        remove(model)
+    run = {"base_model": base_model, "weights_sha256": weights_digest(model), "data_sha256": data_digest(data)}
     return train(lambda device, world: ToComTask(model, data, base_model, config, device, world, show_progress),
-                 out, RUN_ENTRIES, resume=resume, overwrite=overwrite, device=device, show_progress=show_progress,
-                 num_workers=num_workers, stop_after=stop_after, seed=config.seed)
+                 out, RUN_ENTRIES, asdict(config), run, resume=resume, overwrite=overwrite, device=device,
+                 show_progress=show_progress, num_workers=num_workers, stop_after=stop_after, seed=config.seed,
+                 old_settings={"holdout_pick": "end"})  # checkpoints from before holdout_pick held out the last images
 
 
 def _training_summary(config: TrainConfig, world: int, images: int) -> str:

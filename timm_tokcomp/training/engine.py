@@ -31,7 +31,7 @@ from ..outputs import replacing, run_folder, write_text
 from ..schedules import is_int, is_real
 from ..userfiles import read_torch
 
-CHECKPOINT_FORMAT = 2  # 1: the two trainers' own checkpoints, before this engine (timm_tokcomp 0.1.0)
+CHECKPOINT_FORMAT = 3  # 1: the two trainers' own checkpoints, before this engine (timm_tokcomp 0.1.0); 2: inputs by path
 CHECKPOINT = "checkpoint.pt"
 STEP_LOG = "loss_log.csv"
 EPOCH_LOG = "log.csv"
@@ -153,19 +153,16 @@ class Schedule:
 
 class TrainingTask:
     """What a task supplies: `module` (every trainable parameter, requires_grad; its forward is the student's),
-    `train_set` (a SeededAugment of (x, y) items), `schedule`, `settings` and `run` (what a resumed run must share:
-    the recipe, and the data / model it trains on), `log_columns` (what loss() returns that is logged every step,
-    'loss' among them), and the methods below. Before the first step the engine sets `forward` (the module, DDP-wrapped when
-    distributed; call it for the student) and `autocast` (a context factory; the loss already runs inside it)."""
+    `train_set` (a SeededAugment of (x, y) items), `schedule`, `log_columns` (what loss() returns that is logged
+    every step, 'loss' among them), and the methods below. Before the first step the engine sets `forward` (the
+    module, DDP-wrapped when distributed; call it for the student) and `autocast` (a context factory; the loss
+    already runs inside it)."""
 
     name = "train"
     module: nn.Module
     train_set: SeededAugment
     schedule: Schedule
-    settings: Dict[str, Any]
-    run: Dict[str, Any]
     log_columns: Tuple[str, ...] = ("loss",)
-    old_settings: Dict[str, Any] = {}  # settings added since a checkpoint may have been written, at their old value
     forward: Callable[..., torch.Tensor]
     autocast: Callable[[], ContextManager]
 
@@ -190,14 +187,20 @@ class TrainingTask:
         """Undo what the task did to models it was given; called however the run ends."""
 
 
-def train(make_task: Callable[[str, int], TrainingTask], out: str, run_entries: Sequence[str], resume: bool = False,
-          overwrite: bool = False, device: str = "cpu", show_progress: bool = True, num_workers: int = 2,
-          stop_after: Optional[int] = None, stop_unit: str = "step", seed: int = 0) -> Any:
+def train(make_task: Callable[[str, int], TrainingTask], out: str, run_entries: Sequence[str], settings: Dict[str, Any],
+          run: Dict[str, Any], resume: bool = False, overwrite: bool = False, device: str = "cpu",
+          show_progress: bool = True, num_workers: int = 2, stop_after: Optional[int] = None, stop_unit: str = "step",
+          seed: int = 0, old_settings: Optional[Dict[str, Any]] = None) -> Any:
     """Claim `out` (a non-empty folder is refused unless resume or overwrite; outputs.run_folder), seed torch with
     `seed` (the same initial parameters in every process; the caller's generators are restored afterwards), build
     the task with make_task(device, world size), train it, and return task.finish(...); or task.interrupted() after
     stop_after steps (epochs with stop_unit 'epoch'), leaving a checkpoint that resume continues. Under
-    torch.distributed every rank calls this with the same arguments; rank 0 writes."""
+    torch.distributed every rank calls this with the same arguments; rank 0 writes.
+
+    settings (the recipe) and run (what it trains on: the model's name and the identities of its weights and data,
+    timm_tokcomp.identity) are what a resumed run must share: with resume, the checkpoint is checked against them
+    before make_task does any work. old_settings: settings added since a checkpoint may have been written, at the
+    value such a checkpoint ran with."""
     if stop_after is not None and (not is_int(stop_after) or stop_after < 1):
         raise ValueError(f"--stop-after must be an integer >= 1 ({stop_unit}s), got {stop_after!r}")
     rank, world = rank_and_world()
@@ -205,21 +208,57 @@ def train(make_task: Callable[[str, int], TrainingTask], out: str, run_entries: 
     forked = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
     # the caller's random streams are left as they were: the run draws from its own, seeded ones
     with run_folder(out, resume, overwrite, run_entries, writer=rank == 0), torch.random.fork_rng(devices=forked):
+        state = _checkpoint_to_resume(Path(out) / "training" / CHECKPOINT, settings, run, old_settings or {}, world,
+                                      rank) if resume else None
         torch.manual_seed(seed)
         task = make_task(device, world)
         try:
-            return _Loop(task, Path(out), device, rank, world, show_progress, num_workers).run(
-                resume, stop_after, stop_unit)
+            return _Loop(task, Path(out), device, rank, world, show_progress, num_workers, settings, run).run(
+                state, stop_after, stop_unit)
         finally:
             task.close()
 
 
+def _checkpoint_to_resume(path: Path, settings: Dict[str, Any], run: Dict[str, Any], old_settings: Dict[str, Any],
+                          world: int, rank: int) -> Optional[Dict[str, Any]]:
+    """The checkpoint at path, or None (a note) where there is none yet; ValueError when it was written by another
+    format, with other settings or on other inputs."""
+    if not path.is_file():
+        if rank == 0:
+            print(f"note: --resume: no {path} yet, starting from step 0", file=sys.stderr)
+        return None
+    state = read_torch(path, "--resume")  # on the CPU: load_state_dict copies to the parameters' devices
+    if "format" not in state:
+        raise ValueError(f"--resume: {path} was written by timm_tokcomp 0.1.0's trainer (checkpoint format 1; "
+                         f"this is {__version__}, format {CHECKPOINT_FORMAT}): finish it with 0.1.0, or start "
+                         f"again in a new --out")
+    if state["format"] != CHECKPOINT_FORMAT:
+        raise ValueError(f"--resume: {path} was written by timm_tokcomp {state.get('version')} (checkpoint format "
+                         f"{state['format']}; this is {__version__}, format {CHECKPOINT_FORMAT}): resume it with "
+                         f"that version, or start again in a new --out")
+    saved = {**old_settings, **state["config"]}
+    if saved != settings or state["world_size"] != world:
+        changed = sorted(k for k in {*saved, *settings} if saved.get(k) != settings.get(k))
+        if state["world_size"] != world:
+            changed.append(f"processes={state['world_size']}")
+        raise ValueError(f"--resume: {path} was written with other settings ("
+                         f"{', '.join(c if '=' in c else f'{c}={saved.get(c)!r}' for c in changed)}); give the "
+                         f"same ones or a new --out")
+    if state["run"] != run:
+        changed = sorted(k for k in {*run, *state["run"]} if state["run"].get(k) != run.get(k))
+        was = ", ".join(f"{k}={state['run'].get(k)!r}" for k in changed)
+        raise ValueError(f"--resume: {path} was written for another {', '.join(changed)} ({was}; now "
+                         f"{', '.join(f'{k}={run.get(k)!r}' for k in changed)}); give the same or a new --out")
+    return state
+
+
 class _Loop:
     def __init__(self, task: TrainingTask, out: Path, device: str, rank: int, world: int, show_progress: bool,
-                 num_workers: int) -> None:
+                 num_workers: int, settings: Dict[str, Any], run_inputs: Dict[str, Any]) -> None:
         s = task.schedule
         check_loop_settings(s.amp, s.amp_dtype, s.accumulate)
         self.task, self.out, self.device, self.rank, self.world = task, out, device, rank, world
+        self.settings, self.run_inputs = settings, run_inputs  # what the checkpoints record
         self.show_progress, self.num_workers = show_progress, num_workers
         self.work = out / "training"
         kind = torch.device(device).type
@@ -241,34 +280,8 @@ class _Loop:
 
     # checkpoint and resume
 
-    def _resume(self) -> None:
-        path = self.work / CHECKPOINT
-        if not path.is_file():
-            if self.rank == 0:
-                print(f"note: --resume: no {path} yet, starting from step 0", file=sys.stderr)
-            return
-        state = read_torch(path, "--resume")  # on the CPU: load_state_dict copies to the parameters' devices
-        if "format" not in state:
-            raise ValueError(f"--resume: {path} was written by timm_tokcomp 0.1.0's trainer (checkpoint format 1; "
-                             f"this is {__version__}, format {CHECKPOINT_FORMAT}): finish it with 0.1.0, or start "
-                             f"again in a new --out")
-        if state["format"] != CHECKPOINT_FORMAT:
-            raise ValueError(f"--resume: {path} was written by timm_tokcomp {state.get('version')} (checkpoint format "
-                             f"{state['format']}; this is {__version__}, format {CHECKPOINT_FORMAT}): resume it with "
-                             f"that version, or start again in a new --out")
-        saved = {**self.task.old_settings, **state["config"]}
-        if saved != self.task.settings or state["world_size"] != self.world:
-            changed = sorted(k for k in {*saved, *self.task.settings} if saved.get(k) != self.task.settings.get(k))
-            if state["world_size"] != self.world:
-                changed.append(f"processes={state['world_size']}")
-            raise ValueError(f"--resume: {path} was written with other settings ("
-                             f"{', '.join(c if '=' in c else f'{c}={saved.get(c)!r}' for c in changed)}); give the "
-                             f"same ones or a new --out")
-        if state["run"] != self.task.run:
-            changed = sorted(k for k in self.task.run if state["run"].get(k) != self.task.run[k])
-            was = ", ".join(f"{k}={state['run'].get(k)!r}" for k in changed)
-            raise ValueError(f"--resume: {path} was written for another {', '.join(changed)} ({was}); give the same "
-                             f"or a new --out")
+    def _resume(self, state: Dict[str, Any]) -> None:
+        """Continue from a checkpoint _checkpoint_to_resume accepted."""
         with torch.no_grad():
             for name, p in self.trainable.items():
                 p.copy_(state["trainable"][name])
@@ -292,16 +305,17 @@ class _Loop:
                 torch.save({"format": CHECKPOINT_FORMAT, "version": __version__, "step": self.step,
                             "trainable": {k: p.detach().cpu() for k, p in self.trainable.items()},
                             "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                            "config": self.task.settings, "run": self.task.run, "world_size": self.world,
+                            "config": self.settings, "run": self.run_inputs, "world_size": self.world,
                             "log": list(self.log), "epoch_log": list(self.epoch_log), "seconds": seconds}, tmp)
         self.saved = self.step
 
     # the loop
 
-    def run(self, resume: bool, stop_after: Optional[int], stop_unit: str) -> Any:
+    def run(self, state: Optional[Dict[str, Any]], stop_after: Optional[int], stop_unit: str) -> Any:
+        """Train from step 0, or from checkpoint `state`, to the end or to stop_after."""
         task, s = self.task, self.task.schedule
-        if resume:
-            self._resume()
+        if state is not None:
+            self._resume(state)
         last = s.steps if stop_after is None else \
             min(s.steps, stop_after * (s.steps_per_epoch if stop_unit == "epoch" else 1))
         step_header = ",".join(["step", *task.log_columns, "lr", "seconds"])

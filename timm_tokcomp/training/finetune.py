@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from ..core import apply, get_reducer
 from ..extras import require
+from ..identity import data_digest, weights_digest
 from ..data import check_num_classes, open_dataset, open_images
 from ..models import build_base_model
 from ..outputs import replacing
@@ -87,15 +88,15 @@ class FinetuneTask(TrainingTask):
     after every epoch (top-1, agreement with the unreduced model); at the end rank 0 saves the folder, reloads it
     and evaluates it."""
 
-    def __init__(self, base_model: str, train_data: str, eval_data: str, config: FinetuneConfig, checkpoint: Optional[str],
-                 pretrained: bool, device: str, world: int, show_progress: bool, num_workers: int) -> None:
+    def __init__(self, model: nn.Module, base_model: str, train_data: str, eval_data: str, config: FinetuneConfig,
+                 checkpoint: Optional[str], pretrained: bool, device: str, world: int, show_progress: bool,
+                 num_workers: int) -> None:
         get_peft_model = require("peft", "train", "tokcomp finetune's LoRA").get_peft_model
         self.name = f"fine-tune {config.method}"
         self.config, self.base_model, self.device, self.world = config, base_model, device, world
         self.checkpoint, self.pretrained, self.show_progress = checkpoint, pretrained, show_progress
         self.train_data, self.eval_data, self.num_workers = train_data, eval_data, num_workers
         self.method = config.method_params()
-        model = build_base_model(base_model, checkpoint, pretrained, "cpu")
         train_tf, eval_tf = _transforms(model, config)
         eval_flag = "--data" if eval_data == train_data else "--eval-data"
         if config.distill:
@@ -127,9 +128,6 @@ class FinetuneTask(TrainingTask):
         self.module.to(device)
         self.model = model
         self.train_set = SeededAugment(train_set, config.seed)
-        self.settings = asdict(config)
-        self.run = {"base_model": base_model, "data": str(train_data), "eval_data": str(eval_data),
-                    "checkpoint": str(checkpoint or ""), "pretrained": pretrained}
         steps_per_epoch = len(train_set) // per_step
         self.schedule = Schedule(
             steps=config.epochs * steps_per_epoch, steps_per_epoch=steps_per_epoch, batch_size=config.batch_size,
@@ -195,10 +193,17 @@ def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str
     returns None then (and on ranks other than 0), else the final evaluation."""
     config.validate()
     require("peft", "train", "tokcomp finetune")  # before any work
-    return train(lambda device, world: FinetuneTask(base_model, train_data, eval_data or train_data, config, checkpoint,
+    eval_data = eval_data or train_data
+    with torch.random.fork_rng():  # seeded: without weights, the same random ones every call (a resume needs them)
+        torch.manual_seed(config.seed)
+        model = build_base_model(base_model, checkpoint, pretrained, "cpu")
+    run = {"base_model": base_model, "weights_sha256": weights_digest(model),
+           "data_sha256": data_digest(train_data, "--data"), "eval_data_sha256": data_digest(eval_data, "--eval-data")}
+    return train(lambda device, world: FinetuneTask(model, base_model, train_data, eval_data, config, checkpoint,
                                                     pretrained, device, world, show_progress, num_workers),
-                 out, RUN_ENTRIES, resume=resume, overwrite=overwrite, device=device, show_progress=show_progress,
-                 num_workers=num_workers, stop_after=stop_after_epoch, stop_unit="epoch", seed=config.seed)
+                 out, RUN_ENTRIES, asdict(config), run, resume=resume, overwrite=overwrite, device=device,
+                 show_progress=show_progress, num_workers=num_workers, stop_after=stop_after_epoch, stop_unit="epoch",
+                 seed=config.seed)
 
 
 def _final_evaluation(out: Path, task: FinetuneTask, train_seconds: float, trainable_parameters: int,
