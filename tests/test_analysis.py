@@ -61,8 +61,14 @@ def _run(folder, out, **kwargs):
 
 
 def test_analyze_writes_the_report_and_resumes_from_its_recordings(image_folder, tmp_path, monkeypatch):
-    out = tmp_path / "report"
-    rows = _run(image_folder, out)
+    """A resume reuses the recordings made on the same weights and images (by content: a model with random weights
+    is another model every run, and is recorded again)."""
+    import timm
+
+    out, weights = tmp_path / "report", tmp_path / "weights.pth"
+    torch.manual_seed(0)
+    torch.save(timm.create_model("deit_tiny_patch16_224").state_dict(), weights)
+    rows = _run(image_folder, out, checkpoint=str(weights))
     names = sorted(p.name for p in out.iterdir())
     assert names == ["depth_maps.png", "metric_matrices.png", "metrics.csv", "overlay_evit_r8.png",
                      "overlay_tome_r8.png", "overlay_topk_k70.png", "records", "report.md"]
@@ -75,10 +81,16 @@ def test_analyze_writes_the_report_and_resumes_from_its_recordings(image_folder,
 
     with pytest.raises(FileExistsError, match="--resume"):
         _run(image_folder, out)
+    real_record = __import__("timm_tokcomp.analysis.report", fromlist=["record"]).record
     monkeypatch.setattr("timm_tokcomp.analysis.report.record", lambda *a, **k: pytest.fail("recorded again"))
-    again = _run(image_folder, out, resume=True, overlays=0)
+    again = _run(image_folder, out, resume=True, overlays=0, checkpoint=str(weights))
     assert [r.value for r in again] == [r.value for r in rows]
     assert not list(out.glob("overlay_*.png"))  # not drawn this time, so none of the last run's is left
+    recorded = []
+    monkeypatch.setattr("timm_tokcomp.analysis.report.record", lambda model, name, *a: recorded.append(name) or
+                        real_record(model, name, *a))
+    _run(image_folder, out, resume=True, overlays=0)  # random weights: other ones
+    assert sorted(recorded) == ["evit_r8", "tome_r8", "topk_k70"]
 
 
 @pytest.mark.parametrize("methods, match", [

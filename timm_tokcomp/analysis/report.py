@@ -26,15 +26,11 @@ RUN_ENTRIES = ("records", "metrics.csv", "report.md", "*.png")
 MATRIX_METRICS = ("nmi", "iou", "depth_spearman", "cka")
 
 
-def _settings(model_name: str, checkpoint: Optional[str], pretrained: bool, data: str, limit: Optional[int],
-              method: str) -> Dict[str, object]:
-    """What a cached recording must have been made with to be reused (the checkpoint by path, size and time,
-    so a replaced weights file is recorded again; the library version, so a changed method is too)."""
-
-    stat = Path(checkpoint).stat() if checkpoint else None
-    return {"model": model_name, "checkpoint": str(checkpoint or ""), "pretrained": pretrained,
-            "checkpoint_file": [stat.st_size, stat.st_mtime_ns] if stat else None,
-            "data": str(Path(data).resolve()), "limit": limit, "method_tag": method, "version": __version__}
+def _settings(model_name: str, weights: str, data: str, limit: Optional[int], method: str) -> Dict[str, object]:
+    """What a cached recording must have been made with to be reused: the weights and images by content
+    (timm_tokcomp.identity digests), and the library version, so a changed method is recorded again."""
+    return {"model": model_name, "weights_sha256": weights, "data_sha256": data, "limit": limit, "method_tag": method,
+            "version": __version__}
 
 
 def _images_for_display(dataset, count: int, model) -> np.ndarray:
@@ -83,8 +79,9 @@ def _analyze(model_name, specs, data, out, limit, checkpoint, pretrained, batch_
              show_progress) -> List[MetricRow]:
     import timm
 
-    from ..models import build_base_model
     from ..data import open_images
+    from ..identity import data_digest, weights_digest
+    from ..models import build_base_model
 
     methods = list(specs)
     base = build_base_model(model_name, checkpoint, pretrained, device)
@@ -94,9 +91,10 @@ def _analyze(model_name, specs, data, out, limit, checkpoint, pretrained, batch_
         raise ValueError(f"--data {data} has {count} image(s); analyze needs two or more")
     records = Path(out) / "records"
     recordings: Dict[str, Recording] = {}
+    weights, images = weights_digest(base), data_digest(data)
     for name, (method, params) in specs.items():
         path = records / f"{name}.npz"
-        settings = _settings(model_name, checkpoint, pretrained, data, limit, name)
+        settings = _settings(model_name, weights, images, limit, name)
         if path.is_file():
             rec, meta = Recording.load(path)
             if meta == settings and rec.images == count:
