@@ -14,8 +14,6 @@ from timm.models.vision_transformer import VisionTransformer
 
 DATA = Path(os.environ.get("TOKCOMP_DATA", Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
 
-TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])  # (major, minor)
-
 SMALL = dict(img_size=32, patch_size=4, embed_dim=48, depth=4, num_heads=3, num_classes=10)
 
 # name -> constructor of a small randomly initialised model covering one feature of timm's ViT

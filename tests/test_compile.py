@@ -6,7 +6,6 @@ import timm
 import torch
 
 import timm_tokcomp
-from conftest import TORCH_VERSION
 
 
 def _deit_tiny(method=None, **params):
@@ -14,10 +13,6 @@ def _deit_tiny(method=None, **params):
     model = timm.create_model("deit_tiny_patch16_224").eval()
     return timm_tokcomp.apply(model, method, **params) if method else model
 
-
-# torch 2.8's dynamo meets an exception it cannot trace inside the reduced forward: graphs break there
-# (still correct, still no recompile-limit fallback); torch >= 2.10 captures each model whole
-WHOLE_GRAPH = TORCH_VERSION >= (2, 10)
 
 
 def test_three_reduced_models_compile_whole_in_one_process():
@@ -29,11 +24,11 @@ def test_three_reduced_models_compile_whole_in_one_process():
               _deit_tiny("dense_tome", r=2)]
     with torch.no_grad(), torch._dynamo.config.patch(**{limit_flag: True}):
         for model in models:
-            compiled = torch.compile(model, backend="eager", fullgraph=WHOLE_GRAPH)
+            compiled = torch.compile(model, backend="eager", fullgraph=True)
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
         for model in models:  # a second round hits the cache: no recompile is needed
             with torch._dynamo.config.patch(error_on_recompile=True):
-                torch.compile(model, backend="eager", fullgraph=WHOLE_GRAPH)(x)
+                torch.compile(model, backend="eager", fullgraph=True)(x)
 
 
 def _counting_backend(compiles):
@@ -43,7 +38,6 @@ def _counting_backend(compiles):
     return backend
 
 
-@pytest.mark.skipif(not WHOLE_GRAPH, reason="torch < 2.10's dynamo breaks the graph inside the reduced forward")
 @pytest.mark.parametrize("method, params", [("tome", {"r": 16}), ("evit", {"r": 8}), ("dense_tome", {"r": 2}),
                                             ("tome", {"flops_ratio": 2.0}), ("l2", {"keep_rate": 0.7}),
                                             ("topk", {"keep_rate": 0.7}), ("kmedoids", {"keep_rate": 0.7}),
@@ -59,7 +53,7 @@ def test_same_shape_never_recompiles_and_set_params_recompiles_once():
     torch._dynamo.reset()
     model = _deit_tiny("tome", r=16)
     compiles = []
-    compiled = torch.compile(model, backend=_counting_backend(compiles), fullgraph=WHOLE_GRAPH)
+    compiled = torch.compile(model, backend=_counting_backend(compiles), fullgraph=True)
     x = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
         for _ in range(3):

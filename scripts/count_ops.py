@@ -1,0 +1,60 @@
+"""What a GPU pays for, counted on any machine: aten ops per forward (all, and the non-view ones that launch a
+kernel) and host syncs, on the first forward of a fresh model and on a later one, for one method on each
+proportional-attention implementation (timm_tokcomp.measure.OpCounter; random weights and inputs, fp32).
+
+    python scripts/count_ops.py                                   # DeiT-Tiny, tome_r16, batch 8
+    python scripts/count_ops.py --model deit_small_patch16_224 --method tome_r8 --batch-size 2
+
+Eager FlexAttention runs through torch.compile, which refuses a dispatch mode; this script switches on torch's
+debug path for it (the higher-order operator called directly), so its row counts the operator as one call and the
+ops around it, not the fused kernel a compiled model runs."""
+import argparse
+import warnings
+
+import timm
+import torch
+
+import timm_tokcomp
+from timm_tokcomp.attention import PROP_ATTN_IMPLS, flex_available
+from timm_tokcomp.measure import OpCounter
+from timm_tokcomp.methods import parse_method_tag
+
+VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias", "permute", "transpose", "t", "expand", "unsqueeze",
+         "squeeze", "select", "slice", "unbind", "split", "split_with_sizes", "alias", "as_strided", "detach",
+         "unflatten", "flatten", "view_as", "narrow", "diagonal", "lift_fresh"}  # launch no kernel
+
+
+def count(model: torch.nn.Module, x: torch.Tensor) -> str:
+    with torch.no_grad(), OpCounter() as ops:
+        model(x)
+    launches = sum(n for op, n in ops.counts.items() if op.split(".")[1] not in VIEWS)
+    syncs = ", ".join(f"{op} {n}" for op, n in ops.sync_counts.items())
+    return f"{ops.total} ({launches}) | {ops.host_syncs}{f' ({syncs})' if syncs else ''}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="deit_tiny_patch16_224")
+    parser.add_argument("--method", default="tome_r16", help="a method tag, as tokcomp bench --methods takes it")
+    parser.add_argument("--batch-size", type=int, default=8)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    if flex_available():
+        import torch.nn.attention.flex_attention as flex
+
+        flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    method, params = parse_method_tag(args.method)
+    torch.manual_seed(0)
+    x = torch.randn(args.batch_size, 3, 224, 224)
+    print(f"{args.model}, {args.method}, batch {args.batch_size}, fp32, torch {torch.__version__}: "
+          f"ops per forward (non-view ops that launch kernels) | host syncs")
+    print("| prop_attn | first forward | | later forward | |\n| --- | --- | --- | --- | --- |")
+    plain = timm.create_model(args.model).eval()
+    print(f"| (plain model) | {count(plain, x)} | {count(plain, x)} |")
+    for impl in [i for i in PROP_ATTN_IMPLS if i != "flex" or flex_available()]:
+        model = timm_tokcomp.apply(timm.create_model(args.model).eval(), method, **{**params, "prop_attn": impl})
+        print(f"| `{impl}` | {count(model, x)} | {count(model, x)} |")
+
+
+if __name__ == "__main__":
+    main()
