@@ -280,7 +280,7 @@ def pairwise_distances(x: torch.Tensor) -> torch.Tensor:
     sq = (x * x).sum(dim=-1)
     d2 = sq.unsqueeze(2) + sq.unsqueeze(1) - 2 * torch.bmm(x, x.transpose(1, 2))
     d2 = (d2 + d2.transpose(1, 2)) * 0.5
-    d2.diagonal(dim1=1, dim2=2).zero_()
+    d2 = d2.masked_fill(torch.eye(d2.shape[1], dtype=torch.bool, device=d2.device), 0.0)  # functional: exports
     return d2.clamp_min(0).sqrt()
 
 
