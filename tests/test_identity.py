@@ -35,3 +35,14 @@ def test_data_digest_is_the_same_for_every_spelling_and_differs_for_other_images
     assert data_digest(copied) == data_digest(copied / "labels.csv")  # what the loaders read for that folder
     with pytest.raises(FileNotFoundError, match="--eval-data: .*missing not found"):
         data_digest(tmp_path / "missing", "--eval-data")
+
+
+def test_a_quantised_model_is_identified_by_its_integer_weights():
+    import warnings
+
+    quantize_dynamic = pytest.importorskip("torch.ao.quantization").quantize_dynamic
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first, again, other = (quantize_dynamic(make_model("cls", seed=s), {torch.nn.Linear}, dtype=torch.qint8)
+                               for s in (0, 0, 1))
+    assert weights_digest(first) == weights_digest(again) != weights_digest(other)

@@ -4,7 +4,7 @@ folder given as a relative or an absolute path is the same input, another folder
 not, and neither is another checkpoint or module of the same architecture. Computed once, before any work."""
 import hashlib
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -19,13 +19,29 @@ def weights_digest(model: nn.Module) -> str:
     """sha256 of `model`'s state_dict (every entry's name, dtype, shape and bytes, in name order), shortened."""
     h = hashlib.sha256()
     for name, value in sorted(model.state_dict().items()):
-        if not torch.is_tensor(value) or value.is_quantized:  # packed parameters of a quantised module
-            h.update(f"{name}|{value!r}|".encode())
-            continue
+        _update(h, name, value)
+    return h.hexdigest()[:DIGEST_CHARS]
+
+
+def _update(h: "hashlib._Hash", name: str, value: Any) -> None:
+    """Feed one state_dict entry to h: a tensor by dtype, shape and bytes (a quantised one by its integers, scales
+    and zero points), a tuple or list (a quantised Linear's packed parameters) item by item, anything else by repr."""
+    if isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            _update(h, f"{name}[{i}]", item)
+    elif torch.is_tensor(value) and value.is_quantized:
+        scheme = value.qscheme()
+        per_channel = scheme in (torch.per_channel_affine, torch.per_channel_symmetric)
+        parts = [value.int_repr()] + ([value.q_per_channel_scales(), value.q_per_channel_zero_points()] if per_channel
+                                      else [torch.tensor(value.q_scale()), torch.tensor(value.q_zero_point())])
+        for i, part in enumerate(parts):
+            _update(h, f"{name}.{scheme}.{i}", part)
+    elif torch.is_tensor(value):
         t = value.detach().cpu().contiguous().reshape(-1)
         h.update(f"{name}|{t.dtype}|{tuple(value.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().data)
-    return h.hexdigest()[:DIGEST_CHARS]
+    else:
+        h.update(f"{name}|{value!r}|".encode())
 
 
 def data_digest(path: Union[str, Path], flag: str = "--data") -> str:
