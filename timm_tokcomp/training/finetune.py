@@ -197,8 +197,9 @@ def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str
     with torch.random.fork_rng():  # seeded: without weights, the same random ones every call (a resume needs them)
         torch.manual_seed(config.seed)
         model = build_base_model(base_model, checkpoint, pretrained, "cpu")
-    run = {"base_model": base_model, "weights_sha256": weights_digest(model),
-           "data_sha256": data_digest(train_data, "--data"), "eval_data_sha256": data_digest(eval_data, "--eval-data")}
+    train_digest = data_digest(train_data, "--data")
+    run = {"base_model": base_model, "weights_sha256": weights_digest(model), "data_sha256": train_digest,
+           "eval_data_sha256": train_digest if eval_data == train_data else data_digest(eval_data, "--eval-data")}
     return train(lambda device, world: FinetuneTask(model, base_model, train_data, eval_data, config, checkpoint,
                                                     pretrained, device, world, show_progress, num_workers),
                  out, RUN_ENTRIES, asdict(config), run, resume=resume, overwrite=overwrite, device=device,
