@@ -40,10 +40,10 @@ class BenchRow:
     (the '+ToCom' rows) are compared with it image by image: paired_with names that row, agree_gained /
     agree_lost count the images whose agreement with the baseline this row gains / loses against it,
     and agree_change_p is the exact two-sided McNemar p-value of that split (None elsewhere). backend: what
-    ran the timed forwards; img_per_s: throughput of the timing batch, speedup: the baseline's median batch time /
-    this one, speedup_lo / speedup_hi: the 95 % interval of the rounds' ratios (None without timing);
-    latency_ms / latency_p90_ms: median and 90th percentile of single-image forwards, latency_speedup (lo, hi):
-    the baseline's median latency / this one (None without latency runs)."""
+    ran the timed forwards; img_per_s: throughput of the timing batch, speedup: the geometric mean of the
+    interleaved rounds' ratios (the baseline's time / this one), speedup_lo / speedup_hi: its 95 % interval (None
+    without timing); latency_ms / latency_p90_ms: median and 90th percentile of single-image forwards,
+    latency_speedup (lo, hi): the same ratio for them (None without latency runs)."""
 
     method: str
     gmacs: float
@@ -402,7 +402,7 @@ def _time(models: Dict[str, nn.Module], batch: torch.Tensor, backend: str, round
 
 
 def _ratio(times: Dict[str, List[float]], name: str) -> Tuple[Optional[float], Optional[float], Optional[float]]:
-    """(baseline median / this median, the 95 % interval of the rounds' ratios), or Nones without timing."""
+    """(the speed-up against the baseline, its 95 % interval: measure.speedup_interval), or Nones without timing."""
     return speedup_interval(times[BASELINE], times[name]) if times else (None, None, None)
 
 
@@ -430,14 +430,12 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     lines = text_table(header, cells, rule=True)
     legend = ["tput: throughput of the timing batch"] if timed else []
     legend += ["lat: one image (median, 90th percentile)"] if with_latency else []
-    legend += ["x: the plain model's time / this one, [95 % interval of the timed rounds]"] if timed else []
+    legend += ["x: speed-up against the plain model, the geometric mean of the interleaved rounds' time ratios "
+               "[its 95 % interval]"] if timed else []
     lines += ["", "; ".join(legend + ["tokens@last: tokens entering the last block"])]
-    noisy = [r.method for r in rows if r.method != BASELINE and any(
-        lo is not None and lo <= 1.0 <= hi for lo, hi in ((r.speedup_lo, r.speedup_hi),
-                                                          (r.latency_speedup_lo, r.latency_speedup_hi)))]
-    if noisy:
-        lines.append(f"note: within timing noise (the interval holds 1.00x, the spread is larger than the effect): "
-                     f"{', '.join(noisy)}; time more rounds (--timing-rounds, --latency-runs) or on a quieter machine")
+    lines += noise_notes([(r.method, {"tput x": (r.speedup_lo, r.speedup_hi),
+                                      "lat x": (r.latency_speedup_lo, r.latency_speedup_hi)})
+                          for r in rows if r.method != BASELINE], "--timing-rounds, --latency-runs")
     idle = [r.method for r in rows if r.method != BASELINE and r.tokens_last_block == rows[0].tokens_last_block
             and r.gmacs >= rows[0].gmacs]
     if idle:
@@ -454,6 +452,21 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     return "\n".join(lines)
 
 
+def noise_notes(intervals: Sequence[Tuple[str, Dict[str, Tuple[Optional[float], Optional[float]]]]],
+                more_rounds: str) -> List[str]:
+    """One 'note: within timing noise' line per column whose 95 % interval holds 1.00x for some rows. intervals:
+    (row name, {column: (lo, hi)}); more_rounds: the flags that time more rounds."""
+    lines = []
+    for column in dict.fromkeys(c for _, cols in intervals for c in cols):
+        noisy = [name for name, cols in intervals
+                 if cols.get(column, (None, None))[0] is not None and cols[column][0] <= 1.0 <= cols[column][1]]
+        if noisy:
+            lines.append(f"note: {column}: within timing noise (its 95 % interval holds 1.00x: the spread is larger "
+                         f"than the effect): {', '.join(noisy)}; time more rounds ({more_rounds}) or on a quieter "
+                         f"machine")
+    return lines
+
+
 def _ratio_cell(point: float, lo: Optional[float], hi: Optional[float]) -> str:
     """'1.52x [1.40, 1.61]'; the interval is unbounded ('inf') with fewer than two rounds."""
     return f"{point:.2f}x [{lo:.2f}, {hi:.2f}]"
@@ -468,9 +481,23 @@ def write_csv(rows: Sequence[BenchRow], path: str, model_name: str, overwrite: b
             writer.writerow({"model": model_name, **asdict(r)})
 
 
+def check_plot_format(path: str) -> str:
+    """The image format named by path's suffix (none: png), or ValueError naming --plot and the formats matplotlib
+    writes; MissingExtra without matplotlib."""
+    plt = pyplot("plot", "bench --plot")
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if fmt not in formats:
+        raise ValueError(f"--plot {path}: matplotlib cannot write .{fmt} files; use one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
+    return fmt
+
+
 def plot_pareto(rows: Sequence[BenchRow], path: str, model_name: str, overwrite: bool = False) -> None:
     """GMACs against top-1 (throughput without labels, agreement without labels or timing), one labelled point per
     method; an existing file is refused unless overwrite."""
+    fmt = check_plot_format(path)
     plt = pyplot("plot", "bench --plot")
     if rows[0].top1 is not None:
         ys, label = [r.top1 for r in rows], "top-1 (%)"
@@ -490,5 +517,5 @@ def plot_pareto(rows: Sequence[BenchRow], path: str, model_name: str, overwrite:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     with new_output(path, overwrite, "--plot") as tmp:
-        fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png")
+        fig.savefig(tmp, format=fmt)
     plt.close(fig)

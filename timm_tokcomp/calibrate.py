@@ -63,11 +63,13 @@ def save_tuned_preset(path: Union[str, Path], choice: Any, settings: Dict[str, A
     row = choice.row
     tuned = {"model": settings["model"], "device": settings["device_name"], "dtype": settings["dtype"],
              "tf32": settings["tf32"], "batch_size": choice.batch, "budget": settings["budget"],
+             "budget_measure": settings.get("budget_measure", "agreement"),
              "reason": choice.reason, "versions": {"timm_tokcomp": __version__, "torch": torch.__version__,
                                                    "timm": timm.__version__}}
     if row is not None:
         tuned.update(speedup=row.speedup, speedup_95=[row.speedup_lo, row.speedup_hi], agreement=row.agree,
-                     images=row.agree_n, changed=row.changed, ms=row.ms, ms_plain=row.ms_plain)
+                     images=row.agree_n, changed=row.changed, top1=row.top1, top1_plain=row.top1_plain,
+                     ms=row.ms, ms_plain=row.ms_plain)
     doc = {"format": PRESET_FORMAT, "method": NO_REDUCTION if row is None else row.method,
            "params": {} if row is None else json.loads(row.params),
            "execution": {"mode": "eager" if row is None else row.mode}, "tuned": tuned}

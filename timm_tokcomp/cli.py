@@ -27,15 +27,10 @@ def _numbers(flag: str, text: str, kind: type) -> tuple:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import describe_settings, format_table, plot_pareto, run_bench, write_csv
-    from .extras import require
-    from .outputs import refuse_existing
+    from .bench import check_plot_format, describe_settings, format_table, plot_pareto, run_bench, write_csv
 
-    for flag, path in (("--out", args.out), ("--plot", args.plot)):
-        if path:
-            refuse_existing(path, args.overwrite, flag)
     if args.plot:
-        require("matplotlib", "plot", "bench --plot")  # before any work
+        check_plot_format(args.plot)  # before any work, as main() checks every output path
         if args.no_timing and not args.data:
             raise ValueError("--plot needs --data or timing: with --no-timing and random inputs there is nothing to plot")
     if not args.checkpoint and not args.pretrained:
@@ -79,12 +74,9 @@ SPEED_METHODS_CUDA = (",tome_r8@triton,tome_r16@triton,evit_r8@triton,evit_r16@t
 
 def _speed(args: argparse.Namespace) -> int:
     from .bench import describe_settings
-    from .outputs import refuse_existing
     from .measure import device_description
     from .speed import format_speed, run_speed, write_speed_csv
 
-    if args.out:
-        refuse_existing(args.out, args.overwrite, "--out")
     batches = _numbers("--batches", args.batches, int)
     methods = args.methods or SPEED_METHODS + (SPEED_METHODS_CUDA if args.device.startswith("cuda") else "")
     rows = run_speed(args.model, methods=methods.split(","), batches=batches, modes=args.modes.split(","),
@@ -93,7 +85,7 @@ def _speed(args: argparse.Namespace) -> int:
                      show_progress=not args.no_progress)
     device_name = device_description(args.device)
     print(f"{args.model} on {device_name}: {describe_settings(args.device, args.dtype, args.tf32)}, "
-          f"median of {args.rounds} forwards")
+          f"{args.rounds} interleaved rounds")
     print(format_speed(rows))
     if args.out:
         write_speed_csv(rows, args.out, args.model, {"device": device_name, "dtype": args.dtype, "tf32": args.tf32},
@@ -108,20 +100,20 @@ def _tune(args: argparse.Namespace) -> int:
     if not args.checkpoint and not args.pretrained:
         args.notes.append("no --checkpoint or --pretrained: random weights were tuned, whose agreement says nothing")
     space = None
-    if args.methods:
+    if args.methods is not None:
         try:
             space = [method_spec(name.strip()) for name in args.methods.split(",") if name.strip()]
         except ValueError as e:
             raise ValueError(f"--methods: {e}") from None
     result = tune(args.model, args.data, batches=list(_numbers("--batches", args.batches, int)), device=args.device,
-                  dtype=args.dtype, tf32=args.tf32, budget=args.budget, min_speedup=args.min_speedup,
+                  dtype=args.dtype, tf32=args.tf32, budget=args.budget, budget_on=args.budget_on, min_speedup=args.min_speedup,
                   modes=args.modes.split(",") if args.modes else None, space=space, checkpoint=args.checkpoint,
                   pretrained=args.pretrained, limit=args.limit, prune_images=args.prune_images,
                   max_rounds=args.max_rounds, out=args.out, resume=args.resume, overwrite=args.overwrite,
                   show_progress=not args.no_progress)
     s = result.settings
-    print(f"{s['model']} on {s['device_name']}: {s['dtype']}{', TF32' if s['tf32'] else ''}, budget "
-          f"{s['budget']} points of top-1 agreement, modes {', '.join(s['modes'])}")
+    print(f"{s['model']} on {s['device_name']}: {s['dtype']}{', TF32' if s['tf32'] else ''}, modes "
+          f"{', '.join(s['modes'])}; {result.budget_text()}")
     for note in s["notes"]:
         print(f"note: {note}", file=sys.stderr)
     print(result.table())
@@ -138,9 +130,7 @@ def _export(args: argparse.Namespace) -> int:
     from .models import build_base_model
     from .export import compare_onnxruntime, export_onnx
     from .methods import is_method_tag, parse_method_tag
-    from .outputs import refuse_existing
 
-    refuse_existing(args.out, args.overwrite, "--out")
     arch, _, last = args.model.rpartition(".")
     tagged = bool(arch) and is_method_tag(last)
     if tagged and args.method:
@@ -171,9 +161,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from .models import build_base_model
     from .calibrate import calibrate, save_preset
     from .data import open_images
-    from .outputs import refuse_existing
 
-    refuse_existing(args.out, args.overwrite, "--out")
     if args.limit < 1 or args.batch_size < 1:
         raise ValueError(f"--limit and --batch-size must be >= 1, got {args.limit} and {args.batch_size}")
     if not args.checkpoint and not args.pretrained:
@@ -382,6 +370,11 @@ def _progress_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
+# (attribute, flag, is a folder): each command's outputs, checked by main() before any work (outputs.check_output)
+FILE_OUT = ("out", "--out", False)
+FOLDER_OUT = ("out", "--out", True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .core import __version__
     from .export import EXPORTABLE
@@ -393,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_parser = sub.add_parser
     sub.add_parser = lambda *a, **k: add_parser(*a, formatter_class=_HelpFormatter, **k)  # defaults in every help
     methods = sub.add_parser("methods", help="list the methods, their name tags and their parameters")
-    methods.set_defaults(func=_methods)
+    methods.set_defaults(func=_methods, outputs=())
     bench = sub.add_parser("bench", help="GMACs / throughput / accuracy table of several methods, side by side")
     bench.add_argument("model", nargs="?", default="deit_tiny_patch16_224", help="timm architecture (default %(default)s)")
     bench.add_argument("--methods", default="none,tome_r8,tome_r16",
@@ -423,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tocom-scale", type=float, help="compensator scale s (default: the one in its config)")
     bench.add_argument("--overwrite", action="store_true", help="replace existing --out / --plot files")
     _progress_flag(bench)
-    bench.set_defaults(func=_bench)
+    bench.set_defaults(func=_bench, outputs=(FILE_OUT, ("plot", "--plot", False)))
 
     cal = sub.add_parser("calibrate", help="find ATM thresholds that hit a GMACs budget on your images (no labels)")
     cal.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
@@ -443,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", default="atm_preset.json", help="where to save the preset (default %(default)s)")
     cal.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     _progress_flag(cal)
-    cal.set_defaults(func=_calibrate)
+    cal.set_defaults(func=_calibrate, outputs=(FILE_OUT,))
 
     tr = sub.add_parser("train-tocom", help="train ToCom compensator plugins by self-distillation (no labels); "
                                             "runs under torchrun --nproc_per_node=N too")
@@ -476,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  "chooses the scale (default %(default)s)")
     tr.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default %(default)s)")
     _training_flags(tr, "step")
-    tr.set_defaults(func=_train_tocom)
+    tr.set_defaults(func=_train_tocom, outputs=(FOLDER_OUT,))
 
     ft = sub.add_parser("finetune", help="parameter-efficient fine-tuning on labelled images: LoRA on qkv, a new "
                                          "head and the method's own parameters (PYRA's recipe); with --distill, on "
@@ -509,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default %(default)s)")
     ft.add_argument("--eval-batch-size", type=int, default=64, help="(default %(default)s)")
     _training_flags(ft, "epoch")
-    ft.set_defaults(func=_finetune)
+    ft.set_defaults(func=_finetune, outputs=(FOLDER_OUT,))
 
     an = sub.add_parser("analyze", help="record what several methods do to every patch, compare them with the "
                                         "study's pattern metrics, draw pictures, write a Markdown report")
@@ -528,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--overwrite", action="store_true",
                     help="replace the previous report in OUT (set aside, deleted when this run ends)")
     _progress_flag(an)
-    an.set_defaults(func=_analyze)
+    an.set_defaults(func=_analyze, outputs=(FOLDER_OUT,))
 
     ex = sub.add_parser("export", help=f"write a plain or reduced model ({', '.join(EXPORTABLE)}) as ONNX (dynamic "
                                        f"batch) and check it in onnxruntime")
@@ -538,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     _weights_flags(ex)
     ex.add_argument("--out", required=True, help="the .onnx file to write")
     ex.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    ex.set_defaults(func=_export)
+    ex.set_defaults(func=_export, outputs=(FILE_OUT,))
 
     sp = sub.add_parser("speed", help="forward time of each method against the plain model and against its limit "
                                       "(no matching), per batch size, in eager / compiled / CUDA-graph mode")
@@ -561,9 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", help="write the rows as CSV")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     _progress_flag(sp)
-    sp.set_defaults(func=_speed)
+    sp.set_defaults(func=_speed, outputs=(FILE_OUT,))
     tu = sub.add_parser("tune", help="measure the training-free methods on this device and choose the fastest that "
-                                      "keeps top-1 agreement within a budget, or no reduction")
+                                      "keeps accuracy within a budget (top-1 with labels, agreement without), or no reduction")
     tu.add_argument("model", help="timm architecture, e.g. deit_small_patch16_224")
     tu.add_argument("--data", required=True, help="folder of images (labels not needed; with labels top-1 is reported)")
     tu.add_argument("--out", required=True, help="folder for tune.csv, table.md, pareto.png and preset.json "
@@ -573,7 +566,11 @@ def build_parser() -> argparse.ArgumentParser:
     _precision_flags(tu)
     tu.add_argument("--batches", default="64", help="batch sizes, one choice each (default %(default)s)")
     tu.add_argument("--budget", type=float, default=1.0,
-                    help="largest allowed drop of top-1 agreement with the plain model, in points (default %(default)s)")
+                    help="the largest loss allowed on the held-out images, in points of --budget-on's measure")
+    tu.add_argument("--budget-on", choices=("auto", "top1", "agreement"), default="auto",
+                    help="top1: points of top-1 accuracy lost (needs labels); agreement: %% of the plain model's "
+                         "predictions changed (no labels needed; several times stricter); auto: top1 when --data "
+                         "is labelled")
     tu.add_argument("--min-speedup", type=float, help="choose only a candidate at least this much faster (>= 1)")
     tu.add_argument("--modes", help="execution modes to try (eager, compile, cudagraph, graph); default: eager on "
                                     "the CPU, all four on CUDA")
@@ -587,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--resume", action="store_true", help="continue a killed run in --out from its tune.csv")
     tu.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
     _progress_flag(tu)
-    tu.set_defaults(func=_tune)
+    tu.set_defaults(func=_tune, outputs=(FOLDER_OUT,))
     for command in sub.choices.values():  # an option without help text still shows its default
         for action in command._actions:
             if action.help is None and action.default not in (None, False, argparse.SUPPRESS):
@@ -609,16 +606,21 @@ def _one_line(error: Exception) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     from .training.engine import TrainingDiverged
 
+    from .outputs import check_output
+
     args = build_parser().parse_args(argv)
     args.notes = []  # what qualifies the result, printed after it: an error stays the only line
     try:
         if getattr(args, "inference_precision", False):
             args.dtype = _resolve_precision(args)
+        for dest, flag, folder in args.outputs:  # every output path, before any work
+            if getattr(args, dest) is not None:
+                check_output(getattr(args, dest), flag, getattr(args, "overwrite", False), folder=folder)
         code = args.func(args)
         for note in args.notes:
             print(f"note: {note}", file=sys.stderr)
         return code
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:
+    except (ValueError, TypeError, OSError, ImportError) as e:  # OSError: unreadable inputs, unwritable outputs
         print(f"tokcomp: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:

@@ -2,6 +2,7 @@
 place, so a crash or Ctrl-C at any moment leaves the old file or the new one, never a half-written one; and
 nothing a user already has is replaced unless they asked for it (--overwrite, or --resume for a run). A run folder
 is replaced as one transaction (run_folder): the earlier run is set aside, not deleted, until the new one ends."""
+import errno
 import os
 import shutil
 import sys
@@ -9,28 +10,78 @@ import tempfile
 from contextlib import contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import Iterator, List, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Union
 
 PathLike = Union[str, Path]
+FILE_MODE = 0o644  # what every output file gets, whatever wrote its temporary (mkstemp-based writers give 0600)
+
+
+class OutputError(OSError):
+    """An output the package cannot write: '<flag> <path>: <why>' (a folder in the way, a read-only or full disk)."""
+
+
+def _output_error(error: OSError, path: PathLike, flag: Optional[str]) -> OutputError:
+    out = OutputError(f"{flag + ' ' if flag else ''}{path}: cannot write there ({error.strerror or error})")
+    out.reason = error.strerror or str(error)
+    return out
+
+
+def check_output(path: PathLike, flag: str, overwrite: bool = False, folder: bool = False) -> None:
+    """The one check of an output path before any work (every command, every flag that names an output):
+    - a file output that exists is refused unless overwrite (FileExistsError), and one that is a folder always;
+    - a folder output that is a file is refused (run_folder refuses a non-empty folder itself);
+    - the path must be creatable: its nearest existing ancestor is a writable folder (probed by creating and
+      removing a file there, which also catches read-only file systems where permission bits say nothing).
+    Raises OutputError (an OSError) naming the flag."""
+    path = Path(path)
+    if path.is_dir() and not folder:
+        raise OutputError(f"{flag} {path} is a folder; name a file")
+    if folder and path.exists() and not path.is_dir():
+        raise OutputError(f"{flag} {path} is a file, not a folder")
+    if not folder:
+        refuse_existing(path, overwrite, flag)
+    ancestor = path if folder and path.is_dir() else path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputError(f"{flag} {path}: {ancestor} is a file, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tokcomp-probe-", dir=ancestor)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise _output_error(e, path, flag) from None
 
 
 @contextmanager
-def replacing(path: PathLike) -> Iterator[Path]:
+def replacing(path: PathLike, flag: Optional[str] = None) -> Iterator[Path]:
     """Yields a temporary path beside `path` to write to; on success it is renamed onto `path` (atomic on
-    one file system), on any error or interrupt it is removed and `path` is left as it was."""
+    one file system, mode FILE_MODE), on any error or interrupt it is removed and `path` is left as it was. An
+    OSError of the writing (a full disk) becomes an OutputError naming flag and path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, (OutputError, FileExistsError)) and _under(e, path):
+            raise _output_error(e, path, flag) from None
         raise
 
 
-def write_text(path: PathLike, text: str) -> None:
-    with replacing(path) as tmp:
+def _under(error: OSError, path: Path) -> bool:
+    """Whether the error is about path, its temporary or a folder above it (not an input read meanwhile)."""
+    names = [n for n in (error.filename, error.filename2) if n]
+    if not names:
+        return error.errno is not None and error.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+    return any(Path(path).parent == Path(n).parent or Path(path).is_relative_to(Path(n)) for n in map(str, names))
+
+
+def write_text(path: PathLike, text: str, flag: Optional[str] = None) -> None:
+    with replacing(path, flag) as tmp:
         tmp.write_text(text)
 
 
@@ -46,7 +97,7 @@ def new_output(path: PathLike, overwrite: bool = False, flag: str = "path") -> I
     """replacing(path) for a finished output a user named: an existing `path` is refused (refuse_existing) unless
     overwrite. Files inside a run folder go through run_folder's transaction instead."""
     refuse_existing(path, overwrite, flag)
-    with replacing(path) as tmp:
+    with replacing(path, flag) as tmp:
         yield tmp
 
 
@@ -55,7 +106,7 @@ REPLACED = ".replaced-"  # + the writer's process id and a unique part: an earli
 
 @contextmanager
 def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, run_entries: Sequence[str] = ("*",),
-               kept_on_resume: Sequence[str] = ("*",), writer: bool = True) -> Iterator[Path]:
+               kept_on_resume: Sequence[str] = ("*",), writer: bool = True, flag: str = "--out") -> Iterator[Path]:
     """Hold `folder` for a run that writes `run_entries` (glob names of files / folders) into it, as one
     transaction that never loses an earlier run's work:
     - a folder that holds something is refused (FileExistsError) unless resume or overwrite, and so is a folder
@@ -66,13 +117,14 @@ def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, 
     - the run raises (bad input, Ctrl-C, divergence) before writing anything: the earlier entries come back as
       they were; after writing something: both stay, the new partial run in place (a resume continues it) and the
       earlier one in .replaced-<pid>-<unique>, until a run in the folder ends without an error.
-    writer=False (the other processes of a distributed run): only the refusal; the writer does the rest."""
+    writer=False (the other processes of a distributed run): only the refusal; the writer does the rest. flag: the
+    option that named the folder; a write that fails inside it (a full or read-only disk) is an OutputError naming
+    it."""
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
                          "--overwrite replaces it with a new one; give one of them")
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise FileExistsError(f"--out {folder} is a file, not a folder")
+    check_output(folder, flag, folder=True)
     present = _entries(folder, hidden=True)
     if present and not (resume or overwrite):
         shown = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
@@ -95,7 +147,7 @@ def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, 
                     moved.append(entry.name)
             before = _entries(folder)
             yield folder
-        except BaseException:
+        except BaseException as e:
             if moved and (before is None or _entries(folder) == before):  # nothing new written: put back as it was
                 for name in moved:
                     os.replace(aside / name, folder / name)
@@ -103,6 +155,8 @@ def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, 
             elif moved:
                 print(f"note: {folder}'s earlier files are kept in {aside} until a run there ends without an error",
                       file=sys.stderr)
+            if isinstance(e, OutputError) and not str(e).startswith(flag):
+                raise OutputError(f"{flag} {folder}: cannot write there ({getattr(e, 'reason', e)})") from None
             raise
         for old in folder.glob(f"{REPLACED}*"):
             shutil.rmtree(old) if old.is_dir() else old.unlink()

@@ -6,6 +6,7 @@ block keeps its first tokens and drops the others (LimitReducer). No implementat
 faster, so `speed / limit speed` says how much the reduction step itself costs."""
 import copy
 import csv
+import statistics
 import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence
@@ -17,11 +18,11 @@ from tqdm import tqdm
 
 from .core import apply, get_reducer, last_stats
 from .models import build_base_model
-from .bench import BASELINE, check_dtype, method_spec, parse_methods, precision
+from .bench import BASELINE, check_dtype, method_spec, noise_notes, parse_methods, precision
 from .data import open_images
 from .graphs import GraphedForward
 from .matching import TruncatePlan
-from .measure import no_silent_eager_fallback, time_side_by_side
+from .measure import no_silent_eager_fallback, speedup_interval, time_runs
 from .methods.base import TokenReducer
 from .methods.params import REQUIRED, Param
 from .outputs import new_output
@@ -80,9 +81,10 @@ def limit_schedule(model: nn.Module, x: torch.Tensor) -> List[int]:
 
 @dataclass
 class SpeedRow:
-    """One method at one batch size and mode. ms: median milliseconds per forward; vs_plain: plain time /
-    this time (> 1: faster); vs_limit: limit time / this time (<= 1; None for the plain model, the limit
-    rows and methods without one)."""
+    """One method at one batch size and mode. ms: median milliseconds per forward; vs_plain: the speed-up
+    against the plain model (> 1: faster), the geometric mean of the interleaved rounds' ratios plain time / this
+    time, with its 95 % interval (vs_plain_lo, vs_plain_hi; measure.speedup_interval); vs_limit: limit time /
+    this time, the same statistic (<= 1; None for the plain model, the limit rows and methods without one)."""
 
     mode: str
     batch: int
@@ -90,6 +92,8 @@ class SpeedRow:
     ms: float
     vs_plain: float
     vs_limit: Optional[float]
+    vs_plain_lo: Optional[float] = None
+    vs_plain_hi: Optional[float] = None
 
 
 def _runner(model: nn.Module, mode: str, x: torch.Tensor):
@@ -130,8 +134,8 @@ def run_speed(
     data: Optional[str] = None,
     show_progress: bool = True,
 ) -> List[SpeedRow]:
-    """Median forward times of the plain model, every method and every method's limit, interleaved per
-    (mode, batch) so that machine noise hits them alike. Data-dependent methods (ATM, ATS) run in eager
+    """Forward times of the plain model, every method and every method's limit, interleaved per (mode, batch) so
+    that machine noise hits them alike (SpeedRow: medians, and speed-ups with their 95 % intervals). Data-dependent methods (ATM, ATS) run in eager
     mode only. modes: eager, compile, cudagraph (torch.compile mode='reduce-overhead'), graph (the eager
     forward captured in a CUDA graph, graphs.GraphedForward). data: a folder of images whose first batch is
     timed (random inputs without it)."""
@@ -154,7 +158,7 @@ def run_speed(
             torch._dynamo.reset()
             with no_silent_eager_fallback(len(models)):
                 runners = {name: _runner(m, mode, x) for name, m in models.items()}
-                seconds = time_side_by_side(runners, x, rounds=rounds, warmup=1 if mode == "eager" else 3)
+                seconds = time_runs(runners, x, rounds=rounds, warmup=1 if mode == "eager" else 3)
             rows += _rows(mode, batch, seconds)
             bar.update(1)
     return rows
@@ -186,33 +190,42 @@ def _models(base: nn.Module, names: Sequence[str], x: torch.Tensor, static: bool
     return models
 
 
-def _rows(mode: str, batch: int, seconds: Dict[str, float]) -> List[SpeedRow]:
-    plain = seconds[BASELINE]
-    return [
-        SpeedRow(mode, batch, name, 1e3 * t, plain / t,
-                 seconds[name + LIMIT_SUFFIX] / t if name + LIMIT_SUFFIX in seconds else None)
-        for name, t in seconds.items()
-    ]
+def _rows(mode: str, batch: int, seconds: Dict[str, List[float]]) -> List[SpeedRow]:
+    """One row per model from the seconds of its interleaved rounds."""
+    rows = []
+    for name, t in seconds.items():
+        point, lo, hi = speedup_interval(seconds[BASELINE], t)
+        limit = seconds.get(name + LIMIT_SUFFIX)
+        rows.append(SpeedRow(mode, batch, name, 1e3 * statistics.median(t), point,
+                             None if limit is None else speedup_interval(limit, t)[0],
+                             None if name == BASELINE else lo, None if name == BASELINE else hi))
+    return rows
 
 
 def format_speed(rows: Sequence[SpeedRow]) -> str:
-    """One table per mode: a row per method, a column per batch with 'x plain (of limit)'."""
+    """One table per mode: a row per method, a column per batch with 'x plain [95 %] (of limit) ms', then a note
+    naming the cells whose interval holds 1.00x."""
     out: List[str] = []
     for mode in dict.fromkeys(r.mode for r in rows):
         in_mode = [r for r in rows if r.mode == mode]
         batches = list(dict.fromkeys(r.batch for r in in_mode))
         methods = list(dict.fromkeys(r.method for r in in_mode))
         cell: Dict = {(r.method, r.batch): r for r in in_mode}
-        out.append(f"{mode}: speed against plain (x), and against the method's limit in parentheses")
+        out.append(f"{mode}: speed-up against plain (x) [95 % interval], against the method's limit in parentheses, "
+                   f"median ms per forward")
         cells = []
         for m in methods:
             row = [m]
             for b in batches:
                 r = cell.get((m, b))
+                interval = "" if r is None or r.vs_plain_lo is None else f" [{r.vs_plain_lo:.2f}, {r.vs_plain_hi:.2f}]"
                 limit = "" if r is None or r.vs_limit is None else f" ({r.vs_limit:.2f})"
-                row.append("-" if r is None else f"{r.vs_plain:.2f}x{limit} {r.ms:.1f}ms")
+                row.append("-" if r is None else f"{r.vs_plain:.2f}x{interval}{limit} {r.ms:.1f}ms")
             cells.append(row)
         out += text_table(["method"] + [f"batch {b}" for b in batches], cells)
+        out += noise_notes([(f"{r.method} at batch {r.batch}", {"x plain": (r.vs_plain_lo, r.vs_plain_hi)})
+                            for r in in_mode if r.method != BASELINE and not r.method.endswith(LIMIT_SUFFIX)],
+                           "--rounds")
         out.append("")
     return "\n".join(out).rstrip()
 
