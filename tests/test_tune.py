@@ -361,7 +361,7 @@ def test_python_arguments_are_checked_before_any_work(kwargs, error, match, tmp_
     (["--limit", "8", "--prune-images", "8"], "--limit must be an integer above --prune-images"),
     (["--min-speedup", "0.5"], "--min-speedup must be a number >= 1"),
     (["--modes", "graph"], "--modes graph needs --device cuda"),
-    (["--batches", "0"], "--batches must be integers >= 1"),
+    (["--batches", "0"], "--batches must be a list of integers >= 1"),
     (["--methods", "tome_q3"], "--methods: "),
 ])
 def test_cli_errors_name_the_flag(args, match, image_folder, tmp_path, capsys):

@@ -208,7 +208,7 @@ def add_tocom_models(models: Dict[str, nn.Module], tocom: str, source_r: int,
     compensator for (source_r -> r) from `tocom` (local folder or Hub repo). Other rows get none."""
     from .tocom import attach, compensate, load
 
-    compensator, config = load(tocom)
+    compensator, config = load(tocom, flag="--tocom")
     compensator.check_degree("--source-r", source_r)
     trained_with = config.get("method")
     out: Dict[str, nn.Module] = {}
@@ -438,6 +438,11 @@ def format_table(rows: Sequence[BenchRow]) -> str:
                           for r in rows if r.method != BASELINE], "--timing-rounds, --latency-runs")
     idle = [r.method for r in rows if r.method != BASELINE and r.tokens_last_block == rows[0].tokens_last_block
             and r.gmacs >= rows[0].gmacs]
+    plain_presets = [name for name in idle if name.endswith(".json") and load_preset(name)[0] == BASELINE]
+    if plain_presets:
+        lines.append(f"note: {', '.join(plain_presets)}: a preset of method '{BASELINE}' (the tune that wrote it found "
+                     f"nothing to gain within its budget): the plain model runs")
+    idle = [name for name in idle if name not in plain_presets]
     if idle:
         lines.append(f"note: reduced nothing on these inputs: {', '.join(idle)} (an adaptive method merges only tokens "
                      f"more similar than its thresholds, which random weights or inputs rarely reach; a schedule of "

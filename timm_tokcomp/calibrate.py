@@ -21,7 +21,9 @@ from torch import nn
 from .core import NO_REDUCTION, __version__, apply, get_reducer, is_reduced, set_params
 from .measure import device_description, forward_counting
 from .schedules import check_int, is_real
+from .models import check_device
 from .outputs import new_output
+from .userfiles import fail, read_json
 from .methods.atm import threshold_schedule
 
 PRESET_FORMAT = 1
@@ -83,18 +85,16 @@ def load_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = 
     timm_tokcomp.apply(model, method, **params); method 'none' (a tune that found nothing to gain) leaves the model
     plain. A tune preset warns when loaded under other versions, or, where given, another device, dtype or batch
     size than it was measured with."""
-    from .methods import method_class
+    from .methods import METHODS
 
-    try:
-        doc = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"preset file {path} not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"preset file {path} is not valid JSON: {e}") from None
-    if not isinstance(doc, dict) or doc.get("format") != PRESET_FORMAT or not isinstance(doc.get("params"), dict):
-        raise ValueError(f"preset file {path} is not a tokcomp preset (format {PRESET_FORMAT} with 'method' and 'params')")
-    if doc.get("method") != NO_REDUCTION:
-        method_class(doc.get("method"))  # raises for an unknown method
+    if device is not None:
+        check_device(device)
+    doc = read_json(path, "preset file")
+    if doc.get("format") != PRESET_FORMAT or not isinstance(doc.get("params"), dict) or "method" not in doc:
+        raise fail("preset file", path, f"is not a tokcomp preset (format {PRESET_FORMAT} with 'method' and 'params')")
+    if doc["method"] != NO_REDUCTION and doc["method"] not in METHODS:
+        raise fail("preset file", path, f"names method {doc['method']!r}, which is not one of {NO_REDUCTION}, "
+                                        f"{', '.join(METHODS)}")
     if isinstance(doc.get("tuned"), dict):
         _warn_if_conditions_differ(path, doc["tuned"], device, dtype, batch_size)
     return doc["method"], doc["params"]

@@ -33,6 +33,10 @@ def _bench(args: argparse.Namespace) -> int:
         check_plot_format(args.plot)  # before any work, as main() checks every output path
         if args.no_timing and not args.data:
             raise ValueError("--plot needs --data or timing: with --no-timing and random inputs there is nothing to plot")
+    if args.timing_rounds < 1:  # checked with --no-timing too: a flag's value is checked whether or not it is used
+        raise ValueError(f"--timing-rounds must be >= 1 (--no-timing times nothing), got {args.timing_rounds}")
+    if args.latency_runs < 0:
+        raise ValueError(f"--latency-runs must be >= 0 (0: no latency), got {args.latency_runs}")
     if not args.checkpoint and not args.pretrained:
         args.notes.append("no --checkpoint or --pretrained: random weights, accuracy columns are meaningless")
     rows = run_bench(
@@ -491,8 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--batch-size", type=int, default=32, help="(default %(default)s)")
     ft.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default %(default)s)")
     ft.add_argument("--weight-decay", type=float, default=1e-4, help="(default %(default)s)")
-    ft.add_argument("--warmup-epochs", type=int, default=1, help="linear warm-up before the cosine decay "
-                                                                 "(default %(default)s)")
+    ft.add_argument("--warmup-epochs", type=int, help="linear warm-up before the cosine decay (default: 1, or 0 "
+                                                      "with --epochs 1)")
     ft.add_argument("--lora-rank", type=int, default=8, help="0: no LoRA, the backbone stays frozen and only the "
                                                              "method's parameters train (with --distill; default "
                                                              "%(default)s)")

@@ -1,5 +1,6 @@
 """Base models and devices, below everything that builds a model (bench, speed, tune, analysis, training):
 the plain timm model with its weights, and the device a command runs on, both checked with the flag in the error."""
+import contextlib
 from pathlib import Path
 from typing import Optional
 
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from .core import is_reduced
-from .userfiles import hub_error, load_weights
+from .userfiles import hub_access, hub_error, load_weights
 
 
 def check_device(device: str) -> None:
@@ -32,7 +33,8 @@ def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: boo
     if checkpoint and not Path(checkpoint).is_file():
         raise FileNotFoundError(f"--checkpoint {checkpoint} not found")
     try:
-        model = timm.create_model(model_name, pretrained=pretrained)
+        with hub_access() if pretrained else contextlib.nullcontext():
+            model = timm.create_model(model_name, pretrained=pretrained)
     except RuntimeError as e:
         if "Unknown model" not in str(e):
             raise

@@ -1,7 +1,6 @@
 """The only module that knows timm's internals: swaps a VisionTransformer's classes (model, Block,
 Attention) for static subclasses that reduce tokens, and back. Parameters and buffers are never
 touched, so state_dict keys and weights stay exactly those of the timm model."""
-import dataclasses
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -293,15 +292,17 @@ class _ReducingViT:
         return self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
 
     def _reduce_blocks(self, x: torch.Tensor, for_intermediates: bool = False, num_blocks: Optional[int] = None,
-                       on_block: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None
-                       ) -> Tuple[torch.Tensor, ReductionStats]:
+                       on_block: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None,
+                       final: bool = True) -> Tuple[torch.Tensor, ReductionStats]:
         """x: (B, N, C) -> (B, N', C) through the first num_blocks blocks (all: None), with this call's stats.
-        for_intermediates: trace the source map and keep every token to the end; on_block(i, x, source) sees each
-        block's output."""
+        for_intermediates: trace the source map; on_block(i, x, source) sees each block's output, every token of
+        it. final: the returned tokens are the final features, computed as forward_features computes them (a last
+        block that keeps only the prefix tokens runs its MLP on those alone; for on_block it runs once more on
+        every token); False: every block keeps its tokens to the end."""
         _refuse_fx_tracing()
         reducer, num_prefix = self._tokcomp_reducer, self.num_prefix_tokens
         settings = reducer.block_settings(self._tokcomp_depth, x.shape[1], num_prefix, self._tokcomp_block_cost)
-        prefix_only_last = _prefix_only_last(self, reducer) and not for_intermediates
+        prefix_only_last = _prefix_only_last(self, reducer) and final
         size = None
         source = None
         if reducer.trace_source or for_intermediates:
@@ -317,12 +318,19 @@ class _ReducingViT:
                 # size-0 padding (ATS) and tokens dropped in training (DynamicViT, size 1e-6) hold no patch
                 real = x.shape[1] if size is None else (size[..., 0] >= 0.5).sum(dim=1)
                 stats.real_tokens_per_block.append(real if torch.is_tensor(real) else torch.full((x.shape[0],), real))
-            args = (x, size, source, setting, reducer, prop_attn, num_prefix, prefix_only_last and i == last)
-            if use_checkpoint:
-                x, size, source = checkpoint(blk.forward_reduce, *args, use_reentrant=False)
-            else:
-                x, size, source = blk.forward_reduce(*args)
-            if on_block is not None:
+            args = (x, size, source, setting, reducer, prop_attn, num_prefix)
+
+            def run(prefix_only: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                if use_checkpoint:
+                    return checkpoint(blk.forward_reduce, *args, prefix_only, use_reentrant=False)
+                return blk.forward_reduce(*args, prefix_only)
+
+            prefix_only = prefix_only_last and i == last
+            if on_block is not None and prefix_only:
+                every, _, every_source = run(False)
+                on_block(i, every, every_source)
+            x, size, source = run(prefix_only)
+            if on_block is not None and not prefix_only:
                 on_block(i, x, source)
         stats.tokens_out = x.shape[1]
         stats.size = None if size is None else size.detach()
@@ -398,24 +406,14 @@ class _ReducingViT:
                 grids.append(gather_tokens(self.norm(tokens) if norm else tokens, holder) * held)
 
         x, stats = self._reduce_blocks(x, for_intermediates=True, num_blocks=max_index + 1 if stop_early else None,
-                                       on_block=on_block)
+                                       on_block=on_block, final=not intermediates_only)
         p = self.num_prefix_tokens
         prefix = [g[:, :p] for g in grids] if p else None
         spatial = [g[:, p:] for g in grids]
         if output_fmt == "NCHW":
             H, W = self.patch_embed.dynamic_feat_size((height, width))
             spatial = [g.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for g in spatial]
-        final = None
-        if not intermediates_only:
-            ran = len(self.blocks) if not stop_early else min(len(self.blocks), max_index + 1)
-            if ran == self._tokcomp_depth and _prefix_only_last(self, self._tokcomp_reducer):
-                # forward_features' last block keeps only the prefix tokens: so do the final features here
-                keep = self.num_prefix_tokens
-                x = x[:, :keep]
-                stats = dataclasses.replace(stats, tokens_out=keep,
-                                            size=None if stats.size is None else stats.size[:, :keep],
-                                            source=None if stats.source is None else stats.source[:, :keep])
-            final = self._register_features(self.norm(x), stats)
+        final = None if intermediates_only else self._register_features(self.norm(x), stats)
         if output_dict:
             out: Dict[str, Any] = {"image_intermediates": spatial}
             if prefix is not None and return_prefix_tokens:
@@ -500,11 +498,13 @@ def is_patched(model: nn.Module) -> bool:
 def check_supported(model: nn.Module) -> None:
     """Raise TypeError / ValueError explaining why the model cannot be reduced; return if it can."""
     if type(model) not in _MODEL_CLASSES and not is_patched(model):
-        raise TypeError(
-            f"timm_tokcomp supports timm VisionTransformer and VisionTransformerDistilled models, got "
-            f"{type(model).__name__} (for a features_only backbone, pass a method name to timm.create_model, e.g. "
-            f"'vit_small_patch16_224.dense_tome_r8', features_only=True; other architectures are not supported)"
-        )
+        served = "timm_tokcomp reduces tokens in timm's VisionTransformer and VisionTransformerDistilled classes"
+        if hasattr(model, "feature_info") and isinstance(getattr(model, "model", None), tuple(_MODEL_CLASSES)):
+            raise TypeError(f"{served}; this is timm's features_only wrapper {type(model).__name__} around one: pass "
+                            f"the method in the name instead, e.g. timm.create_model('vit_small_patch16_224."
+                            f"dense_tome_r8', features_only=True)")
+        raise TypeError(f"{served}, got {type(model).__name__} from {type(model).__module__}, which it does not "
+                        f"serve yet")
     for i, blk in enumerate(model.blocks):
         if type(blk) not in (Block, ReducingBlock, DenseBlock):
             raise TypeError(f"blocks[{i}] is a {type(blk).__name__}; only timm's plain Block is supported")

@@ -5,6 +5,7 @@ The method tag is parsed by the wrapped entry point, which builds the plain mode
 `pretrained=True` loads the usual weights) and then applies the method. The listed pretrained cfgs of
 the tagged names are unchanged copies of the base cfgs: no compression parameter lives in them.
 """
+import contextlib
 import contextvars
 import functools
 from collections import deque
@@ -17,7 +18,7 @@ from timm.models._features import FeatureGetterNet
 from timm.models._pretrained import DefaultCfg
 
 from .methods import TAG_SUMMARY, is_method_tag, method_class, parse_method_tag
-from .userfiles import pretrained_unreachable
+from .userfiles import hub_access, pretrained_unreachable
 
 # timm < 1.0.31 resolves the name inside create_model and drops its tag when pretrained_cfg is also given; the method
 # tag the name carried is remembered here, (name, method tag), for the entrypoint that create_model calls next.
@@ -118,7 +119,8 @@ def _wrap_entrypoint(arch: str, fn: Callable[..., Any]) -> Callable[..., Any]:
                              f"default): the reduced blocks run only inside the model's forward_intermediates, "
                              f"not one by one as the hook-based feature classes call them")
         try:
-            model = fn(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
+            with hub_access() if pretrained else contextlib.nullcontext():  # an unreachable Hub fails in seconds
+                model = fn(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
         except OSError as e:  # huggingface_hub's download errors
             error = pretrained_unreachable(e, arch)
             if error is e:

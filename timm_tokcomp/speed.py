@@ -108,8 +108,9 @@ def _runner(model: nn.Module, mode: str, x: torch.Tensor):
 
 def check_batches(batches: Sequence[int]) -> None:
     """Raise ValueError naming --batches unless it is a non-empty list of integers >= 1."""
-    if not batches or any(not is_int(b) or b < 1 for b in batches):
-        raise ValueError(f"--batches must be integers >= 1, got {list(batches)}")
+    if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or not batches \
+            or any(not is_int(b) or b < 1 for b in batches):
+        raise ValueError(f"--batches must be a list of integers >= 1, got {batches!r}")
 
 
 def check_modes(modes: Sequence[str], device: str) -> None:

@@ -43,7 +43,7 @@ from .measure import device_description, forward_counting, no_silent_eager_fallb
 from .methods import method_class
 from .outputs import replacing, run_folder, write_text
 from .schedules import is_int, is_real
-from .userfiles import read_json
+from .userfiles import fail, read_json
 from .speed import DATA_DEPENDENT, MODES, _runner, check_batches, check_modes
 
 DEFAULT_SPACE: Tuple[Tuple[str, Dict[str, Any]], ...] = (
@@ -388,6 +388,9 @@ def tune(
     changes 3.5 % of DeiT-Tiny's predictions for 0.39 points of top-1); 'auto', top1 when the images are labelled. out: a folder for tune.csv, table.md,
     pareto.png (with the plot extra's matplotlib) and the preset(s) (preset.json for one batch size, preset_b<B>.json for several); with resume, a
     killed run continues from its CSV."""
+    check_device(device)  # before anything reads the device
+    if not isinstance(data, (str, Path)):
+        raise TypeError(f"data must be the path of a folder of images (--data), got {data!r}")
     modes = tuple(modes) if modes else default_modes(device)
     check_dtype(dtype)
     _check_args(batches, budget, min_speedup, limit, prune_images, max_rounds, modes, device)
@@ -726,16 +729,22 @@ def read_rows(path: Path) -> List[TuneRow]:
         return []
     types = {fl.name: fl.type for fl in fields(TuneRow)}
     rows = []
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames != list(types):
-            raise ValueError(f"{path} is not a tune.csv of this version (columns {reader.fieldnames})")
-        for line in reader:
-            try:
-                values = {k: _parse(types[k], v) for k, v in line.items()}
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"{path} line {reader.line_num}: {e}") from None
-            rows.append(TuneRow(**values))
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames != list(types):
+                raise ValueError(f"is not a tune.csv of this version (columns {reader.fieldnames})")
+            for line in reader:
+                if None in line or None in line.values():
+                    raise ValueError(f"line {reader.line_num} has {'more' if None in line else 'fewer'} cells than "
+                                     f"the header")
+                try:
+                    values = {k: _parse(types[k], v) for k, v in line.items()}
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"line {reader.line_num}: {e}") from None
+                rows.append(TuneRow(**values))
+    except (ValueError, csv.Error) as e:  # UnicodeDecodeError is a ValueError: not a text file
+        raise fail("--resume", path, f"cannot be read as tune's CSV: {e}") from None
     return rows
 
 

@@ -11,6 +11,7 @@ rounding. Exit status 1 when any step is off by more than its tolerance.
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -180,6 +181,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.out:
             refuse_existing(args.out, args.overwrite, "--out")  # before the checks: no work lost to a refusal
+        check_device(args.device)
+        if torch.device(args.device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--device cpu runs the kernels in Triton's interpreter, which must be on before Python "
+                             "starts: TRITON_INTERPRET=1 python -m timm_tokcomp.kernels.selfcheck --device cpu")
         checks = run_checks(args.device, args.dtypes.split(","), args.batch, args.rounds,
                             False if args.no_timing else None)
     except (ValueError, FileExistsError) as err:

@@ -134,11 +134,12 @@ def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
 
 
 def load(repo_id_or_path: str, revision: Optional[str] = None, cache_dir: Optional[str] = None,
-         token: Optional[str] = None) -> Tuple[Compensator, Dict[str, Any]]:
+         token: Optional[str] = None, flag: Optional[str] = None) -> Tuple[Compensator, Dict[str, Any]]:
     """(compensator, tocom_config) from a local folder or a Hub repository (snapshot_download: uses
-    the HF cache, honours HF_HUB_OFFLINE). Check it fits a model with tocom.check_fits / attach."""
-    folder = hub_snapshot(repo_id_or_path, "a compensator", revision=revision, cache_dir=cache_dir, token=token,
-                          allow_patterns=[CONFIG_NAME, "README.md", "step_*/*"])
+    the HF cache, honours HF_HUB_OFFLINE). Check it fits a model with tocom.check_fits / attach. flag: the CLI
+    option that named it, for the error messages (None: a Python call)."""
+    folder = hub_snapshot(repo_id_or_path, "a compensator", flag, revision=revision, cache_dir=cache_dir,
+                          token=token, allow_patterns=[CONFIG_NAME, "README.md", "step_*/*"])
     return _read_folder(folder)
 
 

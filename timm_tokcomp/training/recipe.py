@@ -29,7 +29,7 @@ class FinetuneConfig:
     batch_size: int = 32
     lr: float = 3e-3
     weight_decay: float = 1e-4
-    warmup_epochs: int = 1
+    warmup_epochs: Optional[int] = None  # None: 1, or 0 for a single epoch
     lora_rank: int = 8  # 0: no LoRA, only the method's parameters train (with distill)
     lora_alpha: Optional[float] = None
     augment: str = "crop-flip"
@@ -40,6 +40,10 @@ class FinetuneConfig:
     amp: Optional[bool] = None  # None: on for CUDA, off on CPU
     amp_dtype: str = "bfloat16"
     accumulate: int = 1  # batches per optimiser step (the global batch is batch_size x processes x accumulate)
+
+    def __post_init__(self) -> None:
+        if self.warmup_epochs is None and isinstance(self.epochs, int) and not isinstance(self.epochs, bool):
+            self.warmup_epochs = 1 if self.epochs > 1 else 0  # the default fits every valid epochs
 
     def validate(self) -> None:
         """Raise ValueError naming the command-line flag of the first bad setting, before any work."""
@@ -68,6 +72,9 @@ class FinetuneConfig:
             raise ValueError(f"--crop-min must be in (0, 1], got crop_scale {self.crop_scale}")
         check_loop_settings(self.amp, self.amp_dtype, self.accumulate)
         method = self.method_params()  # raises for an unknown tag or parameter
+        if method is not None and method[1].get("kernel") == "triton":
+            raise ValueError("--method-arg kernel=triton: the Triton kernels are inference-only (no backward); "
+                             "training runs kernel=torch or kernel=auto")
         if self.lora_rank == 0 and not (self.distill and method is not None
                                         and getattr(method_class(method[0]), "learned_param", None)):
             raise ValueError("--lora-rank 0 (no LoRA: only the method's parameters train) needs --distill and a method "
