@@ -410,3 +410,95 @@ def test_real_deit_tiny_choice_follows_its_table_and_holds_on_unseen_images(tmp_
 
     assert loss(bench["heldout.csv"]) == pytest.approx(tome.loss(measure), abs=1e-6)
     assert loss(bench["unseen.csv"]) <= budget
+
+
+# ------------------------------------------------------------------ honest timing and a budget users mean
+
+
+def test_the_speed_up_estimate_lies_inside_its_interval():
+    """The estimate is the geometric mean of the paired rounds' ratios, the centre of its own interval (a ratio of
+    medians could fall outside it: 1.99x [0.94, 1.57] on a busy machine)."""
+    plain, times = [1.0, 1.0, 1.0, 1.0, 1.0], [0.5, 0.5, 0.5, 1.6, 1.6]
+    point, lo, hi = measure.speedup_interval(plain, times)
+    assert lo <= point <= hi and point == pytest.approx((2.0 ** 3 / 1.6 ** 2) ** 0.2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(2, 12, (1,), generator=g))
+        a, b = (torch.rand(n, generator=g) + 0.1).tolist(), (torch.rand(n, generator=g) + 0.1).tolist()
+        point, lo, hi = measure.speedup_interval(a, b)
+        assert lo <= point <= hi
+
+
+def test_speed_prints_intervals_and_names_cells_within_noise():
+    from timm_tokcomp.speed import SpeedRow, format_speed
+
+    rows = [SpeedRow("eager", 1, "none", 10.0, 1.0, None), SpeedRow("eager", 1, "atm", 4.3, 2.31, 0.9, 0.6, 8.9),
+            SpeedRow("eager", 1, "tome_r8", 6.0, 1.66, 0.95, 1.5, 1.8)]
+    text = format_speed(rows)
+    assert "2.31x [0.60, 8.90] (0.90)" in text and "1.66x [1.50, 1.80]" in text
+    notes = [line for line in text.splitlines() if "within timing noise" in line]
+    assert len(notes) == 1 and "atm at batch 1" in notes[0] and "tome_r8" not in notes[0] and "--rounds" in notes[0]
+
+
+def test_max_rounds_is_an_upper_bound_and_progress_shows_each_phase(image_folder, monkeypatch, capsys):
+    """Timings that never settle run exactly --max-rounds rounds (not the next step above it); the progress bar
+    names the phase it is in."""
+    calls = []
+
+    def noisy(models, x, rounds=5, warmup=1, progress=None):
+        calls.append(rounds)
+        return {name: [1.0 if name == tuning.NO_REDUCTION else 1.0 + (-0.5) ** i for i in range(rounds)]
+                for name in models}
+
+    monkeypatch.setattr(tuning, "time_runs", noisy)
+    result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget=100.0, space=[("tome", {"r": 1})],
+                               limit=12, prune_images=6, max_rounds=10, show_progress=True)
+    assert sum(calls) == 10 and all(r.rounds == 10 for r in result.rows if r.status == "timed")
+    err = capsys.readouterr().err
+    for phase in ("tune: screening", "tune: timing batch 2, eager", "tune: held-out check", "tune: checking the choice"):
+        assert phase in err, phase
+
+
+def _labelled_row(name, ms, top1, top1_plain=80.0, agree=95.0):
+    row = _row(name, ms=ms, lo=1.5, hi=2.5, agree=agree)
+    row.top1, row.top1_plain = top1, top1_plain
+    return row
+
+
+def test_a_top1_budget_judges_the_points_of_top1_lost():
+    """With labels the budget limits the top-1 drop: a candidate changing 5 % of the predictions for 0.4 points of
+    top-1 is within a 1-point budget, one losing 1.2 points is not, whatever their agreement."""
+    rows = [_labelled_row("fast, 1.2 points", ms=4.0, top1=78.8, agree=97.0),
+            _labelled_row("0.4 points", ms=5.0, top1=79.6, agree=95.0)]
+    choice = choose(rows, 64, 1.0, measure="top1")
+    assert choice.row.candidate == "0.4 points" and "0.40 points of top-1 lost (budget 1.0)" in choice.reason
+    assert choose(rows, 64, 1.0, measure="agreement").row is None  # 3 and 5 % of the predictions changed
+    none = choose(rows, 64, 0.2, measure="top1")
+    assert none.row is None and "closest: 0.4 points, 0.40" in none.reason
+
+
+def test_a_sample_too_small_for_the_budget_is_noted_with_what_would_do():
+    from timm_tokcomp.tuning import sample_notes
+
+    (note,) = sample_notes(172, 128, 1.0, "top1")
+    assert "172 held-out images" in note and "0.58 points" in note and "300 held-out images" in note
+    assert "--limit 428" in note
+    assert sample_notes(384, 128, 1.0, "top1") == [] and sample_notes(172, 128, 0.0, "agreement") == []
+
+
+def test_tune_states_its_budget_and_notes_a_missing_plot_extra(image_folder, tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "available", lambda module: False)
+    result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget=2.0, space=[("tome", {"r": 1})],
+                               limit=12, prune_images=6, max_rounds=3, out=str(tmp_path / "t"), show_progress=False)
+    assert any("pareto.png not drawn" in n and "timm-tokcomp[plot]" in n for n in result.settings["notes"])
+    assert not (tmp_path / "t" / "pareto.png").exists()
+    text = result.budget_text()
+    assert text.startswith("budget: at most 2.0 % of the plain model's predictions changed") and "no labels" in text
+    assert text in (tmp_path / "t" / "table.md").read_text()
+    assert json.loads((tmp_path / "t" / "preset.json").read_text())["tuned"]["budget_measure"] == "agreement"
+
+
+def test_a_top1_budget_needs_labels(image_folder):
+    with pytest.raises(ValueError, match="--budget-on top1 needs labelled --data"):
+        timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget_on="top1", limit=12, prune_images=6,
+                          show_progress=False)
