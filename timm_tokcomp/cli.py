@@ -308,23 +308,29 @@ def _methods(args: argparse.Namespace) -> int:
     for name, cls in METHODS.items():
         print(textwrap.fill(", ".join(cls.tag_forms()), 110, initial_indent=f"{name}\n  tags: ",
                             subsequent_indent="    "))
+        if cls.tag_legend():
+            print(textwrap.fill(cls.tag_legend(), 110, initial_indent="  legend: ", subsequent_indent="    "))
         print(textwrap.fill(", ".join(cls.param_names()), 110, initial_indent="  parameters: ",
                             subsequent_indent="    "))
+    print(textwrap.fill("legend: <k>: r, the tokens each reducing block removes (tome_r16); <pct>: keep_rate in "
+                        "percent, the share of tokens kept per reducing stage (evit_k70); low / high: the paper's "
+                        "schedules. Method-specific forms are explained under their method.", 110,
+                        subsequent_indent="  "))
     return 0
 
 
 def _training_flags(parser: argparse.ArgumentParser, unit: str) -> None:
     """The flags of the training engine, the same for every command that trains (stop-after counts `unit`s)."""
-    parser.add_argument("--seed", type=int, default=0, help="(default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     _device_flag(parser, "; under torchrun, one GPU per process")
     parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                         help="autocast in --amp-dtype, the trained parameters and optimizer in fp32 (default: on for "
                              "CUDA, off on the CPU)")
     parser.add_argument("--amp-dtype", choices=("bfloat16", "float16"), default="bfloat16",
-                        help="autocast dtype; float16 (CUDA only) adds a gradient scaler (default %(default)s)")
+                        help="autocast dtype; float16 (CUDA only) adds a gradient scaler (default: %(default)s)")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="batches per optimiser step: the global batch is --batch-size x processes x this "
-                             "(default %(default)s)")
+                             "(default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/training/checkpoint.pt")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the previous run in OUT (set aside, deleted when this run ends; a non-empty OUT "
@@ -332,7 +338,7 @@ def _training_flags(parser: argparse.ArgumentParser, unit: str) -> None:
     parser.add_argument("--stop-after", type=int,
                         help=f"leave after this {unit} with a checkpoint (continue with --resume)")
     parser.add_argument("--num-workers", type=int, default=2, help="data loading workers per process "
-                                                                   "(default %(default)s)")
+                                                                   "(default: %(default)s)")
     _progress_flag(parser)
 
 
@@ -392,9 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     methods = sub.add_parser("methods", help="list the methods, their name tags and their parameters")
     methods.set_defaults(func=_methods, outputs=())
     bench = sub.add_parser("bench", help="GMACs / throughput / accuracy table of several methods, side by side")
-    bench.add_argument("model", nargs="?", default="deit_tiny_patch16_224", help="timm architecture (default %(default)s)")
+    bench.add_argument("model", nargs="?", default="deit_tiny_patch16_224", help="timm architecture (default: %(default)s)")
     bench.add_argument("--methods", default="none,tome_r8,tome_r16",
-                       help=f"comma list of 'none' and method tags ({FAMILIES}); default %(default)s")
+                       help=f"comma list of 'none' and method tags ({FAMILIES}); default: %(default)s")
     _weights_flags(bench)
     bench.add_argument("--data", help="ImageFolder tree or folder with labels.csv (file,label): top-1 and "
                                       "agreement; a plain folder of images: agreement only; without it, "
@@ -404,10 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
     _precision_flags(bench)
     bench.add_argument("--backend", choices=("eager", "compile", "onnx"), default="eager",
                        help="what runs the timed forwards: PyTorch eager, torch.compile, or the ONNX export in "
-                            "onnxruntime (CPU, fp32; needs the export extra); default %(default)s")
+                            "onnxruntime (CPU, fp32; needs the export extra); default: %(default)s")
     bench.add_argument("--latency-runs", type=int, default=30,
                        help="single-image forwards timed per method for latency (median, p90; 0: none; "
-                            "default %(default)s)")
+                            "default: %(default)s)")
     bench.add_argument("--timing-rounds", type=int, default=5, help="timed forwards per method (median)")
     bench.add_argument("--no-timing", action="store_true", help="GMACs and accuracy only: no throughput or latency")
     bench.add_argument("--limit", type=int, help="evaluate only the first N images")
@@ -416,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", help="write a GMACs-vs-accuracy Pareto plot (PNG)")
     bench.add_argument("--tocom", help="ToCom compensator (folder or Hub repo): adds a '+ToCom' row after each "
                                        "tome / evit row")
-    bench.add_argument("--source-r", type=int, default=0, help="ToMe r the model was trained at (default %(default)s)")
+    bench.add_argument("--source-r", type=int, default=0, help="ToMe r the model was trained at (default: %(default)s)")
     bench.add_argument("--tocom-scale", type=float, help="compensator scale s (default: the one in its config)")
     bench.add_argument("--overwrite", action="store_true", help="replace existing --out / --plot files")
     _progress_flag(bench)
@@ -429,49 +435,50 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--target-ratio", type=float, help="fraction of the unmodified model's GMACs, in (0, 1)")
     cal.add_argument("--data", required=True, help="folder of images (plain, labels.csv or ImageFolder; labels unused)")
     _weights_flags(cal)
-    cal.add_argument("--limit", type=int, default=512, help="calibrate on the first N images (default %(default)s)")
-    cal.add_argument("--tolerance", type=float, default=0.02, help="relative GMACs tolerance (default %(default)s)")
-    cal.add_argument("--alpha", type=float, default=1.0, help="initial threshold, kept fixed (default %(default)s)")
+    cal.add_argument("--limit", type=int, default=512, help="calibrate on the first N images (default: %(default)s)")
+    cal.add_argument("--tolerance", type=float, default=0.02, help="relative GMACs tolerance (default: %(default)s)")
+    cal.add_argument("--alpha", type=float, default=1.0, help="initial threshold, kept fixed (default: %(default)s)")
     cal.add_argument("--split-layer", type=int, help="blocks after it use size-distinctive matching "
                                                     "(default: three quarters of the depth)")
     cal.add_argument("--batch-size", type=int, default=64)
     _device_flag(cal)
     cal.add_argument("--num-workers", type=int, default=2, help="data loading workers")
-    cal.add_argument("--out", default="atm_preset.json", help="where to save the preset (default %(default)s)")
+    cal.add_argument("--out", default="atm_preset.json", help="where to save the preset (default: %(default)s)")
     cal.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     _progress_flag(cal)
     cal.set_defaults(func=_calibrate, outputs=(FILE_OUT,))
 
     tr = sub.add_parser("train-tocom", help="train ToCom compensator plugins by self-distillation (no labels); "
                                             "runs under torchrun --nproc_per_node=N too")
-    tr.add_argument("model", nargs="?", help="timm architecture, e.g. deit_tiny_patch16_224")
+    tr.add_argument("model", nargs="?", help="timm architecture, e.g. deit_tiny_patch16_224 (required; the older "
+                                             "--model spelling also works)")
     tr.add_argument("--model", dest="model_flag", help="deprecated spelling of the positional MODEL")
     _weights_flags(tr)
     tr.add_argument("--data", required=True, help="folder of images (plain, labels.csv or ImageFolder; labels unused)")
     tr.add_argument("--out", required=True, help="adapter repository folder to write (training state in OUT/training)")
-    tr.add_argument("--steps", type=int, default=1100, help="optimizer steps (default %(default)s)")
-    tr.add_argument("--batch-size", type=int, default=32, help="images per step and process (default %(default)s)")
+    tr.add_argument("--steps", type=int, default=1100, help="optimizer steps (default: %(default)s)")
+    tr.add_argument("--batch-size", type=int, default=32, help="images per step and process (default: %(default)s)")
     tr.add_argument("--lr", type=float, default=0.03, help="AdamW lr per 256 images, scaled by the global batch "
-                                                           "(default %(default)s)")
+                                                           "(default: %(default)s)")
     tr.add_argument("--weight-decay", type=float, default=0.01)
-    tr.add_argument("--warmup-steps", type=int, help="linear warmup before the cosine decay (default 5%% of steps)")
-    tr.add_argument("--temperature", type=float, default=1.0, help="KL softmax temperature (default %(default)s)")
-    tr.add_argument("--scale", type=float, default=0.1, help="plugin scale s during training (default %(default)s)")
-    tr.add_argument("--rank", type=int, default=2, help="LoRA rank h per projection and step (default %(default)s)")
-    tr.add_argument("--groups", type=int, default=16, help="plugins, i.e. the largest r (default %(default)s)")
+    tr.add_argument("--warmup-steps", type=int, help="linear warmup before the cosine decay (default: 5%% of steps)")
+    tr.add_argument("--temperature", type=float, default=1.0, help="KL softmax temperature (default: %(default)s)")
+    tr.add_argument("--scale", type=float, default=0.1, help="plugin scale s during training (default: %(default)s)")
+    tr.add_argument("--rank", type=int, default=2, help="LoRA rank h per projection and step (default: %(default)s)")
+    tr.add_argument("--groups", type=int, default=16, help="plugins, i.e. the largest r (default: %(default)s)")
     tr.add_argument("--method", choices=["tome", "evit"], default="tome", help="token reduction trained with")
-    tr.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default %(default)s)")
+    tr.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default: %(default)s)")
     tr.add_argument("--mosaic", default="2,3", help="grid sizes g: each input is a g x g mosaic of crops, so small "
-                                                    "images are upscaled less (1: plain crops; default %(default)s)")
+                                                    "images are upscaled less (1: plain crops; default: %(default)s)")
     tr.add_argument("--holdout", type=int, default=500, help="N images never trained on: held-out loss and the "
-                                                             "choice of the scale (default %(default)s)")
+                                                             "choice of the scale (default: %(default)s)")
     tr.add_argument("--holdout-pick", choices=["spread", "end"], default="spread",
                     help="which images are held out: evenly spaced through the sorted folder, so a folder sorted by "
-                         "class is held out across its classes, or its last N (default %(default)s)")
+                         "class is held out across its classes, or its last N (default: %(default)s)")
     tr.add_argument("--scale-grid", default="0.05,0.075,0.1,0.125,0.15", help="scales tried on the held-out images")
     tr.add_argument("--scale-targets", default="4,8,12,16", help="targets r (source 0) whose mean held-out loss "
-                                                                 "chooses the scale (default %(default)s)")
-    tr.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default %(default)s)")
+                                                                 "chooses the scale (default: %(default)s)")
+    tr.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default: %(default)s)")
     _training_flags(tr, "step")
     tr.set_defaults(func=_train_tocom, outputs=(FOLDER_OUT,))
 
@@ -480,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "unlabelled images, learning the unreduced model's outputs")
     ft.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
     ft.add_argument("--method", default="none", help=f"token reduction trained with: a method tag ({FAMILIES}) "
-                                                     f"or none (default %(default)s)")
+                                                     f"or none (default: %(default)s)")
     ft.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="another method parameter, e.g. form=pooled (repeatable)")
     ft.add_argument("--data", required=True, help="training images: a labels.csv folder, a labels .csv file, or an "
@@ -491,20 +498,20 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "folder; the evaluation reports agreement with the unreduced model")
     ft.add_argument("--out", required=True, help="folder to write: peft adapter, method parameters, card, training/")
     _weights_flags(ft)
-    ft.add_argument("--epochs", type=int, default=10, help="(default %(default)s)")
-    ft.add_argument("--batch-size", type=int, default=32, help="(default %(default)s)")
-    ft.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default %(default)s)")
-    ft.add_argument("--weight-decay", type=float, default=1e-4, help="(default %(default)s)")
+    ft.add_argument("--epochs", type=int, default=10, help="(default: %(default)s)")
+    ft.add_argument("--batch-size", type=int, default=32, help="(default: %(default)s)")
+    ft.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default: %(default)s)")
+    ft.add_argument("--weight-decay", type=float, default=1e-4, help="(default: %(default)s)")
     ft.add_argument("--warmup-epochs", type=int, help="linear warm-up before the cosine decay (default: 1, or 0 "
                                                       "with --epochs 1)")
     ft.add_argument("--lora-rank", type=int, default=8, help="0: no LoRA, the backbone stays frozen and only the "
-                                                             "method's parameters train (with --distill; default "
+                                                             "method's parameters train (with --distill; default: "
                                                              "%(default)s)")
     ft.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: the rank, i.e. scaling 1)")
     ft.add_argument("--augment", choices=("crop-flip", "none"), default="crop-flip",
-                    help="random resized crops and flips, or none (default %(default)s)")
-    ft.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default %(default)s)")
-    ft.add_argument("--eval-batch-size", type=int, default=64, help="(default %(default)s)")
+                    help="random resized crops and flips, or none (default: %(default)s)")
+    ft.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default: %(default)s)")
+    ft.add_argument("--eval-batch-size", type=int, default=64, help="(default: %(default)s)")
     _training_flags(ft, "epoch")
     ft.set_defaults(func=_finetune, outputs=(FOLDER_OUT,))
 
@@ -512,13 +519,13 @@ def build_parser() -> argparse.ArgumentParser:
                                         "study's pattern metrics, draw pictures, write a Markdown report")
     an.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
     an.add_argument("--methods", default="tome_r8,evit_r8,atm",
-                    help=f"comma list of two or more method tags ({FAMILIES}) or presets; default %(default)s")
+                    help=f"comma list of two or more method tags ({FAMILIES}) or presets; default: %(default)s")
     an.add_argument("--data", required=True, help="folder of images (labels.csv, ImageFolder or plain; labels unused)")
-    an.add_argument("--limit", type=int, default=256, help="first N images (default %(default)s)")
+    an.add_argument("--limit", type=int, default=256, help="first N images (default: %(default)s)")
     an.add_argument("--out", required=True, help="report folder")
     _weights_flags(an)
     an.add_argument("--batch-size", type=int, default=32)
-    an.add_argument("--overlays", type=int, default=4, help="images drawn with each method's groups (default %(default)s)")
+    an.add_argument("--overlays", type=int, default=4, help="images drawn with each method's groups (default: %(default)s)")
     _device_flag(an)
     an.add_argument("--resume", action="store_true", help="reuse OUT: recordings with the same settings are kept, "
                                                           "the rest is redrawn")
@@ -543,15 +550,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="timm architecture (the same default as bench; the GPU tables use deit_base_patch16_224)")
     sp.add_argument("--methods", help=f"comma list of method tags ({FAMILIES}), '<tag>@<path>' "
                                       f"(a kernel, a prop_attn implementation or both: tome_r16@triton, "
-                                      f"tome_r16@fold_qkv, tome_r16@triton+fold) or presets; default {SPEED_METHODS}, and on "
-                                      f"CUDA also {SPEED_METHODS_CUDA[1:]}")
-    sp.add_argument("--batches", default="1,32,64,256", help="batch sizes (default %(default)s)")
+                                      f"tome_r16@fold_qkv, tome_r16@triton+fold) or presets; default: "
+                                      f"{SPEED_METHODS.replace(',', ', ')}, and on CUDA also "
+                                      f"{SPEED_METHODS_CUDA[1:].replace(',', ', ')}")
+    sp.add_argument("--batches", default="1,32,64,256", help="batch sizes (default: %(default)s)")
     sp.add_argument("--modes", default="eager", help="comma list of eager, compile (torch.compile), cudagraph "
                                                      "(torch.compile mode='reduce-overhead', CUDA only), graph (the "
-                                                     "eager forward in a CUDA graph, CUDA only); default %(default)s")
+                                                     "eager forward in a CUDA graph, CUDA only); default: %(default)s")
     _device_flag(sp)
     _precision_flags(sp)
-    sp.add_argument("--rounds", type=int, default=20, help="timed forwards per model (median; default %(default)s)")
+    sp.add_argument("--rounds", type=int, default=20, help="timed forwards per model (median; default: %(default)s)")
     _weights_flags(sp)
     sp.add_argument("--data", help="folder of images whose first batch is timed (random inputs without it; "
                                    "adaptive methods such as ATM need real images)")
@@ -568,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     _weights_flags(tu)
     _device_flag(tu)
     _precision_flags(tu)
-    tu.add_argument("--batches", default="64", help="batch sizes, one choice each (default %(default)s)")
+    tu.add_argument("--batches", default="64", help="batch sizes, one choice each (default: %(default)s)")
     tu.add_argument("--budget", type=float, default=1.0,
                     help="the largest loss allowed on the held-out images, in points of --budget-on's measure")
     tu.add_argument("--budget-on", choices=("auto", "top1", "agreement"), default="auto",
@@ -580,10 +588,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "the CPU, all four on CUDA")
     tu.add_argument("--methods", help="candidate settings instead of the default space: method tags or presets, "
                                       "comma separated (each still tried on every path and mode)")
-    tu.add_argument("--limit", type=int, default=512, help="images read from --data (default %(default)s)")
+    tu.add_argument("--limit", type=int, default=512, help="images read from --data (default: %(default)s)")
     tu.add_argument("--prune-images", type=int, default=128, help="the first images, used to screen candidates; "
-                                                                  "the rest decide (default %(default)s)")
-    tu.add_argument("--max-rounds", type=int, default=30, help="timed forwards per candidate at most (default "
+                                                                  "the rest decide (default: %(default)s)")
+    tu.add_argument("--max-rounds", type=int, default=30, help="timed forwards per candidate at most (default: "
                                                                "%(default)s)")
     tu.add_argument("--resume", action="store_true", help="continue a killed run in --out from its tune.csv")
     tu.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")

@@ -61,6 +61,8 @@ def get_reducer(model: nn.Module) -> TokenReducer:
 
 
 def is_reduced(model: nn.Module) -> bool:
+    """Whether `model` runs a token reduction method (apply / a method name); False for a plain timm model,
+    and again after remove."""
     return _patch.is_patched(model)
 
 

@@ -381,13 +381,14 @@ def tune(
     show_progress: bool = True,
 ) -> TuneResult:
     """Measure the candidates (DEFAULT_SPACE, or `space`: (method, params) pairs, on every path and mode the
-    device offers) on `data` (a folder of images; labels not needed) and choose per batch size (module docstring).
-    model: a timm architecture name (weights from checkpoint / pretrained) or a plain timm ViT module. budget: the
-    largest allowed loss on the held-out images, measured as budget_on says: 'top1', points of top-1 lost (needs labels);
-    'agreement', % of the plain model's top-1 predictions changed (several times stricter: on ImageNet, ToMe r8
-    changes 3.5 % of DeiT-Tiny's predictions for 0.39 points of top-1); 'auto', top1 when the images are labelled. out: a folder for tune.csv, table.md,
-    pareto.png (with the plot extra's matplotlib) and the preset(s) (preset.json for one batch size, preset_b<B>.json for several); with resume, a
-    killed run continues from its CSV."""
+    device offers) on `data` (a folder of images) and choose per batch size (module docstring).
+    model: a timm architecture name (weights from checkpoint / pretrained) or a plain timm ViT module.
+    budget: the largest allowed loss on the held-out images, measured as budget_on says: 'top1', points of top-1
+    lost (needs labels); 'agreement', % of the plain model's top-1 predictions changed (several times stricter: on
+    ImageNet, ToMe r8 changes 3.5 % of DeiT-Tiny's predictions for 0.39 points of top-1); 'auto', top1 when the
+    images are labelled. out: a folder for `tune.csv`, `table.md`, `pareto.png` (with the plot extra's matplotlib)
+    and the preset(s) (`preset.json` for one batch size, `preset_b<B>.json` for several); with resume, a killed
+    run continues from its CSV."""
     check_device(device)  # before anything reads the device
     if not isinstance(data, (str, Path)):
         raise TypeError(f"data must be the path of a folder of images (--data), got {data!r}")
@@ -789,7 +790,7 @@ def format_table(rows: Sequence[TuneRow], choices: Sequence[Choice]) -> str:
 
 
 def preset_paths(out: str, batches: Sequence[int]) -> Dict[int, Path]:
-    """preset.json for one batch size, preset_b<B>.json for several."""
+    """preset.json for one batch size, `preset_b<B>.json` for several."""
     if len(batches) == 1:
         return {batches[0]: Path(out) / "preset.json"}
     return {b: Path(out) / f"preset_b{b}.json" for b in batches}

@@ -177,6 +177,13 @@ class ATM(TokenReducer):
     def tag_forms(cls) -> Tuple[str, ...]:
         return (cls.name,) + tuple(f"{cls.name}_{p}" for p in PRESETS)
 
+    @classmethod
+    def tag_legend(cls) -> str:
+        return (f"{cls.name}: the '{DEFAULT_PRESET}' preset; {cls.name}_lossless / _balanced / _fast: named presets; "
+                f"{cls.name}_g<NNN>: the ATM paper's settings without training (its Table A2) for the DeiT of the "
+                f"model's width at NNN / 100 GFLOPs, e.g. {cls.name}_g090 = DeiT-T at 0.90; {cls.name}_mae_g<NNN>: "
+                f"the same for MAE ViT-B (Table A5)")
+
     default_prop_attn = ToMe.default_prop_attn
     metric = ToMe.metric
 

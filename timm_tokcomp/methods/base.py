@@ -130,6 +130,11 @@ class TokenReducer(ABC):
         """The tag forms parse_tag accepts, for error messages and help."""
         return ()
 
+    @classmethod
+    def tag_legend(cls) -> str:
+        """What this method's own tag forms mean, for `tokcomp methods` ('' when the shared legend says it)."""
+        return ""
+
     @property
     def params(self) -> Dict[str, Any]:
         """The constructor arguments, for set_params and display."""

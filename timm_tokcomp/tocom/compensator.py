@@ -23,7 +23,7 @@ from ..schedules import is_int, is_real
 QUERY, VALUE = 0, 1  # index of the projection in the plugin tensors
 
 
-@dataclass
+@dataclass(repr=False)
 class Compensator:
     """lora_a: (S, L, 2, h, D) and lora_b: (S, L, 2, attn_dim, h) for [query, value] of every block;
     scale: s; base_model: the timm architecture it was trained for ('' when unknown)."""
@@ -46,6 +46,12 @@ class Compensator:
         bound = 1.0 / dim ** 0.5
         a = (torch.rand(steps, depth, 2, rank, dim, generator=generator) * 2 - 1) * bound
         return cls(a, torch.zeros(steps, depth, 2, attn_dim, rank), scale)
+
+    def __repr__(self) -> str:
+        """The shapes and settings, not the tensors: 'Compensator(steps=16, depth=12, rank=2, ...)'."""
+        return (f"Compensator(steps={self.steps}, depth={self.depth}, rank={self.rank}, dim={self.dim}, "
+                f"attn_dim={self.attn_dim}, scale={self.scale:g}, base_model={self.base_model!r}, "
+                f"dtype={self.lora_a.dtype})")
 
     @property
     def steps(self) -> int:

@@ -15,7 +15,7 @@ from ..extras import require
 from ..learned import load_learned, save_learned
 from ..methods import method_class
 from ..models import build_base_model
-from ..outputs import write_text
+from ..outputs import FILE_MODE, write_text
 from ..userfiles import check_safetensors, hub_snapshot, read_json, read_versioned_json
 from .card import model_card
 from .recipe import FinetuneConfig, FinetuneResult
@@ -34,6 +34,7 @@ def save_folder(peft_model, model: nn.Module, out: str, base_model: str, num_cla
         with tempfile.TemporaryDirectory(dir=out, prefix=".peft-") as staging:  # peft writes in place: stage, rename
             peft_model.save_pretrained(staging, save_embedding_layers=False)  # no Hub lookup of the base model
             for name in PEFT_FILES:
+                os.chmod(Path(staging) / name, FILE_MODE)  # as every other output
                 os.replace(Path(staging) / name, Path(out) / name)
     learned = getattr(model, "tokcomp", None)
     method = config.method_params()
