@@ -78,7 +78,7 @@ def test_load_preset_rejects_other_files(tmp_path):
     with pytest.raises(ValueError, match="not valid JSON"):
         load_preset(str(bad))
     bad.write_text('{"format": 1, "method": "magic", "params": {}}')
-    with pytest.raises(ValueError, match=f"preset file {bad} names method 'magic', which is not one of none, tome, evit, atm"):
+    with pytest.raises(ValueError, match=f"preset file {bad} names method 'magic', which is not one of none, tome"):
         load_preset(str(bad))
 
 

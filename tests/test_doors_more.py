@@ -246,7 +246,7 @@ def test_a_local_looking_compensator_path_says_no_such_folder_with_python_advice
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     with pytest.raises(UserFileError) as e:
         tocom.load("hub_cards/deit_tiny_tocom")
-    assert "no such folder 'hub_cards/deit_tiny_tocom'" in str(e.value)
+    assert str(e.value).startswith(f"hub_cards/deit_tiny_tocom: no such folder (from {tmp_path})")
     assert "a local folder path" in str(e.value) and "--checkpoint" not in str(e.value)
 
 
@@ -312,3 +312,33 @@ def test_bench_explains_a_none_preset_as_the_plain_model(tmp_path):
                           BenchRow("atm", 1.0, None, None, None, None, None, 197)])
     assert f"note: {preset}: a preset of method 'none'" in table
     assert "reduced nothing on these inputs: atm (an adaptive method" in table
+
+
+def test_a_failing_overwrite_that_made_only_folders_puts_the_earlier_run_back(tmp_path):
+    run = tmp_path / "run"
+    (run / "training").mkdir(parents=True)
+    (run / "training" / "log.csv").write_text("earlier\n")
+    with pytest.raises(RuntimeError):
+        with outputs.run_folder(run, overwrite=True):
+            (run / "training" / "deeper").mkdir(parents=True)
+            raise RuntimeError("failed before writing")
+    assert (run / "training" / "log.csv").read_text() == "earlier\n"
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == ["training", "training/log.csv"]
+
+
+@pytest.mark.parametrize("name", ["deit_tiny_patch16_224.atm", "deit_tiny_patch16_224.tome_r8"])
+def test_forward_intermediates_final_output_is_forward_features_to_the_bit(name):
+    """timm's own check asserts allclose with default tolerances; the last block now runs the same computation in
+    both paths (its MLP on the prefix tokens alone), so the two are equal, not just close."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, depth=3).eval()
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        features = model.forward_features(x)
+        final, intermediates = model.forward_intermediates(x)
+        only = model.forward_intermediates(x, intermediates_only=True)
+    assert torch.equal(final, features)
+    assert len(intermediates) == len(only) == 3 and all(torch.equal(a, b) for a, b in zip(intermediates, only))
+    assert intermediates[-1].shape == (2, 192, 14, 14)  # the last block's map still holds every patch

@@ -337,7 +337,8 @@ def test_mac_pruning_skips_only_candidates_beaten_in_speed_and_agreement(image_f
     if r1_agrees_more:
         assert r1 == ["timed"] * 3
     else:
-        assert all(s.startswith("pruned: MACs (at most 1.") and "lost at most as much on the screening images and is at least 2.00x" in s
+        assert all(s.startswith("pruned: MACs (at most 1.")
+                   and "lost at most as much on the screening images and is at least 2.00x" in s
                    for s in r1)
 
 
@@ -455,7 +456,8 @@ def test_max_rounds_is_an_upper_bound_and_progress_shows_each_phase(image_folder
                                limit=12, prune_images=6, max_rounds=10, show_progress=True)
     assert sum(calls) == 10 and all(r.rounds == 10 for r in result.rows if r.status == "timed")
     err = capsys.readouterr().err
-    for phase in ("tune: screening", "tune: timing batch 2, eager", "tune: held-out check", "tune: checking the choice"):
+    phases = ("tune: screening", "tune: timing batch 2, eager", "tune: held-out check", "tune: checking the choice")
+    for phase in phases:
         assert phase in err, phase
 
 

@@ -110,7 +110,8 @@ def _tune(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ValueError(f"--methods: {e}") from None
     result = tune(args.model, args.data, batches=list(_numbers("--batches", args.batches, int)), device=args.device,
-                  dtype=args.dtype, tf32=args.tf32, budget=args.budget, budget_on=args.budget_on, min_speedup=args.min_speedup,
+                  dtype=args.dtype, tf32=args.tf32, budget=args.budget, budget_on=args.budget_on,
+                  min_speedup=args.min_speedup,
                   modes=args.modes.split(",") if args.modes else None, space=space, checkpoint=args.checkpoint,
                   pretrained=args.pretrained, limit=args.limit, prune_images=args.prune_images,
                   max_rounds=args.max_rounds, out=args.out, resume=args.resume, overwrite=args.overwrite,
@@ -398,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     methods = sub.add_parser("methods", help="list the methods, their name tags and their parameters")
     methods.set_defaults(func=_methods, outputs=())
     bench = sub.add_parser("bench", help="GMACs / throughput / accuracy table of several methods, side by side")
-    bench.add_argument("model", nargs="?", default="deit_tiny_patch16_224", help="timm architecture (default: %(default)s)")
+    bench.add_argument("model", nargs="?", default="deit_tiny_patch16_224",
+                       help="timm architecture (default: %(default)s)")
     bench.add_argument("--methods", default="none,tome_r8,tome_r16",
                        help=f"comma list of 'none' and method tags ({FAMILIES}); default: %(default)s")
     _weights_flags(bench)
@@ -525,7 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--out", required=True, help="report folder")
     _weights_flags(an)
     an.add_argument("--batch-size", type=int, default=32)
-    an.add_argument("--overlays", type=int, default=4, help="images drawn with each method's groups (default: %(default)s)")
+    an.add_argument("--overlays", type=int, default=4,
+                    help="images drawn with each method's groups (default: %(default)s)")
     _device_flag(an)
     an.add_argument("--resume", action="store_true", help="reuse OUT: recordings with the same settings are kept, "
                                                           "the rest is redrawn")
@@ -568,7 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
     _progress_flag(sp)
     sp.set_defaults(func=_speed, outputs=(FILE_OUT,))
     tu = sub.add_parser("tune", help="measure the training-free methods on this device and choose the fastest that "
-                                      "keeps accuracy within a budget (top-1 with labels, agreement without), or no reduction")
+                                      "keeps accuracy within a budget (top-1 with labels, agreement without), or no "
+                                      "reduction")
     tu.add_argument("model", help="timm architecture, e.g. deit_small_patch16_224")
     tu.add_argument("--data", required=True, help="folder of images (labels not needed; with labels top-1 is reported)")
     tu.add_argument("--out", required=True, help="folder for tune.csv, table.md, pareto.png and preset.json "

@@ -148,10 +148,11 @@ def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, 
             before = _entries(folder)
             yield folder
         except BaseException as e:
-            if not any(p.is_file() and p.name != ".lock" for p in folder.rglob("*")):
-                for sub in sorted(folder.rglob("*"), reverse=True):  # empty folders the failed run made
-                    if sub.is_dir() and not sub.name.startswith(REPLACED):
-                        sub.rmdir()
+            made = [p for p in folder.rglob("*") if p.name != ".lock"
+                    and not p.relative_to(folder).parts[0].startswith(REPLACED)]
+            if not any(p.is_file() for p in made):  # the failed run wrote no file: its empty folders go too
+                for sub in sorted(made, reverse=True):
+                    sub.rmdir()
             if moved and (before is None or _entries(folder) == before):  # nothing new written: put back as it was
                 for name in moved:
                     os.replace(aside / name, folder / name)

@@ -136,10 +136,10 @@ def run_speed(
     show_progress: bool = True,
 ) -> List[SpeedRow]:
     """Forward times of the plain model, every method and every method's limit, interleaved per (mode, batch) so
-    that machine noise hits them alike (SpeedRow: medians, and speed-ups with their 95 % intervals). Data-dependent methods (ATM, ATS) run in eager
-    mode only. modes: eager, compile, cudagraph (torch.compile mode='reduce-overhead'), graph (the eager
-    forward captured in a CUDA graph, graphs.GraphedForward). data: a folder of images whose first batch is
-    timed (random inputs without it)."""
+    that machine noise hits them alike (SpeedRow: medians, and speed-ups with their 95 % intervals).
+    Data-dependent methods (ATM, ATS) run in eager mode only. modes: eager, compile, cudagraph (torch.compile
+    mode='reduce-overhead'), graph (the eager forward captured in a CUDA graph, graphs.GraphedForward). data: a
+    folder of images whose first batch is timed (random inputs without it)."""
     check_batches(batches)
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")

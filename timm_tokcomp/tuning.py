@@ -104,10 +104,10 @@ class TuneRow:
     """One candidate at one batch size. status: 'pruned: ...' (not timed: budget broken on the screening images,
     or MACs that cannot beat the best speed-up), 'timed', 'failed: ...'. gmacs: per image; mac_ratio: plain / this;
     screen_agree: % agreement on the screening images (screen_n of them), screen_loss: the loss there in the
-    budget's measure (BUDGET_MEASURES); ms: median per forward, ms_plain the plain
-    model's in the same mode; speedup (the geometric mean of the rounds' ratios) with its 95 % interval; agree: % held-out agreement (agree_n
-    images, changed: images whose top-1 class differs from the plain model's); top1 / top1_plain on labelled data
-    with the exact McNemar p of the paired split; chosen: this batch size's choice."""
+    budget's measure (BUDGET_MEASURES); ms: median per forward, ms_plain the plain model's in the same mode;
+    speedup (the geometric mean of the rounds' ratios) with its 95 % interval; agree: % held-out agreement
+    (agree_n images, changed: images whose top-1 class differs from the plain model's); top1 / top1_plain on
+    labelled data with the exact McNemar p of the paired split; chosen: this batch size's choice."""
 
     batch: int
     mode: str
@@ -165,12 +165,11 @@ class TuneResult:
     def budget_text(self) -> str:
         """'at most 1.0 points of top-1 lost on 384 held-out images (labelled)': what the choice was held to."""
         s = self.settings
-        held = s["limit"] - s["prune_images"]
         why = ("the images are labelled" if s["budget_on"] == "auto" and s["budget_measure"] == "top1" else
                "no labels: agreement with the plain model, stricter than top-1" if s["budget_on"] == "auto" else
                f"--budget-on {s['budget_on']}")
-        return f"budget: at most {s['budget']} {BUDGET_MEASURES[s['budget_measure']]} on the held-out images " \
-               f"(at most {held}; {why})"
+        return f"budget: at most {s['budget']} {BUDGET_MEASURES[s['budget_measure']]} on the {s['held_out']} " \
+               f"held-out images ({why})"
 
 
 # ---------------------------------------------------------------- statistics
@@ -412,7 +411,8 @@ def tune(
     check_space(space, base)
     candidates, notes = applicable_candidates(space, base, device, modes)
     settings = {"model": name, "device": device, "device_name": device_description(device), "dtype": dtype, "tf32": tf32,
-                "batches": list(batches), "budget": budget, "budget_on": budget_on, "min_speedup": min_speedup, "modes": list(modes),
+                "batches": list(batches), "budget": budget, "budget_on": budget_on, "min_speedup": min_speedup,
+                "modes": list(modes),
                 "limit": limit, "prune_images": prune_images, "max_rounds": max_rounds, "data": str(data),
                 "space": [[m, p] for m, p in space],
                 # what the rows were measured on, by content (a resume needs the same; the path is only shown)
@@ -496,7 +496,7 @@ class _Tuner:
                              f"give labelled images or --budget-on agreement")
         self.measure = settings["budget_on"] if settings["budget_on"] != "auto" else \
             "agreement" if self.labels is None else "top1"
-        self.s["budget_measure"] = self.measure
+        self.s["budget_measure"], self.s["held_out"] = self.measure, len(self.images) - settings["prune_images"]
         self.notes += sample_notes(len(self.images) - settings["prune_images"], settings["prune_images"],
                                    settings["budget"], self.measure)
         self.rows: Dict[Tuple[int, str], TuneRow] = {}

@@ -134,10 +134,10 @@ def hub_snapshot(repo_id_or_path: str, what: str, flag: Optional[str] = None, **
         with hub_access():
             return Path(snapshot_download(repo_id_or_path, **kwargs))
     except Exception as e:
-        error = hub_error(e, repo_id_or_path, flag)
         # 'name' and 'namespace/name' read as a relative folder too: say that there is none
-        raise UserFileError(f"no such folder {repo_id_or_path!r} (from {Path.cwd()}), so it was read as a Hub repo "
-                            f"id: {error}") from None
+        named, error = f"{flag + ' ' if flag else ''}{repo_id_or_path}", str(hub_error(e, repo_id_or_path, flag))
+        raise UserFileError(f"{named}: no such folder (from {Path.cwd()}), so it was read as a Hub repo id: "
+                            f"{error[len(named) + 2:] if error.startswith(named + ': ') else error}") from None
 
 
 HUB_TIMEOUT_S = 3.0  # how long hub_access waits for the Hub to answer before using the local cache only
