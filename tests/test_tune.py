@@ -504,3 +504,8 @@ def test_a_top1_budget_needs_labels(image_folder):
     with pytest.raises(ValueError, match="--budget-on top1 needs labelled --data"):
         timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget_on="top1", limit=12, prune_images=6,
                           show_progress=False)
+
+
+def test_a_top1_gain_reads_as_a_gain():
+    row = _labelled_row("better", ms=5.0, top1=80.5)
+    assert "0.50 points of top-1 gained (budget 1.0)" in choose([row], 64, 1.0, measure="top1").reason

@@ -211,6 +211,13 @@ def eager_speedups(rows: Sequence[TuneRow]) -> Dict[int, float]:
             for r in rows if r.speedup is not None and r.ms_plain is not None}
 
 
+def _loss_text(loss: float, measure: str) -> str:
+    """'0.40 points of top-1 lost'; a negative top-1 loss reads as a gain."""
+    if measure == "top1" and loss < 0:
+        return f"{-loss:.2f} points of top-1 gained"
+    return f"{loss:.2f} {BUDGET_MEASURES[measure]}"
+
+
 def choose(rows: Sequence[TuneRow], batch: int, budget: float, min_speedup: Optional[float] = None,
            measure: str = "agreement") -> Choice:
     """The fastest timed row of this batch size (largest speed-up against plain eager, eager_speedups) whose
@@ -229,7 +236,7 @@ def choose(rows: Sequence[TuneRow], batch: int, budget: float, min_speedup: Opti
         best = max(enough, key=lambda r: (score[id(r)], r.speedup_lo, [-ord(ch) for ch in r.candidate]))
         return Choice(batch, best, f"fastest within the budget: {best.speedup:.2f}x plain in {best.mode} mode "
                                    f"(95 % interval {best.speedup_lo:.2f}-{best.speedup_hi:.2f}), "
-                                   f"{best.loss(measure):.2f} {unit} (budget {budget})")
+                                   f"{_loss_text(best.loss(measure), measure)} (budget {budget})")
     if not within:
         measured = [r for r in timed if r.loss(measure) is not None]
         if not measured:
