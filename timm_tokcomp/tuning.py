@@ -1,19 +1,20 @@
 """`tokcomp tune` / `timm_tokcomp.tune`: measure the training-free candidates on this device and choose the fastest
-one that keeps top-1 agreement with the plain model within a budget, or none.
+one that keeps accuracy within a budget (points of top-1 lost with labels, % of predictions changed without), or
+none.
 
 Stages (each resumable from the CSV):
   1. screen: per accuracy setting (method and parameters, proportional attention on or off), the MACs per image of
-     one forward and the agreement with the plain model on the first `prune_images` images; a setting whose
-     disagreement is above the budget even at its 95 % lower bound (exact binomial) is not timed;
-  2. time: per batch size and execution mode, the survivors (every kernel, proportional-attention implementation
-     and mode the device offers) interleaved with the plain model in the same mode, in order of MAC ratio, until
-     each one's 95 % speed-up interval excludes 1 or `max_rounds`; a candidate whose MAC ratio cannot beat the
-     lower bound already measured for one that agreed at least as often on the screening images is not timed;
-  3. hold out: the agreement of every timed setting on the images after the first `prune_images`, with paired
-     counts (and top-1 with exact McNemar p when the folder is labelled);
-  4. choose, per batch size: the fastest candidate (speed-up against plain eager) whose held-out disagreement is within
-     the budget and whose speed-up's lower bound is above 1 (and at least `min_speedup`), re-checked on its own
-     path; otherwise 'no reduction', with the reason.
+     one forward and the loss on the first `prune_images` images; a setting whose loss is above the budget even at
+     its exact 95 % lower bound goes no further;
+  2. hold out: the loss of every other setting on the images after the first `prune_images`, with paired counts
+     (and top-1 with exact McNemar p when the folder is labelled); a setting above the budget there is not timed;
+  3. time: per batch size and execution mode, the settings within the budget (every kernel, proportional-attention
+     implementation and mode the device offers) interleaved with the plain model in the same mode, in order of MAC
+     ratio, until each one's 95 % speed-up interval excludes 1 or `max_rounds`; a candidate whose MAC ratio cannot
+     beat the lower bound already measured for one within the budget is not timed;
+  4. choose, per batch size: the fastest candidate (speed-up against plain eager) whose speed-up's lower bound is
+     above 1 (and at least `min_speedup`), re-checked on its own path; otherwise 'no reduction', with the reason
+     and the candidate that came closest.
 """
 import contextlib
 import copy
@@ -54,6 +55,7 @@ DEFAULT_SPACE: Tuple[Tuple[str, Dict[str, Any]], ...] = (
     ("topk", {"keep_rate": 0.9}), ("topk", {"keep_rate": 0.7}), ("dpcknn", {"keep_rate": 0.9}),
     ("kmedoids", {"keep_rate": 0.9}), ("ats", {"keep_rate": 0.9}), ("l2", {"keep_rate": 0.9}),
 )
+HELD_OUT_FIELDS = ("agree", "agree_n", "changed", "top1_plain", "top1", "top1_p")  # TuneRow's held-out figures
 # what the budget limits, in the units of --budget: top-1 when the images have labels, agreement without them
 BUDGET_MEASURES = {"top1": "points of top-1 lost", "agreement": "% of the plain model's predictions changed"}
 OUT_FILES = ("tune.csv", "tune_config.json", "table.md", "pareto.png", "preset*.json")
@@ -223,10 +225,9 @@ def choose(rows: Sequence[TuneRow], batch: int, budget: float, min_speedup: Opti
     """The fastest timed row of this batch size (largest speed-up against plain eager, eager_speedups) whose
     held-out loss in the budget's measure (TuneRow.loss: top-1 points lost, or % of predictions changed) is at most
     `budget` and whose speed-up's lower bound is above 1 (and whose speed-up is at least min_speedup);
-    Choice(batch, None, reason) when none qualifies, naming the candidate that came closest."""
+    Choice(batch, None, reason) when none qualifies, naming the candidate that came closest (among the rows with a
+    held-out figure: timed, or not timed because they were above the budget there)."""
     timed = [r for r in rows if r.batch == batch and r.status == "timed"]
-    if not timed:
-        return Choice(batch, None, "no candidate was timed (all were pruned or failed)")
     unit = BUDGET_MEASURES[measure]
     within = [r for r in timed if r.loss(measure) is not None and r.loss(measure) <= budget + 1e-9]
     faster = [r for r in within if r.speedup_lo is not None and r.speedup_lo > 1.0]
@@ -238,13 +239,13 @@ def choose(rows: Sequence[TuneRow], batch: int, budget: float, min_speedup: Opti
                                    f"(95 % interval {best.speedup_lo:.2f}-{best.speedup_hi:.2f}), "
                                    f"{_loss_text(best.loss(measure), measure)} (budget {budget})")
     if not within:
-        measured = [r for r in timed if r.loss(measure) is not None]
+        measured = [r for r in rows if r.batch == batch and r.loss(measure) is not None]
         if not measured:
-            return Choice(batch, None, f"no timed candidate has a held-out {measure} figure")
-        best = min(measured, key=lambda r: (r.loss(measure), -r.speedup))
-        return Choice(batch, None, f"no timed candidate stays within the budget of at most {budget} {unit} on the "
-                                   f"held-out images (closest: {best.candidate}, {best.loss(measure):.2f}, at "
-                                   f"{best.speedup:.2f}x)")
+            return Choice(batch, None, "no candidate was timed (all were pruned or failed)")
+        best = min(measured, key=lambda r: (r.loss(measure), -(r.speedup or 0.0), r.candidate))
+        speed = "" if best.speedup is None else f", at {best.speedup:.2f}x"
+        return Choice(batch, None, f"no candidate stays within the budget of at most {budget} {unit} on the "
+                                   f"held-out images (closest: {best.candidate}, {best.loss(measure):.2f}{speed})")
     if not faster:
         best = max(within, key=lambda r: r.speedup_lo)
         return Choice(batch, None, f"no candidate within the budget is surely faster than plain (best: {best.candidate}, "
@@ -531,13 +532,13 @@ class _Tuner:
                 self.bar = bar
                 plain_screen = self._plain_predictions(screen_x, eval_batch)
                 screened = self._screen(settings, screen_x, plain_screen, eval_batch, bar)
+                bar.set_description("tune: held-out check")
+                plain_held = self._plain_predictions(held_x, eval_batch)
+                held = self._hold_out(screened, held_x, plain_held, eval_batch, bar)
                 for batch in self.s["batches"]:
                     for mode in self.s["modes"]:
                         bar.set_description(f"tune: timing batch {batch}, {mode}")
-                        self._time(batch, mode, screened)
-                bar.set_description("tune: held-out check")
-                plain_held = self._plain_predictions(held_x, eval_batch)
-                self._hold_out(held_x, plain_held, eval_batch, bar)
+                        self._time(batch, mode, screened, held)
                 bar.set_description("tune: checking the choice")
                 choices = []
                 for b in self.s["batches"]:
@@ -594,18 +595,22 @@ class _Tuner:
         bound = 0.0 if d == 0 else max(0.0, 100.0 * d * (2 * disagreement_lower_bound(lost, d) - 1) / n)
         return 100.0 * (lost - gained) / n, bound, f"lost {lost} and gained {gained} correct of {n} images"
 
-    def _row(self, batch: int, c: Candidate, screened) -> TuneRow:
+    def _row(self, batch: int, c: Candidate, screened, held: Dict[str, Dict[str, Any]]) -> TuneRow:
         gmacs, agree, n, loss, reason = screened[c.setting]
-        return TuneRow(batch, c.mode, c.name, c.setting, c.path, c.method, json.dumps(c.kwargs, sort_keys=True),
-                       status=reason or "screened", gmacs=gmacs, mac_ratio=self.plain_gmacs / gmacs,
-                       screen_agree=agree, screen_n=n, screen_loss=loss)
+        row = TuneRow(batch, c.mode, c.name, c.setting, c.path, c.method, json.dumps(c.kwargs, sort_keys=True),
+                      status=reason or "screened", gmacs=gmacs, mac_ratio=self.plain_gmacs / gmacs,
+                      screen_agree=agree, screen_n=n, screen_loss=loss, **held.get(c.setting, {}))
+        if reason is None and row.loss(self.measure) > self.s["budget"] + 1e-9:
+            row.status = (f"pruned: held-out ({_loss_text(row.loss(self.measure), self.measure)} on "
+                          f"{row.agree_n} images; budget {self.s['budget']})")
+        return row
 
-    def _time(self, batch: int, mode: str, screened) -> None:
+    def _time(self, batch: int, mode: str, screened, held: Dict[str, Dict[str, Any]]) -> None:
         in_mode = [c for c in self.candidates if c.mode == mode]
         for c in in_mode:
             done = self.previous.get((batch, c.name))
             self.rows[(batch, c.name)] = done if done is not None and done.status != "screened" else \
-                self._row(batch, c, screened)
+                self._row(batch, c, screened, held)
         todo = sorted((c for c in in_mode if self.rows[(batch, c.name)].status == "screened"),
                       key=lambda c: (-self.rows[(batch, c.name)].mac_ratio, c.name))
         x = self.images[torch.arange(batch) % len(self.images)].to(self.device)
@@ -616,13 +621,13 @@ class _Tuner:
             timed = [r for r in self.rows.values() if r.batch == batch and r.mode == mode and r.status == "timed"]
             for c in list(todo):
                 row = self.rows[(batch, c.name)]
-                # beaten for sure: a timed candidate that lost at most as much on the screening images is surely
-                # faster than row's MACs allow
-                better = [t for t in timed if t.screen_loss <= row.screen_loss and t.speedup_lo >= row.mac_ratio]
+                # beaten for sure: a timed candidate (within the budget on the held-out images, as every timed one is)
+                # is surely faster than row's MACs allow
+                better = [t for t in timed if t.speedup_lo >= row.mac_ratio]
                 if better:
                     best = max(better, key=lambda t: t.speedup_lo)
-                    row.status = (f"pruned: MACs (at most {row.mac_ratio:.2f}x fewer; {best.candidate} lost at most as "
-                                  f"much on the screening images and is at least {best.speedup_lo:.2f}x faster)")
+                    row.status = (f"pruned: MACs (at most {row.mac_ratio:.2f}x fewer; {best.candidate}, within the "
+                                  f"budget, is at least {best.speedup_lo:.2f}x faster)")
                     todo.remove(c)
             chunk, todo = todo[:group], todo[group:]
             if chunk:
@@ -676,17 +681,19 @@ class _Tuner:
             row.rounds = len(times[name])
         return rounds
 
-    def _hold_out(self, x: torch.Tensor, plain: torch.Tensor, batch: int, bar) -> None:
-        """Held-out agreement of every timed setting, on its reference path."""
-        for setting in dict.fromkeys(c.setting for c in self.candidates):
-            rows = [r for r in self.rows.values() if r.setting == setting and r.status == "timed"]
-            if rows and rows[0].agree is None:
+    def _hold_out(self, screened, x: torch.Tensor, plain: torch.Tensor, batch: int, bar) -> Dict[str, Dict[str, Any]]:
+        """setting -> its held-out figures (_agreement, on its reference path), for every setting the screening
+        kept; a resumed run's figures are reused."""
+        held = {}
+        for setting, (*_, reason) in screened.items():
+            known = next((r for r in self.previous.values() if r.setting == setting and r.agree is not None), None)
+            if known is not None:
+                held[setting] = {k: getattr(known, k) for k in HELD_OUT_FIELDS}
+            elif reason is None:
                 c = next(c for c in self.candidates if c.setting == setting)
-                figures = self._agreement(self._model(_accuracy_twin(c), c.method), x, plain, batch)
-                for r in rows:
-                    for k, v in figures.items():
-                        setattr(r, k, v)
+                held[setting] = self._agreement(self._model(_accuracy_twin(c), c.method), x, plain, batch)
             bar.update(1)
+        return held
 
     def _agreement(self, model: nn.Module, x: torch.Tensor, plain: torch.Tensor, batch: int) -> Dict[str, Any]:
         preds = _predictions(model, x.to(self.device), batch)
