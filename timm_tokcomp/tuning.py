@@ -486,6 +486,12 @@ def applicable_candidates(space: Sequence[Tuple[str, Dict[str, Any]]], model: nn
     return candidates, notes
 
 
+def _top1_changes(preds: torch.Tensor, plain: torch.Tensor, labels: torch.Tensor) -> Tuple[int, int]:
+    """(gained, lost): images (N,) the candidate gets right where the plain model did not, and the reverse."""
+    right_plain, right = plain == labels, preds == labels
+    return int((right & ~right_plain).sum()), int((right_plain & ~right).sum())
+
+
 class _Tuner:
     def __init__(self, base: nn.Module, data: str, settings: Dict[str, Any], candidates: List[Candidate],
                  notes: List[str], out, show_progress):
@@ -588,9 +594,7 @@ class _Tuner:
         if self.measure == "agreement":
             return (100.0 * changed / n, 100.0 * disagreement_lower_bound(changed, n),
                     f"changed {changed} of {n} images' top-1")
-        y = self.labels[:n]
-        right_plain, right = plain == y, preds == y
-        gained, lost = int((right & ~right_plain).sum()), int((right_plain & ~right).sum())
+        gained, lost = _top1_changes(preds, plain, self.labels[:n])
         d = gained + lost
         bound = 0.0 if d == 0 else max(0.0, 100.0 * d * (2 * disagreement_lower_bound(lost, d) - 1) / n)
         return 100.0 * (lost - gained) / n, bound, f"lost {lost} and gained {gained} correct of {n} images"
@@ -701,10 +705,9 @@ class _Tuner:
         figures: Dict[str, Any] = {"agree": 100.0 * (n - changed) / n, "agree_n": n, "changed": changed}
         if self.labels is not None:
             y = self.labels[self.s["prune_images"]:]
-            right_plain, right = plain == y, preds == y
-            gained, lost = int((right & ~right_plain).sum()), int((right_plain & ~right).sum())
-            figures.update(top1_plain=100.0 * float(right_plain.float().mean()), top1=100.0 * float(right.float().mean()),
-                           top1_p=mcnemar_exact_p(gained, lost))
+            gained, lost = _top1_changes(preds, plain, y)
+            figures.update(top1_plain=100.0 * float((plain == y).float().mean()),
+                           top1=100.0 * float((preds == y).float().mean()), top1_p=mcnemar_exact_p(gained, lost))
         return figures
 
     def _choose(self, batch: int, x: torch.Tensor, plain: torch.Tensor, eval_batch: int) -> Choice:
