@@ -12,8 +12,8 @@ same result, so that the fastest one for a device can be chosen (`tokcomp tune`)
 - 'flex': FlexAttention with a score_mod adding log s (torch >= 2.5); fast only under torch.compile.
 
 'auto' resolves per device class and dtype from the measured table (timm_tokcomp.device_table), 'mask' where it
-has no entry. The pure tensor math lives here; patch.ReducingAttention calls it."""
-from typing import Tuple
+has no entry. The pure tensor math lives here, and `attend` dispatches the implementation for every model family."""
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -104,3 +104,27 @@ def check_fold_qkv(attn: nn.Module, where: str) -> None:
         raise ValueError(f"prop_attn='fold_qkv' needs attention without q / k norm ({where} has "
                          f"{', '.join(norms)}); use prop_attn='fold'")
 
+
+
+def _flex_runs(q: torch.Tensor, dropout_p: float) -> bool:
+    """FlexAttention has no dropout, and no backward on the CPU: the float mask serves there."""
+    return dropout_p == 0 and (q.is_cuda or not (torch.is_grad_enabled() and q.requires_grad))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor], impl: str, scale: float,
+           dropout: nn.Module, fused: bool) -> torch.Tensor:
+    """Attention of q, k, v: (B, H, N, d) with an additive log-size bias (B, 1, 1, N) or None -> (B, H, N, d).
+    impl: 'mask', 'fold' or 'flex' (PROP_ATTN_IMPLS; 'fold_qkv' is dispatched before q, k, v exist); fused: SDPA
+    (else the explicit softmax with `dropout` on the weights, as timm's non-fused path); dropout: the attention's
+    dropout module (its p applies while it trains)."""
+    if not fused:
+        attn = (q * scale) @ k.transpose(-2, -1)
+        if bias is not None:
+            attn = attn + bias
+        return dropout(attn.softmax(dim=-1)) @ v
+    dropout_p = dropout.p if dropout.training else 0.0
+    if bias is None or impl == "mask" or (impl == "flex" and not _flex_runs(q, dropout_p)):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
+    if impl == "flex":
+        return flex_attention(q, k, v, bias, scale)
+    return padded_attention(*fold_qk(q, k, v, bias, scale), q.shape[-1], dropout_p)

@@ -17,6 +17,8 @@ class ReductionStats:
     real_tokens_per_block: for methods whose images keep different counts (ATS), the (B,) count of real
         tokens entering each block; the batch runs tokens_per_block, padded with size-0 tokens that
         attention and pooling ignore. Empty for every other method.
+    rope_merge: on a model with rotary positions, where a merged token's rope sits ('dst': its destination
+        token's; 'centroid': the size-weighted centroid of its patches); None on a model without rope.
     """
 
     tokens_per_block: List[int] = field(default_factory=list)
@@ -25,3 +27,4 @@ class ReductionStats:
     source: Optional[torch.Tensor] = None
     num_prefix: int = 0
     real_tokens_per_block: List[torch.Tensor] = field(default_factory=list)
+    rope_merge: Optional[str] = None

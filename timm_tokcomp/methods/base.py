@@ -67,6 +67,11 @@ class TokenReducer(ABC):
         runs on those alone. Exact when the head reads only the class (and distillation) token
         (global_pool='token'); refused otherwise. None picks the method's default, which applies it
         only where it is exact.
+    rope_merge: on a model with rotary position embeddings (timm's Eva class), the rope of a merged token: 'dst'
+        (default) its destination token's, 'centroid' the size-weighted centroid of its patches' grid coordinates,
+        its sin / cos recomputed from the rope module's frequencies. Pruned and kept tokens keep their own; a token
+        with no destination (a cluster, a soft mix, EViT's fused token) sits at its centroid either way. Ignored on
+        models without rope.
     """
 
     name: ClassVar[str]
@@ -84,6 +89,7 @@ class TokenReducer(ABC):
     prop_attn: Union[bool, str, None] = None
     trace_source: bool = False
     prefix_only_last_block: Optional[bool] = None
+    rope_merge: str = "dst"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

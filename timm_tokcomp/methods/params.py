@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence, Tuple
 
 from ..attention import check_prop_attn
 from ..kernels import check_kernel
+from ..rope import check_rope_merge
 from ..schedules import STUDY_STAGES, check_keep_rate, check_stages, is_real, validate_r
 
 REQUIRED = inspect.Parameter.empty  # a Param default meaning: no default, the caller must give it
@@ -69,6 +70,7 @@ COMMON: Tuple[Param, ...] = (
     Param("prop_attn", None, checked_by(check_prop_attn)),
     Param("trace_source", False, flag("trace_source")),
     Param("prefix_only_last_block", None, flag("prefix_only_last_block")),
+    Param("rope_merge", "dst", checked_by(check_rope_merge)),
 )
 # the r schedule of ScheduledReducer: r per block, a FLOPs ratio, or the study's keep rate at its stages
 SCHEDULE: Tuple[Param, ...] = (

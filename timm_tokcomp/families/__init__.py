@@ -1,0 +1,23 @@
+"""The timm model families timm_tokcomp serves, one adapter each (what differs: embedding, attention with the
+log-size bias and rotary positions, pooling); the reducing loop they share is timm_tokcomp.reducing. A new family
+is one module here with its Family and a line in FAMILIES."""
+from typing import Optional, Tuple
+
+from .base import Family
+from .eva import EVA
+from .vit import VIT
+
+FAMILIES: Tuple[Family, ...] = (VIT, EVA)
+
+
+def family_of(model_class: type) -> Optional[Family]:
+    """The family serving this model class (plain or patched), or None."""
+    for family in FAMILIES:
+        if family.serves(model_class):
+            return family
+    return None
+
+
+def served_classes() -> str:
+    """The served timm classes, for error messages."""
+    return ", ".join(f"{c.__name__} ({c.__module__})" for family in FAMILIES for c in family.models)

@@ -1,0 +1,164 @@
+"""timm's Eva class (EVA02, DINOv3, PE-Core / PE-Spatial, NAVER RoPE-ViT, timm's vit_*_rope_* models): rotary
+positions travel with the tokens (timm_tokcomp.rope), fused or split qkv, q / k norm, SwiGLU / GLU MLPs,
+LayerScale, register tokens, an attention-pool head. Reducing and dense subclasses of EvaAttention, EvaBlock /
+EvaBlockPostNorm and Eva."""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from timm.layers.pos_embed_sincos import apply_rot_embed_cat
+from timm.models.eva import Eva, EvaAttention, EvaBlock, EvaBlockPostNorm
+from torch import nn
+
+from .. import attention, kernels
+from ..methods.base import TokenReducer
+from ..ops import unmerge
+from ..reducing import DenseModel, ReducingBlockMixin, ReducingModel, refuse_fx_tracing
+from ..rope import TokenPositions, check_rope, grid_coords
+from .base import Family
+from .vit import dense_groups, merged_mlp, reducer_metric
+
+
+class ReducingEvaAttention(EvaAttention):
+    """EvaAttention that also returns the reducer's metric and takes an additive score bias and per-token rope."""
+
+    def forward_reduce(
+        self, x: torch.Tensor, attn_bias: Optional[torch.Tensor], reducer: Optional[TokenReducer],
+        prop_impl: str = "mask", rope: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x: (B, N, C); attn_bias: (B, 1, 1, N) log sizes or None; prop_impl: 'mask', 'fold' or 'flex';
+        rope: the patch tokens' rope rows ((N - prefix, 2 * head_dim) or batched, as timm's) or None. The metric
+        reads q and k as attention uses them (rotated). Returns (out (B, N, C), metric or None)."""
+        B, N, C = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        if self.qkv is not None:
+            if self.q_bias is None:
+                qkv = self.qkv(x)
+            else:
+                qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+                if self.qkv_bias_separate:
+                    qkv = self.qkv(x)
+                    qkv += qkv_bias
+                else:
+                    qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
+            q, k, v = qkv.reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q = self.q_proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
+            k = self.k_proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
+            v = self.v_proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            p, half = self.num_prefix_tokens, self.rotate_half
+            q = torch.cat([q[:, :, :p, :], apply_rot_embed_cat(q[:, :, p:, :], rope, half=half)], dim=2).type_as(v)
+            k = torch.cat([k[:, :, :p, :], apply_rot_embed_cat(k[:, :, p:, :], rope, half=half)], dim=2).type_as(v)
+        if attn_bias is not None:
+            attn_bias = attn_bias.to(q.dtype)
+        metric = reducer_metric(reducer, q, k, v, attn_bias, self.scale)
+        x = attention.attend(q, k, v, attn_bias, prop_impl, self.scale, self.attn_drop, self.fused_attn)
+        x = x.transpose(1, 2).reshape(B, N, -1)
+        x = self.norm(x)
+        if gate is not None:
+            x = x * gate
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x, metric
+
+
+class ReducingEvaBlock(ReducingBlockMixin, EvaBlock):
+    """EvaBlock (pre-norm, optional LayerScale gammas) that reduces tokens. Run only by the patched model."""
+
+    def _attn_branch(self, x, attn_bias, rope, reducer, prop_impl):
+        h, metric = self.attn.forward_reduce(self.norm1(x), attn_bias, reducer, prop_impl, rope)
+        if self.gamma_1 is not None:
+            h = self.gamma_1 * h
+        return self.drop_path1(h), metric
+
+    def _mlp_branch(self, x):
+        h = self.mlp(self.norm2(x))
+        if self.gamma_2 is not None:
+            h = self.gamma_2 * h
+        return self.drop_path2(h)
+
+
+class ReducingEvaBlockPostNorm(ReducingBlockMixin, EvaBlockPostNorm):
+    """EvaBlockPostNorm (norm after each branch) that reduces tokens. Run only by the patched model."""
+
+    def _attn_branch(self, x, attn_bias, rope, reducer, prop_impl):
+        h, metric = self.attn.forward_reduce(x, attn_bias, reducer, prop_impl, rope)
+        return self.drop_path1(self.norm1(h)), metric
+
+    def _mlp_branch(self, x):
+        return self.drop_path2(self.norm2(self.mlp(x)))
+
+
+class DenseEvaBlock(EvaBlock):
+    """EvaBlock for dense prediction: attention on all tokens (timm's rope unchanged), then k tokens merged before
+    the MLP and unmerged after it, so the output has the input's shape."""
+
+    _tokcomp_reducer: TokenReducer
+    _tokcomp_setting: object  # this block's reducer setting (None: plain block)
+    _tokcomp_num_prefix: int
+
+    def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = None, attn_mask=None,
+                is_causal: bool = False) -> torch.Tensor:
+        """x: (B, N, C) -> (B, N, C)."""
+        refuse_fx_tracing()
+        if attn_mask is not None or is_causal:
+            raise ValueError("attn_mask / is_causal are not supported by the dense token-merging blocks")
+        reducer, setting, num_prefix = self._tokcomp_reducer, self._tokcomp_setting, self._tokcomp_num_prefix
+        h, metric = self.attn.forward_reduce(self.norm1(x), None, reducer if setting is not None else None, "mask",
+                                             rope)
+        if self.gamma_1 is not None:
+            h = self.gamma_1 * h
+        x = x + self.drop_path1(h)
+        groups = None if metric is None else dense_groups(x, metric, reducer, setting, num_prefix)
+        if groups is None:
+            h = self.mlp(self.norm2(x))
+            return x + self.drop_path2(h if self.gamma_2 is None else self.gamma_2 * h)
+        y, backend = merged_mlp(x, self.norm2, self.mlp, groups, reducer)
+        if isinstance(self.drop_path2, nn.Identity) or not self.training:
+            return kernels.unmerge_add(x, y, groups[0], self.gamma_2, backend)
+        h = unmerge(y, groups[0])
+        return x + self.drop_path2(h if self.gamma_2 is None else self.gamma_2 * h)
+
+
+class ReducingEva(ReducingModel, Eva):
+    map_pool_reads_prefix = True  # Eva.pool hands every token to its attention pool
+
+    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[TokenPositions]]:
+        x = self.patch_embed(x)
+        feat_shape = tuple(x.shape[1:3]) if self.dynamic_img_size else tuple(self.patch_embed.grid_size)
+        if self.rope is not None and self.patch_drop is not None and self.training:
+            raise ValueError("patch dropout (patch_drop_rate > 0) in training is not supported on a rope model while "
+                             "tokens are reduced: timm keeps the kept patches' indices to itself, so their rotary "
+                             "positions cannot travel with them; set patch_drop_rate=0 or train without a method")
+        x, table = self._pos_embed(x)
+        x = self.norm_pre(x)
+        if table is None:
+            return x, None
+        coords = grid_coords(self.rope, feat_shape, x.device).expand(x.shape[0], -1, -1)
+        return x, TokenPositions(self.rope, coords, table, self._tokcomp_reducer.rope_merge)
+
+
+class DenseEva(DenseModel, Eva):
+    pass
+
+
+def _check(model: nn.Module) -> None:
+    check_rope(model.rope)
+
+
+def _attn_dim(attn: nn.Module) -> int:
+    return attn.qkv.out_features // 3 if attn.qkv is not None else attn.q_proj.out_features
+
+
+EVA = Family(
+    name="Eva",
+    models={Eva: ReducingEva},
+    dense_models={Eva: DenseEva},
+    blocks={EvaBlock: ReducingEvaBlock, EvaBlockPostNorm: ReducingEvaBlockPostNorm},
+    dense_blocks={EvaBlock: DenseEvaBlock},
+    attentions={EvaAttention: ReducingEvaAttention},
+    check=_check,
+    attn_dim=_attn_dim,
+)

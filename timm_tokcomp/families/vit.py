@@ -1,0 +1,158 @@
+"""timm's VisionTransformer (DeiT, augreg, CLIP, DINOv2, SigLIP with its 'map' head, register models) and
+VisionTransformerDistilled: the reducing and dense subclasses of their Attention, Block and model classes."""
+from typing import Any, Optional, Tuple
+
+import torch
+from timm.layers import Attention, LayerScale
+from timm.models.deit import VisionTransformerDistilled
+from timm.models.vision_transformer import Block, VisionTransformer
+from torch import nn
+
+from .. import attention, kernels
+from ..matching import max_merges
+from ..methods.base import TokenReducer
+from ..ops import group_index, unmerge
+from ..reducing import DenseModel, ReducingBlockMixin, ReducingModel, refuse_fx_tracing
+from .base import Family
+
+
+class ReducingAttention(Attention):
+    """timm Attention that also returns the reducer's metric and takes an additive score bias."""
+
+    def forward_reduce(
+        self, x: torch.Tensor, attn_bias: Optional[torch.Tensor], reducer: Optional[TokenReducer],
+        prop_impl: str = "mask",
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x: (B, N, C); attn_bias: (B, 1, 1, N) log sizes or None; prop_impl: how the bias enters SDPA
+        (attention.PROP_ATTN_IMPLS, resolved). Returns (out (B, N, C_out), metric or None)."""
+        B, N, C = x.shape
+        attn_dim = getattr(self, "attn_dim", C)
+        gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
+        d = self.head_dim
+        if attn_bias is not None and self.fused_attn and prop_impl == "fold_qkv":
+            q, k, v = attention.folded_qkv(self, x, attn_bias)  # (B, H, N, d') views of one padded copy
+            attn_bias = attn_bias.to(q.dtype)
+            metric = reducer_metric(reducer, q[..., :d], k[..., :d], v[..., :d], attn_bias, self.scale)
+            dropout_p = self.attn_drop.p if self.training else 0.0
+            x = attention.padded_attention(q, k, v, d, dropout_p, self.scale)
+        else:
+            qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, d).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)
+            q, k = self.q_norm(q), self.k_norm(k)
+            if attn_bias is not None:
+                attn_bias = attn_bias.to(q.dtype)
+            metric = reducer_metric(reducer, q, k, v, attn_bias, self.scale)
+            x = attention.attend(q, k, v, attn_bias, prop_impl, self.scale, self.attn_drop, self.fused_attn)
+
+        x = x.transpose(1, 2).reshape(B, N, attn_dim)
+        x = self.norm(x)
+        if gate is not None:
+            x = x * gate
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x, metric
+
+
+def reducer_metric(reducer: Optional[TokenReducer], q, k, v, attn_bias, scale: float) -> Optional[torch.Tensor]:
+    """The reducer's metric from q, k, v: (B, H, N, d) as attention uses them, or None without a reducer."""
+    if reducer is None:
+        return None
+    return reducer.metric(q, k, attn_bias, scale, v) if reducer.metric_reads_values else \
+        reducer.metric(q, k, attn_bias, scale)
+
+
+class ReducingBlock(ReducingBlockMixin, Block):
+    """timm Block that reduces tokens between attention and MLP. Run only by the patched model."""
+
+    def _attn_branch(self, x, attn_bias, rope, reducer, prop_impl):
+        h, metric = self.attn.forward_reduce(self.norm1(x), attn_bias, reducer, prop_impl)
+        return self.drop_path1(self.ls1(h)), metric
+
+    def _mlp_branch(self, x):
+        return self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+def dense_groups(x: torch.Tensor, metric: torch.Tensor, reducer: TokenReducer, setting: Any, num_prefix: int):
+    """(group (B, N), number of groups, members for the merge kernel or None), or None when nothing merges.
+    kernel='triton' matches and lists the groups in one launch (three on large images); otherwise torch plans,
+    then indexes ('auto' too: its matching in fp32 CUDA-core dots is not yet timed against torch's)."""
+    if reducer.kernel == "triton" and kernels.use_triton(reducer.kernel, x):
+        r = min(setting, max_merges(x.shape[1], num_prefix))
+        if r <= 0:
+            return None
+        group, *members = kernels.tome_groups(metric, r, num_prefix)
+        return group, x.shape[1] - r, tuple(members)
+    plan = reducer.plan(metric, setting, num_prefix, None)
+    return None if plan is None else (*group_index(plan, x.shape[1]), None)
+
+
+def merged_mlp(x: torch.Tensor, norm: nn.Module, mlp: nn.Module, groups, reducer: TokenReducer
+               ) -> Tuple[torch.Tensor, str]:
+    """mlp(norm(x)) on the group means: x (B, N, C) -> (y (B, M, C), the kernel backend that merged).
+    groups: dense_groups' answer (not None)."""
+    group, num_groups, members = groups
+    backend = kernels.resolve_backend(reducer.kernel, x)
+    return mlp(kernels.merge_normed(x, norm, group, num_groups, backend, members)), backend
+
+
+class DenseBlock(Block):
+    """timm Block for dense prediction: attention on all tokens, then k tokens merged before the MLP and
+    unmerged after it, so the output has the input's shape (runs inside the unmodified model forward)."""
+
+    _tokcomp_reducer: TokenReducer
+    _tokcomp_setting: Any  # this block's reducer setting (None: plain block)
+    _tokcomp_num_prefix: int
+
+    def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+        """x: (B, N, C) -> (B, N, C)."""
+        refuse_fx_tracing()
+        if attn_mask is not None or is_causal:
+            raise ValueError("attn_mask / is_causal are not supported by the dense token-merging blocks")
+        reducer, setting, num_prefix = self._tokcomp_reducer, self._tokcomp_setting, self._tokcomp_num_prefix
+        h, metric = self.attn.forward_reduce(self.norm1(x), None, reducer if setting is not None else None)
+        x = x + self.drop_path1(self.ls1(h))
+        groups = None if metric is None else dense_groups(x, metric, reducer, setting, num_prefix)
+        if groups is None:
+            return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        y, backend = merged_mlp(x, self.norm2, self.mlp, groups, reducer)
+        fusable_scale = isinstance(self.ls2, nn.Identity) or (isinstance(self.ls2, LayerScale) and not self.ls2.inplace)
+        if fusable_scale and (isinstance(self.drop_path2, nn.Identity) or not self.training):
+            gamma = self.ls2.gamma if isinstance(self.ls2, LayerScale) else None
+            return kernels.unmerge_add(x, y, groups[0], gamma, backend)
+        return x + self.drop_path2(self.ls2(unmerge(y, groups[0])))
+
+
+class ReducingVisionTransformer(ReducingModel, VisionTransformer):
+    def _embed(self, x):
+        return self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x)))), None
+
+
+class ReducingVisionTransformerDistilled(ReducingModel, VisionTransformerDistilled):
+    def _embed(self, x):
+        return self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x)))), None
+
+
+class DenseVisionTransformer(DenseModel, VisionTransformer):
+    pass
+
+
+class DenseVisionTransformerDistilled(DenseModel, VisionTransformerDistilled):
+    pass
+
+
+def _check(model: nn.Module) -> None:
+    return None
+
+
+VIT = Family(
+    name="VisionTransformer",
+    models={VisionTransformer: ReducingVisionTransformer,
+            VisionTransformerDistilled: ReducingVisionTransformerDistilled},
+    dense_models={VisionTransformer: DenseVisionTransformer,
+                  VisionTransformerDistilled: DenseVisionTransformerDistilled},
+    blocks={Block: ReducingBlock},
+    dense_blocks={Block: DenseBlock},
+    attentions={Attention: ReducingAttention},
+    check=_check,
+    attn_dim=lambda attn: attn.qkv.out_features // 3,
+)

@@ -1,0 +1,385 @@
+"""The one reducing loop every model family shares: embed -> blocks (attention, reduction, MLP) -> norm -> pool with
+token sizes -> head, and the per-call state (sizes, source maps, rotary positions, stats) that travels with it.
+A family (timm_tokcomp.families) gives what differs: how its model embeds (`_embed`), how its blocks' attention
+takes the log-size bias and the rotary rows (`_attn_branch`), its MLP branch (`_mlp_branch`), and whether its
+attention-pool head reads the prefix tokens."""
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+from timm.models._features import feature_take_indices
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .device_table import measured
+from .rope import TokenPositions
+from .matching import gather_tokens
+from .methods.base import TokenReducer
+from .schedules import BlockCost
+from .state import ReductionStats
+
+NOT_SCRIPTABLE = (
+    "TorchScript is not supported on a timm_tokcomp model: its blocks call the method's Python objects (plans, "
+    "schedules) that TorchScript cannot compile. Use torch.compile, or torch.export for a graph to deploy; "
+    "or call timm_tokcomp.remove(model) first")
+_NOT_FX_TRACEABLE = (
+    "torch.fx symbolic tracing is not supported on a timm_tokcomp model: which tokens merge is decided from "
+    "the data (sort / gather on the values) and the token count changes per block, which symbolic proxies "
+    "cannot follow. Use torch.compile or torch.export (both trace with real shapes); for feature maps use "
+    "features_only=True (feature_cls='getter') or forward_intermediates")
+
+
+def _fx_symbolic_tracing_check():
+    """The torch function telling whether torch.fx.symbolic_trace is running (not torch.export / compile)."""
+    fx = torch.fx._symbolic_trace
+    if hasattr(fx, "is_fx_symbolic_tracing"):  # torch >= 2.9
+        return fx.is_fx_symbolic_tracing
+    return lambda: fx.is_fx_tracing() and not torch.compiler.is_compiling()
+
+
+_is_fx_symbolic_tracing = _fx_symbolic_tracing_check()
+
+
+def refuse_fx_tracing() -> None:
+    if _is_fx_symbolic_tracing():
+        raise RuntimeError(_NOT_FX_TRACEABLE)
+
+
+def resolve_prop_attn(prop_attn: Union[bool, str], x: torch.Tensor) -> Union[bool, str]:
+    """False, or the implementation that runs on x's device and precision ('auto': the measured table's, else
+    'mask')."""
+    if prop_attn != "auto":
+        return prop_attn
+    return measured("prop_attn", x) or "mask"
+
+
+def prefix_only_last(model: nn.Module, reducer: TokenReducer) -> bool:
+    """Whether the last block keeps only the prefix tokens (see TokenReducer.prefix_only_last_block).
+    Checked at every forward: the head may have been reset since the method was applied."""
+    exact = model.global_pool == "token" and model.num_prefix_tokens > 0
+    if reducer.prefix_only_last_block is None:
+        return exact and reducer.default_prefix_only_last_block
+    if reducer.prefix_only_last_block and not exact:
+        raise ValueError(
+            "prefix_only_last_block=True needs a head that reads only the class token (global_pool='token' "
+            f"and a class token); this model has global_pool={model.global_pool!r} and "
+            f"{model.num_prefix_tokens} prefix tokens"
+        )
+    return reducer.prefix_only_last_block
+
+
+Carried = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[TokenPositions]]
+
+
+class ReducingBlockMixin:
+    """A block that reduces tokens between attention and MLP (or after the MLP). Its family's class gives
+    _attn_branch (the residual branch of attention, with its metric) and _mlp_branch."""
+
+    def forward(self, *args: Any, **kwargs: Any):
+        raise RuntimeError(
+            "this block is patched by timm_tokcomp and changes the token count; run it through the model's "
+            "forward / forward_features, or call timm_tokcomp.remove(model) first"
+        )
+
+    def _attn_branch(self, x: torch.Tensor, attn_bias: Optional[torch.Tensor], rope: Optional[torch.Tensor],
+                     reducer: Optional[TokenReducer], prop_impl: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x: (B, N, C) -> (what the block adds to x (B, N, C), the reducer's metric or None)."""
+        raise NotImplementedError
+
+    def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, N, C) -> what the block's MLP adds to x (B, N, C)."""
+        raise NotImplementedError
+
+    def forward_reduce(
+        self,
+        x: torch.Tensor,
+        size: Optional[torch.Tensor],
+        source: Optional[torch.Tensor],
+        positions: Optional[TokenPositions],
+        setting: Any,
+        reducer: TokenReducer,
+        prop_attn: Union[bool, str],
+        num_prefix: int,
+        block: int,
+        prefix_only: bool = False,
+    ) -> Carried:
+        """x: (B, N, C), size: (B, N, 1) or None, source: (B, N, N0) or None, positions: the rotary positions of the
+        patch tokens or None -> the same, N' <= N tokens.
+
+        setting: the reducer's setting for this block (None: no reduction); prop_attn: False, or how the log-size
+        bias enters attention (attention.PROP_ATTN_IMPLS, resolved); block: this block's index; prefix_only: keep
+        only the num_prefix leading tokens after attention (the last block of a class-token head). The reduction
+        runs between attention and MLP, or after the MLP when reducer.reduce_after_mlp (the study protocol's
+        'before the next block'); the metric is this block's either way."""
+        attn_bias = size.log().view(x.shape[0], 1, 1, x.shape[1]) if prop_attn and size is not None else None
+        active = setting is not None and not prefix_only
+        rope = None if positions is None else positions.rows(block)
+        h, metric = self._attn_branch(x, attn_bias, rope, reducer if active else None, prop_attn or "mask")
+        x = x + h
+        if prefix_only:
+            x = x[:, :num_prefix]
+            size = None if size is None else size[:, :num_prefix]
+            source = None if source is None else source[:, :num_prefix]
+            positions = None if positions is None else positions.prefix_only()
+        elif metric is not None and not reducer.reduce_after_mlp:
+            x, size, source, positions = self._reduce(x, size, source, positions, metric, setting, reducer, num_prefix)
+        x = x + self._mlp_branch(x)
+        if metric is not None and reducer.reduce_after_mlp:
+            x, size, source, positions = self._reduce(x, size, source, positions, metric, setting, reducer, num_prefix)
+        return x, size, source, positions
+
+    @staticmethod
+    def _reduce(x, size, source, positions: Optional[TokenPositions], metric, setting, reducer: TokenReducer,
+                num_prefix: int) -> Carried:
+        if reducer.plan_on_tokens:  # the block's tokens, detached unless the plan learns through them
+            metric = x if reducer.plan_differentiable else x.detach()
+        if positions is None:  # the fused kernels carry no positions: with rope the plan runs in torch
+            fused = reducer.reduce_fused(metric, x, size, source, setting, num_prefix)
+            if fused is not None:
+                return (*fused, None)
+        plan = reducer.plan(metric, setting, num_prefix, size)
+        if plan is None:
+            return x, size, source, positions
+        moved = None if positions is None else positions.reduced(plan, size, num_prefix)
+        return (*reducer.reduce(plan, x, size, source, setting), moved)
+
+
+# model -> (forward_features output -> the stats of the call that returned it); outside the model, so that
+# pickling and deepcopy never meet the weak references, and both die with what they describe
+_FEATURE_STATS: "weakref.WeakKeyDictionary[nn.Module, WeakIdKeyDictionary]" = weakref.WeakKeyDictionary()
+_FEATURE_STATS_LOCK = threading.Lock()
+# each thread's last forward per model (last_stats): a call never sees the stats of another thread's call
+_LAST_STATS = threading.local()
+
+
+def feature_stats(model: nn.Module) -> WeakIdKeyDictionary:
+    with _FEATURE_STATS_LOCK:  # two threads' first calls must not each make a registry and lose one
+        if model not in _FEATURE_STATS:
+            _FEATURE_STATS[model] = WeakIdKeyDictionary()
+        return _FEATURE_STATS[model]
+
+
+def remember_last(model: nn.Module, stats: ReductionStats) -> None:
+    """Keep stats as this thread's last forward of model (eager calls: a compiled graph keeps no Python state)."""
+    if torch.compiler.is_compiling():
+        return
+    if not hasattr(_LAST_STATS, "by_model"):
+        _LAST_STATS.by_model = weakref.WeakKeyDictionary()
+    _LAST_STATS.by_model[model] = stats
+
+
+def last_of(model: nn.Module) -> Optional[ReductionStats]:
+    return getattr(_LAST_STATS, "by_model", {}).get(model)
+
+
+def forget_last(model: nn.Module) -> None:
+    getattr(_LAST_STATS, "by_model", {}).pop(model, None)
+
+
+class ReducingModel:
+    """Mixin over a family's timm model class running the reducing blocks. The family's class gives _embed."""
+
+    _tokcomp_reducer: TokenReducer
+    _tokcomp_prop_attn: Union[bool, str]  # False, or the implementation ('auto' or one of PROP_ATTN_IMPLS)
+    _tokcomp_block_cost: BlockCost
+    _tokcomp_pool_stats: Optional[ReductionStats]  # compiled forward only: this call's stats while its head runs
+    _tokcomp_depth: int  # blocks the schedule is laid over (see patch.model_depth)
+    map_pool_reads_prefix: bool = False  # the attention-pool head ('map') reads the prefix tokens too
+
+    # Per-call state (token sizes, stats, source maps) is never kept where another call of the same model could
+    # read it: it travels with the call's own feature tensor (_register_features), so calls from several threads
+    # at once each pool with their own sizes. Under torch.compile the head reads it from a module attribute that
+    # dynamo traces as a value of this call's graph.
+
+    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[TokenPositions]]:
+        """x: (B, 3, H, W) -> (tokens (B, N, C) entering the first block, as timm's forward_features makes them,
+        and their rotary positions, or None for a model without rotary embeddings)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, 3, H, W) -> logits; the head pools with this call's token sizes."""
+        x, stats = self._features(x)
+        if not torch.compiler.is_compiling():
+            return self.forward_head(self._register_features(x, stats))
+        self._tokcomp_pool_stats = stats
+        try:
+            return self.forward_head(x)
+        finally:
+            self._tokcomp_pool_stats = None
+
+    def forward_features(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+        """x: (B, 3, H, W) -> (B, N', C) with N' <= N tokens (prefix tokens first). The token sizes travel
+        with the returned tensor: forward_head / pool on it use them, whatever ran in between."""
+        if attn_mask is not None or is_causal:
+            raise ValueError("attn_mask / is_causal are not supported while tokens are reduced (token count changes)")
+        return self._register_features(*self._features(x))
+
+    def _features(self, x: torch.Tensor) -> Tuple[torch.Tensor, ReductionStats]:
+        x, stats = self._reduce_blocks(*self._embed(x))
+        return self.norm(x), stats
+
+    def _reduce_blocks(self, x: torch.Tensor, positions: Optional[TokenPositions], for_intermediates: bool = False,
+                       num_blocks: Optional[int] = None,
+                       on_block: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None,
+                       final: bool = True) -> Tuple[torch.Tensor, ReductionStats]:
+        """x: (B, N, C) -> (B, N', C) through the first num_blocks blocks (all: None), with this call's stats.
+        positions: the patch tokens' rotary positions (None without rope). for_intermediates: trace the source map;
+        on_block(i, x, source) sees each block's output, every token of it. final: the returned tokens are the final
+        features, computed as forward_features computes them (a last block that keeps only the prefix tokens runs its
+        MLP on those alone; for on_block it runs once more on every token); False: every block keeps its tokens to
+        the end."""
+        refuse_fx_tracing()
+        reducer, num_prefix = self._tokcomp_reducer, self.num_prefix_tokens
+        settings = reducer.block_settings(self._tokcomp_depth, x.shape[1], num_prefix, self._tokcomp_block_cost)
+        prefix_only_last_block = prefix_only_last(self, reducer) and final
+        size = None
+        source = None
+        if reducer.trace_source or for_intermediates:
+            source = torch.eye(x.shape[1], device=x.device, dtype=x.dtype).expand(x.shape[0], -1, -1)
+        prop_attn = resolve_prop_attn(self._tokcomp_prop_attn, x)
+        stats = ReductionStats(num_prefix=num_prefix, rope_merge=None if positions is None else positions.merge)
+        use_checkpoint = self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting()
+        last = self._tokcomp_depth - 1
+        blocks = self.blocks if num_blocks is None else self.blocks[:num_blocks]
+        for i, (blk, setting) in enumerate(zip(blocks, settings)):
+            stats.tokens_per_block.append(x.shape[1])
+            if reducer.masks_by_size:
+                # size-0 padding (ATS) and tokens dropped in training (DynamicViT, size 1e-6) hold no patch
+                real = x.shape[1] if size is None else (size[..., 0] >= 0.5).sum(dim=1)
+                stats.real_tokens_per_block.append(real if torch.is_tensor(real) else torch.full((x.shape[0],), real))
+            args = (x, size, source, positions, setting, reducer, prop_attn, num_prefix, i)
+
+            def run(prefix_only: bool) -> Carried:
+                if use_checkpoint:
+                    return checkpoint(blk.forward_reduce, *args, prefix_only, use_reentrant=False)
+                return blk.forward_reduce(*args, prefix_only)
+
+            prefix_only = prefix_only_last_block and i == last
+            if on_block is not None and prefix_only:
+                every, _, every_source, _ = run(False)
+                on_block(i, every, every_source)
+            x, size, source, positions = run(prefix_only)
+            if on_block is not None and not prefix_only:
+                on_block(i, x, source)
+        stats.tokens_out = x.shape[1]
+        stats.size = None if size is None else size.detach()
+        stats.source = source.detach() if reducer.trace_source else None
+        remember_last(self, stats)
+        return x, stats
+
+    def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
+        """Like timm's pool, with each token weighted by its size (the sizes of the forward_features call that
+        returned x, or of the running forward): 'avg' / 'avgmax' as a size-weighted mean, the attention-pool head
+        ('map') with log size added to its attention logits, as in the blocks."""
+        if getattr(self, "attn_pool", None) is not None:
+            size = self._token_sizes(x)
+            start = 0 if self.map_pool_reads_prefix or getattr(self, "pool_include_prefix", False) \
+                else self.num_prefix_tokens
+            xs = x[:, start:]
+            if size is None:
+                return self.attn_pool(xs)
+            bias = size[:, start:, 0].log().to(x.dtype).view(x.shape[0], 1, 1, xs.shape[1])
+            return self.attn_pool(xs, attn_mask=bias)
+        pool_type = self.global_pool if pool_type is None else pool_type
+        if pool_type not in ("avg", "avgmax"):
+            return super().pool(x, pool_type)
+        size = self._token_sizes(x)
+        if size is None:
+            return super().pool(x, pool_type)
+        start = 0 if getattr(self, "pool_include_prefix", False) else self.num_prefix_tokens
+        xs, s = x[:, start:], size[:, start:].to(x.dtype)
+        mean = (xs * s).sum(dim=1) / s.sum(dim=1)
+        return mean if pool_type == "avg" else 0.5 * (xs.amax(dim=1) + mean)
+
+    def _token_sizes(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """(B, N, 1) sizes of the tokens x: (B, N, C); None when every token has size 1."""
+        stats = self._tokcomp_pool_stats  # set while forward() runs its head
+        if stats is None:
+            stats = feature_stats(self).get(x)
+        if stats is not None:
+            size = stats.size
+        elif x.shape[1] == self.patch_embed.num_patches + self.num_prefix_tokens:
+            return None  # nothing was reduced: every token stands for one patch
+        else:
+            raise RuntimeError(
+                f"pool got {x.shape[1]} reduced tokens that are not a tensor returned by forward_features, so their "
+                "sizes are unknown; pass forward_features' output itself (not a copy) to forward_head / pool")
+        if size is not None and size.shape[:2] != x.shape[:2]:
+            raise RuntimeError(f"pool got tokens {tuple(x.shape[:2])} whose sizes are {tuple(size.shape[:2])}")
+        return size
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: Optional[Union[int, List[int]]] = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        output_dict: bool = False,
+        attn_mask: Optional[torch.Tensor] = None,
+        is_causal: bool = False,
+    ):
+        """timm's forward_intermediates (same arguments and return forms) on the full patch grid: each chosen
+        block's output tokens are mapped back through the source map, so every patch position carries the
+        features of the token that holds it after that block (a merged token at every patch it holds; a
+        patch EViT pruned, the fused token that absorbed it; a patch a dropping pruner removed (Top-K, ATS,
+        radial): zeros). Prefix tokens are never reduced. Intermediates:
+        (B, C, H, W) for 'NCHW', (B, H * W, C) for 'NLC'; the final features are the reduced tokens
+        (B, N', C), as forward_features returns them (only the prefix tokens where its last block keeps only those),
+        with every block keeping its tokens to the end."""
+        if attn_mask is not None or is_causal:
+            raise ValueError("attn_mask / is_causal are not supported while tokens are reduced (token count changes)")
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        B, _, height, width = x.shape
+        grids: List[torch.Tensor] = []
+
+        def on_block(i: int, tokens: torch.Tensor, source: torch.Tensor) -> None:
+            if i in take_indices:
+                holder = source.argmax(dim=1)  # (B, N0): the token holding each original position
+                held = source.sum(dim=1).unsqueeze(-1)  # (B, N0, 1): 0 where a dropping pruner removed the patch
+                grids.append(gather_tokens(self.norm(tokens) if norm else tokens, holder) * held)
+
+        x, stats = self._reduce_blocks(*self._embed(x), for_intermediates=True,
+                                       num_blocks=max_index + 1 if stop_early else None,
+                                       on_block=on_block, final=not intermediates_only)
+        p = self.num_prefix_tokens
+        prefix = [g[:, :p] for g in grids] if p else None
+        spatial = [g[:, p:] for g in grids]
+        if output_fmt == "NCHW":
+            H, W = self.patch_embed.dynamic_feat_size((height, width))
+            spatial = [g.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for g in spatial]
+        final = None if intermediates_only else self._register_features(self.norm(x), stats)
+        if output_dict:
+            out: Dict[str, Any] = {"image_intermediates": spatial}
+            if prefix is not None and return_prefix_tokens:
+                out["image_intermediates_prefix"] = prefix
+            if final is not None:
+                out["image_features"] = final
+            return out
+        if return_prefix_tokens and prefix is not None:
+            spatial = list(zip(spatial, prefix))
+        return spatial if intermediates_only else (final, spatial)
+
+    def _register_features(self, x: torch.Tensor, stats: ReductionStats) -> torch.Tensor:
+        """Remember the stats of the call that made x: (B, N', C), so that pool / forward_head on x use its sizes."""
+        feature_stats(self)[x] = stats
+        return x
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(NOT_SCRIPTABLE)
+
+
+class DenseModel:
+    """Marks a model whose blocks are dense blocks; the timm forward (features, intermediates, any
+    input size) is unchanged."""
+
+    _tokcomp_reducer: TokenReducer
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(NOT_SCRIPTABLE)

@@ -1,0 +1,123 @@
+"""Rotary positions that travel with reduced tokens (timm's Eva class): each patch token keeps grid coordinates
+in its rope module's own units, reduced with the tokens, and its rope rows are recomputed from them with the
+module's own frequencies. timm's three 2-D rope types ('cat', 'dinov3', 'mixed') are linear in the coordinates,
+so the coordinates of a merged token (its destination's, or the size-weighted centroid of its patches) define
+its angles; the sin / cos values are never averaged.
+
+Pure tensor math on the rope module's buffers; the model surgery lives in timm_tokcomp/families/eva.py."""
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+from timm.layers.pos_embed_sincos import (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed,
+                                          _build_grid, _rope_layout)
+
+from .matching import MergePlan, gather_tokens
+from .ops import apply_plan
+
+ROPE_MERGES = ("dst", "centroid")  # how a merged token's rotary position is chosen (the rope_merge parameter)
+SERVED_ROPES = (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed)
+
+
+def check_rope_merge(value) -> None:
+    if value not in ROPE_MERGES:
+        raise ValueError(f"rope_merge must be one of {', '.join(repr(v) for v in ROPE_MERGES)} (a merged token's "
+                         f"rotary position: its destination token's, or the size-weighted centroid of its patches), "
+                         f"got {value!r}")
+
+
+def check_rope(rope: Optional[nn.Module]) -> None:
+    """Raise TypeError for a rope module whose positions cannot travel with tokens."""
+    if rope is not None and type(rope) not in SERVED_ROPES:
+        raise TypeError(f"the model's rotary embedding is a {type(rope).__name__}; timm_tokcomp serves the 2-D types "
+                        f"{', '.join(c.__name__ for c in SERVED_ROPES)} (rope_type 'cat', 'dinov3', 'mixed')")
+
+
+def grid_coords(rope: nn.Module, feat_shape: Tuple[int, int], device: torch.device) -> torch.Tensor:
+    """(H * W, 2) float32 coordinates of the patch grid in the rope module's own units (row-major, as its table)."""
+    if isinstance(rope, RotaryEmbeddingMixed):
+        grid = _build_grid(list(feat_shape), grid_indexing=rope.grid_indexing, ndim=2)
+    elif isinstance(rope, RotaryEmbeddingDinoV3):
+        grid = _build_grid(list(feat_shape), grid_type="centered", grid_offset=rope.grid_offset,
+                           grid_indexing=rope.grid_indexing, normalize_coords=rope.normalize_coords, ndim=2)
+    else:
+        grid = _build_grid(list(feat_shape), grid_type=rope.grid_type, ref_feat_shape=rope.ref_feat_shape,
+                           grid_offset=rope.grid_offset, grid_indexing=rope.grid_indexing,
+                           normalize_coords=rope.normalize_coords)
+    return grid.reshape(-1, 2).to(device)
+
+
+def rope_rows(rope: nn.Module, coords: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rope rows (sin || cos) of tokens at coords: (B, n, 2) -> (B, 1, n, 2 * head_dim), or (B, heads, n, 2 *
+    head_dim) for 'mixed' (block `block`'s frequencies), in `dtype`; computed in float32 as timm computes them."""
+    coords = coords.float()
+    if isinstance(rope, RotaryEmbeddingMixed):
+        freqs = rope.freqs[:, block].float()  # (2, heads, head_dim // 2)
+        t_x, t_y = coords[..., 0].unsqueeze(1), coords[..., 1].unsqueeze(1)  # (B, 1, n)
+        angles = t_x.unsqueeze(-1) * freqs[0].unsqueeze(-2) + t_y.unsqueeze(-1) * freqs[1].unsqueeze(-2)
+        return torch.cat([_rope_layout(angles.sin()), _rope_layout(angles.cos())], dim=-1).to(dtype)
+    if isinstance(rope, RotaryEmbeddingDinoV3):
+        angles = 2 * math.pi * coords.unsqueeze(-1) / rope.periods.float()  # (B, n, 2, dim // 4)
+    else:
+        angles = coords.unsqueeze(-1) * rope.bands.float()
+    angles = angles.flatten(-2)  # (B, n, head_dim // 2)
+    rows = torch.cat([_rope_layout(angles.sin(), rope.rotate_half), _rope_layout(angles.cos(), rope.rotate_half)], -1)
+    return rows.unsqueeze(1).to(dtype)
+
+
+def keep_destination(coords: torch.Tensor, plan: MergePlan) -> torch.Tensor:
+    """A merge plan's output positions where every merged token keeps its destination's: coords (B, n, 2) of the
+    patch tokens -> (B, n - r, 2) in the plan's output order (kept A tokens, then every B token)."""
+    n = coords.shape[1]
+    if plan.a_idx is not None:
+        a, b = gather_tokens(coords, plan.a_idx), gather_tokens(coords, plan.b_idx)
+    else:
+        a, b = coords[:, plan.a_start:n:2], coords[:, 1 - plan.a_start:n:2]
+    return torch.cat([gather_tokens(a, plan.unm_idx), b], dim=1)
+
+
+@dataclass
+class TokenPositions:
+    """Where a forward's patch tokens sit. coords: (B, n, 2) float32 in the rope module's units, one row per
+    non-prefix token; table: timm's own rope tensor while nothing is reduced (used as it is, so an unreduced model
+    is timm's bit for bit), else None; merge: 'dst' or 'centroid'."""
+
+    rope: nn.Module
+    coords: torch.Tensor
+    table: Optional[torch.Tensor]
+    merge: str
+    _rows: Dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def rows(self, block: int) -> torch.Tensor:
+        """The rope rows block `block` rotates q and k with."""
+        if self.table is not None:
+            return self.table[block] if isinstance(self.rope, RotaryEmbeddingMixed) else self.table
+        key = block if isinstance(self.rope, RotaryEmbeddingMixed) else 0
+        if key not in self._rows:
+            dtype = self.rope.freqs.dtype if isinstance(self.rope, RotaryEmbeddingMixed) else self._dtype
+            self._rows[key] = rope_rows(self.rope, self.coords, block, dtype)
+        return self._rows[key]
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        cached = getattr(self.rope, "pos_embed", None)
+        if cached is None:
+            cached = getattr(self.rope, "pos_embed_cached", None)
+        return torch.float32 if cached is None else cached.dtype
+
+    def reduced(self, plan, size: Optional[torch.Tensor], num_prefix: int) -> "TokenPositions":
+        """The positions after `plan` (size: (B, N, 1) the tokens' sizes before it, or None). A merge under 'dst'
+        keeps the destination's position; every other output token (centroid, a cluster's or a soft mix's, EViT's
+        fused token) sits at the size- (or attention-) weighted centroid of what it holds."""
+        p = num_prefix
+        if isinstance(plan, MergePlan) and self.merge == "dst":
+            coords = keep_destination(self.coords, plan)
+        else:
+            full = torch.cat([self.coords.new_zeros(self.coords.shape[0], p, 2), self.coords], dim=1)
+            coords = apply_plan(plan, full, size, None)[0][:, p:]
+        return TokenPositions(self.rope, coords, None, self.merge)
+
+    def prefix_only(self) -> "TokenPositions":
+        return TokenPositions(self.rope, self.coords[:, :0], None, self.merge)
