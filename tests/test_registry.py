@@ -134,3 +134,24 @@ def test_a_method_tag_in_the_name_is_kept_or_refused_with_pretrained_cfg():
         with pytest.raises(ValueError, match="carries method tag 'tome_r8'.*timm_tokcomp.apply"):
             timm.create_model("deit_tiny_patch16_224.tome_r8", pretrained_cfg={"input_size": (3, 224, 224)})
         assert not timm_tokcomp.is_reduced(timm.create_model("deit_tiny_patch16_224", pretrained_cfg="fb_in1k"))
+
+
+@pytest.mark.parametrize("name, family", [
+    ("vit_base_patch16_siglip_224.v2_webli.tome_r16", "ReducingVisionTransformer"),
+    ("vit_small_patch16_dinov3.lvd1689m.tome_r16", "ReducingEva"),
+    ("eva02_base_patch14_224.mim_in22k.tome_r8", "ReducingEva"),
+    ("vit_pe_core_base_patch16_224.fb.evit_r8", "ReducingEva"),
+    ("vit_base_patch16_rope_mixed_224.naver_in1k.tome_r8", "ReducingEva"),
+])
+def test_newer_families_take_method_tags_and_are_listed(name, family):
+    with torch.device("meta"):
+        assert type(timm.create_model(name)).__name__ == family
+    arch = name.split(".")[0]
+    assert f"{name.rpartition('.')[0]}.tome_r16" in timm.list_models(f"{arch}*", pretrained=True)
+
+
+@pytest.mark.parametrize("name, why", [("naflexvit_base_patch16_gap.tome_r8", "NaFlexVit"),
+                                       ("vit_base_patch16_xp_224.evit_r8", "parallel blocks")])
+def test_a_method_tag_on_an_unserved_class_says_which_classes_are_served(name, why):
+    with pytest.raises(TypeError, match=rf"does not take method tags .*{why}.*VisionTransformer .*Eva"):
+        timm.create_model(name)

@@ -10,7 +10,7 @@ import contextvars
 import functools
 from collections import deque
 from dataclasses import replace
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from timm.models import _factory
 from timm.models import _registry as treg
@@ -25,26 +25,31 @@ from .userfiles import hub_access, pretrained_unreachable
 _NAME_METHOD_TAG: contextvars.ContextVar[Optional[Tuple[str, str]]] = contextvars.ContextVar("tokcomp_name_method_tag",
                                                                                              default=None)
 
-_MODULES = ("vision_transformer", "deit")
+_MODULES = ("vision_transformer", "deit", "eva")
 SHORT_NAMES = {
     "deit_tiny": "deit_tiny_patch16_224",
     "deit_small": "deit_small_patch16_224",
     "deit_base": "deit_base_patch16_224",
 }
 LISTED_TAGS = ("tome_r8", "tome_r16", "evit_r8", "evit_r16", "atm")
-# Architectures of those modules whose blocks / attention / head the engine refuses (checked by
+# Architectures of those modules whose blocks / attention the engine refuses, and why (checked by
 # tests/test_registry.py against timm by building each on the meta device).
-UNSUPPORTED_ARCHS = frozenset({
-    "test_vit3", "vit_base_patch16_18x2_224", "vit_small_patch16_18x2_224", "vit_base_patch16_rpn_224",
-    "vit_base_patch16_xp_224", "vit_large_patch14_xp_224", "vit_huge_patch14_xp_224",
-    "vit_base_patch16_siglip_224", "vit_base_patch16_siglip_256", "vit_base_patch16_siglip_384",
-    "vit_base_patch16_siglip_512", "vit_base_patch32_siglip_256", "vit_large_patch16_siglip_256",
-    "vit_large_patch16_siglip_384", "vit_large_patch16_siglip_512", "vit_giantopt_patch16_siglip_256",
-    "vit_giantopt_patch16_siglip_384", "vit_so400m_patch14_siglip_224", "vit_so400m_patch14_siglip_378",
-    "vit_so400m_patch14_siglip_384", "vit_so400m_patch16_siglip_256", "vit_so400m_patch16_siglip_384",
-    "vit_so400m_patch16_siglip_512", "vit_so150m_patch16_reg4_map_256", "vit_dlittle_patch16_reg1_gap_256",
-    "vit_dpwee_patch16_reg1_gap_256", "vit_dwee_patch16_reg1_gap_256", "vit_pwee_patch16_reg1_gap_256",
-})
+_PARALLEL = "parallel blocks (ParallelThingsBlock / ParallelScalingBlock), which timm_tokcomp does not serve"
+_DIFF = "differential attention (DiffAttention), which timm_tokcomp does not serve"
+UNSUPPORTED_ARCHS = {
+    "vit_base_patch16_18x2_224": _PARALLEL, "vit_small_patch16_18x2_224": _PARALLEL,
+    "vit_base_patch16_xp_224": _PARALLEL, "vit_large_patch14_xp_224": _PARALLEL,
+    "vit_huge_patch14_xp_224": _PARALLEL, "vit_pwee_patch16_reg1_gap_256": _PARALLEL,
+    "vit_base_patch16_rpn_224": "post-norm blocks (ResPostBlock), which timm_tokcomp does not serve",
+    "vit_dlittle_patch16_reg1_gap_256": _DIFF, "vit_dwee_patch16_reg1_gap_256": _DIFF,
+    "vit_dpwee_patch16_reg1_gap_256": _DIFF,
+}
+# Modules none of whose architectures is served, and why: a method tag on their names says so, not timm's
+# "Invalid pretrained tag".
+UNSERVED_MODULES = {
+    "naflexvit": "a NaFlexVit (variable token counts with per-token coordinates and validity masks), which "
+                 "timm_tokcomp does not serve yet; the same weights in timm's VisionTransformer or Eva class are served",
+}
 
 # Architectures without a class token: the methods that rank by class attention (EViT) are not listed for them
 # (checked against timm by tests/test_registry.py).
@@ -52,21 +57,29 @@ NO_CLASS_TOKEN_ARCHS = frozenset({
     "aimv2_1b_patch14_224", "aimv2_1b_patch14_336", "aimv2_1b_patch14_448", "aimv2_3b_patch14_224",
     "aimv2_3b_patch14_336", "aimv2_3b_patch14_448", "aimv2_huge_patch14_224", "aimv2_huge_patch14_336",
     "aimv2_huge_patch14_448", "aimv2_large_patch14_224", "aimv2_large_patch14_336", "aimv2_large_patch14_448",
-    "test_vit2", "test_vit4", "vit_base_patch16_gap_224", "vit_base_patch16_reg4_gap_256",
-    "vit_base_patch16_siglip_gap_224", "vit_base_patch16_siglip_gap_256", "vit_base_patch16_siglip_gap_384",
-    "vit_base_patch16_siglip_gap_512", "vit_base_patch32_siglip_gap_256", "vit_betwixt_patch16_gap_256",
+    "test_vit2", "test_vit3", "test_vit4", "vit_base_patch16_gap_224", "vit_base_patch16_reg4_gap_256",
+    "vit_base_patch16_rope_reg1_gap_256", "vit_base_patch16_siglip_224", "vit_base_patch16_siglip_256",
+    "vit_base_patch16_siglip_384", "vit_base_patch16_siglip_512", "vit_base_patch16_siglip_gap_224",
+    "vit_base_patch16_siglip_gap_256", "vit_base_patch16_siglip_gap_384", "vit_base_patch16_siglip_gap_512",
+    "vit_base_patch32_siglip_256", "vit_base_patch32_siglip_gap_256", "vit_betwixt_patch16_gap_256",
     "vit_betwixt_patch16_reg1_gap_256", "vit_betwixt_patch16_reg4_gap_256", "vit_betwixt_patch16_reg4_gap_384",
-    "vit_giant_patch16_gap_224", "vit_giantopt_patch16_siglip_gap_256", "vit_giantopt_patch16_siglip_gap_384",
-    "vit_huge_patch14_gap_224", "vit_huge_patch16_gap_448", "vit_large_patch16_siglip_gap_256",
+    "vit_betwixt_patch16_rope_reg4_gap_256", "vit_giant_patch16_gap_224", "vit_giantopt_patch16_siglip_256",
+    "vit_giantopt_patch16_siglip_384", "vit_giantopt_patch16_siglip_gap_256", "vit_giantopt_patch16_siglip_gap_384",
+    "vit_huge_patch14_gap_224", "vit_huge_patch16_gap_448", "vit_large_patch16_siglip_256",
+    "vit_large_patch16_siglip_384", "vit_large_patch16_siglip_512", "vit_large_patch16_siglip_gap_256",
     "vit_large_patch16_siglip_gap_384", "vit_large_patch16_siglip_gap_512", "vit_little_patch16_reg1_gap_256",
     "vit_little_patch16_reg4_gap_256", "vit_medium_patch16_gap_240", "vit_medium_patch16_gap_256",
     "vit_medium_patch16_gap_384", "vit_medium_patch16_reg1_gap_256", "vit_medium_patch16_reg4_gap_256",
-    "vit_mediumd_patch16_reg4_gap_256", "vit_mediumd_patch16_reg4_gap_384", "vit_so150m2_patch16_reg1_gap_256",
-    "vit_so150m2_patch16_reg1_gap_384", "vit_so150m2_patch16_reg1_gap_448", "vit_so150m_patch16_reg4_gap_256",
-    "vit_so150m_patch16_reg4_gap_384", "vit_so400m_patch14_siglip_gap_224", "vit_so400m_patch14_siglip_gap_378",
+    "vit_medium_patch16_rope_reg1_gap_256", "vit_mediumd_patch16_reg4_gap_256", "vit_mediumd_patch16_reg4_gap_384",
+    "vit_mediumd_patch16_rope_reg1_gap_256", "vit_pe_core_gigantic_patch14_448", "vit_pe_lang_gigantic_patch14_448",
+    "vit_pe_spatial_gigantic_patch14_448", "vit_so150m2_patch16_reg1_gap_256", "vit_so150m2_patch16_reg1_gap_384",
+    "vit_so150m2_patch16_reg1_gap_448", "vit_so150m_patch16_reg4_gap_256", "vit_so150m_patch16_reg4_gap_384",
+    "vit_so150m_patch16_reg4_map_256", "vit_so400m_patch14_siglip_224", "vit_so400m_patch14_siglip_378",
+    "vit_so400m_patch14_siglip_384", "vit_so400m_patch14_siglip_gap_224", "vit_so400m_patch14_siglip_gap_378",
     "vit_so400m_patch14_siglip_gap_384", "vit_so400m_patch14_siglip_gap_448", "vit_so400m_patch14_siglip_gap_896",
+    "vit_so400m_patch16_siglip_256", "vit_so400m_patch16_siglip_384", "vit_so400m_patch16_siglip_512",
     "vit_so400m_patch16_siglip_gap_256", "vit_so400m_patch16_siglip_gap_384", "vit_so400m_patch16_siglip_gap_512",
-    "vit_wee_patch16_reg1_gap_256",
+    "vit_wee_patch16_reg1_gap_256"
 })
 
 
@@ -137,6 +150,27 @@ def _wrap_entrypoint(arch: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             else:
                 apply(model, method, **params)
         return model
+
+    entrypoint._tokcomp_original = fn
+    return entrypoint
+
+
+def _refusing_entrypoint(arch: str, why: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """An architecture timm_tokcomp does not serve: a method tag on its name says why, instead of timm's
+    "Invalid pretrained tag"; every other call is timm's."""
+    @functools.wraps(fn)
+    def entrypoint(pretrained: bool = False, pretrained_cfg: Any = None, **kwargs: Any):
+        name_tag = _NAME_METHOD_TAG.get()
+        _NAME_METHOD_TAG.set(None)
+        method_tag = name_tag[1] if name_tag and name_tag[0] == arch else None
+        if isinstance(pretrained_cfg, str) and is_method_tag(pretrained_cfg.rpartition(".")[2]):
+            method_tag = pretrained_cfg.rpartition(".")[2]
+        if method_tag:
+            from .families import served_classes
+
+            raise TypeError(f"{arch} does not take method tags ({method_tag!r}): it is built from {why}. "
+                            f"timm_tokcomp reduces tokens in timm's {served_classes()}")
+        return fn(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
 
     entrypoint._tokcomp_original = fn
     return entrypoint
@@ -275,6 +309,15 @@ def supported_archs() -> Tuple[str, ...]:
     return tuple(archs) + tuple(SHORT_NAMES)
 
 
+def _unserved_archs() -> Dict[str, str]:
+    """Architectures refused, with why (their names take no method tag)."""
+    deprecated = set(treg._deprecated_models)
+    unserved = {arch: why for arch, why in UNSUPPORTED_ARCHS.items() if arch in treg._model_entrypoints}
+    for module, why in UNSERVED_MODULES.items():
+        unserved.update({arch: why for arch in treg._module_to_models.get(module, set()) - deprecated})
+    return unserved
+
+
 def register_all() -> None:
     """Wrap the supported entry points, register the short names, list the tagged names, and let timm's
     lookups by name resolve every method-tagged name. Idempotent."""
@@ -284,6 +327,10 @@ def register_all() -> None:
         fn = treg._model_entrypoints[arch]
         if not hasattr(fn, "_tokcomp_original"):
             treg._model_entrypoints[arch] = _wrap_entrypoint(arch, fn)
+    for arch, why in _unserved_archs().items():
+        fn = treg._model_entrypoints[arch]
+        if not hasattr(fn, "_tokcomp_original"):
+            treg._model_entrypoints[arch] = _refusing_entrypoint(arch, why, fn)
     _register_short_names()
     for arch in supported_archs():
         _list_method_names(arch)

@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from timm.layers.attention import AttentionRope
 from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 from timm.models.eva import Eva, EvaAttention, EvaBlock, EvaBlockPostNorm
 from torch import nn
@@ -19,49 +20,68 @@ from .base import Family
 from .vit import dense_groups, merged_mlp, reducer_metric
 
 
+def _qkv(attn: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (B, H(kv), N, d) as EvaAttention / AttentionRope project them (fused qkv with Eva's q / v biases and
+    zero k bias, or split projections)."""
+    B, N, _ = x.shape
+    if attn.qkv is not None:
+        if getattr(attn, "q_bias", None) is None:
+            qkv = attn.qkv(x)
+        else:
+            qkv_bias = torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
+            if attn.qkv_bias_separate:
+                qkv = attn.qkv(x)
+                qkv += qkv_bias
+            else:
+                qkv = F.linear(x, weight=attn.qkv.weight, bias=qkv_bias)
+        return qkv.reshape(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    kv_heads = getattr(attn, "num_kv_heads", attn.num_heads)
+    return (attn.q_proj(x).reshape(B, N, attn.num_heads, -1).transpose(1, 2),
+            attn.k_proj(x).reshape(B, N, kv_heads, -1).transpose(1, 2),
+            attn.v_proj(x).reshape(B, N, kv_heads, -1).transpose(1, 2))
+
+
+def _forward_reduce(
+    self: nn.Module, x: torch.Tensor, attn_bias: Optional[torch.Tensor], reducer: Optional[TokenReducer],
+    prop_impl: str = "mask", rope: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """x: (B, N, C); attn_bias: (B, 1, 1, N) log sizes or None; prop_impl: 'mask', 'fold' or 'flex';
+    rope: the patch tokens' rope rows ((N - prefix, 2 * head_dim) or batched, as timm's) or None. The metric
+    reads q and k as attention uses them (rotated). Returns (out (B, N, C), metric or None)."""
+    B, N, C = x.shape
+    gate = self.gate(x).sigmoid() if self.gate is not None else None
+    q, k, v = _qkv(self, x)
+    q, k = self.q_norm(q), self.k_norm(k)
+    if rope is not None:
+        p, half = self.num_prefix_tokens, self.rotate_half
+        q = torch.cat([q[:, :, :p, :], apply_rot_embed_cat(q[:, :, p:, :], rope, half=half)], dim=2).type_as(v)
+        k = torch.cat([k[:, :, :p, :], apply_rot_embed_cat(k[:, :, p:, :], rope, half=half)], dim=2).type_as(v)
+    groups = getattr(self, "num_kv_groups", 1)
+    if groups > 1:  # grouped-query attention (AttentionRope): each kv head serves `groups` query heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if attn_bias is not None:
+        attn_bias = attn_bias.to(q.dtype)
+    metric = reducer_metric(reducer, q, k, v, attn_bias, self.scale)
+    x = attention.attend(q, k, v, attn_bias, prop_impl, self.scale, self.attn_drop, self.fused_attn)
+    x = x.transpose(1, 2).reshape(B, N, -1)
+    x = self.norm(x)
+    if gate is not None:
+        x = x * gate
+    x = self.proj(x)
+    x = self.proj_drop(x)
+    return x, metric
+
+
 class ReducingEvaAttention(EvaAttention):
     """EvaAttention that also returns the reducer's metric and takes an additive score bias and per-token rope."""
 
-    def forward_reduce(
-        self, x: torch.Tensor, attn_bias: Optional[torch.Tensor], reducer: Optional[TokenReducer],
-        prop_impl: str = "mask", rope: Optional[torch.Tensor] = None,
-    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x: (B, N, C); attn_bias: (B, 1, 1, N) log sizes or None; prop_impl: 'mask', 'fold' or 'flex';
-        rope: the patch tokens' rope rows ((N - prefix, 2 * head_dim) or batched, as timm's) or None. The metric
-        reads q and k as attention uses them (rotated). Returns (out (B, N, C), metric or None)."""
-        B, N, C = x.shape
-        gate = self.gate(x).sigmoid() if self.gate is not None else None
-        if self.qkv is not None:
-            if self.q_bias is None:
-                qkv = self.qkv(x)
-            else:
-                qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
-                if self.qkv_bias_separate:
-                    qkv = self.qkv(x)
-                    qkv += qkv_bias
-                else:
-                    qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
-            q, k, v = qkv.reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        else:
-            q = self.q_proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
-            k = self.k_proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
-            v = self.v_proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            p, half = self.num_prefix_tokens, self.rotate_half
-            q = torch.cat([q[:, :, :p, :], apply_rot_embed_cat(q[:, :, p:, :], rope, half=half)], dim=2).type_as(v)
-            k = torch.cat([k[:, :, :p, :], apply_rot_embed_cat(k[:, :, p:, :], rope, half=half)], dim=2).type_as(v)
-        if attn_bias is not None:
-            attn_bias = attn_bias.to(q.dtype)
-        metric = reducer_metric(reducer, q, k, v, attn_bias, self.scale)
-        x = attention.attend(q, k, v, attn_bias, prop_impl, self.scale, self.attn_drop, self.fused_attn)
-        x = x.transpose(1, 2).reshape(B, N, -1)
-        x = self.norm(x)
-        if gate is not None:
-            x = x * gate
-        x = self.proj(x)
-        x = self.proj_drop(x)
-        return x, metric
+    forward_reduce = _forward_reduce
+
+
+class ReducingAttentionRope(AttentionRope):
+    """timm's AttentionRope (PE, attn_type='rope'; grouped-query heads too), reducing as ReducingEvaAttention."""
+
+    forward_reduce = _forward_reduce
 
 
 class ReducingEvaBlock(ReducingBlockMixin, EvaBlock):
@@ -149,7 +169,7 @@ def _check(model: nn.Module) -> None:
 
 
 def _attn_dim(attn: nn.Module) -> int:
-    return attn.qkv.out_features // 3 if attn.qkv is not None else attn.q_proj.out_features
+    return attn.num_heads * attn.head_dim
 
 
 EVA = Family(
@@ -158,7 +178,7 @@ EVA = Family(
     dense_models={Eva: DenseEva},
     blocks={EvaBlock: ReducingEvaBlock, EvaBlockPostNorm: ReducingEvaBlockPostNorm},
     dense_blocks={EvaBlock: DenseEvaBlock},
-    attentions={EvaAttention: ReducingEvaAttention},
+    attentions={EvaAttention: ReducingEvaAttention, AttentionRope: ReducingAttentionRope},
     check=_check,
     attn_dim=_attn_dim,
 )
