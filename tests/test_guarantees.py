@@ -273,7 +273,7 @@ def test_an_empty_batch_gives_an_empty_output(method):
         assert model(torch.zeros(0, 3, 32, 32)).shape == (0, 10)
 
 
-def test_a_compensator_for_another_model_warns():
+def test_a_compensator_for_another_model_is_refused_by_name():
     from timm_tokcomp.tocom import attach
     from test_tocom import _random_compensator
 
@@ -281,7 +281,7 @@ def test_a_compensator_for_another_model_warns():
 
     comp = _random_compensator(depth=6, dim=64, attn_dim=64)
     comp.base_model = "some_other_vit"
-    with pytest.warns(UserWarning, match="trained for 'some_other_vit'"):
+    with pytest.raises(ValueError, match="trained for 'some_other_vit'.*not this 'test_vit'"):
         attach(timm.create_model("test_vit"), comp)
     comp.base_model = "test_vit.r160_in1k"  # the same architecture with a pretrained tag: no warning
     with warnings.catch_warnings():

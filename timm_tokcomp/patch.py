@@ -80,11 +80,9 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
     prop_attn = "auto" if prop_attn is True else prop_attn  # on: the implementation measured for the device
     if prop_attn == "fold_qkv":
-        for i, blk in enumerate(model.blocks):
-            if family.plain_attention(type(blk.attn)) is not Attention:
-                raise ValueError(f"prop_attn='fold_qkv' pads timm's fused qkv Attention; blocks[{i}].attn is a "
-                                 f"{type(blk.attn).__name__}: use prop_attn='fold'")
-            attention.check_fold_qkv(blk.attn, f"blocks[{i}].attn")
+        refusal = fold_qkv_refusal(model)
+        if refusal is not None:
+            raise ValueError(refusal)
     _swap_classes(model, family, dense=False)
     model._tokcomp_reducer = reducer
     model._tokcomp_prop_attn = prop_attn
@@ -93,6 +91,20 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     model._tokcomp_pool_stats = None
     forget_last(model)
     _attach_learned(model, reducer.learned_module(), reducer.name)
+
+
+def fold_qkv_refusal(model: nn.Module) -> Optional[str]:
+    """Why prop_attn='fold_qkv' cannot serve this model's attention, or None where it can."""
+    family = family_of(type(model))
+    for i, blk in enumerate(model.blocks):
+        if family is None or family.plain_attention(type(blk.attn)) is not Attention:
+            return (f"prop_attn='fold_qkv' pads timm's fused qkv Attention; blocks[{i}].attn is a "
+                    f"{type(blk.attn).__name__}: use prop_attn='fold'")
+        try:
+            attention.check_fold_qkv(blk.attn, f"blocks[{i}].attn")
+        except ValueError as e:
+            return str(e)
+    return None
 
 
 LEARNED_KEY = "tokcomp"  # a learned method's parameters: model.tokcomp[<method>], state_dict keys 'tokcomp.<method>.*'

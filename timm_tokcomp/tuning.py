@@ -43,6 +43,7 @@ from .data import UnlabeledImages, check_num_classes, open_images
 from .measure import device_description, forward_counting, no_silent_eager_fallback, speedup_interval, time_runs
 from .methods import method_class
 from .outputs import replacing, run_folder, write_text
+from .patch import fold_qkv_refusal
 from .schedules import is_int, is_real
 from .userfiles import fail, read_json
 from .speed import DATA_DEPENDENT, MODES, _runner, check_batches, check_modes
@@ -280,8 +281,7 @@ def candidate_paths(method: str, params: Dict[str, Any], model: nn.Module, devic
             impls: List[Union[bool, str]] = [False]
         else:
             impls = ["mask", "fold"]
-            if all(isinstance(b.attn.q_norm, nn.Identity) and isinstance(b.attn.k_norm, nn.Identity)
-                   for b in model.blocks):
+            if fold_qkv_refusal(model) is None:
                 impls.append("fold_qkv")
             if compiled and attention.flex_available():
                 impls.append("flex")

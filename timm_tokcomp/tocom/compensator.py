@@ -10,7 +10,6 @@ Switching rewrites the q / v rows from a pristine copy of the source weights (ne
 subtracting), in fp32, so any sequence of switches returns bit-identical weights for the same n.
 """
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -96,6 +95,11 @@ class Compensator:
 
 
 def _qkv_layers(model: nn.Module) -> List[nn.Linear]:
+    """Each block's fused qkv projection; ValueError for a model with split q / k / v projections."""
+    for i, blk in enumerate(model.blocks):
+        if not isinstance(getattr(blk.attn, "qkv", None), nn.Linear):
+            raise ValueError(f"ToCom compensators sit on a fused qkv projection; blocks[{i}].attn "
+                             f"({type(blk.attn).__name__}) has split q / k / v projections")
     return [blk.attn.qkv for blk in model.blocks]
 
 
@@ -168,9 +172,8 @@ def attach(model: nn.Module, compensator: Compensator, source_r: int = 0, scale:
     scale = compensator.scale if scale is None else check_scale(scale)
     architecture = getattr(model, "pretrained_cfg", {}).get("architecture")
     if compensator.base_model and architecture and compensator.base_model.split(".")[0] != architecture:
-        warnings.warn(f"this compensator was trained for {compensator.base_model!r}; attaching it to a "
-                      f"{architecture!r} of the same width runs, but its plugins were not fitted to these weights",
-                      stacklevel=2)
+        raise ValueError(f"this compensator was trained for {compensator.base_model!r}; its plugins fit those weights "
+                         f"only, not this {architecture!r}: train one for it (tokcomp train-tocom {architecture})")
     if getattr(model, "_tocom", None) is not None:
         detach(model)
     pristine = []
