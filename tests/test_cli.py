@@ -1,8 +1,10 @@
 """The command line's own surface: --version, `tokcomp methods`, and help that shows every default and lists the
 method families rather than every preset."""
 import argparse
+import re
 
 import pytest
+import timm
 
 import timm_tokcomp
 from timm_tokcomp.cli import build_parser, main
@@ -21,6 +23,10 @@ def test_methods_lists_every_method_tag_form_and_parameter(capsys):
     words = set(out.replace(",", " ").split())
     assert set(METHODS) <= words and set(TAG_FORMS) <= words
     assert all(set(cls.param_names()) <= words for cls in METHODS.values())
+    models = " ".join(out[out.index("models:"):].split())
+    assert "Eva (timm.models.eva)" in models and "vit_small_patch16_dinov3.lvd1689m.tome_r16" in models
+    for name in re.findall(r"[\w.]+\.tome_r\d+", models):  # every example a name timm lists
+        assert name in timm.list_models(name.split(".")[0], pretrained=True), name
 
 
 def _commands():

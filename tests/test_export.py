@@ -77,3 +77,17 @@ def test_bench_onnx_backend_reports_throughput_and_latency(tmp_path, capsys):
     assert "atm cannot be exported" in capsys.readouterr().err
     assert main(["bench", "deit_tiny_patch16_224", "--backend", "onnx", "--dtype", "bf16"]) == 2
     assert "--backend onnx runs fp32" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, method, params", [("pe_core_rope_map", "tome", {"r": 3}),
+                                                  ("ropevit_mixed", "tome", {"r": 3, "rope_merge": "centroid"}),
+                                                  ("siglip_map", "tome", {"r": 3}),
+                                                  ("dinov3_registers", "dense_tome", {"k": 4})])
+def test_the_newer_families_export(tmp_path, name, method, params):
+    """Rope rows recomputed from travelling coordinates, the sized attention pool and the dense Eva block export."""
+    from test_families import family_model
+
+    model = timm_tokcomp.apply(family_model(name), method, **params)
+    path = export_onnx(model, str(tmp_path / "m.onnx"), torch.randn(2, 3, 32, 32))
+    diff, shape = compare_onnxruntime(model, path, torch.randn(5, 3, 32, 32))
+    assert shape == (5, 10) and diff < 1e-4

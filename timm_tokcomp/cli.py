@@ -317,6 +317,15 @@ def _methods(args: argparse.Namespace) -> int:
                         "percent, the share of tokens kept per reducing stage (evit_k70); low / high: the paper's "
                         "schedules. Method-specific forms are explained under their method.", 110,
                         subsequent_indent="  "))
+    from .families import served_classes
+
+    print(textwrap.fill(f"models: the tags go on the names of timm's {served_classes()} architectures, after "
+                        f"their pretrained tag (timm.list_models(pretrained=True) lists tome_r8, tome_r16, evit_r8, "
+                        f"evit_r16, atm on each), e.g. deit_small_patch16_224.fb_in1k.tome_r16, "
+                        f"vit_base_patch16_siglip_224.v2_webli.tome_r16, vit_small_patch16_dinov3.lvd1689m.tome_r16, "
+                        f"eva02_base_patch14_224.mim_in22k.tome_r8, vit_pe_core_base_patch16_224.fb.tome_r8, "
+                        f"vit_base_patch16_rope_mixed_224.naver_in1k.tome_r8; NaFlexVit is not served yet", 110,
+                        subsequent_indent="  "))
     return 0
 
 

@@ -2,7 +2,7 @@
 the checks of what it cannot serve, and the MACs of one block. The reducing loop itself is shared
 (timm_tokcomp.reducing); patch.py swaps classes by these tables."""
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 from timm.layers import AttentionPoolLatent
 from torch import nn
@@ -87,9 +87,3 @@ def check_pool_head(pool: Optional[nn.Module]) -> None:
         raise TypeError("the attention-pool head adds a position embedding per input token (pos_embed='abs'), which "
                         "needs every token; reduced tokens cannot be pooled by it")
 
-
-def swap(module: nn.Module, table: Dict[type, type]) -> None:
-    module.__class__ = table[type(module)]
-
-
-Tables = Tuple[Dict[type, type], ...]
