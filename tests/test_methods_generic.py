@@ -143,7 +143,7 @@ def test_a_new_method_declares_only_its_own_parameters():
     wide = Wide(4, width=3)
     assert (wide.r, wide.width, wide.keep_rate, wide.prop_attn) == (4, 3, None, None)
     assert Wide.param_names() == ("r", "flops_ratio", "keep_rate", "stages", "width", "prop_attn", "trace_source",
-                                  "prefix_only_last_block")
+                                  "prefix_only_last_block", "rope_merge")
     assert str(inspect.signature(Wide)).startswith("(r=0, flops_ratio=None, keep_rate=None, stages=(4, 7, 10), width=2")
     assert wide.params["width"] == 3 and "width=3" in repr(wide)
     with pytest.raises(ValueError, match="width must be an integer >= 1, got 0"):

@@ -105,7 +105,6 @@ def check_fold_qkv(attn: nn.Module, where: str) -> None:
                          f"{', '.join(norms)}); use prop_attn='fold'")
 
 
-
 def _flex_runs(q: torch.Tensor, dropout_p: float) -> bool:
     """FlexAttention has no dropout, and no backward on the CPU: the float mask serves there."""
     return dropout_p == 0 and (q.is_cuda or not (torch.is_grad_enabled() and q.requires_grad))
