@@ -7,6 +7,7 @@ import pytest
 import timm
 import torch
 from timm.models.eva import Eva
+from torch import nn
 
 import timm_tokcomp
 from timm_tokcomp.matching import ClusterPlan
@@ -20,6 +21,7 @@ FAMILY_MODELS = {
     "siglip_map": ("vit_base_patch16_siglip_224", {}),
     "siglip2_map": ("vit_base_patch16_siglip_256", {}),
     "eva02_cat_swiglu": ("eva02_small_patch14_224", {}),
+    "eva02_swiglu_scale_mlp": ("eva02_base_patch14_224", {}),
     "dinov3_registers": ("vit_small_patch16_dinov3", {}),
     "pe_core_rope_map": ("vit_pe_core_base_patch16_224", {}),
     "ropevit_mixed": ("vit_small_patch16_rope_mixed_224", {}),
@@ -276,3 +278,38 @@ def test_deit_tiny_weights_through_the_eva_path_give_deit_tinys_figures():
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
             assert torch.equal(a.argmax(-1), b.argmax(-1))
             assert timm_tokcomp.last_stats(eva).tokens_per_block == timm_tokcomp.last_stats(deit).tokens_per_block
+
+
+def test_an_adapter_around_evas_fused_qkv_runs(images):
+    """timm's Eva calls F.linear on qkv.weight, which would skip a peft LoRA layer wrapped around qkv; the reducing
+    attention runs the module itself. A wrapper adding 0.5 to every output equals 0.5 more on the q, k, v biases."""
+    class Shifted(nn.Module):  # stands for an adapter layer around the Linear
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.weight = base, base.weight
+
+        def forward(self, x):
+            return self.base(x) + 0.5
+
+    wrapped = timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "tome", r=2)
+    shifted = timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "tome", r=2)
+    for a, b in zip(wrapped.blocks, shifted.blocks):
+        a.attn.qkv = Shifted(a.attn.qkv)
+        b.attn.q_bias.data += 0.5
+        b.attn.k_bias += 0.5
+        b.attn.v_bias.data += 0.5
+    def pre_logits(model):
+        return model.forward_head(model.forward_features(images), pre_logits=True)
+
+    with torch.no_grad():
+        out = pre_logits(wrapped)
+        torch.testing.assert_close(out, pre_logits(shifted), atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(out, pre_logits(family_model("eva02_cat_swiglu")), atol=1e-3)
+
+
+def test_tocom_refuses_split_qkv_projections():
+    from test_tocom import _random_compensator
+    from timm_tokcomp.tocom import attach
+
+    with pytest.raises(ValueError, match=r"fused qkv projection; blocks\[0\].attn \(AttentionRope\) has split"):
+        attach(family_model("rope_split_qkv_layerscale"), _random_compensator(depth=3, dim=64, attn_dim=64))

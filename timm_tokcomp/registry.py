@@ -17,6 +17,7 @@ from timm.models import _registry as treg
 from timm.models._features import FeatureGetterNet
 from timm.models._pretrained import DefaultCfg
 
+from .families import FAMILIES, served_classes
 from .methods import TAG_SUMMARY, is_method_tag, method_class, parse_method_tag
 from .userfiles import hub_access, pretrained_unreachable
 
@@ -25,7 +26,6 @@ from .userfiles import hub_access, pretrained_unreachable
 _NAME_METHOD_TAG: contextvars.ContextVar[Optional[Tuple[str, str]]] = contextvars.ContextVar("tokcomp_name_method_tag",
                                                                                              default=None)
 
-_MODULES = ("vision_transformer", "deit", "eva")
 SHORT_NAMES = {
     "deit_tiny": "deit_tiny_patch16_224",
     "deit_small": "deit_small_patch16_224",
@@ -166,8 +166,6 @@ def _refusing_entrypoint(arch: str, why: str, fn: Callable[..., Any]) -> Callabl
         if isinstance(pretrained_cfg, str) and is_method_tag(pretrained_cfg.rpartition(".")[2]):
             method_tag = pretrained_cfg.rpartition(".")[2]
         if method_tag:
-            from .families import served_classes
-
             raise TypeError(f"{arch} does not take method tags ({method_tag!r}): it is built from {why}. "
                             f"timm_tokcomp reduces tokens in timm's {served_classes()}")
         return fn(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
@@ -303,7 +301,7 @@ def supported_archs() -> Tuple[str, ...]:
     """Architectures whose names take method tags (deprecated aliases excluded)."""
     deprecated = set(treg._deprecated_models)
     archs = set()
-    for module in _MODULES:
+    for module in (module for family in FAMILIES for module in family.timm_modules):
         archs |= treg._module_to_models.get(module, set())
     archs = sorted(a for a in archs - deprecated if a not in UNSUPPORTED_ARCHS)
     return tuple(archs) + tuple(SHORT_NAMES)

@@ -2,7 +2,7 @@
 the checks of what it cannot serve, and the MACs of one block. The reducing loop itself is shared
 (timm_tokcomp.reducing); patch.py swaps classes by these tables."""
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 from timm.layers import AttentionPoolLatent
 from torch import nn
@@ -16,12 +16,13 @@ def linear_macs(module: nn.Module) -> int:
 
 @dataclass(frozen=True)
 class Family:
-    """One timm model family. Each table maps a plain timm class to its patched subclass (same parameters and
+    """One timm model family, served in timm's model modules timm_modules. Each table maps a plain timm class to its patched subclass (same parameters and
     buffers, so state_dict keys never change). dense_blocks may miss a block class the dense variant cannot serve.
     check(model) raises TypeError naming what else the family cannot serve; attn_dim(attention) gives heads *
     head_dim."""
 
     name: str
+    timm_modules: Tuple[str, ...]  # timm's model modules whose architectures take method tags (timm_tokcomp.registry)
     models: Dict[type, type]
     dense_models: Dict[type, type]
     blocks: Dict[type, type]

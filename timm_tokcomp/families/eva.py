@@ -29,9 +29,10 @@ def _qkv(attn: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, 
             qkv = attn.qkv(x)
         else:
             qkv_bias = torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
-            if attn.qkv_bias_separate:
-                qkv = attn.qkv(x)
-                qkv += qkv_bias
+            if attn.qkv_bias_separate or type(attn.qkv) is not nn.Linear:
+                # the module itself runs where it is not a plain Linear (a peft LoRA layer, a quantised Linear):
+                # timm's F.linear on its weight would silently skip the adapter
+                qkv = attn.qkv(x) + qkv_bias
             else:
                 qkv = F.linear(x, weight=attn.qkv.weight, bias=qkv_bias)
         return qkv.reshape(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
@@ -174,6 +175,7 @@ def _attn_dim(attn: nn.Module) -> int:
 
 EVA = Family(
     name="Eva",
+    timm_modules=("eva",),
     models={Eva: ReducingEva},
     dense_models={Eva: DenseEva},
     blocks={EvaBlock: ReducingEvaBlock, EvaBlockPostNorm: ReducingEvaBlockPostNorm},

@@ -146,6 +146,7 @@ def _check(model: nn.Module) -> None:
 
 VIT = Family(
     name="VisionTransformer",
+    timm_modules=("vision_transformer", "deit"),
     models={VisionTransformer: ReducingVisionTransformer,
             VisionTransformerDistilled: ReducingVisionTransformerDistilled},
     dense_models={VisionTransformer: DenseVisionTransformer,
