@@ -313,3 +313,15 @@ def test_tocom_refuses_split_qkv_projections():
 
     with pytest.raises(ValueError, match=r"fused qkv projection; blocks\[0\].attn \(AttentionRope\) has split"):
         attach(family_model("rope_split_qkv_layerscale"), _random_compensator(depth=3, dim=64, attn_dim=64))
+
+
+def test_an_adapter_that_plain_eva_would_skip_is_named():
+    """timm's own Eva forward skips a LoRA layer on qkv (F.linear on the weight): finetune / load_finetuned(merge=False)
+    refuse that case and say to run it reduced (tome_r0 for the unreduced model), which runs the module."""
+    from timm_tokcomp.patch import adapter_skip
+
+    plain = family_model("eva02_cat_swiglu")
+    assert "skips a LoRA adapter on qkv" in adapter_skip(plain) and "tome_r0" in adapter_skip(plain)
+    assert adapter_skip(timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "tome", r=0)) is None
+    assert adapter_skip(family_model("siglip_map")) is None  # timm's Attention calls its qkv module
+    assert adapter_skip(family_model("rope_split_qkv_layerscale")) is None  # split projections: modules called

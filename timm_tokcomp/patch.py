@@ -107,6 +107,18 @@ def fold_qkv_refusal(model: nn.Module) -> Optional[str]:
     return None
 
 
+def adapter_skip(model: nn.Module) -> Optional[str]:
+    """Why an adapter on the blocks' qkv (peft LoRA) would be skipped by this model's forward, or None: a plain
+    (unreduced) model whose timm forward reads the qkv weight itself. A reduced model runs timm_tokcomp's attention,
+    which calls the module."""
+    family = family_of(type(model))
+    if family is None or is_patched(model) or not family.plain_skips_qkv_module(model):
+        return None
+    return (f"timm's {type(model).__name__} computes qkv with F.linear on qkv.weight (its q / v biases apart), which "
+            f"skips a LoRA adapter on qkv: nothing would train or apply there. Run it through timm_tokcomp's attention "
+            f"instead: a method, or tome_r0 for the unreduced model (bit for bit the same outputs)")
+
+
 LEARNED_KEY = "tokcomp"  # a learned method's parameters: model.tokcomp[<method>], state_dict keys 'tokcomp.<method>.*'
 
 

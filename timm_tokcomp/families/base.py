@@ -30,6 +30,8 @@ class Family:
     attentions: Dict[type, type]
     check: Callable[[nn.Module], None]
     attn_dim: Callable[[nn.Module], int]
+    plain_skips_qkv_module: Callable[[nn.Module], bool] = lambda model: False  # timm's own forward reads the qkv
+    # weight directly (an adapter wrapped around qkv, such as peft's LoRA, would be skipped while nothing is reduced)
 
     def serves(self, model_class: type) -> bool:
         return model_class in self.models or model_class in self.plain_models()

@@ -169,6 +169,12 @@ def _check(model: nn.Module) -> None:
     check_rope(model.rope)
 
 
+def _plain_skips_qkv_module(model: nn.Module) -> bool:
+    """timm's EvaAttention with a fused qkv and q / v biases calls F.linear on qkv.weight, not the qkv module."""
+    return any(getattr(blk.attn, "qkv", None) is not None and getattr(blk.attn, "q_bias", None) is not None
+               and not blk.attn.qkv_bias_separate for blk in model.blocks)
+
+
 def _attn_dim(attn: nn.Module) -> int:
     return attn.num_heads * attn.head_dim
 
@@ -183,4 +189,5 @@ EVA = Family(
     attentions={EvaAttention: ReducingEvaAttention, AttentionRope: ReducingAttentionRope},
     check=_check,
     attn_dim=_attn_dim,
+    plain_skips_qkv_module=_plain_skips_qkv_module,
 )

@@ -34,6 +34,7 @@ from ..identity import data_digest, weights_digest
 from ..data import check_num_classes, open_dataset, open_images
 from ..models import build_base_model
 from ..outputs import replacing
+from ..patch import adapter_skip
 from .engine import SeededAugment, Schedule, TrainingTask, distill_loss, rank_and_world, rank_share, train
 from .folder import RUN_ENTRIES, finish_folder, load_finetuned, save_folder
 from .recipe import FinetuneConfig, FinetuneResult
@@ -117,6 +118,9 @@ class FinetuneTask(TrainingTask):
                              f"{config.batch_size} x {world} processes x --accumulate {config.accumulate})")
         if self.method is not None:
             apply(model, self.method[0], **self.method[1])
+        skip = adapter_skip(model) if config.lora_rank else None
+        if skip is not None:
+            raise ValueError(f"--method none with --lora-rank {config.lora_rank}: {skip}")
         model.name_or_path = base_model  # what peft records as the adapter's base_model_name_or_path
         if config.lora_rank:
             self.module = get_peft_model(model, _lora_config(config, model, base_model))

@@ -16,6 +16,7 @@ from ..learned import load_learned, save_learned
 from ..methods import method_class
 from ..models import build_base_model
 from ..outputs import FILE_MODE, write_text
+from ..patch import adapter_skip
 from ..userfiles import check_safetensors, hub_snapshot, read_json, read_versioned_json
 from .card import model_card
 from .recipe import FinetuneConfig, FinetuneResult
@@ -104,6 +105,9 @@ def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretr
             if learned_param is not None:
                 params = {**params, learned_param: load_learned(name, folder)}
             apply(model, name, **params)
+        if recipe.lora_rank and not merge and adapter_skip(model) is not None:
+            raise ValueError(f"merge=False: {adapter_skip(model)}; load it with merge=True (the adapter merged into "
+                             f"the weights)")
         if recipe.lora_rank:
             peft_model = PeftModel.from_pretrained(model, str(folder))
             model = peft_model.merge_and_unload() if merge else peft_model
