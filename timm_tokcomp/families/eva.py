@@ -17,7 +17,7 @@ from ..ops import unmerge
 from ..reducing import DenseModel, ReducingBlockMixin, ReducingModel, refuse_fx_tracing
 from ..rope import TokenPositions, check_rope, grid_coords
 from .base import Family
-from .vit import dense_groups, merged_mlp, reducer_metric
+from .vit import dense_groups, merged_mlp, project_heads, reducer_metric
 
 
 def _qkv(attn: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,7 +49,6 @@ def _forward_reduce(
     """x: (B, N, C); attn_bias: (B, 1, 1, N) log sizes or None; prop_impl: 'mask', 'fold' or 'flex';
     rope: the patch tokens' rope rows ((N - prefix, 2 * head_dim) or batched, as timm's) or None. The metric
     reads q and k as attention uses them (rotated). Returns (out (B, N, C), metric or None)."""
-    B, N, C = x.shape
     gate = self.gate(x).sigmoid() if self.gate is not None else None
     q, k, v = _qkv(self, x)
     q, k = self.q_norm(q), self.k_norm(k)
@@ -64,13 +63,7 @@ def _forward_reduce(
         attn_bias = attn_bias.to(q.dtype)
     metric = reducer_metric(reducer, q, k, v, attn_bias, self.scale)
     x = attention.attend(q, k, v, attn_bias, prop_impl, self.scale, self.attn_drop, self.fused_attn)
-    x = x.transpose(1, 2).reshape(B, N, -1)
-    x = self.norm(x)
-    if gate is not None:
-        x = x * gate
-    x = self.proj(x)
-    x = self.proj_drop(x)
-    return x, metric
+    return project_heads(self, x, gate), metric
 
 
 class ReducingEvaAttention(EvaAttention):

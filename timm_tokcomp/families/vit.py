@@ -25,8 +25,7 @@ class ReducingAttention(Attention):
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x: (B, N, C); attn_bias: (B, 1, 1, N) log sizes or None; prop_impl: how the bias enters SDPA
         (attention.PROP_ATTN_IMPLS, resolved). Returns (out (B, N, C_out), metric or None)."""
-        B, N, C = x.shape
-        attn_dim = getattr(self, "attn_dim", C)
+        B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
         d = self.head_dim
         if attn_bias is not None and self.fused_attn and prop_impl == "fold_qkv":
@@ -43,14 +42,17 @@ class ReducingAttention(Attention):
                 attn_bias = attn_bias.to(q.dtype)
             metric = reducer_metric(reducer, q, k, v, attn_bias, self.scale)
             x = attention.attend(q, k, v, attn_bias, prop_impl, self.scale, self.attn_drop, self.fused_attn)
+        return project_heads(self, x, gate), metric
 
-        x = x.transpose(1, 2).reshape(B, N, attn_dim)
-        x = self.norm(x)
-        if gate is not None:
-            x = x * gate
-        x = self.proj(x)
-        x = self.proj_drop(x)
-        return x, metric
+
+def project_heads(attn: nn.Module, x: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+    """The attention's output side, as timm's: heads x (B, H, N, d) -> (B, N, H * d), its norm, the gate
+    (B, N, H * d) or None, proj and proj_drop -> (B, N, C)."""
+    B, _, N, _ = x.shape
+    x = attn.norm(x.transpose(1, 2).reshape(B, N, -1))
+    if gate is not None:
+        x = x * gate
+    return attn.proj_drop(attn.proj(x))
 
 
 def reducer_metric(reducer: Optional[TokenReducer], q, k, v, attn_bias, scale: float) -> Optional[torch.Tensor]:
