@@ -26,6 +26,7 @@ FAMILY_MODELS = {
     "pe_core_rope_map": ("vit_pe_core_base_patch16_224", {}),
     "ropevit_mixed": ("vit_small_patch16_rope_mixed_224", {}),
     "rope_split_qkv_layerscale": ("vit_small_patch16_rope_224", dict(qkv_fused=False, init_values=0.1, qk_norm=True)),
+    "rope_grouped_query": ("vit_small_patch16_rope_224", dict(qkv_fused=False, num_kv_heads=1)),
 }
 ROPE_MODELS = [name for name in FAMILY_MODELS if name not in ("siglip_map", "siglip2_map")]
 BATCH_ADAPTIVE = {"atm"}  # one merge count per batch: the mean of the images' counts, by design
@@ -104,7 +105,7 @@ def _masked_plain_logits(plain, images, kept):
     return plain.forward_head(plain.norm(x))
 
 
-@pytest.mark.parametrize("name", ["rope_split_qkv_layerscale", "ropevit_mixed", "dinov3_registers"])
+@pytest.mark.parametrize("name", ["rope_split_qkv_layerscale", "rope_grouped_query", "ropevit_mixed", "dinov3_registers"])
 @pytest.mark.parametrize("method, params", [("topk", dict(keep_rate=0.5, stages=(2, 3))),
                                             ("l2", dict(keep_rate=0.7, stages=(2, 3)))])
 def test_pruning_is_the_plain_model_with_the_pruned_tokens_masked(name, method, params, images):
