@@ -79,7 +79,7 @@ NO_CLASS_TOKEN_ARCHS = frozenset({
     "vit_so400m_patch14_siglip_gap_384", "vit_so400m_patch14_siglip_gap_448", "vit_so400m_patch14_siglip_gap_896",
     "vit_so400m_patch16_siglip_256", "vit_so400m_patch16_siglip_384", "vit_so400m_patch16_siglip_512",
     "vit_so400m_patch16_siglip_gap_256", "vit_so400m_patch16_siglip_gap_384", "vit_so400m_patch16_siglip_gap_512",
-    "vit_wee_patch16_reg1_gap_256"
+    "vit_wee_patch16_reg1_gap_256",
 })
 
 
