@@ -326,3 +326,10 @@ def test_an_adapter_that_plain_eva_would_skip_is_named():
     assert adapter_skip(timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "tome", r=0)) is None
     assert adapter_skip(family_model("siglip_map")) is None  # timm's Attention calls its qkv module
     assert adapter_skip(family_model("rope_split_qkv_layerscale")) is None  # split projections: modules called
+
+
+@pytest.mark.parametrize("name", ["pe_core_rope_map", "rope_grouped_query", "siglip_map"])
+def test_an_empty_batch_gives_an_empty_output_on_every_family(name):
+    model = timm_tokcomp.apply(family_model(name), "tome", r=2)
+    with torch.no_grad():
+        assert model(torch.zeros(0, 3, 32, 32)).shape == (0, 10)

@@ -35,11 +35,11 @@ def _qkv(attn: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, 
                 qkv = attn.qkv(x) + qkv_bias
             else:
                 qkv = F.linear(x, weight=attn.qkv.weight, bias=qkv_bias)
-        return qkv.reshape(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        return qkv.reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
     kv_heads = getattr(attn, "num_kv_heads", attn.num_heads)
-    return (attn.q_proj(x).reshape(B, N, attn.num_heads, -1).transpose(1, 2),
-            attn.k_proj(x).reshape(B, N, kv_heads, -1).transpose(1, 2),
-            attn.v_proj(x).reshape(B, N, kv_heads, -1).transpose(1, 2))
+    return (attn.q_proj(x).reshape(B, N, attn.num_heads, attn.head_dim).transpose(1, 2),
+            attn.k_proj(x).reshape(B, N, kv_heads, attn.head_dim).transpose(1, 2),
+            attn.v_proj(x).reshape(B, N, kv_heads, attn.head_dim).transpose(1, 2))
 
 
 def _forward_reduce(

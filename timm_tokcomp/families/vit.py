@@ -48,8 +48,8 @@ class ReducingAttention(Attention):
 def project_heads(attn: nn.Module, x: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
     """The attention's output side, as timm's: heads x (B, H, N, d) -> (B, N, H * d), its norm, the gate
     (B, N, H * d) or None, proj and proj_drop -> (B, N, C)."""
-    B, _, N, _ = x.shape
-    x = attn.norm(x.transpose(1, 2).reshape(B, N, -1))
+    B, H, N, d = x.shape
+    x = attn.norm(x.transpose(1, 2).reshape(B, N, H * d))  # explicit width: an empty batch has no -1 to infer
     if gate is not None:
         x = x * gate
     return attn.proj_drop(attn.proj(x))
