@@ -5,7 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from timm_tokcomp.bench import mcnemar_exact_p, method_spec, parse_methods
+from timm_tokcomp.kit.grammar import method_spec, parse_methods
+from timm_tokcomp.kit.stats import mcnemar_exact_p
 from timm_tokcomp.calibrate import CalibrationResult, save_preset
 from timm_tokcomp.cli import main
 
@@ -87,7 +88,7 @@ def test_bench_dtype_autocasts_every_forward_and_says_so(tmp_path, capsys):
 
 
 def test_precision_autocasts_and_restores_tf32():
-    from timm_tokcomp.bench import precision
+    from timm_tokcomp.precision import precision
 
     before = torch.backends.cuda.matmul.allow_tf32
     with precision("cpu", "bf16", tf32=not before):

@@ -56,7 +56,7 @@ def reader_folder(tmp_path, monkeypatch):
     command blocks would have written; timm's pretrained download is a no-op (random weights)."""
     import timm.models._builder as builder
 
-    from timm_tokcomp.calibrate import PRESET_FORMAT
+    from timm_tokcomp.kit.presets import PRESET_FORMAT
 
     monkeypatch.setattr(builder, "load_pretrained", lambda *args, **kwargs: None)
     monkeypatch.chdir(tmp_path)

@@ -493,14 +493,14 @@ def _writers():
     bench_rows = [bench.BenchRow("none", 1.0, 0.0, 10.0, 1.0, None, None, 197)]
     speed_rows = [speed.SpeedRow("eager", 2, "none", 1.0, 1.0, None)]
     calibrated = calibrate.CalibrationResult(MODEL, {"alpha": 0.9}, 1.0, 99.0, 1.0, 1.2, 4, 3)
-    tuned = {"model": MODEL, "device_name": "CPU", "dtype": "fp32", "tf32": False, "budget": 1.0}
+    tuned = {"model": MODEL, "device": "cpu", "device_name": "CPU", "dtype": "fp32", "tf32": False, "budget": 1.0}
     return {
         "bench.write_csv": lambda path, overwrite: bench.write_csv(bench_rows, path, MODEL, overwrite=overwrite),
         "bench.plot_pareto": lambda path, overwrite: bench.plot_pareto(bench_rows, path, MODEL, overwrite=overwrite),
         "speed.write_speed_csv": lambda path, overwrite: speed.write_speed_csv(speed_rows, path, MODEL, {},
                                                                                overwrite=overwrite),
         "calibrate.save_preset": lambda path, overwrite: calibrate.save_preset(calibrated, path, overwrite=overwrite),
-        "calibrate.save_tuned_preset": lambda path, overwrite: calibrate.save_tuned_preset(
+        "tuning.save_tuned_preset": lambda path, overwrite: tuning.save_tuned_preset(
             path, tuning.Choice(2, None, "nothing surely faster"), tuned, overwrite=overwrite),
         "tocom.hub.save": lambda path, overwrite: save(Compensator.init(2, 12, 192, 192, 2, 0.1), path, MODEL,
                                                        overwrite=overwrite),

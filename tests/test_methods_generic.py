@@ -103,7 +103,7 @@ def test_numpy_numbers_are_accepted_by_every_numeric_argument_check():
     """The same rule (schedules.is_int / is_real) at the other doors that take numbers from Python callers."""
     import numpy as np
 
-    from timm_tokcomp.speed import check_batches
+    from timm_tokcomp.kit.modes import check_batches
     from timm_tokcomp.tocom import Compensator, attach, set_compression
     from timm_tokcomp.tocom.compensator import check_scale
     from timm_tokcomp.tuning import _check_args

@@ -9,6 +9,7 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp import speed
+from timm_tokcomp.kit import modes
 from timm_tokcomp.cli import main
 from timm_tokcomp.patch import patch
 from timm_tokcomp.speed import LimitReducer, limit_schedule
@@ -84,7 +85,7 @@ def test_speed_table_and_csv(tmp_path, capsys):
 
 def test_speed_compiled_mode_skips_data_dependent_methods_and_never_falls_back_silently(monkeypatch, capsys):
     # dynamo's capture with the 'eager' backend: the harness's wiring without inductor's minutes on a CPU
-    monkeypatch.setattr(speed, "_runner", lambda m, mode, x: torch.compile(m, backend="eager", dynamic=False))
+    monkeypatch.setattr(modes, "runner", lambda m, mode, x: torch.compile(m, backend="eager", dynamic=False))
     rows = speed.run_speed("deit_tiny_patch16_224", methods=["tome_r8", "tome_r16", "evit_r8", "atm", "ats_k70"],
                            batches=[2], modes=["compile"], rounds=1, show_progress=False)
     assert [r.method for r in rows] == ["none", "tome_r8", "tome_r8 limit", "tome_r16", "tome_r16 limit",

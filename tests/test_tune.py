@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import timm_tokcomp
-from timm_tokcomp import measure, tuning
+from timm_tokcomp import tuning
+from timm_tokcomp.kit import modes, stats
 from timm_tokcomp.bench import run_bench
 from timm_tokcomp.cli import main
 from timm_tokcomp.tuning import TuneRow, candidate_paths, choose, read_rows
@@ -25,17 +26,17 @@ def _row(name, ms, lo, hi, agree, batch=64, mode="eager", plain=10.0):
 
 def test_t_quantile_and_binomial_bound_match_scipy():
     for df in (3, 5, 9, 20, 60):
-        assert measure.t_quantile_975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), abs=2e-3)
+        assert stats.t_quantile_975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), abs=2e-3)
     for changed, n in ((1, 50), (4, 128), (13, 128), (30, 1000)):
         expected = scipy_stats.beta.ppf(0.05, changed, n - changed + 1)
-        assert tuning.disagreement_lower_bound(changed, n) == pytest.approx(expected, abs=1e-6)
-    assert tuning.disagreement_lower_bound(0, 100) == 0.0
+        assert stats.disagreement_lower_bound(changed, n) == pytest.approx(expected, abs=1e-6)
+    assert stats.disagreement_lower_bound(0, 100) == 0.0
 
 
 def test_speedup_interval_pairs_rounds():
-    point, lo, hi = measure.speedup_interval([2.0, 2.1, 1.9, 2.0], [1.0, 1.05, 0.95, 1.0])
+    point, lo, hi = stats.speedup_interval([2.0, 2.1, 1.9, 2.0], [1.0, 1.05, 0.95, 1.0])
     assert point == pytest.approx(2.0) and lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
-    point, lo, hi = measure.speedup_interval([1.0, 1.0, 1.0, 1.0], [0.8, 1.3, 0.9, 1.1])
+    point, lo, hi = stats.speedup_interval([1.0, 1.0, 1.0, 1.0], [0.8, 1.3, 0.9, 1.1])
     assert lo < 1.0 < hi
 
 
@@ -158,7 +159,7 @@ def test_loading_a_preset_elsewhere_warns(tuned):
 
 
 def test_bench_runs_a_no_reduction_preset_as_the_plain_model(tmp_path):
-    from timm_tokcomp.calibrate import save_tuned_preset
+    from timm_tokcomp.tuning import save_tuned_preset
 
     path = tmp_path / "preset.json"
     settings = {"model": "deit_tiny_patch16_224", "device_name": "elsewhere", "dtype": "bf16", "tf32": False,
@@ -275,14 +276,14 @@ def test_overwrite_with_a_bad_data_folder_keeps_the_earlier_run(tuned, tmp_path)
 
 
 def test_a_path_that_fails_is_recorded_and_the_rest_go_on(image_folder, monkeypatch):
-    real = tuning._runner
+    real = modes.runner
 
     def runner(model, mode, x):
         if timm_tokcomp.is_reduced(model) and timm_tokcomp.get_reducer(model).params["prop_attn"] == "fold":
             raise RuntimeError("no kernel for this head dimension")
         return real(model, mode, x)
 
-    monkeypatch.setattr(tuning, "_runner", runner)
+    monkeypatch.setattr(modes, "runner", runner)
     result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget=100.0,
                                space=[("tome", {"r": 2})], limit=20, prune_images=8, max_rounds=3, show_progress=False)
     statuses = {r.path: r.status for r in result.rows}
@@ -293,7 +294,7 @@ def test_a_path_that_fails_is_recorded_and_the_rest_go_on(image_folder, monkeypa
 
 def test_candidates_run_in_inference_mode_from_their_first_call(image_folder, monkeypatch):
     """As timed: a Triton path refuses a forward that records gradients, and a compiled one would compile twice."""
-    real = tuning._runner
+    real = modes.runner
 
     def runner(model, mode, x):
         run = real(model, mode, x)
@@ -304,7 +305,7 @@ def test_candidates_run_in_inference_mode_from_their_first_call(image_folder, mo
             return run(images)
         return checked
 
-    monkeypatch.setattr(tuning, "_runner", runner)
+    monkeypatch.setattr(modes, "runner", runner)
     result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget=100.0,
                                space=[("tome", {"r": 2})], limit=20, prune_images=8, max_rounds=3, show_progress=False)
     assert {r.status for r in result.rows} == {"timed"}
@@ -421,13 +422,13 @@ def test_the_speed_up_estimate_lies_inside_its_interval():
     """The estimate is the geometric mean of the paired rounds' ratios, the centre of its own interval (a ratio of
     medians could fall outside it: 1.99x [0.94, 1.57] on a busy machine)."""
     plain, times = [1.0, 1.0, 1.0, 1.0, 1.0], [0.5, 0.5, 0.5, 1.6, 1.6]
-    point, lo, hi = measure.speedup_interval(plain, times)
+    point, lo, hi = stats.speedup_interval(plain, times)
     assert lo <= point <= hi and point == pytest.approx((2.0 ** 3 / 1.6 ** 2) ** 0.2)
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
         n = int(torch.randint(2, 12, (1,), generator=g))
         a, b = (torch.rand(n, generator=g) + 0.1).tolist(), (torch.rand(n, generator=g) + 0.1).tolist()
-        point, lo, hi = measure.speedup_interval(a, b)
+        point, lo, hi = stats.speedup_interval(a, b)
         assert lo <= point <= hi
 
 

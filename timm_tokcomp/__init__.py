@@ -9,7 +9,7 @@ Vision Transformers.
 """
 from typing import Any
 
-from .calibrate import load_preset
+from .kit.presets import load_preset
 from .core import (NO_REDUCTION, __version__, apply, get_reducer, is_reduced, last_stats, remove,
                    set_params)
 from .methods import METHODS

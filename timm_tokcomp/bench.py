@@ -1,14 +1,12 @@
 """`tokcomp bench`: GMACs, throughput, speedup, top-1 and agreement of several methods, side by side."""
-import contextlib
 import copy
 import csv
-import math
 import statistics
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import timm
 import torch
@@ -17,19 +15,19 @@ from tqdm import tqdm
 
 from .core import apply, is_reduced, last_stats
 from .data import UnlabeledImages, check_num_classes, open_images
-from .calibrate import load_preset
-from .measure import count_macs, forward_counting, no_silent_eager_fallback, speedup_interval, time_runs
-from .models import build_base_model
-from . import kernels
-from .attention import PROP_ATTN_IMPLS
-from .methods import METHODS, method_class, parse_method_tag
 from .extras import pyplot
+from .kit.grammar import BASELINE, method_spec, parse_methods
+from .kit.modes import check_mode, runner
+from .kit.presets import load_preset
+from .kit.stats import mcnemar_exact_p, noise_notes, p90, speedup_interval
+from .measure import count_macs, forward_counting, no_silent_eager_fallback, time_runs
+from .methods import TOCOM_METHODS, method_class
+from .models import build_base_model
+from .precision import check_dtype, precision
 from .outputs import new_output
 from .tables import text_table
 
-BASELINE = "none"
 TOCOM_SUFFIX = "+ToCom"
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # None: no autocast
 
 
 @dataclass
@@ -69,126 +67,19 @@ class BenchRow:
     latency_speedup_hi: Optional[float] = None
 
 
-@contextlib.contextmanager
-def precision(device: str, dtype: str, tf32: bool) -> Iterator[None]:
-    """Run the block under autocast to dtype ('fp32': none) with TF32 matmuls and convolutions on or off
-    (CUDA only); the previous TF32 settings come back on exit."""
-    check_dtype(dtype)
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
-    autocast = (torch.autocast(torch.device(device).type, dtype=DTYPES[dtype]) if DTYPES[dtype] is not None
-                else contextlib.nullcontext())
-    try:
-        with autocast:
-            yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-def check_dtype(dtype: str) -> None:
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-
-
 BACKENDS = ("eager", "compile", "onnx")
 
 
 def check_backend(backend: str, device: str, dtype: str, methods: Sequence[str]) -> None:
     """Raise ValueError naming the flag when the backend cannot run this device, dtype or a method."""
-    if backend not in BACKENDS:
-        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_mode(backend, device, dtype, flag="--backend", allowed=BACKENDS)
     if backend == "onnx":
-        if torch.device(device).type != "cpu" or dtype != "fp32":
-            raise ValueError("--backend onnx runs fp32 on onnxruntime's CPU provider: use --device cpu --dtype fp32")
         from .export import EXPORTABLE
 
         for name in methods:
             if name != BASELINE and method_spec(name)[0] not in EXPORTABLE + (BASELINE,):
                 raise ValueError(f"--backend onnx: {name} cannot be exported to ONNX (`tokcomp export` says why); "
                                  f"exportable: {', '.join(EXPORTABLE)}")
-
-
-def backend_runners(models: Dict[str, nn.Module], backend: str, example: torch.Tensor,
-                    workdir: str) -> Dict[str, Callable]:
-    """What times each model: the model itself (eager), torch.compile(model, dynamic=False), or its ONNX export
-    (written under workdir) in onnxruntime."""
-    if backend == "eager":
-        return dict(models)
-    if backend == "compile":
-        return {name: torch.compile(model, dynamic=False) for name, model in models.items()}
-    from .export import export_onnx, onnx_runner
-
-    example = example[:2] if len(example) >= 2 else example.expand(2, -1, -1, -1)
-    return {name: onnx_runner(export_onnx(model, str(Path(workdir) / f"model{i}.onnx"), example.cpu()))
-            for i, (name, model) in enumerate(models.items())}
-
-
-def p90(values: List[float]) -> float:
-    """90th percentile, linearly interpolated between the ordered values (a single value is its own)."""
-    return statistics.quantiles(values, n=10, method="inclusive")[8] if len(values) > 1 else values[0]
-
-
-def describe_settings(device: str, dtype: str, tf32: bool) -> str:
-    """What the timings ran under: device, precision and (on CUDA) TF32."""
-    precision_text = "fp32 (no autocast)" if DTYPES[dtype] is None else f"{dtype} autocast"
-    tf32_text = f", TF32 {'on' if tf32 else 'off'}" if torch.device(device).type == "cuda" else ""
-    return f"device {device}, {precision_text}{tf32_text}"
-
-
-def mcnemar_exact_p(gained: int, lost: int) -> float:
-    """Exact two-sided McNemar test: the probability of a split of gained + lost changed images at
-    least this uneven if each change were equally likely to go either way (binomial, p = 1/2)."""
-    if gained < 0 or lost < 0:
-        raise ValueError(f"gained and lost must be >= 0, got {gained}, {lost}")
-    n = gained + lost
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(gained, lost) + 1)) / 2 ** n
-    return min(1.0, 2.0 * tail)
-
-
-def parse_methods(spec: str, device: Optional[str] = None, dtype: Optional[str] = None,
-                  batch_size: Optional[int] = None) -> List[str]:
-    """'none,tome_r8,my_preset.json' -> ['none', 'tome_r8', 'my_preset.json'] (validated; 'none' is
-    put first if missing). A .json item is a preset saved by `tokcomp calibrate` or `tune`; a tune preset warns
-    when the device, dtype or batch size given differ from those it was measured with."""
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    for name in names:
-        if name.endswith(".json"):
-            load_preset(name, device=device, dtype=dtype, batch_size=batch_size)
-        elif name != BASELINE:
-            try:
-                method_spec(name)
-            except ValueError as e:
-                raise ValueError(f"--methods: {e}; or '{BASELINE}', or a preset .json file") from None
-    if BASELINE in names:
-        names.remove(BASELINE)
-    return [BASELINE] + list(dict.fromkeys(names))
-
-
-def method_spec(name: str) -> Tuple[str, Dict[str, Any]]:
-    """A --methods item -> (method, params): a preset .json saved by `tokcomp calibrate` / `tune`, or a method tag,
-    optionally with its path after '@': a kernel ('tome_r16@triton'), a proportional-attention implementation
-    ('tome_r16@fold_qkv'), or both joined by '+' ('tome_r16@triton+fold')."""
-    if name.endswith(".json"):
-        return load_preset(name)
-    tag, at, path = name.partition("@")
-    method, params = parse_method_tag(tag)
-    if at:
-        for item in path.split("+"):
-            if item in kernels.BACKENDS:
-                if "kernel" not in method_class(method).param_names():
-                    with_kernel = [m for m in METHODS if "kernel" in method_class(m).param_names()]
-                    raise ValueError(f"{name}: {method} has no kernel choice (kernels are for {', '.join(with_kernel)})")
-                params = {**params, "kernel": item}
-            elif item in PROP_ATTN_IMPLS:
-                if "prop_attn" not in method_class(method).param_names():
-                    raise ValueError(f"{name}: {method} has no proportional attention (it keeps every token's size)")
-                params = {**params, "prop_attn": item}
-            else:
-                raise ValueError(f"{name}: each item after '@' must be a kernel ({', '.join(kernels.BACKENDS)}) or a "
-                                 f"proportional-attention implementation ({', '.join(PROP_ATTN_IMPLS)}), got {item!r}")
-    return method, params
 
 
 def build_method_models(base: nn.Module, methods: Sequence[str]) -> Dict[str, nn.Module]:
@@ -218,8 +109,8 @@ def add_tocom_models(models: Dict[str, nn.Module], tocom: str, source_r: int,
             continue
         method, params = method_spec(name)
         r = params.get("r")
-        if method not in ("tome", "evit") or not isinstance(r, int) or r > compensator.steps:
-            print(f"note: no +ToCom row for {name} (compensators serve tome / evit with one r in "
+        if not method_class(method).tocom_compatible or not isinstance(r, int) or r > compensator.steps:
+            print(f"note: no +ToCom row for {name} (compensators serve {' / '.join(TOCOM_METHODS)} with one r in "
                   f"[0, {compensator.steps}])", file=sys.stderr)
             continue
         if trained_with and method != trained_with:
@@ -393,7 +284,7 @@ def _time(models: Dict[str, nn.Module], batch: torch.Tensor, backend: str, round
     with tempfile.TemporaryDirectory() as workdir, no_silent_eager_fallback(len(models)), \
             tqdm(total=total, desc=f"timing ({backend})", disable=not show_progress, file=sys.stderr) as bar, \
             precision(device, dtype, tf32):
-        runners = backend_runners(models, backend, batch, workdir)
+        runners = {name: runner(model, backend, batch, workdir, f"model{i}") for i, (name, model) in enumerate(models.items())}
         times = time_runs(runners, batch, rounds=rounds, warmup=warmup, progress=bar.update)
         latency = {}
         if latency_runs:
@@ -455,21 +346,6 @@ def format_table(rows: Sequence[BenchRow]) -> str:
         lines += [f"  {r.method:<{width}}+{r.agree_gained} / -{r.agree_lost} images vs {r.paired_with}, "
                   f"p = {r.agree_change_p:.2g}" for r in compared]
     return "\n".join(lines)
-
-
-def noise_notes(intervals: Sequence[Tuple[str, Dict[str, Tuple[Optional[float], Optional[float]]]]],
-                more_rounds: str) -> List[str]:
-    """One 'note: within timing noise' line per column whose 95 % interval holds 1.00x for some rows. intervals:
-    (row name, {column: (lo, hi)}); more_rounds: the flags that time more rounds."""
-    lines = []
-    for column in dict.fromkeys(c for _, cols in intervals for c in cols):
-        noisy = [name for name, cols in intervals
-                 if cols.get(column, (None, None))[0] is not None and cols[column][0] <= 1.0 <= cols[column][1]]
-        if noisy:
-            lines.append(f"note: {column}: within timing noise (its 95 % interval holds 1.00x: the spread is larger "
-                         f"than the effect): {', '.join(noisy)}; time more rounds ({more_rounds}) or on a quieter "
-                         f"machine")
-    return lines
 
 
 def _ratio_cell(point: float, lo: Optional[float], hi: Optional[float]) -> str:

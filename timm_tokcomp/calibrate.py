@@ -8,25 +8,19 @@ rises) until the GMACs per image are within the tolerance of the target; of the 
 it, the one with the highest agreement wins (ties: the closest to the target).
 """
 import copy
-import json
 import math
-import warnings
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from .core import NO_REDUCTION, __version__, apply, get_reducer, is_reduced, set_params
-from .measure import device_description, forward_counting
+from .core import apply, get_reducer, is_reduced, set_params
+from .kit.presets import write_preset
+from .measure import forward_counting
 from .schedules import check_int, is_real
-from .models import check_device
-from .outputs import new_output
-from .userfiles import fail, read_json
 from .methods.atm import threshold_schedule
 
-PRESET_FORMAT = 1
 DEFAULT_BETAS = (0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15)
 
 
@@ -47,76 +41,10 @@ class CalibrationResult:
 
 
 def save_preset(result: CalibrationResult, path: str, overwrite: bool = False) -> None:
-    """Write the preset as JSON: {"format", "method", "params", "calibration": {...}}; an existing file is refused
-    unless overwrite."""
+    """Write the preset (kit.presets' format) with its calibration figures; an existing file is refused unless
+    overwrite."""
     calibration = {k: v for k, v in asdict(result).items() if k not in ("method", "params")}
-    doc = {"format": PRESET_FORMAT, "method": result.method, "params": result.params, "calibration": calibration}
-    with new_output(path, overwrite, "--out") as tmp:
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-
-
-def save_tuned_preset(path: Union[str, Path], choice: Any, settings: Dict[str, Any], overwrite: bool = False) -> None:
-    """Write `tokcomp tune`'s choice for one batch size (tune.Choice) as a preset: the method and its params
-    (kernel and prop_attn implementation included), or method 'none' with the reason; the execution mode it was
-    timed in; and what it was measured with (device, dtype, batch size, package / torch / timm versions). An existing
-    file is refused unless overwrite."""
-    import timm
-
-    row = choice.row
-    tuned = {"model": settings["model"], "device": settings["device_name"], "dtype": settings["dtype"],
-             "tf32": settings["tf32"], "batch_size": choice.batch, "budget": settings["budget"],
-             "budget_measure": settings.get("budget_measure", "agreement"),
-             "reason": choice.reason, "versions": {"timm_tokcomp": __version__, "torch": torch.__version__,
-                                                   "timm": timm.__version__}}
-    if row is not None:
-        tuned.update(speedup=row.speedup, speedup_95=[row.speedup_lo, row.speedup_hi], agreement=row.agree,
-                     images=row.agree_n, changed=row.changed, top1=row.top1, top1_plain=row.top1_plain,
-                     ms=row.ms, ms_plain=row.ms_plain)
-    doc = {"format": PRESET_FORMAT, "method": NO_REDUCTION if row is None else row.method,
-           "params": {} if row is None else json.loads(row.params),
-           "execution": {"mode": "eager" if row is None else row.mode}, "tuned": tuned}
-    with new_output(path, overwrite) as tmp:
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-
-
-def load_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = None,
-                batch_size: Optional[int] = None) -> Tuple[str, Dict[str, Any]]:
-    """(method, params) of a preset file written by `tokcomp calibrate` or `tokcomp tune`, for
-    timm_tokcomp.apply(model, method, **params); method 'none' (a tune that found nothing to gain) leaves the model
-    plain. A tune preset warns when loaded under other versions, or, where given, another device, dtype or batch
-    size than it was measured with."""
-    from .methods import METHODS
-
-    if device is not None:
-        check_device(device)
-    doc = read_json(path, "preset file")
-    if doc.get("format") != PRESET_FORMAT or not isinstance(doc.get("params"), dict) or "method" not in doc:
-        raise fail("preset file", path, f"is not a tokcomp preset (format {PRESET_FORMAT} with 'method' and 'params')")
-    if doc["method"] != NO_REDUCTION and doc["method"] not in METHODS:
-        raise fail("preset file", path, f"names method {doc['method']!r}, which is not one of {NO_REDUCTION}, "
-                                        f"{', '.join(METHODS)}")
-    if isinstance(doc.get("tuned"), dict):
-        _warn_if_conditions_differ(path, doc["tuned"], device, dtype, batch_size)
-    return doc["method"], doc["params"]
-
-
-def _warn_if_conditions_differ(path: str, tuned: Dict[str, Any], device: Optional[str], dtype: Optional[str],
-                               batch_size: Optional[int]) -> None:
-    import timm
-
-    now = {"timm_tokcomp": __version__, "torch": torch.__version__, "timm": timm.__version__}
-    differ = [f"{k} {v} (now {now[k]})" for k, v in (tuned.get("versions") or {}).items() if k in now and v != now[k]]
-    if device is not None:
-        name = device_description(device)
-        if tuned.get("device") != name:
-            differ.append(f"device {tuned.get('device')} (now {name})")
-    if dtype is not None and tuned.get("dtype") != dtype:
-        differ.append(f"dtype {tuned.get('dtype')} (now {dtype})")
-    if batch_size is not None and tuned.get("batch_size") != batch_size:
-        differ.append(f"batch size {tuned.get('batch_size')} (now {batch_size})")
-    if differ:
-        warnings.warn(f"preset {path} was tuned under other conditions: {'; '.join(differ)}; its speed-up may not "
-                      f"hold here (run tokcomp tune again)")  # one location: the same message is shown once
+    write_preset(path, result.method, result.params, overwrite, "--out", calibration=calibration)
 
 
 class _Probe:

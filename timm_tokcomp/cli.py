@@ -4,7 +4,8 @@ import sys
 import textwrap
 from typing import List, Optional
 
-from .methods import FAMILIES
+from .methods import FAMILIES, TOCOM_METHODS
+from .precision import AMP_NAMES
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -27,7 +28,8 @@ def _numbers(flag: str, text: str, kind: type) -> tuple:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import check_plot_format, describe_settings, format_table, plot_pareto, run_bench, write_csv
+    from .bench import check_plot_format, format_table, plot_pareto, run_bench, write_csv
+    from .precision import describe_settings
 
     if args.plot:
         check_plot_format(args.plot)  # before any work, as main() checks every output path
@@ -77,8 +79,7 @@ SPEED_METHODS_CUDA = (",tome_r8@triton,tome_r16@triton,evit_r8@triton,evit_r16@t
 
 
 def _speed(args: argparse.Namespace) -> int:
-    from .bench import describe_settings
-    from .measure import device_description
+    from .precision import describe_settings, device_description
     from .speed import format_speed, run_speed, write_speed_csv
 
     batches = _numbers("--batches", args.batches, int)
@@ -198,7 +199,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _train_tocom(args: argparse.Namespace) -> int:
     import torch
 
-    from .models import build_base_model, check_device
+    from .models import build_base_model
+    from .precision import check_device
     from .tocom.train import TrainConfig, train_tocom
     from .training.engine import distributed, rank_and_world
 
@@ -259,7 +261,7 @@ def _method_args(items: List[str]) -> dict:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    from .models import check_device
+    from .precision import check_device
     from .training import FinetuneConfig, finetune
     from .training.engine import distributed, rank_and_world
 
@@ -378,7 +380,7 @@ def _precision_flags(parser: argparse.ArgumentParser) -> None:
 def _resolve_precision(args: argparse.Namespace) -> str:
     """'fp32', 'bf16' or 'fp16' from --amp / --amp-dtype or the deprecated --dtype."""
     if args.dtype is None:
-        return {"bfloat16": "bf16", "float16": "fp16"}[args.amp_dtype] if args.amp else "fp32"
+        return AMP_NAMES[args.amp_dtype] if args.amp else "fp32"
     if args.amp:
         raise ValueError("give --amp / --amp-dtype or the deprecated --dtype, not both")
     args.notes.append(f"--dtype is deprecated: --dtype {args.dtype} is "
@@ -477,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--scale", type=float, default=0.1, help="plugin scale s during training (default: %(default)s)")
     tr.add_argument("--rank", type=int, default=2, help="LoRA rank h per projection and step (default: %(default)s)")
     tr.add_argument("--groups", type=int, default=16, help="plugins, i.e. the largest r (default: %(default)s)")
-    tr.add_argument("--method", choices=["tome", "evit"], default="tome", help="token reduction trained with")
+    tr.add_argument("--method", choices=TOCOM_METHODS, default="tome", help="token reduction trained with")
     tr.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default: %(default)s)")
     tr.add_argument("--mosaic", default="2,3", help="grid sizes g: each input is a g x g mosaic of crops, so small "
                                                     "images are upscaled less (1: plain crops; default: %(default)s)")

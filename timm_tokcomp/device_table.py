@@ -8,9 +8,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .precision import dtype_name
+
 TABLE = Path(__file__).parent / "assets" / "device_defaults.json"
 FIELDS = ("kernel", "prop_attn")
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,7 +37,7 @@ def compute_dtype(x: torch.Tensor) -> str:
     """The precision x's matmuls run in: autocast's dtype where autocast is on for x's device, else x's own."""
     kind = x.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-    return _DTYPE_NAMES.get(dtype, str(dtype))
+    return dtype_name(dtype)
 
 
 def measured(field: str, x: torch.Tensor) -> Optional[str]:

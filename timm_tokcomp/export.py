@@ -16,22 +16,17 @@ from torch import nn
 
 from .core import get_reducer, is_reduced
 from .extras import require
+from .methods import METHODS
 from .outputs import new_output, refuse_existing
 
 OPSET = 18
-EXPORTABLE = ("tome", "evit", "topk", "dpcknn", "l1", "l2", "linf", "dense_tome", "pyra", "patchmerger", "sinkhorn",
-              "sit", "dynamicvit")
+EXPORTABLE = tuple(name for name, cls in METHODS.items() if cls.exportable())
 
 
 def check_exportable(model: nn.Module) -> None:
     """Raise ValueError naming the method when the model's reduction cannot become a static graph."""
-    if is_reduced(model) and get_reducer(model).name not in EXPORTABLE:
-        name = get_reducer(model).name
-        why = {"atm": "the number of tokens it merges is counted from the data in every forward",
-               "ats": "the number of tokens it keeps is counted from the data in every forward",
-               "kmedoids": "onnxruntime's round-off in the pairwise distances (up to 4e-3 where PyTorch's differ) "
-                           "flips near-tied cluster assignments, so the exported graph does not match PyTorch",
-               }.get(name, "it has not been checked against onnxruntime")
+    if is_reduced(model) and not get_reducer(model).exportable():
+        name, why = get_reducer(model).name, get_reducer(model).export_refusal
         raise ValueError(f"method {name!r} cannot be exported to ONNX: {why}; exportable: plain models and "
                          f"{', '.join(EXPORTABLE)} (fixed r, flops_ratio or keep_rate)")
 

@@ -6,7 +6,6 @@ attention op that the installed torch dispatches to but has no formula for (torc
 silently counts as 0). A guard then checks every attention op that ran against its analytic count, so a
 missing or doubled formula raises `AttentionCountError` instead of giving a wrong number.
 """
-import math
 import statistics
 import time
 from collections import defaultdict
@@ -273,36 +272,6 @@ def no_silent_eager_fallback(num_models: int):
     return config.patch(**{limit: max(8, 2 * num_models), fail: True})
 
 
-T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def t_quantile_975(df: int) -> float:
-    """The 97.5 % quantile of Student's t with df degrees of freedom: the table to df = 30, a Cornish-Fisher
-    expansion beyond (within 1e-4 there)."""
-    if df < 1:
-        return float("inf")
-    if df <= len(T_975):
-        return T_975[df - 1]
-    z = 1.959964
-    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2) \
-        + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3)
-
-
-def speedup_interval(plain: Sequence[float], times: Sequence[float]) -> Tuple[float, float, float]:
-    """Speed-up of `times` against `plain` (seconds of interleaved rounds, paired by position): the geometric mean
-    of the rounds' ratios plain / times, and its 95 % t interval (lo, hi), computed on the log ratios, so the
-    estimate always lies inside its interval; (estimate, 0, inf) with fewer than 2 rounds."""
-    if not plain or len(plain) != len(times):
-        raise ValueError(f"speedup_interval needs paired rounds, got {len(plain)} and {len(times)}")
-    logs = [math.log(p / t) for p, t in zip(plain, times)]
-    mean = statistics.fmean(logs)
-    if len(logs) < 2:
-        return math.exp(mean), 0.0, float("inf")
-    half = t_quantile_975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
-
-
 @torch.inference_mode()
 def time_runs(models: Dict[str, Callable], x: torch.Tensor, rounds: int = 5, warmup: int = 1,
               progress: Callable[[int], None] = lambda n: None) -> Dict[str, List[float]]:
@@ -324,11 +293,3 @@ def time_runs(models: Dict[str, Callable], x: torch.Tensor, rounds: int = 5, war
             progress(1)
     return times
 
-
-def device_description(device: str) -> str:
-    """'NVIDIA H100 80GB HBM3' for a CUDA device; 'CPU (<processor>, <threads> threads)' for the CPU."""
-    import platform
-
-    if torch.device(device).type == "cuda":
-        return torch.cuda.get_device_name(torch.device(device))
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

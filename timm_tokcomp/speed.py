@@ -18,21 +18,22 @@ from tqdm import tqdm
 
 from .core import apply, get_reducer, last_stats
 from .models import build_base_model
-from .bench import BASELINE, check_dtype, method_spec, noise_notes, parse_methods, precision
 from .data import open_images
-from .graphs import GraphedForward
+from .kit import modes as modes_
+from .kit.grammar import BASELINE, method_spec, parse_methods
+from .kit.modes import check_batches, check_modes
+from .kit.stats import noise_notes, speedup_interval
 from .matching import TruncatePlan
-from .measure import no_silent_eager_fallback, speedup_interval, time_runs
+from .measure import no_silent_eager_fallback, time_runs
+from .precision import check_dtype, precision
+from .methods import method_class
 from .methods.base import TokenReducer
 from .methods.params import REQUIRED, Param
 from .outputs import new_output
 from .patch import patch
-from .schedules import BlockCost, is_int
+from .schedules import BlockCost
 from .tables import text_table
 
-MODES = ("eager", "compile", "cudagraph", "graph")
-CUDA_MODES = ("cudagraph", "graph")
-DATA_DEPENDENT = ("atm", "ats")  # token counts read from the data: compiled, they would recompile per batch
 LIMIT_SUFFIX = " limit"
 
 
@@ -96,31 +97,6 @@ class SpeedRow:
     vs_plain_hi: Optional[float] = None
 
 
-def _runner(model: nn.Module, mode: str, x: torch.Tensor):
-    """model as the mode runs it on x: eager, torch.compile (cudagraph: mode='reduce-overhead'), or the eager
-    forward captured in a CUDA graph (graph)."""
-    if mode == "eager":
-        return model
-    if mode == "graph":
-        return GraphedForward(model, x)
-    return torch.compile(model, dynamic=False, mode="reduce-overhead" if mode == "cudagraph" else None)
-
-
-def check_batches(batches: Sequence[int]) -> None:
-    """Raise ValueError naming --batches unless it is a non-empty list of integers >= 1."""
-    if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or not batches \
-            or any(not is_int(b) or b < 1 for b in batches):
-        raise ValueError(f"--batches must be a list of integers >= 1, got {batches!r}")
-
-
-def check_modes(modes: Sequence[str], device: str) -> None:
-    for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"--modes: each must be one of {', '.join(MODES)}, got {mode!r}")
-        if mode in CUDA_MODES and torch.device(device).type != "cuda":
-            raise ValueError(f"--modes {mode} needs --device cuda (CUDA graphs replay GPU work)")
-
-
 def run_speed(
     model_name: str,
     methods: Sequence[str] = ("tome_r8", "tome_r16", "evit_r8", "evit_r16"),
@@ -158,7 +134,7 @@ def run_speed(
             models = _models(base, names, x, static=mode != "eager")
             torch._dynamo.reset()
             with no_silent_eager_fallback(len(models)):
-                runners = {name: _runner(m, mode, x) for name, m in models.items()}
+                runners = {name: modes_.runner(m, mode, x) for name, m in models.items()}
                 seconds = time_runs(runners, x, rounds=rounds, warmup=1 if mode == "eager" else 3)
             rows += _rows(mode, batch, seconds)
             bar.update(1)
@@ -180,7 +156,7 @@ def _models(base: nn.Module, names: Sequence[str], x: torch.Tensor, static: bool
     models = {BASELINE: base}
     for name in names:
         method, params = method_spec(name)
-        if static and method in DATA_DEPENDENT:
+        if static and method_class(method).data_dependent:
             continue
         model = apply(copy.deepcopy(base), method, **params)
         models[name] = model

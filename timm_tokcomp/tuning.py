@@ -32,30 +32,26 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from . import attention
-from .core import NO_REDUCTION, apply, get_reducer
-from .bench import check_dtype, mcnemar_exact_p, precision
-from .models import build_base_model, check_device
-from .calibrate import save_tuned_preset
+from .core import NO_REDUCTION, apply
+from .kit import modes as modes_
+from .kit.modes import TORCH_MODES, check_batches, check_modes
+from .kit.paths import fast_paths
+from .kit.stats import disagreement_lower_bound, mcnemar_exact_p, speedup_interval
+from .models import build_base_model
+from .precision import check_device, check_dtype, device_description, precision
+from .kit.presets import device_type_of, versions, write_preset
 from .extras import available, pyplot
 from .identity import data_digest, weights_digest
 from .data import UnlabeledImages, check_num_classes, open_images
-from .measure import device_description, forward_counting, no_silent_eager_fallback, speedup_interval, time_runs
-from .methods import method_class
+from .measure import forward_counting, no_silent_eager_fallback, time_runs
+from .methods import METHODS, method_class
 from .outputs import replacing, run_folder, write_text
-from .patch import fold_qkv_refusal
 from .schedules import is_int, is_real
 from .userfiles import fail, read_json
-from .speed import DATA_DEPENDENT, MODES, _runner, check_batches, check_modes
 
-DEFAULT_SPACE: Tuple[Tuple[str, Dict[str, Any]], ...] = (
-    ("tome", {"r": 4}), ("tome", {"r": 8}), ("tome", {"r": 12}), ("tome", {"r": 16}),
-    ("tome", {"flops_ratio": 1.5}), ("tome", {"flops_ratio": 2.0}),
-    ("evit", {"r": 4}), ("evit", {"r": 8}), ("evit", {"r": 12}),
-    ("atm", {}), ("atm", {"preset": "balanced"}), ("atm", {"preset": "fast"}),
-    ("topk", {"keep_rate": 0.9}), ("topk", {"keep_rate": 0.7}), ("dpcknn", {"keep_rate": 0.9}),
-    ("kmedoids", {"keep_rate": 0.9}), ("ats", {"keep_rate": 0.9}), ("l2", {"keep_rate": 0.9}),
-)
+# every method's declared settings (TokenReducer.tune_space), in METHODS order
+DEFAULT_SPACE: Tuple[Tuple[str, Dict[str, Any]], ...] = tuple(
+    (name, dict(params)) for name, cls in METHODS.items() for params in cls.tune_space)
 HELD_OUT_FIELDS = ("agree", "agree_n", "changed", "top1_plain", "top1", "top1_p")  # TuneRow's held-out figures
 # what the budget limits, in the units of --budget: top-1 when the images have labels, agreement without them
 BUDGET_MEASURES = {"top1": "points of top-1 lost", "agreement": "% of the plain model's predictions changed"}
@@ -178,27 +174,6 @@ class TuneResult:
 # ---------------------------------------------------------------- statistics
 
 
-def _log_binom_pmf(k: int, n: int, p: float) -> float:
-    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
-            + (k * math.log(p) if k else 0.0) + ((n - k) * math.log1p(-p) if n - k else 0.0))
-
-
-def disagreement_lower_bound(changed: int, n: int, confidence: float = 0.95) -> float:
-    """One-sided exact (Clopper-Pearson) lower bound of the rate behind `changed` of `n` images, as a fraction."""
-    if changed == 0:
-        return 0.0
-    alpha = 1 - confidence
-
-    def upper_tail(p: float) -> float:  # P(X >= changed | p)
-        return sum(math.exp(_log_binom_pmf(k, n, p)) for k in range(changed, n + 1))
-
-    lo, hi = 0.0, changed / n
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if upper_tail(mid) < alpha else (lo, mid)
-    return lo
-
-
 # ---------------------------------------------------------------- selection
 
 
@@ -261,37 +236,13 @@ def choose(rows: Sequence[TuneRow], batch: int, budget: float, min_speedup: Opti
 
 def candidate_paths(method: str, params: Dict[str, Any], model: nn.Module, device: str,
                     modes: Sequence[str]) -> List[Candidate]:
-    """Every way the device offers to run this setting: kernels (Triton on CUDA for methods with fused kernels;
-    torch.compile traces the torch path), proportional-attention implementations where the setting uses it
-    ('flex' only compiled, where it is fused; 'fold_qkv' where attention has no q / k norm), execution modes (the
-    data-dependent ATM / ATS eager only)."""
-    cls = method_class(method)
-    reducer = get_reducer(apply(copy.deepcopy(model), method, **params))  # every refusal of this model, here
-    has_prop = "prop_attn" in cls.param_names()
-    prop = False if not has_prop else \
-        reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
-    cuda = torch.device(device).type == "cuda"
+    """Every way the device offers to run this setting (kit.paths.fast_paths: kernels, proportional-attention
+    implementations, execution modes), as candidates."""
     out = []
-    for mode in modes:
-        if method in DATA_DEPENDENT and mode != "eager":
-            continue
-        compiled = mode in ("compile", "cudagraph")
-        kernels_ = ["torch"] + (["triton"] if cuda and not compiled and "kernel" in cls.param_names() else [])
-        if prop is False:
-            impls: List[Union[bool, str]] = [False]
-        else:
-            impls = ["mask", "fold"]
-            if fold_qkv_refusal(model) is None:
-                impls.append("fold_qkv")
-            if compiled and attention.flex_available():
-                impls.append("flex")
-        for kernel in kernels_:
-            for impl in impls:
-                kw = dict(params, prop_attn=impl) if has_prop else dict(params)
-                if "kernel" in cls.param_names():
-                    kw["kernel"] = kernel
-                out.append(Candidate(method, tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
-                                                          for k, v in kw.items())), mode))
+    for path in fast_paths(model, method, params, device, modes):
+        kw = path.params(method, params)
+        out.append(Candidate(method, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kw.items())),
+                             path.mode))
     return out
 
 
@@ -362,7 +313,7 @@ def check_space(space: Sequence[Tuple[str, Dict[str, Any]]], model: nn.Module) -
 def default_modes(device: str) -> Tuple[str, ...]:
     """Eager on the CPU; on CUDA also the eager forward in a CUDA graph and torch.compile (default and
     reduce-overhead)."""
-    return MODES if torch.device(device).type == "cuda" else ("eager",)
+    return TORCH_MODES if torch.device(device).type == "cuda" else ("eager",)
 
 
 def tune(
@@ -651,10 +602,10 @@ class _Tuner:
         try:
             with no_silent_eager_fallback(len(chunk) + 1):
                 torch._dynamo.reset()
-                models: Dict[str, Callable] = {NO_REDUCTION: _runner(self.base, mode, x)}
+                models: Dict[str, Callable] = {NO_REDUCTION: modes_.runner(self.base, mode, x)}
                 for c in chunk:
                     try:
-                        runner = _runner(self._model(c.kwargs, c.method), mode, x)
+                        runner = modes_.runner(self._model(c.kwargs, c.method), mode, x)
                         with torch.inference_mode():  # as timed: compile / capture now, so a failure is this path's
                             runner(x)
                         models[c.name] = runner
@@ -731,6 +682,24 @@ class _Tuner:
 
 
 # ---------------------------------------------------------------- outputs
+
+
+def save_tuned_preset(path: Union[str, Path], choice: "Choice", settings: Dict[str, Any], overwrite: bool = False) -> None:
+    """Write tune's choice for one batch size as a preset (kit.presets): the method and its params (kernel and
+    prop_attn implementation included), or method 'none' with the reason; the execution mode it was timed in; and
+    what it was measured with (torch device and its name, dtype, TF32, batch size, package / torch / timm versions).
+    An existing file is refused unless overwrite."""
+    row = choice.row
+    tuned = {"model": settings["model"], "device": settings["device_name"],
+             "torch_device": settings.get("device") or device_type_of(settings["device_name"]), "dtype": settings["dtype"], "tf32": settings["tf32"], "batch_size": choice.batch,
+             "budget": settings["budget"], "budget_measure": settings.get("budget_measure", "agreement"),
+             "reason": choice.reason, "versions": versions()}
+    if row is not None:
+        tuned.update(speedup=row.speedup, speedup_95=[row.speedup_lo, row.speedup_hi], agreement=row.agree,
+                     images=row.agree_n, changed=row.changed, top1=row.top1, top1_plain=row.top1_plain,
+                     ms=row.ms, ms_plain=row.ms_plain)
+    write_preset(path, NO_REDUCTION if row is None else row.method, {} if row is None else json.loads(row.params),
+                 overwrite, execution={"mode": "eager" if row is None else row.mode}, tuned=tuned)
 
 
 def write_rows(rows: Sequence[TuneRow], path: Path) -> None:

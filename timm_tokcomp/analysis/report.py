@@ -17,6 +17,8 @@ from tqdm import tqdm
 
 from ..core import __version__, apply
 from ..extras import require
+from ..kit.grammar import method_spec
+from ..methods import method_class
 from ..outputs import replacing, run_folder, write_text
 from .compare import MetricRow, compare, compared_blocks
 from .plots import plot_depth_maps, plot_metric_matrices, plot_overlays
@@ -49,8 +51,6 @@ def run_analysis(model_name: str, methods: Sequence[str], data: str, out: str, l
                  show_progress: bool = True) -> List[MetricRow]:
     """Record each method (tags as `tokcomp bench --methods` takes them) on the first `limit` images of `data`,
     compare every pair and write the report folder `out` (see the module docstring). Returns the metric rows."""
-    from ..bench import method_spec
-
     if len(methods) < 2 or len(set(methods)) != len(methods):
         raise ValueError(f"--methods needs two or more different methods to compare, got {list(methods)}")
     if "none" in methods:
@@ -60,7 +60,7 @@ def run_analysis(model_name: str, methods: Sequence[str], data: str, out: str, l
     except ValueError as e:
         raise ValueError(f"--methods: {e}") from None
     for name, (method, _) in specs.items():
-        if method == "dense_tome":
+        if method_class(method).dense:
             raise ValueError(f"--methods: {name} keeps every token (dense); analyze compares token-reducing methods")
     if limit is not None and limit < 2:
         raise ValueError(f"--limit must be >= 2 images, got {limit}")

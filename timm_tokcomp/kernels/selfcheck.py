@@ -22,13 +22,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
-from ..models import check_device
+from ..precision import DTYPES, check_device
 from ..outputs import new_output, refuse_existing
 from ..tables import text_table
 from ..matching import (attentive_pruning, batch_adaptive_r, best_matches, bipartite_soft_matching, class_attention,
                         count_above, max_merges, merge_top_r)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 4e-3}  # absolute, on outputs of magnitude about 1 to 4
 
 

@@ -22,6 +22,7 @@ from .topk import TopK
 METHODS: Dict[str, Type[TokenReducer]] = {
     cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids,
                                DPCKNN, PYRA, PatchMerger, DynamicViT, Sinkhorn, SiT)}
+TOCOM_METHODS = tuple(name for name, cls in METHODS.items() if cls.tocom_compatible)  # what ToCom compensators serve
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

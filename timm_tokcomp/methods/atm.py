@@ -139,6 +139,10 @@ class ATM(TokenReducer):
     """
 
     name = "atm"
+    data_dependent = True
+    export_refusal = "the number of tokens it merges is counted from the data in every forward"
+    listed_tags = ("atm",)
+    tune_space = ({}, {"preset": "balanced"}, {"preset": "fast"})
     default_prefix_only_last_block = True
 
     PARAMS = (Param("alpha", REQUIRED, lambda v: _check_real("alpha", v)),

@@ -18,6 +18,9 @@ class ATS(ScheduledReducer):
     block (the batch's largest count)."""
 
     name = "ats"
+    data_dependent = True
+    export_refusal = "the number of tokens it keeps is counted from the data in every forward"
+    tune_space = ({"keep_rate": 0.9},)
     needs_class_token = True
     metric_reads_values = True
     masks_by_size = True

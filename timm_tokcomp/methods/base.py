@@ -85,6 +85,13 @@ class TokenReducer(ABC):
     metric_reads_values: ClassVar[bool] = False  # metric() also gets v: (B, H, N, d)
     masks_by_size: ClassVar[bool] = False  # pads images to one count with size-0 tokens (needs prop_attn)
     PARAMS: ClassVar[Tuple[Param, ...]] = COMMON
+    # traits the commands read (bench, speed, tune, export, the registry, ToCom), declared beside the method
+    data_dependent: ClassVar[bool] = False  # token counts read from the data (a host-side count per block):
+    # eager only in speed / tune, no CUDA graph, no ONNX
+    export_refusal: ClassVar[Optional[str]] = "it has not been checked against onnxruntime"  # None: exports to ONNX
+    tocom_compatible: ClassVar[bool] = False  # ToCom compensators serve it (one integer r per block)
+    listed_tags: ClassVar[Tuple[str, ...]] = ()  # tags timm.list_models(pretrained=True) shows on every served name
+    tune_space: ClassVar[Tuple[Dict[str, Any], ...]] = ()  # its settings in `tokcomp tune`'s default space
     # what a method without one of the COMMON parameters behaves as
     prop_attn: Union[bool, str, None] = None
     trace_source: bool = False
@@ -110,6 +117,15 @@ class TokenReducer(ABC):
         if self.masks_by_size and self.prop_attn is False:
             raise ValueError(f"prop_attn must stay on for {self.name}: its padding tokens (size 0) are kept out of "
                              f"attention by the log-size bias")
+
+    @classmethod
+    def has_kernel_choice(cls) -> bool:
+        """Whether the method takes `kernel` (a fused Triton path beside the torch one)."""
+        return "kernel" in cls.param_names()
+
+    @classmethod
+    def exportable(cls) -> bool:
+        return cls.export_refusal is None
 
     @classmethod
     def param_names(cls) -> Tuple[str, ...]:

@@ -20,6 +20,7 @@ class DenseToMe(RTagged, TokenReducer):
     when no gradient is needed, torch otherwise), 'triton' (the matching in Triton too) or 'torch'."""
 
     name = "dense_tome"
+    export_refusal = None
     dense = True
 
     PARAMS = (Param("r", 0, lambda v: check_int("r", v)), Param("k", None, optional(lambda v: check_int("k", v))),

@@ -93,6 +93,7 @@ class DynamicViT(LearnedParams, ScheduledReducer):
     is always on: it is what keeps the tokens dropped in training out of attention (kept tokens have size 1)."""
 
     name = "dynamicvit"
+    export_refusal = None
     plan_on_tokens = True
     plan_differentiable = True
     masks_by_size = True

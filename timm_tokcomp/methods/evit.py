@@ -31,6 +31,10 @@ class EViT(FusedScheduledReducer):
     launches per block (kernels.evit_prune)."""
 
     name = "evit"
+    export_refusal = None
+    tocom_compatible = True
+    listed_tags = ("evit_r8", "evit_r16")
+    tune_space = ({"r": 4}, {"r": 8}, {"r": 12})
     needs_class_token = True
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor],

@@ -92,6 +92,7 @@ class PatchMerger(LearnedParams, ScheduledReducer):
     unless asked."""
 
     name = "patchmerger"
+    export_refusal = None
     plan_on_tokens = True
     plan_differentiable = True
     learned_class = PatchMergerParams

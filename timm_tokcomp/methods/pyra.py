@@ -146,6 +146,10 @@ class PYRA(LearnedParams, ToMe):
     form: 'paper' (fits its training schedule) or 'pooled' (any r); set_params keeps the parameters."""
 
     name = "pyra"
+    export_refusal = None
+    tocom_compatible = False  # not ToMe's: its compensators were trained without PYRA's layers
+    listed_tags = ()
+    tune_space = ()  # learned: needs its trained folder
     learned_class = PyraParams
     learned_param = "pyra_params"  # the constructor argument that takes saved parameters
 

@@ -62,6 +62,7 @@ class Radial(ScheduledReducer):
     every reduction is radial (the tokens present are always the n patches nearest the centre)."""
 
     ord: float
+    export_refusal = None
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k  # unused: the pattern depends on the token count only
@@ -88,6 +89,7 @@ class RadialL1(Radial):
 
 class RadialL2(Radial):
     name, ord = "l2", 2.0
+    tune_space = ({"keep_rate": 0.9},)
 
 
 class RadialLInf(Radial):

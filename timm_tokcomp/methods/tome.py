@@ -17,6 +17,10 @@ class ToMe(FusedScheduledReducer):
     (kernels.tome_merge)."""
 
     name = "tome"
+    export_refusal = None
+    tocom_compatible = True
+    listed_tags = ("tome_r8", "tome_r16")
+    tune_space = ({"r": 4}, {"r": 8}, {"r": 12}, {"r": 16}, {"flops_ratio": 1.5}, {"flops_ratio": 2.0})
     min_keep_rate = 0.5  # bipartite matching merges at most half of a block's tokens
 
     @classmethod

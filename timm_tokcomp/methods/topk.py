@@ -13,6 +13,8 @@ class TopK(ScheduledReducer):
     unless asked (kept tokens all have size 1)."""
 
     name = "topk"
+    export_refusal = None
+    tune_space = ({"keep_rate": 0.9}, {"keep_rate": 0.7})
     needs_class_token = True
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:

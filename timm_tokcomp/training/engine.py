@@ -27,6 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..core import __version__
+from ..precision import AMP_NAMES, DTYPES
 from ..outputs import replacing, run_folder, write_text
 from ..schedules import is_int, is_real
 from ..userfiles import read_torch
@@ -35,7 +36,7 @@ CHECKPOINT_FORMAT = 3  # 1: the two trainers' own checkpoints, before this engin
 CHECKPOINT = "checkpoint.pt"
 STEP_LOG = "loss_log.csv"
 EPOCH_LOG = "log.csv"
-AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+AMP_DTYPES = {name: DTYPES[short] for name, short in AMP_NAMES.items()}  # --amp-dtype spells them as timm does
 
 
 class TrainingDiverged(RuntimeError):

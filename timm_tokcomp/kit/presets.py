@@ -1,0 +1,109 @@
+"""The preset file format that `tokcomp calibrate` and `tokcomp tune` write and `--methods`, `load_preset` and
+`deploy` read: {"format", "method", "params", "execution": {"mode"}, "tuned" | "calibration": {...}}.
+A tune preset records the conditions it was measured under; loading it elsewhere warns."""
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple, Union
+
+import torch
+
+from ..core import NO_REDUCTION, __version__
+from ..methods import METHODS
+from ..outputs import new_output
+from ..precision import check_device, device_description
+from ..userfiles import fail, read_json
+
+PRESET_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A read preset. mode: the execution mode it was timed in ('eager' where none is recorded); tuned: what a
+    tune preset was measured with (device name, dtype, batch size, versions, figures), else {}."""
+
+    method: str
+    params: Dict[str, Any]
+    mode: str = "eager"
+    tuned: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device(self) -> Optional[str]:
+        """The torch device a tune preset was measured on ('cpu', 'cuda', 'cuda:1'); None for other presets."""
+        if not self.tuned:
+            return None
+        return self.tuned.get("torch_device") or device_type_of(str(self.tuned.get("device", "")))
+
+    @property
+    def dtype(self) -> str:
+        """The precision it was measured in ('fp32' where none is recorded)."""
+        return self.tuned.get("dtype", "fp32")
+
+
+def device_type_of(name: str) -> str:
+    """The torch device type behind a precision.device_description: 'cpu' for 'CPU (...)', else 'cuda'."""
+    return "cpu" if name.startswith("CPU") else "cuda"
+
+
+def versions() -> Dict[str, str]:
+    """The versions a preset records and is compared against."""
+    import timm
+
+    return {"timm_tokcomp": __version__, "torch": torch.__version__, "timm": timm.__version__}
+
+
+def write_preset(path: Union[str, Path], method: str, params: Dict[str, Any], overwrite: bool = False,
+                 flag: str = "path", **sections: Any) -> None:
+    """Write a preset; sections: 'execution', 'tuned' or 'calibration' dicts. An existing file is refused unless
+    overwrite (flag names the option that gave the path)."""
+    doc = {"format": PRESET_FORMAT, "method": method, "params": params, **sections}
+    with new_output(path, overwrite, flag) as tmp:
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def read_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = None,
+                batch_size: Optional[int] = None) -> Preset:
+    """The preset at path, checked at the door; a tune preset warns when read under other versions, or, where given,
+    another device, dtype or batch size than it was measured with."""
+    if device is not None:
+        check_device(device)
+    doc = read_json(path, "preset file")
+    if doc.get("format") != PRESET_FORMAT or not isinstance(doc.get("params"), dict) or "method" not in doc:
+        raise fail("preset file", path, f"is not a tokcomp preset (format {PRESET_FORMAT} with 'method' and 'params')")
+    if doc["method"] != NO_REDUCTION and doc["method"] not in METHODS:
+        raise fail("preset file", path, f"names method {doc['method']!r}, which is not one of {NO_REDUCTION}, "
+                                        f"{', '.join(METHODS)}")
+    execution = doc.get("execution") or {}
+    tuned = doc.get("tuned") if isinstance(doc.get("tuned"), dict) else {}
+    if tuned:
+        _warn_if_conditions_differ(path, tuned, device, dtype, batch_size)
+    return Preset(doc["method"], doc["params"], execution.get("mode", "eager") if isinstance(execution, dict)
+                  else "eager", tuned)
+
+
+def load_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = None,
+                batch_size: Optional[int] = None) -> Tuple[str, Dict[str, Any]]:
+    """(method, params) of a preset file written by `tokcomp calibrate` or `tokcomp tune`, for
+    timm_tokcomp.apply(model, method, **params); method 'none' (a tune that found nothing to gain) leaves the model
+    plain. A tune preset warns when loaded under other versions, or, where given, another device, dtype or batch
+    size than it was measured with."""
+    preset = read_preset(path, device, dtype, batch_size)
+    return preset.method, preset.params
+
+
+def _warn_if_conditions_differ(path: str, tuned: Dict[str, Any], device: Optional[str], dtype: Optional[str],
+                               batch_size: Optional[int]) -> None:
+    now = versions()
+    differ = [f"{k} {v} (now {now[k]})" for k, v in (tuned.get("versions") or {}).items() if k in now and v != now[k]]
+    if device is not None:
+        name = device_description(device)
+        if tuned.get("device") != name:
+            differ.append(f"device {tuned.get('device')} (now {name})")
+    if dtype is not None and tuned.get("dtype") != dtype:
+        differ.append(f"dtype {tuned.get('dtype')} (now {dtype})")
+    if batch_size is not None and tuned.get("batch_size") != batch_size:
+        differ.append(f"batch size {tuned.get('batch_size')} (now {batch_size})")
+    if differ:
+        warnings.warn(f"preset {path} was tuned under other conditions: {'; '.join(differ)}; its speed-up may not "
+                      f"hold here (run tokcomp tune again)")  # one location: the same message is shown once

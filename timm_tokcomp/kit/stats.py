@@ -1,0 +1,88 @@
+"""Statistics the measuring commands report: exact McNemar and Clopper-Pearson tests on paired image counts,
+speed-up intervals on interleaved timing rounds, percentiles. Pure Python."""
+import math
+import statistics
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+def p90(values: List[float]) -> float:
+    """90th percentile, linearly interpolated between the ordered values (a single value is its own)."""
+    return statistics.quantiles(values, n=10, method="inclusive")[8] if len(values) > 1 else values[0]
+
+
+def mcnemar_exact_p(gained: int, lost: int) -> float:
+    """Exact two-sided McNemar test: the probability of a split of gained + lost changed images at
+    least this uneven if each change were equally likely to go either way (binomial, p = 1/2)."""
+    if gained < 0 or lost < 0:
+        raise ValueError(f"gained and lost must be >= 0, got {gained}, {lost}")
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(gained, lost) + 1)) / 2 ** n
+    return min(1.0, 2.0 * tail)
+
+
+def _log_binom_pmf(k: int, n: int, p: float) -> float:
+    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+            + (k * math.log(p) if k else 0.0) + ((n - k) * math.log1p(-p) if n - k else 0.0))
+
+
+def disagreement_lower_bound(changed: int, n: int, confidence: float = 0.95) -> float:
+    """One-sided exact (Clopper-Pearson) lower bound of the rate behind `changed` of `n` images, as a fraction."""
+    if changed == 0:
+        return 0.0
+    alpha = 1 - confidence
+
+    def upper_tail(p: float) -> float:  # P(X >= changed | p)
+        return sum(math.exp(_log_binom_pmf(k, n, p)) for k in range(changed, n + 1))
+
+    lo, hi = 0.0, changed / n
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if upper_tail(mid) < alpha else (lo, mid)
+    return lo
+
+
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_quantile_975(df: int) -> float:
+    """The 97.5 % quantile of Student's t with df degrees of freedom: the table to df = 30, a Cornish-Fisher
+    expansion beyond (within 1e-4 there)."""
+    if df < 1:
+        return float("inf")
+    if df <= len(T_975):
+        return T_975[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2) \
+        + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3)
+
+
+def speedup_interval(plain: Sequence[float], times: Sequence[float]) -> Tuple[float, float, float]:
+    """Speed-up of `times` against `plain` (seconds of interleaved rounds, paired by position): the geometric mean
+    of the rounds' ratios plain / times, and its 95 % t interval (lo, hi), computed on the log ratios, so the
+    estimate always lies inside its interval; (estimate, 0, inf) with fewer than 2 rounds."""
+    if not plain or len(plain) != len(times):
+        raise ValueError(f"speedup_interval needs paired rounds, got {len(plain)} and {len(times)}")
+    logs = [math.log(p / t) for p, t in zip(plain, times)]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), 0.0, float("inf")
+    half = t_quantile_975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def noise_notes(intervals: Sequence[Tuple[str, Dict[str, Tuple[Optional[float], Optional[float]]]]],
+                more_rounds: str) -> List[str]:
+    """One 'note: within timing noise' line per column whose 95 % interval holds 1.00x for some rows. intervals:
+    (row name, {column: (lo, hi)}); more_rounds: the flags that time more rounds."""
+    lines = []
+    for column in dict.fromkeys(c for _, cols in intervals for c in cols):
+        noisy = [name for name, cols in intervals
+                 if cols.get(column, (None, None))[0] is not None and cols[column][0] <= 1.0 <= cols[column][1]]
+        if noisy:
+            lines.append(f"note: {column}: within timing noise (its 95 % interval holds 1.00x: the spread is larger "
+                         f"than the effect): {', '.join(noisy)}; time more rounds ({more_rounds}) or on a quieter "
+                         f"machine")
+    return lines
