@@ -9,7 +9,9 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp.matching import bipartite_soft_matching
-from timm_tokcomp.registry import LISTED_TAGS
+from timm_tokcomp.methods import listed_tags
+
+LISTED_TAGS = listed_tags()
 
 # one plain, one distilled, one with register tokens (and a class token: 5 prefix tokens)
 ARCHS = ("deit_tiny_patch16_224", "deit_tiny_distilled_patch16_224", "vit_small_patch14_reg4_dinov2")

@@ -9,6 +9,7 @@ Vision Transformers.
 """
 from typing import Any
 
+from .kit.deploy import deploy
 from .kit.presets import load_preset
 from .core import (NO_REDUCTION, __version__, apply, get_reducer, is_reduced, last_stats, remove,
                    set_params)
@@ -16,7 +17,7 @@ from .methods import METHODS
 from .registry import register_all as _register_all
 from .state import ReductionStats
 
-__all__ = ["apply", "remove", "set_params", "get_reducer", "last_stats", "is_reduced", "load_preset", "tune", "METHODS",
+__all__ = ["apply", "remove", "set_params", "get_reducer", "last_stats", "is_reduced", "load_preset", "deploy", "tune", "METHODS",
            "ReductionStats", "NO_REDUCTION", "__version__"]
 
 

@@ -6,7 +6,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import timm
 import torch
@@ -17,11 +17,12 @@ from .core import apply, is_reduced, last_stats
 from .data import UnlabeledImages, check_num_classes, open_images
 from .extras import pyplot
 from .kit.grammar import BASELINE, method_spec, parse_methods
-from .kit.modes import check_mode, runner
-from .kit.presets import load_preset
+from .kit import modes as modes_
+from .kit.modes import check_mode, warmup_calls
+from .kit.presets import load_preset, read_preset
 from .kit.stats import mcnemar_exact_p, noise_notes, p90, speedup_interval
 from .measure import count_macs, forward_counting, no_silent_eager_fallback, time_runs
-from .methods import TOCOM_METHODS, method_class
+from .methods import exportable_methods, method_class, tocom_methods
 from .models import build_base_model
 from .precision import check_dtype, precision
 from .outputs import new_output
@@ -70,16 +71,26 @@ class BenchRow:
 BACKENDS = ("eager", "compile", "onnx")
 
 
-def check_backend(backend: str, device: str, dtype: str, methods: Sequence[str]) -> None:
-    """Raise ValueError naming the flag when the backend cannot run this device, dtype or a method."""
-    check_mode(backend, device, dtype, flag="--backend", allowed=BACKENDS)
-    if backend == "onnx":
-        from .export import EXPORTABLE
+def row_modes(methods: Sequence[str], backend: str) -> Dict[str, str]:
+    """The execution mode each row is timed in: a preset's recorded mode where it is not eager (the compiled or
+    CUDA-graph mode `tokcomp tune` chose, as timm_tokcomp.deploy runs it), else the backend."""
+    recorded = {name: read_preset(name, warn=False).mode for name in methods if name.endswith(".json")}
+    return {name: recorded[name] if recorded.get(name, "eager") != "eager" else backend for name in methods}
 
+
+def check_backend(backend: str, device: str, dtype: str, methods: Sequence[str]) -> None:
+    """Raise ValueError naming the flag when the backend cannot run this device, dtype or a method, or a preset's
+    recorded mode cannot run here."""
+    check_mode(backend, device, dtype, flag="--backend", allowed=BACKENDS)
+    for name, mode in row_modes(methods, backend).items():
+        if mode != backend:
+            check_mode(mode, device, dtype, flag=f"--methods {name}: its recorded execution mode")
+    if backend == "onnx":
         for name in methods:
-            if name != BASELINE and method_spec(name)[0] not in EXPORTABLE + (BASELINE,):
-                raise ValueError(f"--backend onnx: {name} cannot be exported to ONNX (`tokcomp export` says why); "
-                                 f"exportable: {', '.join(EXPORTABLE)}")
+            method = method_spec(name)[0] if name != BASELINE else BASELINE
+            if method != BASELINE and not method_class(method).exportable():
+                raise ValueError(f"--backend onnx: {name} cannot be exported to ONNX: "
+                                 f"{method_class(method).export_refusal}; exportable: {', '.join(exportable_methods())}")
 
 
 def build_method_models(base: nn.Module, methods: Sequence[str]) -> Dict[str, nn.Module]:
@@ -110,7 +121,7 @@ def add_tocom_models(models: Dict[str, nn.Module], tocom: str, source_r: int,
         method, params = method_spec(name)
         r = params.get("r")
         if not method_class(method).tocom_compatible or not isinstance(r, int) or r > compensator.steps:
-            print(f"note: no +ToCom row for {name} (compensators serve {' / '.join(TOCOM_METHODS)} with one r in "
+            print(f"note: no +ToCom row for {name} (compensators serve {' / '.join(tocom_methods())} with one r in "
                   f"[0, {compensator.steps}])", file=sys.stderr)
             continue
         if trained_with and method != trained_with:
@@ -243,7 +254,8 @@ def run_bench(
         batch = torch.randn(batch_size, *cfg["input_size"], device=device)
         macs = {k: count_macs(m, batch[:1]) for k, m in models.items()}
 
-    times, latency = _time(models, batch, backend, timing_rounds, latency_runs if timing_rounds else 0, device, dtype,
+    modes = {**row_modes(methods, backend), **{name: backend for name in models if name.endswith(TOCOM_SUFFIX)}}
+    times, latency = _time(models, batch, modes, timing_rounds, latency_runs if timing_rounds else 0, device, dtype,
                            tf32, show_progress)
     num_tokens = base.patch_embed.num_patches + base.num_prefix_tokens
     paired = {}
@@ -265,7 +277,7 @@ def run_bench(
             **paired.get(name, {}),
             dtype=dtype,
             tf32=tf32,
-            backend=backend,
+            backend=modes[name],
             latency_ms=1e3 * statistics.median(latency[name]) if latency else None,
             latency_p90_ms=1e3 * p90(latency[name]) if latency else None,
             latency_speedup=fast[0], speedup_lo=speed[1], speedup_hi=speed[2], latency_speedup_lo=fast[1],
@@ -274,21 +286,28 @@ def run_bench(
     return rows
 
 
-def _time(models: Dict[str, nn.Module], batch: torch.Tensor, backend: str, rounds: int, latency_runs: int,
+def _time(models: Dict[str, nn.Module], batch: torch.Tensor, modes: Dict[str, str], rounds: int, latency_runs: int,
           device: str, dtype: str, tf32: bool, show_progress: bool) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
-    """Seconds per round of batch forwards and of single-image forwards, every model interleaved ({} for none)."""
+    """Seconds per round of batch forwards and of single-image forwards, every model interleaved ({} for none), each
+    in its mode (kit.modes.runner; a CUDA-graph mode captures once per input shape)."""
     if not rounds:
         return {}, {}
-    warmup = 1 if backend == "eager" else 2  # compiled: the first calls compile (one per input shape)
+    warmup = max(warmup_calls(mode) for mode in modes.values())
+    shown = ", ".join(dict.fromkeys(modes.values()))
     total = len(models) * (rounds + warmup + (latency_runs + warmup if latency_runs else 0))
     with tempfile.TemporaryDirectory() as workdir, no_silent_eager_fallback(len(models)), \
-            tqdm(total=total, desc=f"timing ({backend})", disable=not show_progress, file=sys.stderr) as bar, \
+            tqdm(total=total, desc=f"timing ({shown})", disable=not show_progress, file=sys.stderr) as bar, \
             precision(device, dtype, tf32):
-        runners = {name: runner(model, backend, batch, workdir, f"model{i}") for i, (name, model) in enumerate(models.items())}
-        times = time_runs(runners, batch, rounds=rounds, warmup=warmup, progress=bar.update)
+        def build(x: torch.Tensor, names: Sequence[str]) -> Dict[str, Callable]:
+            return {name: modes_.runner(models[name], modes[name], x, workdir, f"model{i}")
+                    for i, name in enumerate(models) if name in names}
+
+        built = build(batch, list(models))
+        times = time_runs(built, batch, rounds=rounds, warmup=warmup, progress=bar.update)
         latency = {}
-        if latency_runs:
-            latency = time_runs(runners, batch[:1], rounds=latency_runs, warmup=warmup, progress=bar.update)
+        if latency_runs:  # a CUDA graph replays one shape: the single-image forward is captured apart
+            single = {**built, **build(batch[:1], [name for name in models if modes[name] == "graph"])}
+            latency = time_runs(single, batch[:1], rounds=latency_runs, warmup=warmup, progress=bar.update)
     return times, latency
 
 

@@ -4,7 +4,7 @@ import sys
 import textwrap
 from typing import List, Optional
 
-from .methods import FAMILIES, TOCOM_METHODS
+from .methods import FAMILIES, exportable_methods, tocom_methods
 from .precision import AMP_NAMES
 
 
@@ -306,7 +306,7 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _methods(args: argparse.Namespace) -> int:
-    from .methods import METHODS
+    from .methods import METHODS, listed_tags, parameter_table
 
     for name, cls in METHODS.items():
         print(textwrap.fill(", ".join(cls.tag_forms()), 110, initial_indent=f"{name}\n  tags: ",
@@ -315,6 +315,11 @@ def _methods(args: argparse.Namespace) -> int:
             print(textwrap.fill(cls.tag_legend(), 110, initial_indent="  legend: ", subsequent_indent="    "))
         print(textwrap.fill(", ".join(cls.param_names()), 110, initial_indent="  parameters: ",
                             subsequent_indent="    "))
+        print(textwrap.fill(_traits(cls), 110, initial_indent="  traits: ", subsequent_indent="    "))
+    print("parameters:")
+    for param, default, help_, names in parameter_table():
+        print(textwrap.fill(f"{help_} (default {default}; {names})", 110, initial_indent=f"  {param}: ",
+                            subsequent_indent="    "))
     print(textwrap.fill("legend: <k>: r, the tokens each reducing block removes (tome_r16); <pct>: keep_rate in "
                         "percent, the share of tokens kept per reducing stage (evit_k70); low / high: the paper's "
                         "schedules. Method-specific forms are explained under their method.", 110,
@@ -322,13 +327,24 @@ def _methods(args: argparse.Namespace) -> int:
     from .families import served_classes
 
     print(textwrap.fill(f"models: the tags go on the names of timm's {served_classes()} architectures, after "
-                        f"their pretrained tag (timm.list_models(pretrained=True) lists tome_r8, tome_r16, evit_r8, "
-                        f"evit_r16, atm on each), e.g. deit_small_patch16_224.fb_in1k.tome_r16, "
+                        f"their pretrained tag (timm.list_models(pretrained=True) lists "
+                        f"{', '.join(listed_tags())} on each), e.g. deit_small_patch16_224.fb_in1k.tome_r16, "
                         f"vit_base_patch16_siglip_224.v2_webli.tome_r16, vit_small_patch16_dinov3.lvd1689m.tome_r16, "
                         f"eva02_base_patch14_224.mim_in22k.tome_r8, vit_pe_core_base_patch16_224.fb.tome_r8, "
                         f"vit_base_patch16_rope_mixed_224.naver_in1k.tome_r8; NaFlexVit is not served yet", 110,
                         subsequent_indent="  "))
     return 0
+
+
+def _traits(cls) -> str:
+    """What a method declares (TokenReducer's traits), in words."""
+    traits = ["dense (keeps every token)"] if cls.dense else []
+    traits.append("token counts read from the data (eager only)" if cls.data_dependent else "fixed token counts")
+    traits.append("exports to ONNX" if cls.exportable() else f"no ONNX export ({cls.export_refusal})")
+    traits += ["fused Triton kernels (kernel=)"] if cls.has_kernel_choice() else []
+    traits += ["ToCom compensators"] if cls.tocom_compatible else []
+    traits += [f"in tune's default space ({len(cls.tune_space)} settings)"] if cls.tune_space else []
+    return "; ".join(traits)
 
 
 def _training_flags(parser: argparse.ArgumentParser, unit: str) -> None:
@@ -399,7 +415,7 @@ FOLDER_OUT = ("out", "--out", True)
 
 def build_parser() -> argparse.ArgumentParser:
     from .core import __version__
-    from .export import EXPORTABLE
+    exportable = exportable_methods()
 
     parser = argparse.ArgumentParser(prog="tokcomp", description="Token compression for timm ViTs.",
                                      formatter_class=_HelpFormatter)
@@ -479,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--scale", type=float, default=0.1, help="plugin scale s during training (default: %(default)s)")
     tr.add_argument("--rank", type=int, default=2, help="LoRA rank h per projection and step (default: %(default)s)")
     tr.add_argument("--groups", type=int, default=16, help="plugins, i.e. the largest r (default: %(default)s)")
-    tr.add_argument("--method", choices=TOCOM_METHODS, default="tome", help="token reduction trained with")
+    tr.add_argument("--method", choices=tocom_methods(), default="tome", help="token reduction trained with")
     tr.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default: %(default)s)")
     tr.add_argument("--mosaic", default="2,3", help="grid sizes g: each input is a g x g mosaic of crops, so small "
                                                     "images are upscaled less (1: plain crops; default: %(default)s)")
@@ -548,10 +564,10 @@ def build_parser() -> argparse.ArgumentParser:
     _progress_flag(an)
     an.set_defaults(func=_analyze, outputs=(FOLDER_OUT,))
 
-    ex = sub.add_parser("export", help=f"write a plain or reduced model ({', '.join(EXPORTABLE)}) as ONNX (dynamic "
+    ex = sub.add_parser("export", help=f"write a plain or reduced model ({', '.join(exportable)}) as ONNX (dynamic "
                                        f"batch) and check it in onnxruntime")
     ex.add_argument("model", help="timm architecture, or a tagged name such as deit_tiny_patch16_224.tome_r16")
-    ex.add_argument("--method", help=f"method tag of {', '.join(EXPORTABLE)} (atm, ats and kmedoids do not export: "
+    ex.add_argument("--method", help=f"method tag of {', '.join(exportable)} (atm, ats and kmedoids do not export: "
                                      f"their token counts or round-off depend on the data)")
     _weights_flags(ex)
     ex.add_argument("--out", required=True, help="the .onnx file to write")

@@ -16,11 +16,10 @@ from torch import nn
 
 from .core import get_reducer, is_reduced
 from .extras import require
-from .methods import METHODS
+from .methods import exportable_methods
 from .outputs import new_output, refuse_existing
 
 OPSET = 18
-EXPORTABLE = tuple(name for name, cls in METHODS.items() if cls.exportable())
 
 
 def check_exportable(model: nn.Module) -> None:
@@ -28,7 +27,7 @@ def check_exportable(model: nn.Module) -> None:
     if is_reduced(model) and not get_reducer(model).exportable():
         name, why = get_reducer(model).name, get_reducer(model).export_refusal
         raise ValueError(f"method {name!r} cannot be exported to ONNX: {why}; exportable: plain models and "
-                         f"{', '.join(EXPORTABLE)} (fixed r, flops_ratio or keep_rate)")
+                         f"{', '.join(exportable_methods())} (fixed r, flops_ratio or keep_rate)")
 
 
 def _translations() -> Dict:

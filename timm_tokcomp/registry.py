@@ -18,7 +18,7 @@ from timm.models._features import FeatureGetterNet
 from timm.models._pretrained import DefaultCfg
 
 from .families import FAMILIES, served_classes
-from .methods import METHODS, TAG_SUMMARY, is_method_tag, method_class, parse_method_tag
+from .methods import TAG_SUMMARY, is_method_tag, listed_tags, method_class, parse_method_tag
 from .userfiles import hub_access, pretrained_unreachable
 
 # timm < 1.0.31 resolves the name inside create_model and drops its tag when pretrained_cfg is also given; the method
@@ -31,7 +31,6 @@ SHORT_NAMES = {
     "deit_small": "deit_small_patch16_224",
     "deit_base": "deit_base_patch16_224",
 }
-LISTED_TAGS = tuple(tag for cls in METHODS.values() for tag in cls.listed_tags)  # the methods declare them
 # Architectures of those modules whose blocks / attention the engine refuses, and why (checked by
 # tests/test_registry.py against timm by building each on the meta device).
 _PARALLEL = "parallel blocks (ParallelThingsBlock / ParallelScalingBlock), which timm_tokcomp does not serve"
@@ -244,7 +243,7 @@ def _list_method_names(arch: str) -> None:
         if base_name not in treg._model_has_pretrained:
             continue
         cfg = treg._model_pretrained_cfgs[base_name]
-        for method_tag in LISTED_TAGS:
+        for method_tag in listed_tags():
             if arch in NO_CLASS_TOKEN_ARCHS and method_class(parse_method_tag(method_tag)[0]).needs_class_token:
                 continue  # a name that could not be built
             name = f"{base_name}.{method_tag}"

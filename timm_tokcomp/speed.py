@@ -49,7 +49,8 @@ class LimitReducer(TokenReducer):
     from a method's forward (limit_schedule)."""
 
     name = "limit"
-    PARAMS = (Param("kept", REQUIRED, _check_kept), Param("after_mlp", False, bool))
+    PARAMS = (Param("kept", REQUIRED, _check_kept, "tokens leaving each block"),
+              Param("after_mlp", False, bool, "reduce after the MLP, as the study's methods do"))
     prop_attn = False
     prefix_only_last_block = False
 

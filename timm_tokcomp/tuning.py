@@ -44,14 +44,11 @@ from .extras import available, pyplot
 from .identity import data_digest, weights_digest
 from .data import UnlabeledImages, check_num_classes, open_images
 from .measure import forward_counting, no_silent_eager_fallback, time_runs
-from .methods import METHODS, method_class
+from .methods import default_tune_space, method_class
 from .outputs import replacing, run_folder, write_text
 from .schedules import is_int, is_real
 from .userfiles import fail, read_json
 
-# every method's declared settings (TokenReducer.tune_space), in METHODS order
-DEFAULT_SPACE: Tuple[Tuple[str, Dict[str, Any]], ...] = tuple(
-    (name, dict(params)) for name, cls in METHODS.items() for params in cls.tune_space)
 HELD_OUT_FIELDS = ("agree", "agree_n", "changed", "top1_plain", "top1", "top1_p")  # TuneRow's held-out figures
 # what the budget limits, in the units of --budget: top-1 when the images have labels, agreement without them
 BUDGET_MEASURES = {"top1": "points of top-1 lost", "agreement": "% of the plain model's predictions changed"}
@@ -338,7 +335,7 @@ def tune(
     overwrite: bool = False,
     show_progress: bool = True,
 ) -> TuneResult:
-    """Measure the candidates (DEFAULT_SPACE, or `space`: (method, params) pairs, on every path and mode the
+    """Measure the candidates (methods.default_tune_space(), or `space`: (method, params) pairs, on every path and mode the
     device offers) on `data` (a folder of images) and choose per batch size (module docstring).
     model: a timm architecture name (weights from checkpoint / pretrained) or a plain timm ViT module.
     budget: the largest allowed loss on the held-out images, measured as budget_on says: 'top1', points of top-1
@@ -355,7 +352,7 @@ def tune(
     _check_args(batches, budget, min_speedup, limit, prune_images, max_rounds, modes, device)
     if budget_on not in ("auto",) + tuple(BUDGET_MEASURES):
         raise ValueError(f"--budget-on must be auto, {' or '.join(BUDGET_MEASURES)}, got {budget_on!r}")
-    space = list(space) if space is not None else list(DEFAULT_SPACE)
+    space = list(space) if space is not None else list(default_tune_space())
     if isinstance(model, str):
         name = model
         base = build_base_model(model, checkpoint, pretrained, device)

@@ -63,9 +63,9 @@ def write_preset(path: Union[str, Path], method: str, params: Dict[str, Any], ov
 
 
 def read_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = None,
-                batch_size: Optional[int] = None) -> Preset:
-    """The preset at path, checked at the door; a tune preset warns when read under other versions, or, where given,
-    another device, dtype or batch size than it was measured with."""
+                batch_size: Optional[int] = None, warn: bool = True) -> Preset:
+    """The preset at path, checked at the door; with warn, a tune preset warns when read under other versions, or,
+    where given, another device, dtype or batch size than it was measured with (warn_if_conditions_differ)."""
     if device is not None:
         check_device(device)
     doc = read_json(path, "preset file")
@@ -76,10 +76,11 @@ def read_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = 
                                         f"{', '.join(METHODS)}")
     execution = doc.get("execution") or {}
     tuned = doc.get("tuned") if isinstance(doc.get("tuned"), dict) else {}
-    if tuned:
-        _warn_if_conditions_differ(path, tuned, device, dtype, batch_size)
-    return Preset(doc["method"], doc["params"], execution.get("mode", "eager") if isinstance(execution, dict)
-                  else "eager", tuned)
+    preset = Preset(doc["method"], doc["params"], execution.get("mode", "eager") if isinstance(execution, dict)
+                    else "eager", tuned)
+    if warn:
+        warn_if_conditions_differ(path, preset, device, dtype, batch_size)
+    return preset
 
 
 def load_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = None,
@@ -92,8 +93,13 @@ def load_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = 
     return preset.method, preset.params
 
 
-def _warn_if_conditions_differ(path: str, tuned: Dict[str, Any], device: Optional[str], dtype: Optional[str],
-                               batch_size: Optional[int]) -> None:
+def warn_if_conditions_differ(path: str, preset: Preset, device: Optional[str], dtype: Optional[str],
+                              batch_size: Optional[int]) -> None:
+    """One warning listing what differs from a tune preset's measurement: versions, and where given the device
+    (by its description), dtype and batch size; nothing for other presets."""
+    tuned = preset.tuned
+    if not tuned:
+        return
     now = versions()
     differ = [f"{k} {v} (now {now[k]})" for k, v in (tuned.get("versions") or {}).items() if k in now and v != now[k]]
     if device is not None:

@@ -1,11 +1,12 @@
 """Token-reduction methods by name, and their name tags (`tome_r16`, `evit_r8`, `topk_k70`, `atm`,
 `atm_<preset>`, `dense_tome_r8`, `patchmerger_k70`, `dynamicvit_k70`, ...)."""
 import re
-from typing import Any, Dict, Tuple, Type
+from typing import Any, Dict, List, Tuple, Type
 
 from .ats import ATS
 from .atm import ATM
 from .base import TokenReducer
+from .params import REQUIRED
 from .dense_tome import DenseToMe
 from .dpcknn import DPCKNN
 from .dynamicvit import DynamicViT
@@ -22,7 +23,6 @@ from .topk import TopK
 METHODS: Dict[str, Type[TokenReducer]] = {
     cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids,
                                DPCKNN, PYRA, PatchMerger, DynamicViT, Sinkhorn, SiT)}
-TOCOM_METHODS = tuple(name for name, cls in METHODS.items() if cls.tocom_compatible)  # what ToCom compensators serve
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 
@@ -42,6 +42,46 @@ TAG_SUMMARY = _summary(TAG_FORMS)
 # what --help lists: the method families and an example tag of each kind; `tokcomp methods` lists every form
 FAMILIES = (f"{', '.join(METHODS)}; tags such as tome_r16, tome_high, evit_k70, atm_fast, dense_tome_r8 "
             f"(tokcomp methods lists every form)")
+
+
+# the lists the commands read, each from the methods' declared traits (TokenReducer), at the time of the call
+def exportable_methods() -> Tuple[str, ...]:
+    """Methods whose reduced models export to ONNX."""
+    return tuple(name for name, cls in METHODS.items() if cls.exportable())
+
+
+def tocom_methods() -> Tuple[str, ...]:
+    """Methods ToCom compensators serve."""
+    return tuple(name for name, cls in METHODS.items() if cls.tocom_compatible)
+
+
+def listed_tags() -> Tuple[str, ...]:
+    """Tags timm.list_models(pretrained=True) shows on every served pretrained name."""
+    return tuple(tag for cls in METHODS.values() for tag in cls.listed_tags)
+
+
+def default_tune_space() -> Tuple[Tuple[str, Dict[str, Any]], ...]:
+    """`tokcomp tune`'s default candidates: every method's declared settings, in METHODS order."""
+    return tuple((name, dict(params)) for name, cls in METHODS.items() for params in cls.tune_space)
+
+
+def parameter_table() -> List[Tuple[str, str, str, str]]:
+    """(parameter, default, its one-line help, the methods that declare it so) per distinct declaration, in METHODS
+    order: what `tokcomp methods` lists and the docs' parameter table shows."""
+    rows: Dict[Tuple[str, str, str], List[str]] = {}
+    for name, cls in METHODS.items():
+        for param in cls.PARAMS:
+            default = "required" if param.default is REQUIRED else repr(param.default)
+            rows.setdefault((param.name, default, param.help), []).append(name)
+    return [(param, default, help_, "all" if len(names) == len(METHODS) else ", ".join(names))
+            for (param, default, help_), names in rows.items()]
+
+
+def parameter_markdown() -> str:
+    """parameter_table() as the Markdown table docs/methods.md carries."""
+    lines = ["| parameter | default | what it sets | methods |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{p}` | `{d}` | {h} | {m} |" for p, d, h, m in parameter_table()]
+    return "\n".join(lines)
 
 
 def method_class(method: str) -> Type[TokenReducer]:

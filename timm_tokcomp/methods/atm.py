@@ -145,10 +145,13 @@ class ATM(TokenReducer):
     tune_space = ({}, {"preset": "balanced"}, {"preset": "fast"})
     default_prefix_only_last_block = True
 
-    PARAMS = (Param("alpha", REQUIRED, lambda v: _check_real("alpha", v)),
-              Param("beta", REQUIRED, lambda v: _check_real("beta", v, low=0.0)),
-              Param("theta_min", REQUIRED, lambda v: _check_real("theta_min", v)),
-              Param("split_layer", None, _check_split_layer), *COMMON, kernel_choice())
+    PARAMS = (Param("alpha", REQUIRED, lambda v: _check_real("alpha", v), "threshold of the first block"),
+              Param("beta", REQUIRED, lambda v: _check_real("beta", v, low=0.0),
+                    "decay of the threshold per block (>= 0)"),
+              Param("theta_min", REQUIRED, lambda v: _check_real("theta_min", v), "floor of the threshold"),
+              Param("split_layer", None, _check_split_layer,
+                    "first block of size-distinctive matching; None: the paper's for the depth"),
+              *COMMON, kernel_choice())
 
     @classmethod
     def resolve_params(cls, model: nn.Module, params: Dict[str, Any]) -> Dict[str, Any]:

@@ -23,7 +23,8 @@ class DenseToMe(RTagged, TokenReducer):
     export_refusal = None
     dense = True
 
-    PARAMS = (Param("r", 0, lambda v: check_int("r", v)), Param("k", None, optional(lambda v: check_int("k", v))),
+    PARAMS = (Param("r", 0, lambda v: check_int("r", v), "dense ToMe: merges 32 r tokens before each MLP"),
+              Param("k", None, optional(lambda v: check_int("k", v)), "tokens merged before each MLP, instead of 32 r"),
               kernel_choice("auto"))
 
     @property

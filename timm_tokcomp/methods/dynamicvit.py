@@ -100,7 +100,7 @@ class DynamicViT(LearnedParams, ScheduledReducer):
     learned_class = DynamicViTParams
     learned_param = "predictor_params"
 
-    PARAMS = (*SCHEDULE, Param("predictor_params", None), *COMMON)
+    PARAMS = (*SCHEDULE, Param("predictor_params", None, help="trained predictor parameters (a learned folder)"), *COMMON)
 
     def default_prop_attn(self, global_pool: str) -> bool:
         return True

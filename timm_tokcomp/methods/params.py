@@ -22,11 +22,12 @@ def _identity(value: Any) -> Any:
 @dataclass(frozen=True)
 class Param:
     """name; default (REQUIRED: none); check: value -> the value the method keeps, raising ValueError that names
-    the parameter and its valid range."""
+    the parameter and its valid range; help: one line for `tokcomp methods` and the docs' parameter table."""
 
     name: str
     default: Any = REQUIRED
     check: Callable[[Any], Any] = _identity
+    help: str = ""
 
 
 def signature(params: Sequence[Param]) -> inspect.Signature:
@@ -67,20 +68,28 @@ def check_flops_ratio(value: Any) -> float:
 
 # the parameters every token-dropping method takes (TokenReducer documents them)
 COMMON: Tuple[Param, ...] = (
-    Param("prop_attn", None, checked_by(check_prop_attn)),
-    Param("trace_source", False, flag("trace_source")),
-    Param("prefix_only_last_block", None, flag("prefix_only_last_block")),
-    Param("rope_merge", "dst", checked_by(check_rope_merge)),
+    Param("prop_attn", None, checked_by(check_prop_attn),
+          "add log(token size) to attention scores: True / 'auto' (the measured implementation), 'mask', 'fold', "
+          "'fold_qkv', 'flex', False; None: the method's default"),
+    Param("trace_source", False, flag("trace_source"), "keep a (B, N, N0) map of the patches each token holds"),
+    Param("prefix_only_last_block", None, flag("prefix_only_last_block"),
+          "the last block's MLP runs on the prefix tokens alone (exact for class-token heads); None: where exact"),
+    Param("rope_merge", "dst", checked_by(check_rope_merge),
+          "rotary models: a merged token's position, 'dst' (its destination's) or 'centroid' (of its patches)"),
 )
 # the r schedule of ScheduledReducer: r per block, a FLOPs ratio, or the study's keep rate at its stages
 SCHEDULE: Tuple[Param, ...] = (
-    Param("r", 0, validate_r),
-    Param("flops_ratio", None, optional(check_flops_ratio)),
-    Param("keep_rate", None, optional(check_keep_rate)),
-    Param("stages", STUDY_STAGES, check_stages),  # checked even unused: a bad value is never kept
+    Param("r", 0, validate_r, "tokens each block removes: an int, a list (one per block), or (r, inflection in [-1, 1])"),
+    Param("flops_ratio", None, optional(check_flops_ratio),
+          "unreduced MACs / target MACs (> 1): r solved per block for that budget instead of r"),
+    Param("keep_rate", None, optional(check_keep_rate),
+          "the share of tokens kept at each of `stages` (the study's protocol) instead of r"),
+    Param("stages", STUDY_STAGES, check_stages,  # checked even unused: a bad value is never kept
+          "the blocks that reduce under keep_rate (block indices)"),
 )
 
 
 def kernel_choice(default: str = "torch") -> Param:
     """The fused-kernel choice ('torch', 'triton', 'auto')."""
-    return Param("kernel", default, check_kernel)
+    return Param("kernel", default, check_kernel,
+                 "'torch', 'triton' (fused kernels, CUDA inference) or 'auto' (Triton for CUDA inference)")

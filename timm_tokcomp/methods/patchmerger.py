@@ -98,7 +98,7 @@ class PatchMerger(LearnedParams, ScheduledReducer):
     learned_class = PatchMergerParams
     learned_param = "merger_params"
 
-    PARAMS = (*SCHEDULE, Param("merger_params", None), *COMMON)
+    PARAMS = (*SCHEDULE, Param("merger_params", None, help="trained merger queries (a learned folder)"), *COMMON)
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost) -> List[Optional[MergerSetting]]:
         return [None if c is None or c[0] == c[1] else MergerSetting(c[0] - c[1], c[1], layer)

@@ -153,7 +153,8 @@ class PYRA(LearnedParams, ToMe):
     learned_class = PyraParams
     learned_param = "pyra_params"  # the constructor argument that takes saved parameters
 
-    PARAMS = (*SCHEDULE, Param("form", "paper", _check_form), Param("pyra_params", None), *COMMON)
+    PARAMS = (*SCHEDULE, Param("form", "paper", _check_form, "PYRA's modulation: 'paper' or 'pooled'"),
+              Param("pyra_params", None, help="trained PYRA weights (a fine-tuned folder)"), *COMMON)
     kernel = "torch"  # not a parameter: ToMe's fused merge has no learned modulation
 
     def validate(self) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 from ..core import apply, remove, set_params
 from ..extras import require
 from ..identity import data_digest, weights_digest
-from ..methods import TOCOM_METHODS
+from ..methods import tocom_methods
 from ..patch import check_supported, is_patched
 from ..training.engine import (Schedule, TrainingDiverged, TrainingTask, check_loop_settings, distill_loss,
                                rank_and_world, train)
@@ -91,8 +91,8 @@ class TrainConfig:
             raise ValueError(f"--mosaic must hold grid sizes >= 1, got {self.mosaic}")
         if self.holdout_pick not in HOLDOUT_PICKS:
             raise ValueError(f"--holdout-pick must be one of {', '.join(HOLDOUT_PICKS)}, got {self.holdout_pick!r}")
-        if self.method not in TOCOM_METHODS:
-            raise ValueError(f"--method must be one of {', '.join(TOCOM_METHODS)}, got {self.method!r}")
+        if self.method not in tocom_methods():
+            raise ValueError(f"--method must be one of {', '.join(tocom_methods())}, got {self.method!r}")
         if not self.scale_grid or not all(math.isfinite(s) and s > 0 for s in self.scale_grid):
             raise ValueError(f"--scale-grid must hold finite scales > 0, got {self.scale_grid}")
         if not self.scale_targets or not all(0 < t <= self.groups for t in self.scale_targets):
