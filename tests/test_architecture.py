@@ -77,3 +77,60 @@ def test_the_engine_holds_the_only_optimiser_step():
             if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("optim.AdamW"):
                 steps.append(name + " (AdamW)")
     assert sorted(steps) == ["timm_tokcomp.training.engine", "timm_tokcomp.training.engine (AdamW)"]
+
+
+# The floors, bottom up: a module imports only from its own floor or below. A new module must be given a floor here.
+FLOORS = (
+    ("tensors and files", ("state", "schedules", "tables", "extras", "userfiles", "outputs", "matching", "ops",
+                           "attention", "rope", "measure", "precision", "device_table", "graphs", "data", "identity",
+                           "kernels")),
+    ("methods", ("methods",)),
+    ("models", ("reducing", "families", "patch", "core", "registry", "models", "export", "learned", "tocom",
+                "tocom.compensator", "tocom.hub", "tocom.plugins")),
+    ("kit", ("kit",)),
+    ("commands", ("bench", "speed", "tuning", "calibrate", "analysis", "training", "tocom.train", "tocom.heldout",
+                  "tocom.mosaic", "kernels.selfcheck")),
+    ("command line", ("cli",)),
+)
+COMMANDS = ("bench", "speed", "tuning", "calibrate", "analysis", "cli")  # they stand side by side; the CLI ties them
+
+
+def _longest_prefix(name: str, prefixes) -> str:
+    inside = name[len("timm_tokcomp."):]
+    found = [p for p in prefixes if inside == p or inside.startswith(p + ".")]
+    return max(found, key=len) if found else ""
+
+
+def _floor(name: str) -> int:
+    """The floor a module stands on (the face above them all); -1 where FLOORS does not place it."""
+    if name == "timm_tokcomp":
+        return len(FLOORS)
+    best = _longest_prefix(name, [p for _, prefixes in FLOORS for p in prefixes])
+    return next((i for i, (_, prefixes) in enumerate(FLOORS) if best in prefixes), -1) if best else -1
+
+
+def test_every_module_stands_on_a_floor_and_no_import_runs_up_a_floor():
+    modules = _modules()
+    assert sorted(name for name in modules if _floor(name) < 0) == []
+    upward = sorted(f"{name} ({FLOORS[_floor(name)][0]}) imports {dep} ({FLOORS[_floor(dep)][0]})"
+                    for name, path in modules.items() if name != "timm_tokcomp"
+                    for dep in _imports(name, path, modules) if _floor(dep) > _floor(name))
+    assert upward == []
+
+
+def test_no_command_module_imports_a_sibling_command_except_the_cli():
+    modules = _modules()
+    sideways = sorted(f"{name} imports {dep}" for name, path in modules.items()
+                      if _longest_prefix(name, COMMANDS) not in ("", "cli")
+                      for dep in _imports(name, path, modules)
+                      if _longest_prefix(dep, COMMANDS) not in ("", _longest_prefix(name, COMMANDS)))
+    assert sideways == []
+
+
+def test_the_floor_rules_catch_what_they_forbid():
+    """The two rules above on made-up imports: a method importing the kit, the kit importing bench, speed importing
+    bench."""
+    assert _floor("timm_tokcomp.methods.tome") < _floor("timm_tokcomp.kit.modes") < _floor("timm_tokcomp.bench")
+    assert _floor("timm_tokcomp.kernels.selfcheck") > _floor("timm_tokcomp.models") > _floor("timm_tokcomp.kernels")
+    assert _longest_prefix("timm_tokcomp.speed", COMMANDS) != _longest_prefix("timm_tokcomp.bench", COMMANDS)
+    assert _longest_prefix("timm_tokcomp.analysis.report", COMMANDS) == "analysis"
