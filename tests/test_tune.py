@@ -9,6 +9,7 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp import tuning
+from timm_tokcomp.tuning import run as tuning_run
 from timm_tokcomp.kit import modes, stats
 from timm_tokcomp.bench import run_bench
 from timm_tokcomp.cli import main
@@ -178,7 +179,7 @@ def test_resume_measures_nothing_again_and_refuses_other_settings(tuned, image_f
     def no_timing(*args, **kwargs):
         raise AssertionError("a resumed run timed again")
 
-    monkeypatch.setattr(tuning, "time_runs", no_timing)
+    monkeypatch.setattr(tuning_run, "time_runs", no_timing)
     again = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[1, 8], budget=100.0,
                               space=[("tome", {"r": 4}), ("evit", {"r": 3})], limit=20, prune_images=8, max_rounds=6,
                               out=str(out), resume=True, show_progress=False)
@@ -203,12 +204,12 @@ def test_resume_knows_inputs_by_content_not_by_spelling(tuned, image_folder, tmp
     """The same folder by a relative path resumes; another module of the same architecture, or other images behind
     the same relative path, are refused, and before any image is read."""
     _, out = tuned
-    monkeypatch.setattr(tuning, "time_runs", lambda *a, **k: pytest.fail("a resumed run timed again"))
+    monkeypatch.setattr(tuning_run, "time_runs", lambda *a, **k: pytest.fail("a resumed run timed again"))
     monkeypatch.chdir(image_folder.parent)
     _resume_tuned(_small_model(), image_folder.name, out)  # relative now, absolute when the run was made
 
-    real_load = tuning._load_images
-    monkeypatch.setattr(tuning, "_load_images", lambda *a, **k: pytest.fail("images read before the check"))
+    real_load = tuning_run._load_images
+    monkeypatch.setattr(tuning_run, "_load_images", lambda *a, **k: pytest.fail("images read before the check"))
     other_weights = _small_model()
     other_weights.load_state_dict(make_model("cls", seed=1).state_dict())
     with pytest.raises(ValueError, match=r"other settings \(other weights"):
@@ -221,7 +222,7 @@ def test_resume_knows_inputs_by_content_not_by_spelling(tuned, image_folder, tmp
     monkeypatch.chdir(other.parent)
     with pytest.raises(ValueError, match=r"other settings \(other images in --data\)"):
         _resume_tuned(_small_model(), image_folder.name, out)
-    monkeypatch.setattr(tuning, "_load_images", real_load)
+    monkeypatch.setattr(tuning_run, "_load_images", real_load)
 
 
 def test_resume_with_overwrite_is_refused_naming_both(tmp_path, image_folder, capsys):
@@ -250,14 +251,14 @@ def test_the_choice_is_the_one_its_recorded_table_gives(tuned):
 
 
 def test_screening_prunes_what_breaks_the_budget(image_folder, monkeypatch):
-    real = tuning._predictions
+    real = tuning_run._predictions
 
     def predictions(model, images, batch):  # r = 12 changes every image's class; r = 0 none
         preds = real(model, images, batch)
         reduced = timm_tokcomp.is_reduced(model) and timm_tokcomp.get_reducer(model).params["r"] == 12
         return (preds + 1) % 10 if reduced else preds
 
-    monkeypatch.setattr(tuning, "_predictions", predictions)
+    monkeypatch.setattr(tuning_run, "_predictions", predictions)
     result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[4], budget=0.0,
                                space=[("tome", {"r": 12}), ("tome", {"r": 0})], limit=20, prune_images=8,
                                max_rounds=3, show_progress=False)
@@ -321,7 +322,7 @@ def test_mac_pruning_skips_only_candidates_beaten_by_one_within_the_budget(image
     def fake_times(models, x, rounds=5, warmup=1, progress=None):
         return {name: [1.0 if name == tuning.NO_REDUCTION else 0.5] * rounds for name in models}
 
-    real = tuning._predictions
+    real = tuning_run._predictions
 
     def predictions(model, images, batch):
         preds = real(model, images, batch)
@@ -330,8 +331,8 @@ def test_mac_pruning_skips_only_candidates_beaten_by_one_within_the_budget(image
             preds = (preds + 1) % 10
         return preds
 
-    monkeypatch.setattr(tuning, "time_runs", fake_times)
-    monkeypatch.setattr(tuning, "_predictions", predictions)
+    monkeypatch.setattr(tuning_run, "time_runs", fake_times)
+    monkeypatch.setattr(tuning_run, "_predictions", predictions)
     result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[4], budget=50.0,
                                space=[("tome", {"r": 3}), ("tome", {"r": 2}), ("tome", {"r": 1})], limit=20,
                                prune_images=8, max_rounds=3, show_progress=False)
@@ -453,7 +454,7 @@ def test_max_rounds_is_an_upper_bound_and_progress_shows_each_phase(image_folder
         return {name: [1.0 if name == tuning.NO_REDUCTION else 1.0 + (-0.5) ** i for i in range(rounds)]
                 for name in models}
 
-    monkeypatch.setattr(tuning, "time_runs", noisy)
+    monkeypatch.setattr(tuning_run, "time_runs", noisy)
     result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget=100.0, space=[("tome", {"r": 1})],
                                limit=12, prune_images=6, max_rounds=10, show_progress=True)
     assert sum(calls) == 10 and all(r.rounds == 10 for r in result.rows if r.status == "timed")
@@ -491,7 +492,7 @@ def test_a_sample_too_small_for_the_budget_is_noted_with_what_would_do():
 
 
 def test_tune_states_its_budget_and_notes_a_missing_plot_extra(image_folder, tmp_path, monkeypatch):
-    monkeypatch.setattr(tuning, "available", lambda module: False)
+    monkeypatch.setattr(tuning.report, "available", lambda module: False)
     result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget=2.0, space=[("tome", {"r": 1})],
                                limit=12, prune_images=6, max_rounds=3, out=str(tmp_path / "t"), show_progress=False)
     assert any("pareto.png not drawn" in n and "timm-tokcomp[plot]" in n for n in result.settings["notes"])

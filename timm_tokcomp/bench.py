@@ -6,7 +6,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import timm
 import torch
@@ -18,10 +18,11 @@ from .data import UnlabeledImages, check_num_classes, open_images
 from .extras import pyplot
 from .kit.grammar import BASELINE, method_spec, parse_methods
 from .kit import modes as modes_
+from .kit.agreement import evaluate, paired_flags
 from .kit.modes import check_mode, warmup_calls
 from .kit.presets import load_preset, read_preset
-from .kit.stats import mcnemar_exact_p, noise_notes, p90, speedup_interval
-from .measure import count_macs, forward_counting, no_silent_eager_fallback, time_runs
+from .kit.stats import noise_notes, p90, speedup_interval
+from .measure import count_macs, no_silent_eager_fallback, time_runs
 from .methods import exportable_methods, method_class, tocom_methods
 from .models import build_base_model
 from .precision import check_dtype, precision
@@ -139,57 +140,10 @@ def _tokens_last_block(model: nn.Module, num_tokens: int) -> int:
     return num_tokens if stats is None or not stats.tokens_per_block else stats.tokens_per_block[-1]
 
 
-@dataclass
-class Evaluation:
-    """Per method: top-1 and agreement with the baseline (percent), MACs per image (mean over all
-    images, and the standard deviation of the per-batch means), and agrees: (images,) bool, whether
-    each image's top-1 class is the baseline's."""
-
-    top1: Dict[str, float]
-    agreement: Dict[str, float]
-    macs: Dict[str, float]
-    macs_std: Dict[str, float]
-    agrees: Dict[str, torch.Tensor]
-
-
-@torch.inference_mode()
-def evaluate(models: Dict[str, nn.Module], loader: Iterable, device: str, show_progress: bool) -> Evaluation:
-    """Top-1 (0 for unlabeled images, label -1), agreement with the first model, and MACs per image
-    counted on every batch, in one forward per model and batch."""
-    correct = {k: 0 for k in models}
-    agrees: Dict[str, List[torch.Tensor]] = {k: [] for k in models}
-    batch_macs: Dict[str, List[float]] = {k: [] for k in models}
-    sizes: List[int] = []
-    bar = tqdm(total=len(loader.dataset), desc="evaluate", unit="img", disable=not show_progress, file=sys.stderr)
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        reference = None
-        for name, model in models.items():
-            out, macs = forward_counting(model, x)
-            batch_macs[name].append(macs / len(y))
-            pred = out.argmax(dim=-1)
-            reference = pred if reference is None else reference
-            correct[name] += (pred == y).sum().item()
-            agrees[name].append((pred == reference).cpu())
-        sizes.append(len(y))
-        bar.update(len(y))
-    bar.close()
-    seen = sum(sizes)
-    if seen == 0:
-        raise ValueError("--data: the dataset holds no images")
-    mean = {k: sum(m * n for m, n in zip(v, sizes)) / seen for k, v in batch_macs.items()}
-    std = {k: statistics.pstdev(v) for k, v in batch_macs.items()}
-    flags = {k: torch.cat(v) for k, v in agrees.items()}
-    return Evaluation({k: 100.0 * v / seen for k, v in correct.items()},
-                      {k: 100.0 * v.sum().item() / seen for k, v in flags.items()}, mean, std, flags)
-
-
 def paired_change(agrees: Dict[str, torch.Tensor], row: str, reference: str) -> Dict:
     """BenchRow's paired fields for `row` against `reference`, from per-image agreement flags."""
-    new, old = agrees[row], agrees[reference]
-    gained, lost = int((new & ~old).sum()), int((old & ~new).sum())
-    return {"paired_with": reference, "agree_gained": gained, "agree_lost": lost,
-            "agree_change_p": mcnemar_exact_p(gained, lost)}
+    gained, lost, p = paired_flags(agrees[row], agrees[reference])
+    return {"paired_with": reference, "agree_gained": gained, "agree_lost": lost, "agree_change_p": p}
 
 
 def run_bench(

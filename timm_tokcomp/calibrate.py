@@ -17,7 +17,7 @@ from torch import nn
 
 from .core import apply, get_reducer, is_reduced, set_params
 from .kit.presets import write_preset
-from .measure import forward_counting
+from .kit.agreement import compare, predict
 from .schedules import check_int, is_real
 from .methods.atm import threshold_schedule
 
@@ -59,22 +59,16 @@ class _Probe:
         self.model = apply(copy.deepcopy(base), "atm", alpha=1.0, beta=0.0, theta_min=1.0, split_layer=split_layer)
         self.evaluations = 0
 
-    @torch.inference_mode()
-    def _run(self, model: nn.Module) -> Tuple[List[torch.Tensor], float]:
-        preds, total = [], 0.0
-        for x in self.batches:
-            out, macs = forward_counting(model, x)
-            preds.append(out.argmax(dim=-1))
-            total += macs
-        return preds, total / self.images / 1e9
+    def _run(self, model: nn.Module) -> Tuple[torch.Tensor, float]:
+        preds, macs = predict(model, self.batches, count_macs=True)
+        return preds, sum(m * len(x) for m, x in zip(macs, self.batches)) / self.images / 1e9
 
     def __call__(self, alpha: float, beta: float, theta_min: float) -> Tuple[float, float]:
 
         set_params(self.model, alpha=alpha, beta=beta, theta_min=theta_min)
         preds, gmacs = self._run(self.model)
-        agree = sum((p == r).sum().item() for p, r in zip(preds, self.reference))
         self.evaluations += 1
-        return gmacs, 100.0 * agree / self.images
+        return gmacs, compare(preds, self.reference).agreement
 
 
 def calibrate(

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from ..core import apply, get_reducer
 from ..extras import require
 from ..identity import data_digest, weights_digest
+from ..kit.agreement import compare
 from ..data import check_num_classes, open_dataset, open_images
 from ..models import build_base_model
 from ..outputs import replacing
@@ -77,10 +78,8 @@ def predict(model: nn.Module, loader, device: str, show_progress: bool, desc: st
 
 def _scores(labels: torch.Tensor, pred: torch.Tensor, reference: Optional[torch.Tensor]):
     """(top-1 %, None when no image has a label (-1); agreement % with the reference predictions, or None)."""
-    labelled = labels >= 0
-    top1 = 100.0 * (pred[labelled] == labels[labelled]).float().mean().item() if labelled.any() else None
-    agreement = None if reference is None else 100.0 * (pred == reference).float().mean().item()
-    return top1, agreement
+    paired = compare(pred, pred if reference is None else reference, labels)
+    return paired.top1, None if reference is None else paired.agreement
 
 
 class FinetuneTask(TrainingTask):

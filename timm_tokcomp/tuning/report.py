@@ -1,0 +1,144 @@
+"""What tune writes and prints: the table, the presets (one per batch size), the Pareto plot, the notes on the
+sample sizes."""
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Union
+
+from ..core import NO_REDUCTION
+from ..kit.presets import device_type_of, versions, write_preset
+from ..extras import available, pyplot
+from ..outputs import replacing, write_text
+from .rows import BUDGET_MEASURES, Choice, TuneRow
+from .select import pareto_front
+
+
+OUT_FILES = ("tune.csv", "tune_config.json", "table.md", "pareto.png", "preset*.json")
+
+
+@dataclass
+class TuneResult:
+    rows: List[TuneRow]
+    choices: List[Choice]
+    settings: Dict[str, Any] = field(default_factory=dict)
+
+    def table(self) -> str:
+        return format_table(self.rows, self.choices)
+
+    def budget_text(self) -> str:
+        """'at most 1.0 points of top-1 lost on 384 held-out images (labelled)': what the choice was held to."""
+        s = self.settings
+        why = ("the images are labelled" if s["budget_on"] == "auto" and s["budget_measure"] == "top1" else
+               "no labels: agreement with the plain model, stricter than top-1" if s["budget_on"] == "auto" else
+               f"--budget-on {s['budget_on']}")
+        return f"budget: at most {s['budget']} {BUDGET_MEASURES[s['budget_measure']]} on the {s['held_out']} " \
+               f"held-out images ({why})"
+
+
+def sample_notes(held_out: int, prune_images: int, budget: float, measure: str) -> List[str]:
+    """A note when the held-out images cannot resolve the budget: one image moves the loss by 100 / held_out, and a
+    budget of fewer than three images' worth is decided by one or two images' noise. Says how many would do."""
+    step = 100.0 / held_out
+    if budget == 0 or budget >= 3 * step:
+        return []
+    need = math.ceil(300.0 / budget)
+    return [f"the budget of {budget} {BUDGET_MEASURES[measure]} is judged on {held_out} held-out images, where one "
+            f"image is {step:.2f} points: fewer than three images decide it; {need} held-out images would resolve "
+            f"it (--limit {need + prune_images} or more with --prune-images {prune_images})"]
+
+
+def save_tuned_preset(path: Union[str, Path], choice: "Choice", settings: Dict[str, Any], overwrite: bool = False) -> None:
+    """Write tune's choice for one batch size as a preset (kit.presets): the method and its params (kernel and
+    prop_attn implementation included), or method 'none' with the reason; the execution mode it was timed in; and
+    what it was measured with (torch device and its name, dtype, TF32, batch size, package / torch / timm versions).
+    An existing file is refused unless overwrite."""
+    row = choice.row
+    tuned = {"model": settings["model"], "device": settings["device_name"],
+             "torch_device": settings.get("device") or device_type_of(settings["device_name"]), "dtype": settings["dtype"], "tf32": settings["tf32"], "batch_size": choice.batch,
+             "budget": settings["budget"], "budget_measure": settings.get("budget_measure", "agreement"),
+             "reason": choice.reason, "versions": versions()}
+    if row is not None:
+        tuned.update(speedup=row.speedup, speedup_95=[row.speedup_lo, row.speedup_hi], agreement=row.agree,
+                     images=row.agree_n, changed=row.changed, top1=row.top1, top1_plain=row.top1_plain,
+                     ms=row.ms, ms_plain=row.ms_plain)
+    write_preset(path, NO_REDUCTION if row is None else row.method, {} if row is None else json.loads(row.params),
+                 overwrite, execution={"mode": "eager" if row is None else row.mode}, tuned=tuned)
+
+
+def format_table(rows: Sequence[TuneRow], choices: Sequence[Choice]) -> str:
+    """Markdown: per batch size the timed candidates, fastest first, then what was not timed and why, then the
+    choice."""
+    out: List[str] = []
+    for choice in choices:
+        timed = sorted((r for r in rows if r.batch == choice.batch and r.status == "timed"), key=lambda r: r.ms)
+        out += [f"### batch {choice.batch}", "",
+                "| candidate | GMACs | ms (plain) | speed-up [95 %] | held-out agreement (changed / n) | top-1 (plain), McNemar p |",
+                "| --- | --- | --- | --- | --- | --- |"]
+        for r in timed:
+            agree = "-" if r.agree is None else f"{r.agree:.2f} % ({r.changed} / {r.agree_n})"
+            top1 = "-" if r.top1 is None else f"{r.top1:.2f} ({r.top1_plain:.2f}), p = {r.top1_p:.2g}"
+            mark = " **chosen**" if r.chosen else ""
+            out.append(f"| {r.candidate}{mark} | {r.gmacs:.3f} | {r.ms:.2f} ({r.ms_plain:.2f}) | {r.speedup:.2f}x "
+                       f"[{r.speedup_lo:.2f}, {r.speedup_hi:.2f}] | {agree} | {top1} |")
+        skipped = [r for r in rows if r.batch == choice.batch and r.status != "timed"]
+        if skipped:
+            counts: Dict[str, int] = {}
+            for r in skipped:
+                key = r.status.split(" (")[0]
+                counts[key] = counts.get(key, 0) + 1
+            out += ["", "not timed: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))]
+        verdict = "no reduction" if choice.row is None else choice.row.candidate
+        out += ["", f"choice: **{verdict}**: {choice.reason}", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def preset_paths(out: str, batches: Sequence[int]) -> Dict[int, Path]:
+    """preset.json for one batch size, `preset_b<B>.json` for several."""
+    if len(batches) == 1:
+        return {batches[0]: Path(out) / "preset.json"}
+    return {b: Path(out) / f"preset_b{b}.json" for b in batches}
+
+
+def write_outputs(result: TuneResult, out: str) -> None:
+    """table.md, pareto.png (with the plot extra; a note without it) and the presets, in the run folder out."""
+    s = result.settings
+    write_text(Path(out) / "table.md", f"# tokcomp tune: {s['model']} on {s['device_name']}, {s['dtype']}"
+                                       f"{', TF32' if s['tf32'] else ''}\n\n{result.budget_text()}\n\n"
+                                       + result.table())
+    if available("matplotlib"):  # the one output the core install leaves out (the plot extra)
+        plot_pareto(result, Path(out) / "pareto.png")
+    else:
+        s["notes"].append("pareto.png not drawn: it needs matplotlib, which the core install leaves out: "
+                          "pip install 'timm-tokcomp[plot]'")
+    for batch, path in preset_paths(out, s["batches"]).items():
+        choice = next(c for c in result.choices if c.batch == batch)
+        save_tuned_preset(path, choice, s, overwrite=True)  # inside the run folder tune holds
+
+
+def plot_pareto(result: TuneResult, path: Path) -> None:
+    """Speed-up against the held-out loss in the budget's measure, one panel per batch size: every timed candidate,
+    the frontier (no other point both faster and losing less), the budget line and the chosen point."""
+    plt = pyplot("plot", "tune's pareto.png")
+    batches = [c.batch for c in result.choices]
+    measure = result.settings["budget_measure"]
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, choice in zip(axes[0], result.choices):
+        pts = [r for r in result.rows if r.batch == choice.batch and r.status == "timed"
+               and r.loss(measure) is not None]
+        ax.scatter([r.loss(measure) for r in pts], [r.speedup for r in pts], s=12, alpha=0.6, label="timed candidates")
+        frontier = sorted(pareto_front(pts, measure), key=lambda r: r.loss(measure))
+        ax.plot([r.loss(measure) for r in frontier], [r.speedup for r in frontier], "-", color="C1", label="frontier")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.axvline(result.settings["budget"], color="C3", ls="--", lw=0.8, label="budget")
+        if choice.row is not None:
+            ax.plot([choice.row.loss(measure)], [choice.row.speedup], "*", ms=14, color="C2", label="chosen")
+        ax.set_xlabel(f"held-out loss: {BUDGET_MEASURES[measure]}")
+        ax.set_ylabel("speed-up against plain (same mode)")
+        ax.set_title(f"batch {choice.batch}" + ("" if choice.row else ": no reduction"))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)

@@ -1,0 +1,104 @@
+"""What tune measures and decides, as data: a candidate (a setting on one path and mode), the CSV row of one
+candidate at one batch size, and the choice for a batch size."""
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+HELD_OUT_FIELDS = ("agree", "agree_n", "changed", "top1_plain", "top1", "top1_p")  # TuneRow's held-out figures
+
+
+# what the budget limits, in the units of --budget: top-1 when the images have labels, agreement without them
+BUDGET_MEASURES = {"top1": "points of top-1 lost", "agreement": "% of the plain model's predictions changed"}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run one setting: method and params (kernel and prop_attn included) in an execution mode.
+    setting: the method and parameters that decide accuracy (kernel and prop_attn implementation left out)."""
+
+    method: str
+    params: Tuple[Tuple[str, Any], ...]
+    mode: str
+
+    @property
+    def kwargs(self) -> Dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.params}
+
+    @property
+    def setting(self) -> str:
+        shown = {k: v for k, v in self.kwargs.items() if k not in ("kernel", "prop_attn")}
+        prop = self.kwargs.get("prop_attn")
+        if prop is not None:
+            shown["prop_attn"] = prop is not False
+        return label(self.method, shown)
+
+    @property
+    def path(self) -> str:
+        """The kernel / proportional-attention implementation, e.g. 'triton, fold'."""
+        kw = self.kwargs
+        parts = [kw["kernel"]] if "kernel" in kw else []
+        if kw.get("prop_attn") not in (None, False):
+            parts.append(str(kw["prop_attn"]))
+        return ", ".join(parts) or "-"
+
+    @property
+    def name(self) -> str:
+        return f"{self.setting} [{self.path}] {self.mode}"
+
+
+def label(method: str, params: Dict[str, Any]) -> str:
+    """'tome r=16', 'tome flops_ratio=2.0 prop_attn=False'."""
+    return " ".join([method] + [f"{k}={v}" for k, v in sorted(params.items())])
+
+
+@dataclass
+class TuneRow:
+    """One candidate at one batch size. status: 'pruned: ...' (not timed: budget broken on the screening images,
+    or MACs that cannot beat the best speed-up), 'timed', 'failed: ...'. gmacs: per image; mac_ratio: plain / this;
+    screen_agree: % agreement on the screening images (screen_n of them), screen_loss: the loss there in the
+    budget's measure (BUDGET_MEASURES); ms: median per forward, ms_plain the plain model's in the same mode;
+    speedup (the geometric mean of the rounds' ratios) with its 95 % interval; agree: % held-out agreement
+    (agree_n images, changed: images whose top-1 class differs from the plain model's); top1 / top1_plain on
+    labelled data with the exact McNemar p of the paired split; chosen: this batch size's choice."""
+
+    batch: int
+    mode: str
+    candidate: str
+    setting: str
+    path: str
+    method: str
+    params: str
+    status: str = "screened"
+    gmacs: Optional[float] = None
+    mac_ratio: Optional[float] = None
+    screen_agree: Optional[float] = None
+    screen_n: Optional[int] = None
+    screen_loss: Optional[float] = None
+    ms_plain: Optional[float] = None
+    ms: Optional[float] = None
+    speedup: Optional[float] = None
+    speedup_lo: Optional[float] = None
+    speedup_hi: Optional[float] = None
+    rounds: Optional[int] = None
+    agree: Optional[float] = None
+    agree_n: Optional[int] = None
+    changed: Optional[int] = None
+    top1_plain: Optional[float] = None
+    top1: Optional[float] = None
+    top1_p: Optional[float] = None
+    chosen: bool = False
+
+    def loss(self, measure: str) -> Optional[float]:
+        """The held-out loss in the budget's measure: points of top-1 lost ('top1'), or % of the predictions
+        changed ('agreement'); None where not measured."""
+        if measure == "top1":
+            return None if self.top1 is None else self.top1_plain - self.top1
+        return None if self.agree is None else 100.0 - self.agree
+
+
+@dataclass
+class Choice:
+    """The choice for one batch size: row None means 'no reduction', and reason says why."""
+
+    batch: int
+    row: Optional[TuneRow]
+    reason: str

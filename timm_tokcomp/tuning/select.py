@@ -1,0 +1,68 @@
+"""The choice, pure logic over measured rows: the fastest candidate within the budget whose speed-up is surely above
+1 (and the minimum asked), or none with the reason; the Pareto front."""
+import statistics
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .rows import BUDGET_MEASURES, Choice, TuneRow
+
+
+def eager_speedups(rows: Sequence[TuneRow]) -> Dict[int, float]:
+    """id(row) -> its speed-up against the plain model in eager mode: its own ratio (measured interleaved with the
+    plain model in its mode) times how much faster the plain model runs in that mode than in eager mode (medians
+    of the plain times of all chunks, which side-steps drift between chunks). Without eager rows, modes are not
+    converted."""
+    plain: Dict[Tuple[int, str], float] = {}
+    for key in {(r.batch, r.mode) for r in rows if r.ms_plain is not None}:
+        plain[key] = statistics.median(r.ms_plain for r in rows if (r.batch, r.mode) == key and r.ms_plain is not None)
+    return {id(r): r.speedup * plain.get((r.batch, "eager"), plain[(r.batch, r.mode)]) / plain[(r.batch, r.mode)]
+            for r in rows if r.speedup is not None and r.ms_plain is not None}
+
+
+def loss_text(loss: float, measure: str) -> str:
+    """'0.40 points of top-1 lost'; a negative top-1 loss reads as a gain."""
+    if measure == "top1" and loss < 0:
+        return f"{-loss:.2f} points of top-1 gained"
+    return f"{loss:.2f} {BUDGET_MEASURES[measure]}"
+
+
+def choose(rows: Sequence[TuneRow], batch: int, budget: float, min_speedup: Optional[float] = None,
+           measure: str = "agreement") -> Choice:
+    """The fastest timed row of this batch size (largest speed-up against plain eager, eager_speedups) whose
+    held-out loss in the budget's measure (TuneRow.loss: top-1 points lost, or % of predictions changed) is at most
+    `budget` and whose speed-up's lower bound is above 1 (and whose speed-up is at least min_speedup);
+    Choice(batch, None, reason) when none qualifies, naming the candidate that came closest (among the rows with a
+    held-out figure: timed, or not timed because they were above the budget there)."""
+    timed = [r for r in rows if r.batch == batch and r.status == "timed"]
+    unit = BUDGET_MEASURES[measure]
+    within = [r for r in timed if r.loss(measure) is not None and r.loss(measure) <= budget + 1e-9]
+    faster = [r for r in within if r.speedup_lo is not None and r.speedup_lo > 1.0]
+    enough = [r for r in faster if min_speedup is None or r.speedup >= min_speedup]
+    if enough:
+        score = eager_speedups(timed)
+        best = max(enough, key=lambda r: (score[id(r)], r.speedup_lo, [-ord(ch) for ch in r.candidate]))
+        return Choice(batch, best, f"fastest within the budget: {best.speedup:.2f}x plain in {best.mode} mode "
+                                   f"(95 % interval {best.speedup_lo:.2f}-{best.speedup_hi:.2f}), "
+                                   f"{loss_text(best.loss(measure), measure)} (budget {budget})")
+    if not within:
+        measured = [r for r in rows if r.batch == batch and r.loss(measure) is not None]
+        if not measured:
+            return Choice(batch, None, "no candidate was timed (all were pruned or failed)")
+        best = min(measured, key=lambda r: (r.loss(measure), -(r.speedup or 0.0), r.candidate))
+        speed = "" if best.speedup is None else f", at {best.speedup:.2f}x"
+        return Choice(batch, None, f"no candidate stays within the budget of at most {budget} {unit} on the "
+                                   f"held-out images (closest: {best.candidate}, {best.loss(measure):.2f}{speed})")
+    if not faster:
+        best = max(within, key=lambda r: r.speedup_lo)
+        return Choice(batch, None, f"no candidate within the budget is surely faster than plain (best: {best.candidate}, "
+                                   f"{best.speedup:.2f}x, lower bound {best.speedup_lo:.2f})")
+    best = max(faster, key=lambda r: r.speedup)
+    return Choice(batch, None, f"no candidate reaches the minimum speed-up {min_speedup}x (best: {best.candidate}, "
+                               f"{best.speedup:.2f}x)")
+
+
+def pareto_front(rows: Iterable[TuneRow], measure: str = "agreement") -> List[TuneRow]:
+    """The rows no other row beats in both speed-up and held-out loss (TuneRow.loss)."""
+    rows = list(rows)
+    return [r for r in rows if not any(o.speedup >= r.speedup and o.loss(measure) <= r.loss(measure)
+                                       and (o.speedup > r.speedup or o.loss(measure) < r.loss(measure))
+                                       for o in rows)]
