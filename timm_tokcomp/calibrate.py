@@ -173,3 +173,30 @@ def calibrate(
         model=model_name, params=params, gmacs=gmacs, agreement=agreement, target_gmacs=target,
         baseline_gmacs=probe.baseline_gmacs, images=probe.images, evaluations=probe.evaluations,
     )
+
+
+def calibrate_folder(model_name: str, data: str, checkpoint: Optional[str], pretrained: bool, device: str, limit: int,
+                     batch_size: int, num_workers: int, show_progress: bool, **search: Any) -> CalibrationResult:
+    """calibrate() on the first `limit` images of a folder, read once in batches of batch_size onto the device (with
+    progress bars), for the model timm builds by name (weights from checkpoint or pretrained); search: calibrate's
+    target_gmacs / target_ratio, tolerance, alpha, split_layer."""
+    import sys
+
+    import timm
+    from tqdm import tqdm
+
+    from .data import open_images
+    from .models import build_base_model
+
+    if limit < 1 or batch_size < 1:
+        raise ValueError(f"--limit and --batch-size must be >= 1, got {limit} and {batch_size}")
+    base = build_base_model(model_name, checkpoint, pretrained, device)
+    dataset = open_images(data, timm.data.create_transform(**timm.data.resolve_model_data_config(base)), limit=limit)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
+    batches = [x.to(device) for x, _ in tqdm(loader, desc="load images", disable=not show_progress, file=sys.stderr)]
+    with tqdm(desc="calibrate", unit="eval", disable=not show_progress, file=sys.stderr) as bar:
+        def step(msg: str) -> None:
+            bar.set_postfix_str(msg, refresh=False)
+            bar.update(1)
+
+        return calibrate(base, batches, model_name, progress=step, **search)

@@ -14,9 +14,10 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from .core import get_reducer, is_reduced
+from .core import apply, get_reducer, is_reduced
 from .extras import require
-from .methods import exportable_methods
+from .methods import exportable_methods, is_method_tag, parse_method_tag
+from .models import build_base_model
 from .outputs import new_output, refuse_existing
 
 OPSET = 18
@@ -64,6 +65,22 @@ def export_onnx(model: nn.Module, path: str, example: torch.Tensor, overwrite: b
                                     input_names=["images"], output_names=["logits"], verbose=False)
         program.save(tmp)
     return path
+
+
+def build_named(name: str, method: Optional[str], checkpoint: Optional[str], pretrained: bool
+                ) -> Tuple[nn.Module, Optional[str]]:
+    """(the model `tokcomp export` writes, on the CPU, and its method tag or None): name is a timm architecture or a
+    method-tagged name ('deit_tiny_patch16_224.tome_r16'), method a tag for an untagged name."""
+    arch, _, last = name.rpartition(".")
+    tagged = bool(arch) and is_method_tag(last)
+    if tagged and method:
+        raise ValueError(f"MODEL {name!r} already carries a method tag; drop --method or the tag")
+    model = build_base_model(arch if tagged else name, checkpoint, pretrained, "cpu")
+    tag = last if tagged else method
+    if tag:
+        reduction, params = parse_method_tag(tag)
+        apply(model, reduction, **params)
+    return model, tag
 
 
 def onnx_runner(path: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -30,6 +30,14 @@ def parse_methods(spec: str, device: Optional[str] = None, dtype: Optional[str] 
     return [BASELINE] + list(dict.fromkeys(names))
 
 
+def parse_space(spec: str) -> List[Tuple[str, Dict[str, Any]]]:
+    """tune's --methods: 'tome_r8,evit_r4,preset.json' -> [(method, params), ...], each item as method_spec reads it."""
+    try:
+        return [method_spec(name.strip()) for name in spec.split(",") if name.strip()]
+    except ValueError as e:
+        raise ValueError(f"--methods: {e}") from None
+
+
 def method_spec(name: str) -> Tuple[str, Dict[str, Any]]:
     """A --methods item -> (method, params): a preset .json saved by `tokcomp calibrate` / `tune`, or a method tag,
     optionally with its path after '@': a kernel ('tome_r16@triton'), a proportional-attention implementation

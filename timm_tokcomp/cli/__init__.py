@@ -1,0 +1,64 @@
+"""The `tokcomp` command line: one module per command (its flags beside its handler), the shared flag groups in
+`flags`; main() parses, checks every output path, runs the command and turns bad input into one error line."""
+import argparse
+import sys
+from typing import List, Optional
+
+from . import analyze, bench, calibrate, export, finetune, methods, speed, train_tocom, tune
+from .flags import HelpFormatter, resolve_precision
+
+COMMANDS = (methods, bench, calibrate, train_tocom, finetune, analyze, export, speed, tune)  # the order --help lists
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..core import __version__
+
+    parser = argparse.ArgumentParser(prog="tokcomp", description="Token compression for timm ViTs.",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tokcomp (timm_tokcomp) {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser = sub.add_parser
+    sub.add_parser = lambda *a, **k: add_parser(*a, formatter_class=HelpFormatter, **k)  # defaults in every help
+    for command in COMMANDS:
+        command.add(sub)
+    for command in sub.choices.values():  # an option without help text still shows its default
+        for action in command._actions:
+            if action.help is None and action.default not in (None, False, argparse.SUPPRESS):
+                action.help = "(default: %(default)s)"
+    return parser
+
+
+def _one_line(error: Exception) -> str:
+    """The error's own message: an error raised in a DataLoader worker arrives wrapped with the worker's traceback,
+    whose last line is the original 'module.Type: message'."""
+    text = str(error)
+    if "Original Traceback" not in text:
+        return text
+    last = text.strip().splitlines()[-1]
+    kind, sep, message = last.partition(": ")
+    return message if sep and " " not in kind else last
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from ..training.engine import TrainingDiverged
+
+    from ..outputs import check_output
+
+    args = build_parser().parse_args(argv)
+    args.notes = []  # what qualifies the result, printed after it: an error stays the only line
+    try:
+        if getattr(args, "inference_precision", False):
+            args.dtype = resolve_precision(args)
+        for dest, flag, folder in args.outputs:  # every output path, before any work
+            if getattr(args, dest) is not None:
+                check_output(getattr(args, dest), flag, getattr(args, "overwrite", False), folder=folder)
+        code = args.func(args)
+        for note in args.notes:
+            print(f"note: {note}", file=sys.stderr)
+        return code
+    except (ValueError, TypeError, OSError, ImportError) as e:  # OSError: unreadable inputs, unwritable outputs
+        print(f"tokcomp: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as e:
+        print(f"tokcomp: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,84 @@
+"""`tokcomp bench`: GMACs, throughput, latency and accuracy of several methods side by side."""
+import argparse
+
+from ..methods import FAMILIES
+from .flags import FILE_OUT, device_flag, precision_flags, progress_flag, weights_flags
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="GMACs / throughput / accuracy table of several methods, side by side")
+    bench.add_argument("model", nargs="?", default="deit_tiny_patch16_224",
+                       help="timm architecture (default: %(default)s)")
+    bench.add_argument("--methods", default="none,tome_r8,tome_r16",
+                       help=f"comma list of 'none' and method tags ({FAMILIES}); default: %(default)s")
+    weights_flags(bench)
+    bench.add_argument("--data", help="ImageFolder tree or folder with labels.csv (file,label): top-1 and "
+                                      "agreement; a plain folder of images: agreement only; without it, "
+                                      "random inputs and no accuracy")
+    bench.add_argument("--batch-size", type=int, default=64)
+    device_flag(bench)
+    precision_flags(bench)
+    bench.add_argument("--backend", choices=("eager", "compile", "onnx"), default="eager",
+                       help="what runs the timed forwards: PyTorch eager, torch.compile, or the ONNX export in "
+                            "onnxruntime (CPU, fp32; needs the export extra); default: %(default)s")
+    bench.add_argument("--latency-runs", type=int, default=30,
+                       help="single-image forwards timed per method for latency (median, p90; 0: none; "
+                            "default: %(default)s)")
+    bench.add_argument("--timing-rounds", type=int, default=5, help="timed forwards per method (median)")
+    bench.add_argument("--no-timing", action="store_true", help="GMACs and accuracy only: no throughput or latency")
+    bench.add_argument("--limit", type=int, help="evaluate only the first N images")
+    bench.add_argument("--num-workers", type=int, default=2, help="data loading workers")
+    bench.add_argument("--out", help="write the table as CSV")
+    bench.add_argument("--plot", help="write a GMACs-vs-accuracy Pareto plot (PNG)")
+    bench.add_argument("--tocom", help="ToCom compensator (folder or Hub repo): adds a '+ToCom' row after each "
+                                       "tome / evit row")
+    bench.add_argument("--source-r", type=int, default=0, help="ToMe r the model was trained at (default: %(default)s)")
+    bench.add_argument("--tocom-scale", type=float, help="compensator scale s (default: the one in its config)")
+    bench.add_argument("--overwrite", action="store_true", help="replace existing --out / --plot files")
+    progress_flag(bench)
+    bench.set_defaults(func=run, outputs=(FILE_OUT, ("plot", "--plot", False)))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench import check_plot_format, format_table, plot_pareto, run_bench, write_csv
+    from ..precision import describe_settings
+
+    if args.plot:
+        check_plot_format(args.plot)  # before any work, as main() checks every output path
+        if args.no_timing and not args.data:
+            raise ValueError("--plot needs --data or timing: with --no-timing and random inputs there is nothing to plot")
+    if args.timing_rounds < 1:  # checked with --no-timing too: a flag's value is checked whether or not it is used
+        raise ValueError(f"--timing-rounds must be >= 1 (--no-timing times nothing), got {args.timing_rounds}")
+    if args.latency_runs < 0:
+        raise ValueError(f"--latency-runs must be >= 0 (0: no latency), got {args.latency_runs}")
+    if not args.checkpoint and not args.pretrained:
+        args.notes.append("no --checkpoint or --pretrained: random weights, accuracy columns are meaningless")
+    rows = run_bench(
+        args.model,
+        methods=args.methods.split(","),
+        checkpoint=args.checkpoint,
+        pretrained=args.pretrained,
+        data=args.data,
+        batch_size=args.batch_size,
+        device=args.device,
+        timing_rounds=0 if args.no_timing else args.timing_rounds,
+        limit=args.limit,
+        num_workers=args.num_workers,
+        show_progress=not args.no_progress,
+        tocom=args.tocom,
+        source_r=args.source_r,
+        tocom_scale=args.tocom_scale,
+        dtype=args.dtype,
+        tf32=args.tf32,
+        backend=args.backend,
+        latency_runs=0 if args.no_timing else args.latency_runs,
+    )
+    timing = ("no timing" if args.no_timing else f"backend {args.backend}"
+              + (f", latency: {args.latency_runs} single-image forwards" if args.latency_runs else ""))
+    print(describe_settings(args.device, args.dtype, args.tf32) + f", batch {args.batch_size}, {timing}")
+    print(format_table(rows))
+    if args.out:
+        write_csv(rows, args.out, args.model, overwrite=args.overwrite)
+    if args.plot:
+        plot_pareto(rows, args.plot, args.model, overwrite=args.overwrite)
+    return 0

@@ -1,0 +1,46 @@
+"""`tokcomp calibrate`: ATM thresholds that hit a GMACs budget on the user's images."""
+import argparse
+
+from .flags import FILE_OUT, device_flag, progress_flag, weights_flags
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    cal = sub.add_parser("calibrate", help="find ATM thresholds that hit a GMACs budget on your images (no labels)")
+    cal.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
+    target = cal.add_mutually_exclusive_group(required=True)
+    target.add_argument("--target-gmacs", type=float, help="GMACs per image to reach")
+    target.add_argument("--target-ratio", type=float, help="fraction of the unmodified model's GMACs, in (0, 1)")
+    cal.add_argument("--data", required=True, help="folder of images (plain, labels.csv or ImageFolder; labels unused)")
+    weights_flags(cal)
+    cal.add_argument("--limit", type=int, default=512, help="calibrate on the first N images (default: %(default)s)")
+    cal.add_argument("--tolerance", type=float, default=0.02, help="relative GMACs tolerance (default: %(default)s)")
+    cal.add_argument("--alpha", type=float, default=1.0, help="initial threshold, kept fixed (default: %(default)s)")
+    cal.add_argument("--split-layer", type=int, help="blocks after it use size-distinctive matching "
+                                                    "(default: three quarters of the depth)")
+    cal.add_argument("--batch-size", type=int, default=64)
+    device_flag(cal)
+    cal.add_argument("--num-workers", type=int, default=2, help="data loading workers")
+    cal.add_argument("--out", default="atm_preset.json", help="where to save the preset (default: %(default)s)")
+    cal.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    progress_flag(cal)
+    cal.set_defaults(func=run, outputs=(FILE_OUT,))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..calibrate import calibrate_folder, save_preset
+
+    if not args.checkpoint and not args.pretrained:
+        args.notes.append("no --checkpoint or --pretrained: the thresholds were calibrated for random weights")
+    result = calibrate_folder(args.model, args.data, args.checkpoint, args.pretrained, args.device, args.limit,
+                              args.batch_size, args.num_workers, not args.no_progress, target_gmacs=args.target_gmacs,
+                              target_ratio=args.target_ratio, tolerance=args.tolerance, alpha=args.alpha,
+                              split_layer=args.split_layer)
+    p = result.params
+    print(f"{args.model}: atm alpha={p['alpha']:g} beta={p['beta']:g} theta_min={p['theta_min']:.6f}"
+          + ("" if p["split_layer"] is None else f" split_layer={p['split_layer']}"))
+    print(f"on {result.images} images: {result.gmacs:.4f} GMACs per image ({result.gmacs / result.baseline_gmacs:.3f}x "
+          f"of {result.baseline_gmacs:.4f}; target {result.target_gmacs:.4f}), agreement with the unmodified model "
+          f"{result.agreement:.2f}% ({result.evaluations} evaluations)")
+    save_preset(result, args.out, overwrite=args.overwrite)
+    print(f"saved {args.out}; compare it with `tokcomp bench {args.model} --methods none,{args.out} --data ...`")
+    return 0

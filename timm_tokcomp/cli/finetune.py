@@ -1,0 +1,91 @@
+"""`tokcomp finetune`: LoRA, a head and the method's parameters (PYRA's recipe), or distillation."""
+import argparse
+from typing import List
+
+from ..methods import FAMILIES
+from .flags import FOLDER_OUT, training_flags, weights_flags
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    ft = sub.add_parser("finetune", help="parameter-efficient fine-tuning on labelled images: LoRA on qkv, a new "
+                                         "head and the method's own parameters (PYRA's recipe); with --distill, on "
+                                         "unlabelled images, learning the unreduced model's outputs")
+    ft.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
+    ft.add_argument("--method", default="none", help=f"token reduction trained with: a method tag ({FAMILIES}) "
+                                                     f"or none (default: %(default)s)")
+    ft.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="another method parameter, e.g. form=pooled (repeatable)")
+    ft.add_argument("--data", required=True, help="training images: a labels.csv folder, a labels .csv file, or an "
+                                                  "ImageFolder tree (with --distill also a plain image folder)")
+    ft.add_argument("--eval-data", help="images evaluated after every epoch and at the end (default: --data)")
+    ft.add_argument("--distill", action="store_true", help="no labels: keep the model's head and learn the unreduced "
+                                                          "model's outputs (KL, temperature 1); --data may be any image "
+                                                          "folder; the evaluation reports agreement with the unreduced model")
+    ft.add_argument("--out", required=True, help="folder to write: peft adapter, method parameters, card, training/")
+    weights_flags(ft)
+    ft.add_argument("--epochs", type=int, default=10, help="(default: %(default)s)")
+    ft.add_argument("--batch-size", type=int, default=32, help="(default: %(default)s)")
+    ft.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default: %(default)s)")
+    ft.add_argument("--weight-decay", type=float, default=1e-4, help="(default: %(default)s)")
+    ft.add_argument("--warmup-epochs", type=int, help="linear warm-up before the cosine decay (default: 1, or 0 "
+                                                      "with --epochs 1)")
+    ft.add_argument("--lora-rank", type=int, default=8, help="0: no LoRA, the backbone stays frozen and only the "
+                                                             "method's parameters train (with --distill; default: "
+                                                             "%(default)s)")
+    ft.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: the rank, i.e. scaling 1)")
+    ft.add_argument("--augment", choices=("crop-flip", "none"), default="crop-flip",
+                    help="random resized crops and flips, or none (default: %(default)s)")
+    ft.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default: %(default)s)")
+    ft.add_argument("--eval-batch-size", type=int, default=64, help="(default: %(default)s)")
+    training_flags(ft, "epoch")
+    ft.set_defaults(func=run, outputs=(FOLDER_OUT,))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..precision import check_device
+    from ..training import FinetuneConfig, finetune
+    from ..training.engine import distributed, rank_and_world
+
+    config = FinetuneConfig(
+        method=args.method, method_args=_method_args(args.method_arg), epochs=args.epochs, batch_size=args.batch_size,
+        lr=args.lr, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs, lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha, augment=args.augment, crop_scale=(args.crop_min, 1.0), seed=args.seed,
+        eval_batch_size=args.eval_batch_size, distill=args.distill, amp=args.amp, amp_dtype=args.amp_dtype,
+        accumulate=args.accumulate)
+    config.validate()
+    check_device(args.device)
+    with distributed(args.device) as device:  # under torchrun: the process group, one GPU per process
+        writer = rank_and_world()[0] == 0
+        if not args.checkpoint and not args.pretrained and writer:
+            args.notes.append("no --checkpoint or --pretrained: random weights were fine-tuned")
+        result = finetune(args.model, args.data, args.out, args.eval_data, config, checkpoint=args.checkpoint,
+                          pretrained=args.pretrained, resume=args.resume, overwrite=args.overwrite, device=device,
+                          show_progress=not args.no_progress, num_workers=args.num_workers,
+                          stop_after_epoch=args.stop_after)
+    if not writer:
+        return 0
+    if result is None:
+        print(f"stopped after epoch {args.stop_after} of {config.epochs}; continue with --resume")
+        return 0
+    scores = ([] if result.top1 is None else [f"top-1 {result.top1:.2f}%"]) + \
+        ([] if result.agreement is None else [f"agreement with the unreduced model {result.agreement:.2f}%"])
+    print(f"saved {args.out}: {', '.join(scores)} on {result.images} images, {result.gmacs:.4f} GMACs/image, "
+          f"{result.images_per_second:.1f} images/s, {result.trainable_parameters:,} trained parameters "
+          f"({result.method_parameters:,} of them the method's), {result.train_seconds / 60:.1f} min of training")
+    return 0
+
+
+def _method_args(items: List[str]) -> dict:
+    """['form=pooled', 'prop_attn=false'] -> {'form': 'pooled', 'prop_attn': False}; values are JSON or text."""
+    import json
+
+    parsed = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--method-arg must be KEY=VALUE, got {item!r}")
+        try:
+            parsed[key] = json.loads(value)
+        except json.JSONDecodeError:
+            parsed[key] = value
+    return parsed

@@ -1,0 +1,90 @@
+"""The flag groups every command shares (weights, device, precision, training, progress), the help formatter, the
+outputs each command declares (checked by main before any work), and the parsing of flag values."""
+import argparse
+
+from ..precision import AMP_NAMES
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, where it has one (not None, not an off switch) and the help does
+    not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def numbers(flag: str, text: str, kind: type) -> tuple:
+    """'2,3' -> (2, 3); a ValueError naming the flag otherwise."""
+    try:
+        return tuple(kind(item) for item in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be a comma list of {kind.__name__}s, got {text!r}") from None
+
+
+def training_flags(parser: argparse.ArgumentParser, unit: str) -> None:
+    """The flags of the training engine, the same for every command that trains (stop-after counts `unit`s)."""
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    device_flag(parser, "; under torchrun, one GPU per process")
+    parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
+                        help="autocast in --amp-dtype, the trained parameters and optimizer in fp32 (default: on for "
+                             "CUDA, off on the CPU)")
+    parser.add_argument("--amp-dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                        help="autocast dtype; float16 (CUDA only) adds a gradient scaler (default: %(default)s)")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="batches per optimiser step: the global batch is --batch-size x processes x this "
+                             "(default: %(default)s)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/training/checkpoint.pt")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the previous run in OUT (set aside, deleted when this run ends; a non-empty OUT "
+                             "is refused without --resume or --overwrite)")
+    parser.add_argument("--stop-after", type=int,
+                        help=f"leave after this {unit} with a checkpoint (continue with --resume)")
+    parser.add_argument("--num-workers", type=int, default=2, help="data loading workers per process "
+                                                                   "(default: %(default)s)")
+    progress_flag(parser)
+
+
+def weights_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the model's weights come from (neither: timm's random initialisation, with a note)."""
+    parser.add_argument("--checkpoint", help="weights file (.safetensors or torch) for the model")
+    parser.add_argument("--pretrained", action="store_true", help="load timm's pretrained weights (Hub; offline: "
+                                                                   "the HF cache with HF_HUB_OFFLINE=1)")
+
+
+def device_flag(parser: argparse.ArgumentParser, more: str = "") -> None:
+    parser.add_argument("--device", default="cpu", help=f"cpu, cuda or cuda:N{more}")
+
+
+def precision_flags(parser: argparse.ArgumentParser) -> None:
+    """The precision of every forward, spelled as timm's scripts do (--amp, --amp-dtype); --dtype fp32|bf16|fp16
+    still works, with a deprecation note. main() resolves them into args.dtype ('fp32', 'bf16' or 'fp16')."""
+    parser.add_argument("--amp", action="store_true", help="autocast every forward (evaluation and timing) to "
+                                                          "--amp-dtype, as a half-precision deployment does")
+    parser.add_argument("--amp-dtype", choices=("bfloat16", "float16"), default="bfloat16", help="with --amp")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                        help="deprecated spelling: --dtype bf16 is --amp, --dtype fp16 is --amp --amp-dtype float16")
+    parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (torch's default: off)")
+    parser.set_defaults(inference_precision=True)
+
+
+def resolve_precision(args: argparse.Namespace) -> str:
+    """'fp32', 'bf16' or 'fp16' from --amp / --amp-dtype or the deprecated --dtype."""
+    if args.dtype is None:
+        return AMP_NAMES[args.amp_dtype] if args.amp else "fp32"
+    if args.amp:
+        raise ValueError("give --amp / --amp-dtype or the deprecated --dtype, not both")
+    args.notes.append(f"--dtype is deprecated: --dtype {args.dtype} is "
+                      f"{ {'fp32': 'the default (no --amp)', 'bf16': '--amp', 'fp16': '--amp --amp-dtype float16'}[args.dtype]}")
+    return args.dtype
+
+
+def progress_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+# (attribute, flag, is a folder): each command's outputs, checked by main() before any work (outputs.check_output)
+FILE_OUT = ("out", "--out", False)
+FOLDER_OUT = ("out", "--out", True)

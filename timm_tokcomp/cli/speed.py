@@ -1,0 +1,57 @@
+"""`tokcomp speed`: forward times against the plain model and each method's limit, per batch and mode."""
+import argparse
+
+from ..methods import FAMILIES
+from .flags import FILE_OUT, device_flag, numbers, precision_flags, progress_flag, weights_flags
+
+
+SPEED_METHODS = "tome_r8,tome_r16,evit_r8,evit_r16"
+# fused kernels against the torch path, and the proportional-attention implementations that keep SDPA's fused kernels
+SPEED_METHODS_CUDA = (",tome_r8@triton,tome_r16@triton,evit_r8@triton,evit_r16@triton,tome_r16@fold,tome_r16@fold_qkv,"
+                      "tome_r16@triton+fold,tome_r16@triton+fold_qkv")
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    sp = sub.add_parser("speed", help="forward time of each method against the plain model and against its limit "
+                                      "(no matching), per batch size, in eager / compiled / CUDA-graph mode")
+    sp.add_argument("model", nargs="?", default="deit_tiny_patch16_224",
+                    help="timm architecture (the same default as bench; the GPU tables use deit_base_patch16_224)")
+    sp.add_argument("--methods", help=f"comma list of method tags ({FAMILIES}), '<tag>@<path>' "
+                                      f"(a kernel, a prop_attn implementation or both: tome_r16@triton, "
+                                      f"tome_r16@fold_qkv, tome_r16@triton+fold) or presets; default: "
+                                      f"{SPEED_METHODS.replace(',', ', ')}, and on CUDA also "
+                                      f"{SPEED_METHODS_CUDA[1:].replace(',', ', ')}")
+    sp.add_argument("--batches", default="1,32,64,256", help="batch sizes (default: %(default)s)")
+    sp.add_argument("--modes", default="eager", help="comma list of eager, compile (torch.compile), cudagraph "
+                                                     "(torch.compile mode='reduce-overhead', CUDA only), graph (the "
+                                                     "eager forward in a CUDA graph, CUDA only); default: %(default)s")
+    device_flag(sp)
+    precision_flags(sp)
+    sp.add_argument("--rounds", type=int, default=20, help="timed forwards per model (median; default: %(default)s)")
+    weights_flags(sp)
+    sp.add_argument("--data", help="folder of images whose first batch is timed (random inputs without it; "
+                                   "adaptive methods such as ATM need real images)")
+    sp.add_argument("--out", help="write the rows as CSV")
+    sp.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    progress_flag(sp)
+    sp.set_defaults(func=run, outputs=(FILE_OUT,))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..precision import describe_settings, device_description
+    from ..speed import format_speed, run_speed, write_speed_csv
+
+    batches = numbers("--batches", args.batches, int)
+    methods = args.methods or SPEED_METHODS + (SPEED_METHODS_CUDA if args.device.startswith("cuda") else "")
+    rows = run_speed(args.model, methods=methods.split(","), batches=batches, modes=args.modes.split(","),
+                     device=args.device, dtype=args.dtype, tf32=args.tf32, rounds=args.rounds,
+                     checkpoint=args.checkpoint, pretrained=args.pretrained, data=args.data,
+                     show_progress=not args.no_progress)
+    device_name = device_description(args.device)
+    print(f"{args.model} on {device_name}: {describe_settings(args.device, args.dtype, args.tf32)}, "
+          f"{args.rounds} interleaved rounds")
+    print(format_speed(rows))
+    if args.out:
+        write_speed_csv(rows, args.out, args.model, {"device": device_name, "dtype": args.dtype, "tf32": args.tf32},
+                        overwrite=args.overwrite)
+    return 0

@@ -1,0 +1,89 @@
+"""`tokcomp train-tocom`: ToCom compensator plugins by self-distillation."""
+import argparse
+
+from ..methods import tocom_methods
+from .flags import FOLDER_OUT, numbers, training_flags, weights_flags
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    tr = sub.add_parser("train-tocom", help="train ToCom compensator plugins by self-distillation (no labels); "
+                                            "runs under torchrun --nproc_per_node=N too")
+    tr.add_argument("model", nargs="?", help="timm architecture, e.g. deit_tiny_patch16_224 (required; the older "
+                                             "--model spelling also works)")
+    tr.add_argument("--model", dest="model_flag", help="deprecated spelling of the positional MODEL")
+    weights_flags(tr)
+    tr.add_argument("--data", required=True, help="folder of images (plain, labels.csv or ImageFolder; labels unused)")
+    tr.add_argument("--out", required=True, help="adapter repository folder to write (training state in OUT/training)")
+    tr.add_argument("--steps", type=int, default=1100, help="optimizer steps (default: %(default)s)")
+    tr.add_argument("--batch-size", type=int, default=32, help="images per step and process (default: %(default)s)")
+    tr.add_argument("--lr", type=float, default=0.03, help="AdamW lr per 256 images, scaled by the global batch "
+                                                           "(default: %(default)s)")
+    tr.add_argument("--weight-decay", type=float, default=0.01)
+    tr.add_argument("--warmup-steps", type=int, help="linear warmup before the cosine decay (default: 5%% of steps)")
+    tr.add_argument("--temperature", type=float, default=1.0, help="KL softmax temperature (default: %(default)s)")
+    tr.add_argument("--scale", type=float, default=0.1, help="plugin scale s during training (default: %(default)s)")
+    tr.add_argument("--rank", type=int, default=2, help="LoRA rank h per projection and step (default: %(default)s)")
+    tr.add_argument("--groups", type=int, default=16, help="plugins, i.e. the largest r (default: %(default)s)")
+    tr.add_argument("--method", choices=tocom_methods(), default="tome", help="token reduction trained with")
+    tr.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default: %(default)s)")
+    tr.add_argument("--mosaic", default="2,3", help="grid sizes g: each input is a g x g mosaic of crops, so small "
+                                                    "images are upscaled less (1: plain crops; default: %(default)s)")
+    tr.add_argument("--holdout", type=int, default=500, help="N images never trained on: held-out loss and the "
+                                                             "choice of the scale (default: %(default)s)")
+    tr.add_argument("--holdout-pick", choices=["spread", "end"], default="spread",
+                    help="which images are held out: evenly spaced through the sorted folder, so a folder sorted by "
+                         "class is held out across its classes, or its last N (default: %(default)s)")
+    tr.add_argument("--scale-grid", default="0.05,0.075,0.1,0.125,0.15", help="scales tried on the held-out images")
+    tr.add_argument("--scale-targets", default="4,8,12,16", help="targets r (source 0) whose mean held-out loss "
+                                                                 "chooses the scale (default: %(default)s)")
+    tr.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default: %(default)s)")
+    training_flags(tr, "step")
+    tr.set_defaults(func=run, outputs=(FOLDER_OUT,))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..models import build_base_model
+    from ..precision import check_device
+    from ..tocom.train import TrainConfig, train_tocom
+    from ..training.engine import distributed, rank_and_world
+
+    config = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps, temperature=args.temperature, scale=args.scale, rank=args.rank,
+        groups=args.groups, method=args.method, crop_scale=(args.crop_min, 1.0),
+        mosaic=numbers("--mosaic", args.mosaic, int), holdout=args.holdout,
+        holdout_pick=args.holdout_pick,
+        scale_grid=numbers("--scale-grid", args.scale_grid, float),
+        scale_targets=numbers("--scale-targets", args.scale_targets, int),
+        checkpoint_every=args.checkpoint_every, seed=args.seed, amp=args.amp, amp_dtype=args.amp_dtype,
+        accumulate=args.accumulate)
+    config.validate()
+    check_device(args.device)
+    if args.model_flag is not None:
+        if args.model is not None:
+            raise ValueError(f"give the model once: positional {args.model!r} or --model {args.model_flag!r}")
+        args.notes.append("train-tocom --model MODEL is deprecated: give the model first, as every command takes it "
+                          "(tokcomp train-tocom MODEL ...)")
+        args.model = args.model_flag
+    if args.model is None:
+        raise ValueError("the model is required: tokcomp train-tocom MODEL --data DIR --out DIR")
+    with distributed(args.device) as device:  # under torchrun: the process group, one GPU per process
+        writer = rank_and_world()[0] == 0
+        if not args.checkpoint and not args.pretrained and writer:
+            args.notes.append("no --checkpoint or --pretrained: the plugins were trained for random weights")
+        torch.manual_seed(args.seed)  # the same random weights in every process when there is no checkpoint
+        model = build_base_model(args.model, args.checkpoint, args.pretrained, "cpu")
+        _, report = train_tocom(model, args.data, args.out, args.model, config, resume=args.resume, device=device,
+                                show_progress=not args.no_progress, num_workers=args.num_workers,
+                                stop_after=args.stop_after, overwrite=args.overwrite)
+        if not writer:
+            return 0
+        if args.stop_after is not None and args.stop_after < config.steps:
+            print(f"stopped after step {args.stop_after} of {config.steps}; continue with --resume")
+        elif report is not None:
+            print(f"saved {args.out}; held-out distillation loss, source r = 0, scale {report.chosen_scale:g}:")
+            for (m, n), plain, comp, change in report.changes(report.chosen_scale):
+                print(f"  -> r = {n:2d}: {plain:.4f} without ToCom, {comp:.4f} with ({change:+.1f}%)")
+    return 0

@@ -1,0 +1,64 @@
+"""`tokcomp tune`: measure on this device and choose the fastest setting within a budget, or none."""
+import argparse
+import sys
+
+from .flags import FOLDER_OUT, device_flag, numbers, precision_flags, progress_flag, weights_flags
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    tu = sub.add_parser("tune", help="measure the training-free methods on this device and choose the fastest that "
+                                      "keeps accuracy within a budget (top-1 with labels, agreement without), or no "
+                                      "reduction")
+    tu.add_argument("model", help="timm architecture, e.g. deit_small_patch16_224")
+    tu.add_argument("--data", required=True, help="folder of images (labels not needed; with labels top-1 is reported)")
+    tu.add_argument("--out", required=True, help="folder for tune.csv, table.md, pareto.png and preset.json "
+                                                 "(preset_b<B>.json per batch size when several)")
+    weights_flags(tu)
+    device_flag(tu)
+    precision_flags(tu)
+    tu.add_argument("--batches", default="64", help="batch sizes, one choice each (default: %(default)s)")
+    tu.add_argument("--budget", type=float, default=1.0,
+                    help="the largest loss allowed on the held-out images, in points of --budget-on's measure")
+    tu.add_argument("--budget-on", choices=("auto", "top1", "agreement"), default="auto",
+                    help="top1: points of top-1 accuracy lost (needs labels); agreement: %% of the plain model's "
+                         "predictions changed (no labels needed; several times stricter); auto: top1 when --data "
+                         "is labelled")
+    tu.add_argument("--min-speedup", type=float, help="choose only a candidate at least this much faster (>= 1)")
+    tu.add_argument("--modes", help="execution modes to try (eager, compile, cudagraph, graph); default: eager on "
+                                    "the CPU, all four on CUDA")
+    tu.add_argument("--methods", help="candidate settings instead of the default space: method tags or presets, "
+                                      "comma separated (each still tried on every path and mode)")
+    tu.add_argument("--limit", type=int, default=512, help="images read from --data (default: %(default)s)")
+    tu.add_argument("--prune-images", type=int, default=128, help="the first images, used to screen candidates; "
+                                                                  "the rest decide (default: %(default)s)")
+    tu.add_argument("--max-rounds", type=int, default=30, help="timed forwards per candidate at most (default: "
+                                                               "%(default)s)")
+    tu.add_argument("--resume", action="store_true", help="continue a killed run in --out from its tune.csv")
+    tu.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
+    progress_flag(tu)
+    tu.set_defaults(func=run, outputs=(FOLDER_OUT,))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..kit.grammar import parse_space
+    from ..tuning import preset_paths, tune
+
+    if not args.checkpoint and not args.pretrained:
+        args.notes.append("no --checkpoint or --pretrained: random weights were tuned, whose agreement says nothing")
+    space = None if args.methods is None else parse_space(args.methods)
+    result = tune(args.model, args.data, batches=list(numbers("--batches", args.batches, int)), device=args.device,
+                  dtype=args.dtype, tf32=args.tf32, budget=args.budget, budget_on=args.budget_on,
+                  min_speedup=args.min_speedup,
+                  modes=args.modes.split(",") if args.modes else None, space=space, checkpoint=args.checkpoint,
+                  pretrained=args.pretrained, limit=args.limit, prune_images=args.prune_images,
+                  max_rounds=args.max_rounds, out=args.out, resume=args.resume, overwrite=args.overwrite,
+                  show_progress=not args.no_progress)
+    s = result.settings
+    print(f"{s['model']} on {s['device_name']}: {s['dtype']}{', TF32' if s['tf32'] else ''}, modes "
+          f"{', '.join(s['modes'])}; {result.budget_text()}")
+    for note in s["notes"]:
+        print(f"note: {note}", file=sys.stderr)
+    print(result.table())
+    for batch, path in preset_paths(args.out, s["batches"]).items():
+        print(f"saved {path} (batch {batch})")
+    return 0
