@@ -2,7 +2,7 @@
 import argparse
 from typing import List
 
-from ..methods import FAMILIES
+from ..methods import FAMILIES, parameter_table
 from .flags import FOLDER_OUT, training_flags, weights_flags
 
 
@@ -14,7 +14,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     ft.add_argument("--method", default="none", help=f"token reduction trained with: a method tag ({FAMILIES}) "
                                                      f"or none (default: %(default)s)")
     ft.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="another method parameter, e.g. form=pooled (repeatable)")
+                    help=f"another method parameter, e.g. form=pooled (repeatable); KEY is one of "
+                         f"{', '.join(dict.fromkeys(row[0] for row in parameter_table()))} "
+                         f"(`tokcomp methods` says what each sets and which methods take it)")
     ft.add_argument("--data", required=True, help="training images: a labels.csv folder, a labels .csv file, or an "
                                                   "ImageFolder tree (with --distill also a plain image folder)")
     ft.add_argument("--eval-data", help="images evaluated after every epoch and at the end (default: --data)")
