@@ -42,7 +42,8 @@ def _counting_backend(compiles):
                                             ("tome", {"flops_ratio": 2.0}), ("l2", {"keep_rate": 0.7}),
                                             ("topk", {"keep_rate": 0.7}), ("kmedoids", {"keep_rate": 0.7}),
                                             ("pyra", {"r": 16}), ("patchmerger", {"keep_rate": 0.7}),
-                                            ("dynamicvit", {"keep_rate": 0.7})])
+                                            ("dynamicvit", {"keep_rate": 0.7}), ("tofu", {"r": 8}),
+                                            ("pitome", {"r": 8})])
 def test_fixed_settings_compile_without_graph_breaks(method, params):
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(_deit_tiny(method, **params))(torch.randn(2, 3, 224, 224))

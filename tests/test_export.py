@@ -34,7 +34,8 @@ STAGES = {"keep_rate": 0.5, "stages": (2, 3)}
                                             ("topk", STAGES), ("dpcknn", STAGES), ("l2", STAGES), ("linf", STAGES),
                                             ("pyra", {"r": 4}), ("pyra", {"r": 4, "form": "pooled"}),
                                             ("patchmerger", STAGES), ("sinkhorn", STAGES), ("sit", STAGES),
-                                            ("dynamicvit", STAGES)])
+                                            ("dynamicvit", STAGES), ("tofu", {"r": 4}), ("tofu", STAGES),
+                                            ("pitome", {"r": 4})])
 def test_fixed_setting_methods_export(tmp_path, method, params):
     torch.manual_seed(0)
     model = timm_tokcomp.apply(timm.models.vision_transformer.VisionTransformer(**SMALL).eval(), method, **params)

@@ -28,6 +28,30 @@ def merge_sum(t: torch.Tensor, plan: MergePlan, src: Optional[torch.Tensor] = No
     return torch.cat([prefix, kept, b], dim=1)
 
 
+def merge_amax(t: torch.Tensor, plan: MergePlan) -> torch.Tensor:
+    """The largest value of every merged group, per channel: (B, N, C) -> (B, N - r, C)."""
+    prefix, a, b = _split(t, plan)
+    idx = plan.dst_idx.unsqueeze(-1).expand(-1, -1, t.shape[-1])
+    b = b.scatter_reduce(1, idx, _gather(a, plan.src_idx), reduce="amax", include_self=True)
+    return torch.cat([prefix, _gather(a, plan.unm_idx), b], dim=1)
+
+
+def merge_keep_destination(x: torch.Tensor, plan: MergePlan) -> torch.Tensor:
+    """Every group takes its destination's value: the merged-away tokens are dropped (B, N, C) -> (B, N - r, C)."""
+    prefix, a, b = _split(x, plan)
+    return torch.cat([prefix, _gather(a, plan.unm_idx), b], dim=1)
+
+
+def merge_mlerp(x: torch.Tensor, plan: MergePlan) -> torch.Tensor:
+    """ToFu's norm-preserving merge (MLERP): a merged group becomes the direction of its members' plain mean with
+    the largest member norm; a token merged with nothing is unchanged. (B, N, C) -> (B, N - r, C)."""
+    count = merge_sum(x.new_ones(x.shape[0], x.shape[1], 1), plan)
+    mean = merge_sum(x, plan) / count
+    longest = merge_amax(x.norm(dim=-1, keepdim=True), plan)
+    unit = mean / mean.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+    return torch.where(count > 1, unit * longest, merge_keep_destination(x, plan))
+
+
 def merge_mean(x: torch.Tensor, size: Optional[torch.Tensor], plan: MergePlan) -> Tuple[torch.Tensor, torch.Tensor]:
     """Size-weighted mean of every merged group.
 

@@ -13,28 +13,36 @@ from .dynamicvit import DynamicViT
 from .evit import EViT
 from .kmedoids import KMedoids
 from .patchmerger import PatchMerger
+from .pitome import PiToMe
 from .pyra import PYRA
 from .radial import RadialL1, RadialL2, RadialLInf
 from .sinkhorn import Sinkhorn
 from .sit import SiT
+from .tofu import ToFu
 from .tome import ToMe
 from .topk import TopK
 
 METHODS: Dict[str, Type[TokenReducer]] = {
     cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids,
-                               DPCKNN, PYRA, PatchMerger, DynamicViT, Sinkhorn, SiT)}
+                               DPCKNN, PYRA, PatchMerger, DynamicViT, Sinkhorn, SiT, ToFu, PiToMe)}
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 
 def _summary(forms: Tuple[str, ...]) -> str:
-    """The forms, with ATM's operating-point presets (atm_g<..>, atm_mae_g<..>) as one item: errors and help
-    stay a few lines."""
+    """The forms, with ATM's operating-point presets (atm_g<..>, atm_mae_g<..>) as one item, and the methods whose
+    only forms are '<name>_r<k>, <name>_k<pct>' after the first of them as one item: errors and help stay a few
+    lines."""
     points = [f for f in forms if re.fullmatch(r"atm_(mae_)?g\d+", f)]
-    shown = [f for f in forms if f not in points]
+    plain = [name for name, cls in METHODS.items() if cls.tag_forms() == (f"{name}_r<k>", f"{name}_k<pct>")]
+    alike = {form for name in plain[1:] for form in (f"{name}_r<k>", f"{name}_k<pct>")}
+    shown = [f for f in forms if f not in points and f not in alike]
     if points:
         at = shown.index("atm_fast") + 1 if "atm_fast" in shown else len(shown)
         shown.insert(at, f"atm_g<GFLOPs> / atm_mae_g<GFLOPs> ({len(points)} operating points of the ATM paper; "
                          "`tokcomp methods` or timm_tokcomp.methods.TAG_FORMS list them)")
+    if alike:
+        at = shown.index(f"{plain[0]}_k<pct>") + 1
+        shown.insert(at, f"the same two forms for {', '.join(plain[1:])}")
     return ", ".join(shown)
 
 

@@ -1,0 +1,102 @@
+"""The merging methods of 2023-2025 (ToFu, PiToMe): their defining steps checked exactly against simple
+references, and each method on real DeiT-Tiny (deterministic, nothing merged equals plain timm, MACs counted from
+the run, a batch equal to its images one by one)."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import timm_tokcomp
+from timm_tokcomp.matching import bipartite_soft_matching, energy_matching, energy_scores
+from timm_tokcomp.measure import count_macs
+from timm_tokcomp.methods.tofu import MLERP, PRUNE, ToFu
+from timm_tokcomp.ops import merge_keep_destination, merge_mlerp, merge_sum
+from timm_tokcomp.schedules import BlockCost
+from conftest import real_model_and_images
+
+
+def test_mlerp_keeps_the_largest_norm_and_the_mean_direction():
+    torch.manual_seed(0)
+    x = torch.randn(3, 17, 8) * torch.rand(3, 17, 1) * 4
+    plan = bipartite_soft_matching(x, 6, 1)
+    out = merge_mlerp(x, plan)
+    held = merge_sum(torch.eye(17).expand(3, -1, -1), plan)  # (B, 11, 17): which inputs each output holds
+    for b in range(3):
+        for j in range(out.shape[1]):
+            members = x[b, held[b, j] > 0]
+            if len(members) == 1:
+                assert torch.equal(out[b, j], members[0])  # merged with nothing: unchanged
+                continue
+            want = members.mean(0) / members.mean(0).norm() * members.norm(dim=-1).max()
+            torch.testing.assert_close(out[b, j], want, rtol=1e-5, atol=1e-6)
+            assert out[b, j].norm() == pytest.approx(members.norm(dim=-1).max().item(), rel=1e-5)
+    assert (held.sum(-1) > 1).any()
+
+
+def test_tofus_prune_step_keeps_each_destination_and_its_sizes_add_up():
+    torch.manual_seed(1)
+    x = torch.randn(2, 13, 8)
+    plan = bipartite_soft_matching(x, 4, 1)
+    kept = merge_keep_destination(x, plan)
+    held = merge_sum(torch.eye(13).expand(2, -1, -1), plan)
+    for b in range(2):
+        for j in range(kept.shape[1]):
+            members = held[b, j].nonzero().flatten()
+            assert any(torch.equal(kept[b, j], x[b, i]) for i in members)
+    reducer = ToFu(r=4)
+    out, size, _ = reducer.reduce(plan, x, None, None, (4, PRUNE))
+    assert torch.equal(out, kept) and torch.equal(size[..., 0], held.sum(-1))
+
+
+def test_tofu_prunes_early_and_merges_late():
+    cost = BlockCost(1, 1, 1)
+    assert [s[1] for s in ToFu(r=2).block_settings(12, 197, 1, cost)] == [PRUNE] * 7 + [MLERP] * 5
+    assert [s[1] for s in ToFu(r=2, merge_from=3).block_settings(6, 50, 1, cost)] == [PRUNE] * 3 + [MLERP] * 3
+
+
+def test_energy_matches_its_definition():
+    torch.manual_seed(2)
+    m = torch.randn(2, 9, 5)
+    unit = m / m.norm(dim=-1, keepdim=True)
+    want = torch.stack([torch.stack([F.elu(unit[b, i] @ unit[b, j] - 0.4) for j in range(9)]).mean()
+                        for b in range(2) for i in range(9)]).view(2, 9)
+    torch.testing.assert_close(energy_scores(m, 0.4), want)
+
+
+@pytest.mark.parametrize("protect", [False, True])
+def test_pitome_merges_only_its_candidates_and_never_a_protected_token(protect):
+    torch.manual_seed(3)
+    metric = torch.randn(4, 31, 16)  # 1 prefix token, 30 others
+    r = 6
+    plan = energy_matching(metric, r, 1, 0.5, protect)
+    assert plan.r == r
+    order = energy_scores(metric[:, 1:], 0.5).argsort(dim=-1, descending=True, stable=True)
+    sources = plan.a_idx.gather(1, plan.src_idx)  # non-prefix positions merged away
+    for b in range(4):
+        ranks = {int(p): k for k, p in enumerate(order[b])}
+        if protect:  # the candidates are the 2 r highest-energy tokens; every A candidate merges
+            assert sorted(ranks[int(p)] for p in sources[b]) == list(range(0, 2 * r, 2))
+            destinations = plan.b_idx.gather(1, plan.dst_idx)[b]
+            assert all(ranks[int(p)] < 2 * r and ranks[int(p)] % 2 == 1 for p in destinations)
+        else:  # A = the even energy ranks, merged by ToMe's rule
+            assert sorted(ranks[int(p)] for p in plan.a_idx[b]) == list(range(0, 30, 2))
+            assert all(ranks[int(p)] % 2 == 0 for p in sources[b])
+
+
+@pytest.mark.realdata
+@pytest.mark.parametrize("tag", ["tofu_r8", "pitome_r8"])
+def test_on_real_deit_tiny(tag):
+    plain, images = real_model_and_images("deit_tiny_patch16_224", 4)
+    method, params = timm_tokcomp.methods.parse_method_tag(tag)
+    model = timm_tokcomp.apply(copy.deepcopy(plain), method, **params)
+    with torch.no_grad():
+        out = model(images)
+        assert torch.equal(out, model(images))  # deterministic
+        one_by_one = torch.cat([model(images[i:i + 1]) for i in range(len(images))])
+        torch.testing.assert_close(out, one_by_one, rtol=1e-4, atol=1e-4)
+        assert torch.equal(timm_tokcomp.apply(copy.deepcopy(plain), method, r=0)(images), plain(images))
+        agree = (out.argmax(-1) == plain(images).argmax(-1)).float().mean()
+    assert timm_tokcomp.last_stats(model).tokens_per_block[-1] == 197 - 8 * 11
+    macs, plain_macs = count_macs(model, images[:1]), count_macs(plain, images[:1])
+    assert 0.6 < macs / plain_macs < 0.8 and agree >= 0.5

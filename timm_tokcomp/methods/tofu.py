@@ -1,0 +1,58 @@
+"""ToFu, Token Fusion (Kim et al., WACV 2024): ToMe's matching, with each merge done as the block's depth suits it:
+in the early blocks the merged-away tokens are dropped (the destination keeps its value: pruning), in the later
+blocks a group becomes MLERP, its members' mean direction at the largest member norm, so merging does not shrink
+the tokens' norms. Training-free."""
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..matching import MergePlan
+from ..ops import merge_keep_destination, merge_mlerp, merge_sum
+from ..schedules import BlockCost, check_int
+from .base import ScheduledReducer
+from .params import COMMON, SCHEDULE, Param, optional
+from .tome import tome_plan
+
+PRUNE, MLERP = "prune", "mlerp"
+
+
+class ToFu(ScheduledReducer):
+    """Metric: keys averaged over heads (cosine), ToMe's bipartite matching. Blocks 0 .. merge_from - 1 prune
+    (sources dropped), blocks from merge_from on merge by MLERP; merge_from None: depth // 2 + 1 (blocks 0-6 of 12
+    prune, as both public re-implementations do; the paper's switching point could not be checked). Sizes and
+    source maps add up in both steps; proportional attention is off by default (the re-implementations run
+    without it)."""
+
+    name = "tofu"
+    export_refusal = None
+    min_keep_rate = 0.5  # bipartite matching merges at most half of a block's tokens
+    PARAMS = (*SCHEDULE,
+              Param("merge_from", None, optional(lambda v: check_int("merge_from", v)),
+                    "ToFu: the first block that merges by MLERP (earlier blocks prune); None: depth // 2 + 1"),
+              *COMMON)
+
+    def default_prop_attn(self, global_pool: str) -> bool:
+        return False
+
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int,
+                       cost: BlockCost) -> List[Optional[Tuple[int, str]]]:
+        """(r, 'prune' or 'mlerp') per reducing block."""
+        first = num_blocks // 2 + 1 if self.merge_from is None else self.merge_from
+        return [None if r is None else (r, MLERP if i >= first else PRUNE)
+                for i, r in enumerate(super().block_settings(num_blocks, num_tokens, num_prefix, cost))]
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        return k.mean(dim=1)
+
+    def plan(self, metric: torch.Tensor, setting: Tuple[int, str], num_prefix: int,
+             size: Optional[torch.Tensor]) -> Optional[MergePlan]:
+        return tome_plan(metric, setting[0], num_prefix)
+
+    def reduce(self, plan: MergePlan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
+               setting: Tuple[int, str]) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """x: (B, N, C) -> (B, N - r, C) by the block's step; sizes (B, N, 1) and source maps (B, N, N0) summed."""
+        if size is None:
+            size = x.new_ones(x.shape[0], x.shape[1], 1)
+        size, source = merge_sum(size, plan), None if source is None else merge_sum(source, plan)
+        merged = merge_mlerp(x, plan) if setting[1] == MLERP else merge_keep_destination(x, plan)
+        return merged, size, source
