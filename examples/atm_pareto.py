@@ -13,7 +13,9 @@ from typing import Dict, List, Sequence, Tuple
 import timm
 import torch
 
-from timm_tokcomp.bench import build_method_models, evaluate, parse_methods
+from timm_tokcomp.bench import build_method_models
+from timm_tokcomp.kit.agreement import evaluate
+from timm_tokcomp.kit.grammar import parse_methods
 from timm_tokcomp.models import build_base_model
 from timm_tokcomp.data import open_dataset
 

@@ -21,7 +21,7 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.bench import mcnemar_exact_p
+from timm_tokcomp.kit.stats import mcnemar_exact_p
 from timm_tokcomp.models import build_base_model
 from timm_tokcomp.data import open_dataset, open_images
 from timm_tokcomp.measure import count_macs

@@ -18,7 +18,7 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.bench import mcnemar_exact_p
+from timm_tokcomp.kit.stats import mcnemar_exact_p
 from timm_tokcomp.data import open_dataset
 from timm_tokcomp.measure import count_macs
 from timm_tokcomp.schedules import NAMED_SCHEDULES

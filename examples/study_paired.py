@@ -16,7 +16,7 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.bench import mcnemar_exact_p
+from timm_tokcomp.kit.stats import mcnemar_exact_p
 from timm_tokcomp.data import open_dataset
 from timm_tokcomp.methods import parse_method_tag
 from timm_tokcomp.models import build_base_model

@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 import timm_tokcomp
-from timm_tokcomp.bench import mcnemar_exact_p
+from timm_tokcomp.kit.stats import mcnemar_exact_p
 from timm_tokcomp.data import open_dataset, open_images
 from timm_tokcomp.tocom import attach, detach, load, set_compression
 from timm_tokcomp.tocom.mosaic import heldout_indices

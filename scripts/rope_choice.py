@@ -19,7 +19,7 @@ from torch import nn
 from tqdm import tqdm
 
 import timm_tokcomp
-from timm_tokcomp.bench import mcnemar_exact_p
+from timm_tokcomp.kit.stats import mcnemar_exact_p
 from timm_tokcomp.data import UnlabeledImages
 from timm_tokcomp.training.engine import SeededAugment, Schedule, TrainingTask, distill_loss, train
 

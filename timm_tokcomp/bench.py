@@ -266,7 +266,7 @@ def _time(models: Dict[str, nn.Module], batch: torch.Tensor, modes: Dict[str, st
 
 
 def _ratio(times: Dict[str, List[float]], name: str) -> Tuple[Optional[float], Optional[float], Optional[float]]:
-    """(the speed-up against the baseline, its 95 % interval: measure.speedup_interval), or Nones without timing."""
+    """(the speed-up against the baseline, its 95 % interval: kit.stats.speedup_interval), or Nones without timing."""
     return speedup_interval(times[BASELINE], times[name]) if times else (None, None, None)
 
 

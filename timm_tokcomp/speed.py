@@ -85,7 +85,7 @@ def limit_schedule(model: nn.Module, x: torch.Tensor) -> List[int]:
 class SpeedRow:
     """One method at one batch size and mode. ms: median milliseconds per forward; vs_plain: the speed-up
     against the plain model (> 1: faster), the geometric mean of the interleaved rounds' ratios plain time / this
-    time, with its 95 % interval (vs_plain_lo, vs_plain_hi; measure.speedup_interval); vs_limit: limit time /
+    time, with its 95 % interval (vs_plain_lo, vs_plain_hi; kit.stats.speedup_interval); vs_limit: limit time /
     this time, the same statistic (<= 1; None for the plain model, the limit rows and methods without one)."""
 
     mode: str

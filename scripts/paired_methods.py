@@ -1,0 +1,64 @@
+"""Methods against a reference method image by image, on a labelled folder: GMACs per image (counted from the run),
+top-1, agreement with the plain model, and against the reference the images gained and lost with the exact McNemar
+p (timm_tokcomp.kit.agreement). The study's protocol for a new method at matched GMACs.
+
+    python scripts/paired_methods.py --data $TOKCOMP_DATA/imagenet-val-1300 \\
+        --checkpoint $TOKCOMP_DATA/deit_tiny_patch16_224.safetensors --reference tome_r8 --methods tofu_r8,pitome_r8
+"""
+import argparse
+import copy
+import sys
+
+import timm
+import torch
+from tqdm import tqdm
+
+import timm_tokcomp
+from timm_tokcomp.data import open_images
+from timm_tokcomp.kit.agreement import compare, predict
+from timm_tokcomp.kit.grammar import method_spec
+from timm_tokcomp.models import build_base_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="deit_tiny_patch16_224")
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--data", required=True, help="a labelled folder (labels.csv or class folders)")
+    parser.add_argument("--reference", default="tome_r8", help="the method tag the others are paired against")
+    parser.add_argument("--methods", required=True, help="comma list of method tags")
+    parser.add_argument("--batch-size", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    plain = build_base_model(args.model, args.checkpoint, False, "cpu")
+    dataset = open_images(args.data, timm.data.create_transform(**timm.data.resolve_model_data_config(plain)))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=2)
+    batches, labels = [], []
+    for x, y in tqdm(loader, desc="load", file=sys.stderr):
+        batches.append(x)
+        labels.append(y)
+    y = torch.cat(labels)
+    names = [args.reference] + [m.strip() for m in args.methods.split(",") if m.strip()]
+    preds, gmacs = {}, {}
+    for name in ["none"] + names:
+        if name == "none":
+            model = plain
+        else:
+            method, params = method_spec(name)
+            model = timm_tokcomp.apply(copy.deepcopy(plain), method, **params)
+        classes, macs = predict(model, tqdm(batches, desc=name, file=sys.stderr), count_macs=True)
+        preds[name] = classes
+        gmacs[name] = sum(m * len(x) for m, x in zip(macs, batches)) / len(y) / 1e9
+    print(f"{args.model} on {args.data} ({len(y)} images); paired against {args.reference}")
+    print("| method | GMACs | top-1 % | agreement % | vs reference: gained / lost | McNemar p |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in ["none"] + names:
+        own = compare(preds[name], preds["none"], y)
+        paired = compare(preds[name], preds[args.reference], y)
+        versus = "-" if name in ("none", args.reference) else f"+{paired.gained} / -{paired.lost}"
+        p = "-" if name in ("none", args.reference) else f"{paired.top1_p:.2g}"
+        print(f"| {name} | {gmacs[name]:.4f} | {own.top1:.2f} | {own.agreement:.2f} | {versus} | {p} |")
+
+
+if __name__ == "__main__":
+    main()
