@@ -62,7 +62,7 @@ def deploy(model: nn.Module, preset: str, device: Optional[str] = None) -> Deplo
     check_device(target)
     warn_if_conditions_differ(preset, loaded, target, loaded.dtype, None)
     modes.check_mode(loaded.mode, target, loaded.dtype, flag=f"preset {preset}: execution mode",
-               allowed=modes.TORCH_MODES)
+                     allowed=modes.TORCH_MODES)
     model = model.to(target).eval()
     if loaded.method != NO_REDUCTION:
         apply(model, loaded.method, **loaded.params)

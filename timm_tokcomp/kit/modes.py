@@ -14,7 +14,6 @@ from ..schedules import is_int
 TORCH_MODES = ("eager", "compile", "cudagraph", "graph")  # what speed and tune time
 MODES = TORCH_MODES + ("onnx",)
 CUDA_MODES = ("cudagraph", "graph")  # CUDA graphs replay GPU work
-STATIC_MODES = ("compile", "cudagraph", "graph", "onnx")  # shapes fixed per input size: data-dependent counts refused
 
 
 def check_mode(mode: str, device: str, dtype: str = "fp32", flag: str = "--modes",
