@@ -198,3 +198,12 @@ def test_every_parameter_has_its_one_line_help_and_the_docs_show_the_table():
     assert missing == []
     docs = (Path(__file__).resolve().parents[1] / "docs" / "methods.md").read_text()
     assert methods.parameter_markdown() in docs
+
+
+def test_a_preset_with_an_unknown_mode_or_dtype_is_refused_at_the_door(tmp_path):
+    for key, value, says in (("mode", "warp", "execution mode 'warp'"), ("dtype", "int8", "dtype 'int8'")):
+        path = _preset(tmp_path / f"{key}.json", **{key: value})
+        with pytest.raises(ValueError, match=f"preset file .*{key}.json records {says}"):
+            timm_tokcomp.load_preset(path)
+        with pytest.raises(ValueError, match=f"records {says}"):
+            timm_tokcomp.deploy(make_model("cls"), path)

@@ -3,7 +3,7 @@ implementation and execution mode can run it, and which of them the method's def
 candidates are these paths; `tokcomp speed` and the docs read the same answer."""
 import copy
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -38,12 +38,13 @@ class FastPath:
         return out
 
 
-def _uses_prop_attn(model: nn.Module, method: str, params: Dict[str, Any]) -> bool:
-    reducer = get_reducer(apply(copy.deepcopy(model), method, **params))  # every refusal of this model, here
+def _applied(model: nn.Module, method: str, params: Dict[str, Any]) -> Tuple[Any, Union[bool, str]]:
+    """(the setting's reducer on a copy of model, its proportional attention: False, True or an implementation);
+    every refusal of this model is raised here."""
+    reducer = get_reducer(apply(copy.deepcopy(model), method, **params))
     if "prop_attn" not in method_class(method).param_names():
-        return False
-    prop = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
-    return prop is not False
+        return reducer, False
+    return reducer, reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
 
 
 def fast_paths(model: nn.Module, method: str, params: Dict[str, Any], device: str,
@@ -56,7 +57,7 @@ def fast_paths(model: nn.Module, method: str, params: Dict[str, Any], device: st
     for mode in modes:
         check_mode(mode, device, allowed=TORCH_MODES)
     cls = method_class(method)
-    prop = _uses_prop_attn(model, method, params)
+    prop = _applied(model, method, params)[1] is not False
     cuda = torch.device(device).type == "cuda"
     out = []
     for mode in modes:
@@ -79,12 +80,9 @@ def default_path(model: nn.Module, method: str, params: Dict[str, Any], device: 
     left to their defaults ('auto' resolved by the measured device table, timm_tokcomp.device_table)."""
     check_device(device)
     check_dtype(dtype)
-    reducer = get_reducer(apply(copy.deepcopy(model), method, **params))
+    reducer, prop = _applied(model, method, params)
     probe = torch.empty(0, device=device, dtype=DTYPES[dtype])
     kernel = kernels.resolve_backend(reducer.kernel, probe) if reducer.has_kernel_choice() else None
-    impl: Union[bool, str] = False
-    if _uses_prop_attn(model, method, params):
-        prop = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
-        impl = resolve_prop_attn("auto" if prop is True else prop, probe)
+    impl = False if prop is False else resolve_prop_attn("auto" if prop is True else prop, probe)
     return FastPath("eager", kernel, impl)
 

@@ -12,8 +12,9 @@ import torch
 from ..core import NO_REDUCTION, __version__
 from ..methods import METHODS
 from ..outputs import new_output
-from ..precision import check_device, device_description
+from ..precision import DTYPES, check_device, device_description
 from ..userfiles import fail, read_json
+from .modes import TORCH_MODES
 
 PRESET_FORMAT = 1
 
@@ -78,6 +79,10 @@ def read_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = 
     tuned = doc.get("tuned") if isinstance(doc.get("tuned"), dict) else {}
     preset = Preset(doc["method"], doc["params"], execution.get("mode", "eager") if isinstance(execution, dict)
                     else "eager", tuned)
+    if preset.mode not in TORCH_MODES:
+        raise fail("preset file", path, f"records execution mode {preset.mode!r}, not one of {', '.join(TORCH_MODES)}")
+    if preset.dtype not in DTYPES:
+        raise fail("preset file", path, f"records dtype {preset.dtype!r}, not one of {', '.join(DTYPES)}")
     if warn:
         warn_if_conditions_differ(path, preset, device, dtype, batch_size)
     return preset
