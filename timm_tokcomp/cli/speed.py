@@ -6,9 +6,10 @@ from .flags import FILE_OUT, device_flag, numbers, precision_flags, progress_fla
 
 
 SPEED_METHODS = "tome_r8,tome_r16,evit_r8,evit_r16"
-# fused kernels against the torch path, and the proportional-attention implementations that keep SDPA's fused kernels
-SPEED_METHODS_CUDA = (",tome_r8@triton,tome_r16@triton,evit_r8@triton,evit_r16@triton,tome_r16@fold,tome_r16@fold_qkv,"
-                      "tome_r16@triton+fold,tome_r16@triton+fold_qkv")
+# on CUDA the bare tags run the fused kernels (kernel='auto'): the torch path beside them, and the
+# proportional-attention implementations that keep SDPA's fused kernels, on either path
+SPEED_METHODS_CUDA = (",tome_r8@torch,tome_r16@torch,evit_r8@torch,evit_r16@torch,tome_r16@fold,tome_r16@fold_qkv,"
+                      "tome_r16@torch+fold,tome_r16@torch+fold_qkv")
 
 
 def add(sub: argparse._SubParsersAction) -> None:

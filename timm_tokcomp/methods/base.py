@@ -15,12 +15,12 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..matching import ClusterPlan, MergePlan, PrunePlan, SoftPlan, TruncatePlan
+from ..matching import ClusterPlan, MergePlan, PrunePlan, ResamplePlan, SoftPlan, TruncatePlan
 from ..ops import apply_plan
 from ..schedules import NAMED_SCHEDULES, BlockCost, resolve_r, solve_flops_schedule, stage_schedule
 from .params import COMMON, SCHEDULE, Param, kernel_choice, signature
 
-Plan = Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan]
+Plan = Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan, ResamplePlan]
 
 
 def parse_r_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
@@ -335,11 +335,12 @@ class ScheduledReducer(RTagged, TokenReducer):
 
 class FusedScheduledReducer(ScheduledReducer):
     """A ScheduledReducer with fused Triton kernels for its reduction step (ToMe, EViT; see reduce_fused).
-    kernel: 'torch' (default), 'triton' or 'auto' (Triton for CUDA tensors when no gradient is needed). The
-    Triton path serves inference outside torch.compile / export and without trace_source, and falls back to torch
-    elsewhere under 'auto'. It is not the default until it has been timed on a GPU."""
+    kernel: 'auto' (default: Triton for CUDA tensors when no gradient is needed, unless the device table says
+    torch), 'triton' or 'torch'. The Triton path serves inference outside torch.compile / export and without
+    trace_source, and falls back to torch elsewhere under 'auto'. It is the default since an H200 timed it faster
+    than the torch path for ToMe and EViT at every batch (1 to 256), eager and in CUDA graphs (docs/speed.md)."""
 
-    PARAMS = (*SCHEDULE, *COMMON, kernel_choice())
+    PARAMS = (*SCHEDULE, *COMMON, kernel_choice("auto"))
 
 
 class ClusterMerging(ScheduledReducer):
