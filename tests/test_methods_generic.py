@@ -16,7 +16,7 @@ N_PATCH = (SMALL["img_size"] // SMALL["patch_size"]) ** 2  # 64
 NOTHING = {"atm": dict(alpha=1.0, beta=0.0, theta_min=1.0, prefix_only_last_block=False)}  # no merge, full last MLP
 REDUCING = {"atm": dict(alpha=0.5, beta=0.0, theta_min=0.5, prefix_only_last_block=False)}
 DROPPING = {"topk", "ats", "l1", "l2", "linf", "dynamicvit"}  # pruned patches are dropped, held by no token
-SOFT = {"patchmerger", "sinkhorn", "sit"}  # patches shared out over tokens by weights: held with total weight 1 up to round-off
+SOFT = {"patchmerger", "sinkhorn", "sit", "dct"}  # patches shared out over tokens by weights: held with total weight 1 up to round-off
 TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.dense)
 
 

@@ -101,6 +101,47 @@ class TruncatePlan:
     num_keep: int
 
 
+@dataclass
+class ResamplePlan:
+    """Resample the non-prefix tokens by a fixed linear map along the token axis (no matching): x_out =
+    [prefix, matrix @ x[:, num_prefix:]]. matrix: (m, n), each row summing to 1 for a mean-preserving map.
+    What each output holds (sizes, source maps) is `shares`: output t of a band-limited resample is the signal at
+    input position (t + 1/2) n / m - 1/2, so it holds the inputs its cell [t n / m, (t + 1) n / m) of the token
+    axis overlaps, in proportion to the overlap; every input is held with total weight 1. Output order: prefix
+    tokens, then the m outputs."""
+
+    num_prefix: int
+    matrix: torch.Tensor
+
+    @property
+    def shares(self) -> torch.Tensor:
+        """(m, n) float32, non-negative: the overlap of output cell t with input cell j; columns sum to 1, rows to
+        n / m (computed in integers scaled by m, so exact up to the final division)."""
+        m, n = self.matrix.shape
+        out = torch.arange(m, device=self.matrix.device).unsqueeze(1)
+        cell = torch.arange(n, device=self.matrix.device)
+        overlap = (torch.minimum((out + 1) * n, (cell + 1) * m) - torch.maximum(out * n, cell * m)).clamp_min(0)
+        return overlap.float() / m
+
+
+def dct_matrix(n: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The orthonormal DCT-II matrix (n, n), float32: row u is alpha_u cos(pi (2 t + 1) u / (2 n)) over t."""
+    t = torch.arange(n, device=device)
+    phase = ((2 * t + 1) * t.unsqueeze(1)) % (4 * n)  # exact in integers: the cosine's argument stays below 2 pi
+    phi = torch.cos(phase.float() * (torch.pi / (2 * n))) * (2 / n) ** 0.5
+    return torch.cat([phi[:1] / 2 ** 0.5, phi[1:]])
+
+
+def dct_resample(n: int, m: int, inflate: bool = False, device: Optional[torch.device] = None) -> torch.Tensor:
+    """(m, n) float32: the n-point DCT, its m lowest frequencies kept, the m-point inverse DCT. inflate=False
+    scales by sqrt(m / n), so a constant sequence stays that constant (each row sums to 1); inflate=True is the
+    plain transform pair (OpenToMe's form), which scales a constant by sqrt(n / m)."""
+    if not 1 <= m <= n:
+        raise ValueError(f"a DCT resample needs 1 <= m <= n, got m={m}, n={n}")
+    matrix = dct_matrix(m, device).T @ dct_matrix(n, device)[:m]
+    return matrix if inflate else matrix * (m / n) ** 0.5
+
+
 def max_merges(num_tokens: int, num_prefix: int) -> int:
     """Largest r bipartite matching allows for num_tokens tokens with num_prefix protected."""
     return max(num_tokens - num_prefix, 0) // 2

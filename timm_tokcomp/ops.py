@@ -6,7 +6,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .matching import ClusterPlan, MergePlan, PrunePlan, SoftPlan, TruncatePlan
+from .matching import ClusterPlan, MergePlan, PrunePlan, ResamplePlan, SoftPlan, TruncatePlan
 from .matching import gather_tokens as _gather
 from .matching import split_tokens
 
@@ -107,12 +107,14 @@ def weighted_mean(x: torch.Tensor, size: Optional[torch.Tensor], reduce_sum) -> 
 
 
 def apply_plan(
-    plan: Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan],
+    plan: Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan, ResamplePlan],
     x: torch.Tensor,
     size: Optional[torch.Tensor],
     source: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Reduce x: (B, N, C), size: (B, N, 1) or None, source: (B, N, N0) or None by one plan."""
+    if isinstance(plan, ResamplePlan):
+        return resample(x, size, source, plan)
     if isinstance(plan, TruncatePlan):
         keep = plan.num_keep
         return x[:, :keep], None if size is None else size[:, :keep], None if source is None else source[:, :keep]
@@ -141,6 +143,21 @@ def apply_plan(
         size = size * valid.to(size.dtype)
         source = None if source is None else source * valid.to(source.dtype)
     return x, size, source
+
+
+def resample(x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor], plan: ResamplePlan
+             ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """x: (B, N, C) -> (B, p + m, C), the non-prefix tokens mapped by plan.matrix (m, n) in x's dtype; size (B, N, 1)
+    or None (ones) and source (B, N, N0) or None -> mapped by plan.shares (what each output holds)."""
+    p = plan.num_prefix
+
+    def mapped(t: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[:, :p], torch.matmul(matrix.to(t.dtype), t[:, p:])], dim=1)
+
+    if size is None:
+        size = x.new_ones(x.shape[0], x.shape[1], 1)
+    shares = plan.shares
+    return mapped(x, plan.matrix), mapped(size, shares), None if source is None else mapped(source, shares)
 
 
 def group_index(plan: MergePlan, num_tokens: int) -> Tuple[torch.Tensor, int]:

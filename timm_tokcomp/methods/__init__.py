@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Tuple, Type
 from .ats import ATS
 from .atm import ATM
 from .base import TokenReducer
+from .dct import DCT
 from .params import REQUIRED
 from .dense_tome import DenseToMe
 from .dpcknn import DPCKNN
@@ -24,7 +25,7 @@ from .topk import TopK
 
 METHODS: Dict[str, Type[TokenReducer]] = {
     cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids,
-                               DPCKNN, PYRA, PatchMerger, DynamicViT, Sinkhorn, SiT, ToFu, PiToMe)}
+                               DPCKNN, PYRA, PatchMerger, DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT)}
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

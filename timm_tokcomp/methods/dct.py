@@ -1,0 +1,47 @@
+"""DCT reduction, as the OpenToMe toolbox uses it (from the Fourier Transformer, He et al., ACL 2023): at the end
+of a reducing block the patch tokens, in their current order, are a 1-D signal per channel; its n-point DCT-II is
+cut to the m = n - r lowest frequencies and transformed back with the m-point inverse, giving m tokens. No matching,
+no metric: one fixed (m, n) matrix per block. Training-free."""
+from typing import Optional
+
+import torch
+
+from ..matching import ResamplePlan, dct_resample
+from .base import ScheduledReducer
+from .params import COMMON, SCHEDULE, Param, flag
+
+
+class DCT(ScheduledReducer):
+    """inflate False (default): the transform pair scaled by sqrt(m / n), so a constant sequence of tokens stays
+    that constant and token norms do not grow. True: OpenToMe's plain pair, which scales every token by about
+    sqrt(n / m) at each reduction (1.0435 for 196 -> 180). r <= n // 2 per block. Each output token holds an equal
+    share of the patches (sizes); a source map (trace_source) is mapped by the same matrix, so it holds signed
+weights of the original patches (each row summing to 1 without inflation), not a set of them. On a rotary-position model the
+    tokens' grid coordinates are resampled by the same mean-preserving map. Proportional attention is off by
+    default, as in OpenToMe."""
+
+    name = "dct"
+    export_refusal = None
+    min_keep_rate = 0.5
+    plan_on_tokens = True
+    PARAMS = (*SCHEDULE,
+              Param("inflate", False, lambda v: bool(flag("inflate")(v)),
+                    "DCT: keep OpenToMe's amplitude inflation, sqrt(n / m) per reduction (default: mean-preserving)"),
+              *COMMON)
+
+
+    @property
+    def reduce_after_mlp(self) -> bool:  # type: ignore[override]
+        """Always at the end of the block, after its MLP (OpenToMe's place for it; the study's too)."""
+        return True
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        return k  # unused: the plan reads only the token count
+
+    def plan(self, tokens: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]
+             ) -> Optional[ResamplePlan]:
+        n = tokens.shape[1] - num_prefix
+        r = max(min(r, n // 2), 0)
+        if r == 0:
+            return None
+        return ResamplePlan(num_prefix, dct_resample(n, n - r, self.inflate, tokens.device))
