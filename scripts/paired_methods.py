@@ -1,9 +1,10 @@
-"""Methods against a reference method image by image, on a labelled folder: GMACs per image (counted from the run),
-top-1, agreement with the plain model, and against the reference the images gained and lost with the exact McNemar
-p (timm_tokcomp.kit.agreement). The study's protocol for a new method at matched GMACs.
+"""Methods against reference methods image by image, on a labelled folder: GMACs per image (counted from the run),
+top-1, agreement with the plain model, and against each reference the images gained and lost with the exact
+McNemar p (timm_tokcomp.kit.agreement). The study's protocol for a new method at matched GMACs.
 
     python scripts/paired_methods.py --data $TOKCOMP_DATA/imagenet-val-1300 \\
-        --checkpoint $TOKCOMP_DATA/deit_tiny_patch16_224.safetensors --reference tome_r8 --methods tofu_r8,pitome_r8
+        --checkpoint $TOKCOMP_DATA/deit_tiny_patch16_224.safetensors --reference tome_k70,dpcknn_k70 \\
+        --methods tofu_k70,pitome_k70,dct_k70,atc_k70
 """
 import argparse
 import copy
@@ -25,7 +26,8 @@ def main() -> None:
     parser.add_argument("--model", default="deit_tiny_patch16_224")
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--data", required=True, help="a labelled folder (labels.csv or class folders)")
-    parser.add_argument("--reference", default="tome_r8", help="the method tag the others are paired against")
+    parser.add_argument("--reference", default="tome_r8", help="comma list of the method tags the others are paired "
+                                                              "against")
     parser.add_argument("--methods", required=True, help="comma list of method tags")
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
@@ -38,7 +40,8 @@ def main() -> None:
         batches.append(x)
         labels.append(y)
     y = torch.cat(labels)
-    names = [args.reference] + [m.strip() for m in args.methods.split(",") if m.strip()]
+    references = [m.strip() for m in args.reference.split(",") if m.strip()]
+    names = references + [m.strip() for m in args.methods.split(",") if m.strip() and m.strip() not in references]
     preds, gmacs = {}, {}
     for name in ["none"] + names:
         if name == "none":
@@ -49,15 +52,17 @@ def main() -> None:
         classes, macs = predict(model, tqdm(batches, desc=name, file=sys.stderr), count_macs=True)
         preds[name] = classes
         gmacs[name] = sum(m * len(x) for m, x in zip(macs, batches)) / len(y) / 1e9
-    print(f"{args.model} on {args.data} ({len(y)} images); paired against {args.reference}")
-    print("| method | GMACs | top-1 % | agreement % | vs reference: gained / lost | McNemar p |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"{args.model} on {args.data} ({len(y)} images); paired against {', '.join(references)}")
+    print("| method | GMACs | top-1 % | agreement % | " + " | ".join(f"vs {r}: gained / lost (McNemar p)" for r in references)
+          + " |")
+    print("| --- " * (4 + len(references)) + "|")
     for name in ["none"] + names:
         own = compare(preds[name], preds["none"], y)
-        paired = compare(preds[name], preds[args.reference], y)
-        versus = "-" if name in ("none", args.reference) else f"+{paired.gained} / -{paired.lost}"
-        p = "-" if name in ("none", args.reference) else f"{paired.top1_p:.2g}"
-        print(f"| {name} | {gmacs[name]:.4f} | {own.top1:.2f} | {own.agreement:.2f} | {versus} | {p} |")
+        cells = []
+        for ref in references:
+            paired = compare(preds[name], preds[ref], y)
+            cells.append("-" if name in ("none", ref) else f"+{paired.gained} / -{paired.lost} ({paired.top1_p:.2g})")
+        print(f"| {name} | {gmacs[name]:.4f} | {own.top1:.2f} | {own.agreement:.2f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def _counting_backend(compiles):
                                             ("topk", {"keep_rate": 0.7}), ("kmedoids", {"keep_rate": 0.7}),
                                             ("pyra", {"r": 16}), ("patchmerger", {"keep_rate": 0.7}),
                                             ("dynamicvit", {"keep_rate": 0.7}), ("tofu", {"r": 8}),
-                                            ("pitome", {"r": 8}), ("dct", {"r": 8})])
+                                            ("pitome", {"r": 8}), ("dct", {"r": 8}), ("atc", {"r": 8}), ("mctf", {"r": 8})])
 def test_fixed_settings_compile_without_graph_breaks(method, params):
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(_deit_tiny(method, **params))(torch.randn(2, 3, 224, 224))

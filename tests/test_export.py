@@ -35,7 +35,7 @@ STAGES = {"keep_rate": 0.5, "stages": (2, 3)}
                                             ("pyra", {"r": 4}), ("pyra", {"r": 4, "form": "pooled"}),
                                             ("patchmerger", STAGES), ("sinkhorn", STAGES), ("sit", STAGES),
                                             ("dynamicvit", STAGES), ("tofu", {"r": 4}), ("tofu", STAGES),
-                                            ("pitome", {"r": 4}), ("dct", {"r": 4}), ("dct", STAGES)])
+                                            ("pitome", {"r": 4}), ("dct", {"r": 4}), ("dct", STAGES), ("atc", {"r": 4}), ("atc", STAGES), ("mctf", {"r": 4}), ("mctf", STAGES)])
 def test_fixed_setting_methods_export(tmp_path, method, params):
     torch.manual_seed(0)
     model = timm_tokcomp.apply(timm.models.vision_transformer.VisionTransformer(**SMALL).eval(), method, **params)

@@ -1,7 +1,8 @@
-"""The merging methods of 2023-2025 (ToFu, PiToMe, DCT): their defining steps checked exactly against simple
+"""The merging methods of 2023-2025 (ToFu, PiToMe, DCT, ATC, MCTF): their defining steps checked exactly against simple
 references, and each method on real DeiT-Tiny (deterministic, nothing merged equals plain timm, MACs counted from
 the run, a batch equal to its images one by one)."""
 import copy
+import itertools
 
 import pytest
 import torch
@@ -10,10 +11,11 @@ import torch.nn.functional as F
 import timm_tokcomp
 import math
 
-from timm_tokcomp.matching import bipartite_soft_matching, dct_resample, energy_matching, energy_scores
+from timm_tokcomp.matching import (agglomerative_clusters, bipartite_soft_matching, dct_resample, energy_matching,
+                                   energy_scores, mctf_matching)
 from timm_tokcomp.measure import count_macs
 from timm_tokcomp.methods.tofu import MLERP, PRUNE, ToFu
-from timm_tokcomp.ops import merge_keep_destination, merge_mlerp, merge_sum
+from timm_tokcomp.ops import cluster_attention, cluster_sum, merge_keep_destination, merge_mlerp, merge_sum
 from timm_tokcomp.schedules import BlockCost
 from conftest import real_model_and_images
 
@@ -124,8 +126,105 @@ def test_dct_tokens_hold_the_stretch_of_the_token_axis_they_resample():
     assert DCT(r=8).plan(x, 8, 1, None).matrix.shape == (5, 9)  # at most half of the patch tokens per block
 
 
+def _agglomerative_by_definition(dist, k, linkage):
+    """Clusters as lists of points; each step joins the pair whose linkage distance, computed from every pair of their
+    points, is the least (ties: the pair of lowest first points); clusters numbered by their lowest point."""
+    clusters = [[i] for i in range(dist.shape[0])]
+    combine = {"single": min, "complete": max, "average": lambda v: sum(v) / len(v)}[linkage]
+    while len(clusters) > k:
+        _, _, _, x, y = min((combine([float(dist[a, b]) for a in ca for b in cb]), ca[0], cb[0], x, y)
+                            for (x, ca), (y, cb) in itertools.combinations(enumerate(clusters), 2))
+        clusters[x] = sorted(clusters[x] + clusters.pop(y))
+    assign = [0] * dist.shape[0]
+    for c, members in enumerate(sorted(clusters)):
+        for point in members:
+            assign[point] = c
+    return assign
+
+
+@pytest.mark.parametrize("functional", [False, True])  # eager's in-place steps, and the masked ones graphs trace
+@pytest.mark.parametrize("linkage", ["single", "average", "complete"])
+def test_atc_clusters_equal_agglomerative_clustering_by_definition(linkage, functional, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: functional)
+    torch.manual_seed(5)
+    for _ in range(8):
+        x = torch.randn(3, 10, 4, dtype=torch.float64)
+        dist = torch.cdist(x, x)
+        for k in (1, 3, 7, 10):
+            got = agglomerative_clusters(dist, k, linkage)
+            assert [got[b].tolist() for b in range(3)] == [_agglomerative_by_definition(dist[b], k, linkage)
+                                                           for b in range(3)]
+    with pytest.raises(ValueError, match="linkage must be one of single, average, complete"):
+        agglomerative_clusters(dist, 3, "ward")
+    with pytest.raises(ValueError, match=r"num_clusters must be in \[1, 10\]"):
+        agglomerative_clusters(dist, 0, "single")
+
+
+def _mctf_groups_by_definition(x, received, size, r, p):
+    """One image, in loops: the A / B split by absolute parity, the three criteria, step 1 (A -> B), step 2 on the
+    same scores (B -> the A tokens left), then which tokens each output holds, in output order."""
+    n = x.shape[0]
+    a = [i for i in range(p, n) if i % 2 == 0]
+    b = [i for i in range(p, n) if i % 2 == 1]
+    info = [float(received.min() / received[i]) for i in range(n)]
+    small = [float(size.min() / size[i]) for i in range(n)]
+
+    def score(i, j):
+        cos = float(x[i] @ x[j] / (x[i].norm() * x[j].norm()))
+        return (cos + 1) / 2 * (info[i] * info[j]) ** (1 / 20) * (small[i] * small[j]) ** (1 / 40)
+
+    best1 = {i: max(b, key=lambda j: (score(i, j), -j)) for i in a}  # ties: the lower index
+    src1 = sorted(a, key=lambda i: (-score(i, best1[i]), i))[:r // 2]
+    kept_a = [i for i in a if i not in src1]
+    best2 = {j: max(kept_a, key=lambda i: (score(i, j), -i)) for j in b}
+    src2 = sorted(b, key=lambda j: (-score(best2[j], j), j))[:r - r // 2]
+    holds = {i: {i} for i in range(n)}
+    for i in src1:
+        holds[best1[i]] |= holds.pop(i)
+    for j in src2:
+        holds[best2[j]] |= holds.pop(j)
+    return [holds[i] for i in range(p)] + [holds[i] for i in kept_a] + [holds[j] for j in b if j not in src2]
+
+
+def test_mctf_matching_equals_its_definition():
+    torch.manual_seed(6)
+    B, N, p, r = 3, 21, 1, 6
+    x, received, size = torch.randn(B, N, 8), torch.rand(B, N) + 0.05, torch.randint(1, 4, (B, N, 1)).float()
+    plan = mctf_matching(x, received, size, r, p)
+    held = cluster_sum(torch.eye(N).expand(B, -1, -1), plan)  # (B, N - r, N): the tokens each output holds
+    for i in range(B):
+        got = [set(row.nonzero().flatten().tolist()) for row in held[i]]
+        assert got == _mctf_groups_by_definition(x[i], received[i], size[i, :, 0], r, p)
+    assert plan.num_clusters == N - p - r
+    assert mctf_matching(x[:, :15], received[:, :15], None, 8, 1).num_clusters == 10  # keeps 10 tokens
+
+
+def test_merged_attention_sums_key_columns_and_weighs_query_rows():
+    torch.manual_seed(7)
+    B, H, N, p = 2, 3, 15, 1
+    probs = torch.randn(B, H, N, N).softmax(-1)
+    plan = mctf_matching(torch.randn(B, N, 4), probs.mean(dim=(1, 2)), None, 3, p)
+    weight = torch.rand(B, N, 1) + 0.1
+    merged = cluster_attention(probs, plan, weight)
+    onehot = cluster_sum(torch.eye(N).expand(B, -1, -1), plan)  # (B, M, N)
+    rows = onehot * weight.transpose(1, 2)
+    rows = rows / rows.sum(-1, keepdim=True)
+    want = rows.unsqueeze(1) @ probs @ onehot.transpose(1, 2).unsqueeze(1)
+    torch.testing.assert_close(merged, want)
+    torch.testing.assert_close(merged.sum(-1), torch.ones(B, H, N - 3))
+
+
+def test_mctf_reduces_at_the_start_of_the_next_block_and_refuses_flops_ratio():
+    from timm_tokcomp.methods.mctf import MCTF
+    cost = BlockCost(1, 1, 1)
+    assert MCTF(r=4).block_settings(4, 50, 1, cost) == [None, 4, 4, 4]
+    assert MCTF(keep_rate=0.5, stages=(2, 3)).block_settings(4, 65, 1, cost) == [None, 32, 16, None]
+    with pytest.raises(ValueError, match="flops_ratio is not available for mctf"):
+        MCTF(flops_ratio=1.5)
+
+
 @pytest.mark.realdata
-@pytest.mark.parametrize("tag", ["tofu_r8", "pitome_r8", "dct_r8"])
+@pytest.mark.parametrize("tag", ["tofu_r8", "pitome_r8", "dct_r8", "atc_r8", "mctf_r8"])
 def test_on_real_deit_tiny(tag):
     plain, images = real_model_and_images("deit_tiny_patch16_224", 4)
     method, params = timm_tokcomp.methods.parse_method_tag(tag)
@@ -137,7 +236,9 @@ def test_on_real_deit_tiny(tag):
         torch.testing.assert_close(out, one_by_one, rtol=1e-4, atol=1e-4)
         assert torch.equal(timm_tokcomp.apply(copy.deepcopy(plain), method, r=0)(images), plain(images))
         agree = (out.argmax(-1) == plain(images).argmax(-1)).float().mean()
-    assert timm_tokcomp.last_stats(model).tokens_per_block[-1] == 197 - 8 * 11
+    # MCTF's last reduction runs at the start of the last block (its attention scores at the larger count)
+    assert timm_tokcomp.last_stats(model).tokens_per_block[-1] == 197 - 8 * (10 if tag == "mctf_r8" else 11)
     macs, plain_macs = count_macs(model, images[:1]), count_macs(plain, images[:1])
-    low, high = (0.8, 0.87) if tag == "dct_r8" else (0.6, 0.8)  # DCT reduces after each block's MLP, not before it
+    # DCT reduces after each block's MLP; MCTF computes its reducing blocks' scores at the count entering them
+    low, high = (0.8, 0.87) if tag in ("dct_r8", "mctf_r8") else (0.6, 0.8)
     assert low < macs / plain_macs < high and agree >= 0.5

@@ -401,3 +401,115 @@ def density_peaks(x: torch.Tensor, num_clusters: int, neighbours: int = 5) -> to
         delta = torch.where(denser, dist, farthest).min(dim=-1).values
         centres = (density * delta).argsort(dim=-1, descending=True, stable=True)[:, :num_clusters]
         return nearest_centre(dist, centres)
+
+
+LINKAGES = ("single", "average", "complete")
+
+
+def agglomerative_clusters(dist: torch.Tensor, num_clusters: int, linkage: str) -> torch.Tensor:
+    """Bottom-up hierarchical clustering of each image's n points from their distances dist: (B, n, n), symmetric,
+    down to num_clusters clusters -> assign (B, n) in [0, num_clusters).
+
+    Each of the n - num_clusters steps merges the two closest clusters (ties: the pair (i, j), i < j, first in
+    row-major order; the cluster keeps its lowest point's index) and updates that cluster's distances by the
+    Lance-Williams rule of the linkage: 'single' the min, 'complete' the max, 'average' the mean over all pairs of
+    points (count-weighted). The steps depend on each other, so this runs n - num_clusters small batched steps:
+    rows and columns updated in place in eager mode, by masks (a functional graph) under torch.compile / export.
+    Clusters are numbered by their lowest point, ascending."""
+    if linkage not in LINKAGES:
+        raise ValueError(f"linkage must be one of {', '.join(LINKAGES)}, got {linkage!r}")
+    n = dist.shape[1]
+    if not 1 <= num_clusters <= n:
+        raise ValueError(f"num_clusters must be in [1, {n}], got {num_clusters}")
+    with torch.no_grad():
+        step = _join_by_masks if torch.compiler.is_compiling() else _join_in_place
+        d = dist.float().masked_fill(torch.eye(n, dtype=torch.bool, device=dist.device), float("inf"))
+        count = torch.ones(dist.shape[0], n, device=dist.device)
+        label = torch.arange(n, device=dist.device).expand(dist.shape[0], n)
+        for _ in range(n - num_clusters):
+            flat = d.flatten(1).argmin(dim=1)
+            i, j = flat // n, flat % n  # i < j: d is symmetric and (i, j) comes first in row-major order
+            d, count = step(d, count, i, j, linkage)
+            label = torch.where(label == j.unsqueeze(1), i.unsqueeze(1), label)
+        lowest = label == torch.arange(n, device=dist.device)  # the surviving clusters' lowest points
+        return (lowest.long().cumsum(dim=1) - 1).gather(1, label)
+
+
+def _joined_row(row_i: torch.Tensor, row_j: torch.Tensor, count_i: torch.Tensor, count_j: torch.Tensor,
+                linkage: str) -> torch.Tensor:
+    """The joined cluster's distances (B, n) by the Lance-Williams rule, from the two rows and counts (B, 1)."""
+    if linkage == "single":
+        return torch.minimum(row_i, row_j)
+    if linkage == "complete":
+        return torch.maximum(row_i, row_j)
+    return (count_i * row_i + count_j * row_j) / (count_i + count_j)
+
+
+def _join_in_place(d: torch.Tensor, count: torch.Tensor, i: torch.Tensor, j: torch.Tensor, linkage: str):
+    """Join cluster j into i: d (B, n, n) and count (B, n) updated in place (O(B n) per step)."""
+    rows = torch.arange(d.shape[0], device=d.device)
+    new = _joined_row(d[rows, i], d[rows, j], count[rows, i].unsqueeze(1), count[rows, j].unsqueeze(1), linkage)
+    new[rows, i] = float("inf")  # the joined cluster's distance to itself (gone clusters are inf in both rows)
+    new[rows, j] = float("inf")
+    d[rows, i], d[rows, :, i] = new, new
+    d[rows, j], d[rows, :, j] = float("inf"), float("inf")
+    count[rows, i] = count[rows, i] + count[rows, j]
+    return d, count
+
+
+def _join_by_masks(d: torch.Tensor, count: torch.Tensor, i: torch.Tensor, j: torch.Tensor, linkage: str):
+    """_join_in_place without in-place updates, for graphs that must be functional (O(B n^2) per step)."""
+    n = d.shape[1]
+    at_i = torch.arange(n, device=d.device) == i.unsqueeze(1)  # (B, n)
+    at_j = torch.arange(n, device=d.device) == j.unsqueeze(1)
+    row_i = d.gather(1, i.view(-1, 1, 1).expand(-1, 1, n)).squeeze(1)
+    row_j = d.gather(1, j.view(-1, 1, 1).expand(-1, 1, n)).squeeze(1)
+    count_i, count_j = count.gather(1, i.unsqueeze(1)), count.gather(1, j.unsqueeze(1))
+    new = _joined_row(row_i, row_j, count_i, count_j, linkage).masked_fill(at_i | at_j, float("inf"))
+    d = torch.where(at_i.unsqueeze(2), new.unsqueeze(1), d)
+    d = torch.where(at_i.unsqueeze(1), new.unsqueeze(2), d)
+    d = d.masked_fill(at_j.unsqueeze(2) | at_j.unsqueeze(1), float("inf"))
+    return d, torch.where(at_i, count_i + count_j, count)
+
+
+def mctf_matching(x: torch.Tensor, received: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
+                  info_power: float = 1 / 20, size_power: float = 1 / 40) -> ClusterPlan:
+    """MCTF's bidirectional multi-criteria matching -> the groups as a ClusterPlan over the non-prefix tokens.
+
+    x: (B, N, C) the tokens entering the block (cosine similarity on x itself); received: (B, N) the mean attention
+    each token receives in this block (over heads and queries); size: (B, N, 1) or None. On the alternate split,
+    W[a, b] = (cos(x_a, x_b) + 1) / 2 * (i_a i_b) ** info_power * (s_a s_b) ** size_power, with i = min(received) /
+    received (less attended: higher) and s = min(size) / size (smaller: higher). Step 1: the r // 2 A tokens with
+    the highest best W merge into their best B. Step 2: on the same W, the r - r // 2 B tokens with the highest best
+    W towards the A tokens left merge into their best one (with what step 1 merged into them). Ties: lower index.
+    Groups: the A tokens left (ascending), then the B tokens left (ascending). r: clamped to max_merges, keeping at
+    least 10 non-prefix tokens (or all of them, if fewer)."""
+    B, N, _ = x.shape
+    p, n = num_prefix, N - num_prefix
+    r = max(min(r, max_merges(N, p), n - 10), 0)
+    r1, r2 = r // 2, r - r // 2
+    with torch.no_grad():
+        unit = x / x.norm(dim=-1, keepdim=True)
+        info = received.amin(dim=1, keepdim=True) / received
+        small = torch.ones_like(info) if size is None else size[..., 0].amin(dim=1, keepdim=True) / size[..., 0]
+        score = info.pow(info_power) * small.pow(size_power)  # (B, N)
+        (ua, ub), (sa, sb) = split_tokens(unit, p), split_tokens(score.unsqueeze(-1), p)
+        w = (torch.bmm(ua, ub.transpose(1, 2)) + 1) / 2 * sa * sb.transpose(1, 2)  # (B, na, nb)
+        na, nb = w.shape[1], w.shape[2]
+        best1, dst1 = w.max(dim=-1)
+        order1 = best1.argsort(dim=-1, descending=True, stable=True)
+        src1, kept_a = order1[:, :r1], order1[:, r1:].sort(dim=-1).values  # (B, r1), (B, na - r1) into A
+        best2, dst2 = w.gather(1, kept_a.unsqueeze(-1).expand(-1, -1, nb)).max(dim=1)  # (B, nb): into kept_a
+        order2 = best2.argsort(dim=-1, descending=True, stable=True)
+        src2, kept_b = order2[:, :r2], order2[:, r2:].sort(dim=-1).values
+        left = na - r1
+        group_b = torch.empty(B, nb, dtype=torch.long, device=x.device)
+        group_b.scatter_(1, kept_b, left + torch.arange(nb - r2, device=x.device).expand(B, -1))
+        group_b.scatter_(1, src2, dst2.gather(1, src2))
+        group_a = torch.empty(B, na, dtype=torch.long, device=x.device)
+        group_a.scatter_(1, kept_a, torch.arange(left, device=x.device).expand(B, -1))
+        group_a.scatter_(1, src1, group_b.gather(1, dst1.gather(1, src1)))
+        a_start = p % 2
+        assign = torch.empty(B, n, dtype=torch.long, device=x.device)
+        assign[:, a_start::2], assign[:, 1 - a_start::2] = group_a, group_b
+    return ClusterPlan(p, assign, n - r)

@@ -91,6 +91,19 @@ def cluster_sum(t: torch.Tensor, plan: ClusterPlan) -> torch.Tensor:
     return torch.cat([t[:, :p], sums], dim=1)
 
 
+def cluster_attention(probs: torch.Tensor, plan: ClusterPlan, weight: torch.Tensor) -> torch.Tensor:
+    """Attention probabilities merged as the plan merges their tokens: probs (B, H, N, N), weight (B, N, 1) each
+    token's weight in its cluster's mean -> (B, H, M, M). A cluster's key column is the sum of its members' (what they
+    receive together); its query row is their weighted mean, so every row still sums to 1."""
+    B, H, N, _ = probs.shape
+    p, M = plan.num_prefix, plan.num_prefix + plan.num_clusters
+    group = torch.cat([torch.arange(p, device=probs.device).expand(B, -1), p + plan.assign], dim=1)  # (B, N)
+    share = weight / cluster_sum(weight, plan).gather(1, group.unsqueeze(-1))  # (B, N, 1): sums to 1 per cluster
+    cols = probs.new_zeros(B, H, N, M).scatter_add(3, group.view(B, 1, 1, N).expand(B, H, N, N), probs)
+    rows = cols * share.to(probs.dtype).view(B, 1, N, 1)
+    return probs.new_zeros(B, H, M, M).scatter_add(2, group.view(B, 1, N, 1).expand(B, H, N, M), rows)
+
+
 def soft_mix(t: torch.Tensor, plan: SoftPlan, weight: torch.Tensor) -> torch.Tensor:
     """Prefix rows unchanged, then weight @ the non-prefix rows: (B, N, C) -> (B, p + M, C)."""
     p = plan.num_prefix

@@ -13,7 +13,7 @@ from .families.eva import ReducingEva
 from .families.vit import (DenseBlock, ReducingAttention, ReducingBlock, ReducingVisionTransformer,
                            ReducingVisionTransformerDistilled)
 from .methods.base import TokenReducer
-from .reducing import feature_stats, forget_last, last_of, prefix_only_last
+from .reducing import ReducingBlockMixin, feature_stats, forget_last, last_of, prefix_only_last
 from .schedules import BlockCost
 from .state import ReductionStats
 
@@ -71,6 +71,10 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
         return
     if reducer.needs_class_token and getattr(model, "cls_token", None) is None:
         raise ValueError(f"{reducer.name} ranks tokens by class-token attention and needs a model with a class token")
+    if reducer.reduces_before_attention:
+        refusal = lookahead_refusal(model)
+        if refusal is not None:
+            raise ValueError(refusal)
     prefix_only_last(model, reducer)  # raises if asked for where it is not exact
     block_cost = _block_cost(model.blocks[0])
     # settings for the model's default input: a budget out of reach (flops_ratio) fails here, not in a forward
@@ -91,6 +95,21 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     model._tokcomp_pool_stats = None
     forget_last(model)
     _attach_learned(model, reducer.learned_module(), reducer.name)
+
+
+def lookahead_refusal(model: nn.Module) -> Optional[str]:
+    """Why a method that reduces before attention (reusing its probabilities) cannot serve this model, or None."""
+    family = family_of(type(model))
+    for i, blk in enumerate(model.blocks):
+        plain = family.plain_block(type(blk))
+        patched = family.blocks.get(plain)
+        if patched is None or patched._lookahead_branch is ReducingBlockMixin._lookahead_branch:
+            return (f"blocks[{i}] is a {type(blk).__name__}: the methods that reduce before attention (mctf) serve "
+                    f"timm's VisionTransformer blocks, not those of its {family.name} family")
+        if family.plain_attention(type(blk.attn)) is not Attention:
+            return (f"blocks[{i}].attn is a {type(blk.attn).__name__}: the methods that reduce before attention "
+                    f"(mctf) need timm's fused qkv Attention")
+    return None
 
 
 def fold_qkv_refusal(model: nn.Module) -> Optional[str]:

@@ -92,6 +92,12 @@ class ReducingBlockMixin:
         """x: (B, N, C) -> what the block's MLP adds to x (B, N, C)."""
         raise NotImplementedError
 
+    def _lookahead_branch(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
+                          attn_bias: Optional[torch.Tensor], setting: Any, reducer: TokenReducer, num_prefix: int):
+        """For a reducer that reduces_before_attention: x (B, N, C) -> (x reduced (B, M, C), what attention adds to
+        it (B, M, C), size, source), the attention's probabilities computed at N and reduced by reducer.lookahead."""
+        raise NotImplementedError(f"{type(self).__name__} has no lookahead attention")
+
     def forward_reduce(
         self,
         x: torch.Tensor,
@@ -116,6 +122,10 @@ class ReducingBlockMixin:
         attn_bias = size.log().view(x.shape[0], 1, 1, x.shape[1]) if prop_attn and size is not None else None
         active = setting is not None and not prefix_only
         rope = None if positions is None else positions.rows(block)
+        if active and reducer.reduces_before_attention:  # no rope here: patch refuses such models
+            x, h, size, source = self._lookahead_branch(x, size, source, attn_bias, setting, reducer, num_prefix)
+            x = x + h
+            return x + self._mlp_branch(x), size, source, positions
         h, metric = self._attn_branch(x, attn_bias, rope, reducer if active else None, prop_attn or "mask")
         x = x + h
         if prefix_only:

@@ -73,6 +73,38 @@ class ReducingBlock(ReducingBlockMixin, Block):
     def _mlp_branch(self, x):
         return self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
+    def _lookahead_branch(self, x, size, source, attn_bias, setting, reducer, num_prefix):
+        """This block's attention probabilities (B, H, N, N), softmax in fp32, on the tokens entering it; the
+        reducer merges the tokens and those probabilities; they are applied to the merged tokens' values (qkv run
+        again on norm1 of the merged tokens, as timm runs it) -> (x, attention's branch, size, source), M tokens."""
+        attn = self.attn
+        B, N, _ = x.shape
+        q, k, v = attn.qkv(self.norm1(x)).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        scores = (q * attn.scale) @ k.transpose(-2, -1)
+        if attn_bias is not None:
+            scores = scores + attn_bias.to(scores.dtype)
+        probs = attn.attn_drop(scores.float().softmax(dim=-1))
+        reduced = reducer.lookahead(x, probs, size, source, setting, num_prefix)
+        if reduced is not None:
+            x, probs, size, source = reduced
+            v = value_heads(attn, self.norm1(x))
+        gate = attn.gate(self.norm1(x)).sigmoid() if getattr(attn, "gate", None) is not None else None
+        return x, self.drop_path1(self.ls1(project_heads(attn, probs.to(v.dtype) @ v, gate))), size, source
+
+
+def value_heads(attn: Attention, x: torch.Tensor) -> torch.Tensor:
+    """The values alone of x (B, M, C) -> (B, H, M, d): the v rows of a plain nn.Linear qkv (a third of its MACs);
+    a wrapped qkv (an adapter, a quantized module) is called whole, as timm calls it."""
+    B, M, _ = x.shape
+    width = attn.num_heads * attn.head_dim
+    if type(attn.qkv) is nn.Linear:
+        bias = None if attn.qkv.bias is None else attn.qkv.bias[2 * width:]
+        v = nn.functional.linear(x, attn.qkv.weight[2 * width:], bias)
+    else:
+        v = attn.qkv(x)[..., 2 * width:]
+    return v.reshape(B, M, attn.num_heads, attn.head_dim).transpose(1, 2)
+
 
 def dense_groups(x: torch.Tensor, metric: torch.Tensor, reducer: TokenReducer, setting: Any, num_prefix: int):
     """(group (B, N), number of groups, members for the merge kernel or None), or None when nothing merges.

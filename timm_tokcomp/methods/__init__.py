@@ -4,6 +4,7 @@ import re
 from typing import Any, Dict, List, Tuple, Type
 
 from .ats import ATS
+from .atc import ATC
 from .atm import ATM
 from .base import TokenReducer
 from .dct import DCT
@@ -13,6 +14,7 @@ from .dpcknn import DPCKNN
 from .dynamicvit import DynamicViT
 from .evit import EViT
 from .kmedoids import KMedoids
+from .mctf import MCTF
 from .patchmerger import PatchMerger
 from .pitome import PiToMe
 from .pyra import PYRA
@@ -25,7 +27,7 @@ from .topk import TopK
 
 METHODS: Dict[str, Type[TokenReducer]] = {
     cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids,
-                               DPCKNN, PYRA, PatchMerger, DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT)}
+                               DPCKNN, PYRA, PatchMerger, DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF)}
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

@@ -82,6 +82,8 @@ class TokenReducer(ABC):
     plan_differentiable: ClassVar[bool] = False  # with plan_on_tokens: the tokens keep their gradient (a learned
     # soft assignment such as PatchMerger's); otherwise plan() sees them detached
     reduce_after_mlp: bool = False  # reduce at the end of the block (after its MLP), not between attention and MLP
+    reduces_before_attention: ClassVar[bool] = False  # reduce at the start of the block with lookahead(), from this
+    # block's attention probabilities at the unreduced count, which are then merged and reused (MCTF)
     metric_reads_values: ClassVar[bool] = False  # metric() also gets v: (B, H, N, d)
     masks_by_size: ClassVar[bool] = False  # pads images to one count with size-0 tokens (needs prop_attn)
     PARAMS: ClassVar[Tuple[Param, ...]] = COMMON
@@ -193,6 +195,12 @@ class TokenReducer(ABC):
         """Carry out one block's plan on x: (B, N, C), size: (B, N, 1) or None, source: (B, N, N0) or None
         (ops.apply_plan; a learned merge such as PYRA's overrides it)."""
         return apply_plan(plan, x, size, source)
+
+    def lookahead(self, x: torch.Tensor, probs: torch.Tensor, size: Optional[torch.Tensor],
+                  source: Optional[torch.Tensor], setting: Any, num_prefix: int):
+        """For reduces_before_attention: the tokens x (B, N, C) entering the block and this block's attention
+        probabilities probs (B, H, N, N) -> (x, probs (B, H, M, M), size, source) reduced, or None for no reduction."""
+        raise NotImplementedError(f"{self.name} reduces between attention and MLP; it has no lookahead step")
 
     def reduce_fused(self, metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor],
                      source: Optional[torch.Tensor], setting: Any, num_prefix: int

@@ -1,0 +1,82 @@
+"""MCTF, Multi-Criteria Token Fusion with one-step-ahead attention (Lee, Choi & Kim, CVPR 2024), off the shelf: at the
+start of a reducing block its attention probabilities are computed on the tokens entering it; the tokens merge by
+three criteria multiplied (similarity of the tokens themselves, informativeness: less attention received scores
+higher, size: smaller scores higher) in a bidirectional matching; each group becomes its attention x size weighted
+mean; the probabilities are merged alike (key columns summed, query rows weighted) and applied to the merged
+tokens' values, so attention is not recomputed after merging. Training-free here (the paper also fine-tunes)."""
+from typing import Any, List, Optional
+
+import torch
+
+from ..matching import mctf_matching
+from ..ops import cluster_attention, cluster_sum
+from ..schedules import BlockCost
+from .base import ScheduledReducer
+from .params import COMMON, SCHEDULE, Param
+
+
+def _positive(name: str):
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        return float(value)
+
+    return check
+
+
+class MCTF(ScheduledReducer):
+    """The reduction a schedule puts at the end of block l runs at the start of block l + 1, before its attention
+    (block 0 never reduces, as in the paper's blocks 1-11; under keep_rate the stage blocks themselves reduce): the
+    tokens counted after it are those of the same schedule under ToMe, but each reducing block also computes its
+    attention scores at the larger count, and runs qkv again on the merged tokens for their values. info_power,
+    size_power: the exponents of the informativeness and size terms (the paper's 1 / tau: 1 / 20 and 1 / 40).
+    Needs explicit attention probabilities in the reducing blocks (no fused SDPA there); serves timm's
+    VisionTransformer blocks (not the rotary Eva family). flops_ratio is refused: its solver assumes the reduction
+    between attention and MLP."""
+
+    name = "mctf"
+    export_refusal = None
+    reduces_before_attention = True
+    min_keep_rate = 0.5
+    PARAMS = (*SCHEDULE,
+              Param("info_power", 1 / 20, _positive("info_power"),
+                    "MCTF: exponent of the informativeness term (min received attention / received)"),
+              Param("size_power", 1 / 40, _positive("size_power"), "MCTF: exponent of the size term (min size / size)"),
+              *COMMON)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.flops_ratio is not None:
+            raise ValueError("flops_ratio is not available for mctf (its solver places the reduction between "
+                             "attention and MLP); give r or keep_rate")
+
+    @property
+    def reduce_after_mlp(self) -> bool:  # type: ignore[override]
+        return False
+
+    def default_prop_attn(self, global_pool: str) -> bool:
+        return global_pool != "avg"
+
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost
+                       ) -> List[Optional[int]]:
+        """The schedule's r of block l at block l + 1 (its start); block 0 reduces nothing."""
+        return [None] + super().block_settings(num_blocks, num_tokens, num_prefix, cost)[:-1]
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        raise NotImplementedError("mctf reads the whole attention of its reducing blocks (lookahead), not a metric")
+
+    def plan(self, metric: torch.Tensor, setting: Any, num_prefix: int, size: Optional[torch.Tensor]):
+        raise NotImplementedError("mctf plans in lookahead, from the attention probabilities")
+
+    def lookahead(self, x: torch.Tensor, probs: torch.Tensor, size: Optional[torch.Tensor],
+                  source: Optional[torch.Tensor], setting: int, num_prefix: int):
+        """x (B, N, C), probs (B, H, N, N) fp32 -> (x, probs, size, source) with N - r tokens, or None."""
+        received = probs.mean(dim=(1, 2))  # (B, N): attention each token receives, over heads and queries
+        plan = mctf_matching(x, received, size, setting, num_prefix, self.info_power, self.size_power)
+        if plan.num_clusters == x.shape[1] - num_prefix:
+            return None
+        size = x.new_ones(x.shape[0], x.shape[1], 1) if size is None else size
+        weight = received.unsqueeze(-1) * size.float()  # (B, N, 1): attention received x size
+        merged = (cluster_sum(x.float() * weight, plan) / cluster_sum(weight, plan)).to(x.dtype)
+        return (merged, cluster_attention(probs, plan, weight), cluster_sum(size, plan),
+                None if source is None else cluster_sum(source, plan))
