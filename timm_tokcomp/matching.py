@@ -448,11 +448,12 @@ def _joined_row(row_i: torch.Tensor, row_j: torch.Tensor, count_i: torch.Tensor,
 def _join_in_place(d: torch.Tensor, count: torch.Tensor, i: torch.Tensor, j: torch.Tensor, linkage: str):
     """Join cluster j into i: d (B, n, n) and count (B, n) updated in place (O(B n) per step)."""
     rows = torch.arange(d.shape[0], device=d.device)
+    inf = d.new_full((), float("inf"))  # a device tensor: a Python float written by index would be copied each time
     new = _joined_row(d[rows, i], d[rows, j], count[rows, i].unsqueeze(1), count[rows, j].unsqueeze(1), linkage)
-    new[rows, i] = float("inf")  # the joined cluster's distance to itself (gone clusters are inf in both rows)
-    new[rows, j] = float("inf")
+    new[rows, i] = inf  # the joined cluster's distance to itself (gone clusters are inf in both rows)
+    new[rows, j] = inf
     d[rows, i], d[rows, :, i] = new, new
-    d[rows, j], d[rows, :, j] = float("inf"), float("inf")
+    d[rows, j], d[rows, :, j] = inf, inf
     count[rows, i] = count[rows, i] + count[rows, j]
     return d, count
 
