@@ -75,8 +75,8 @@ class ReducingBlock(ReducingBlockMixin, Block):
 
     def _lookahead_branch(self, x, size, source, attn_bias, setting, reducer, num_prefix):
         """This block's attention probabilities (B, H, N, N), softmax in fp32, on the tokens entering it; the
-        reducer merges the tokens and those probabilities; they are applied to the merged tokens' values (qkv run
-        again on norm1 of the merged tokens, as timm runs it) -> (x, attention's branch, size, source), M tokens."""
+        reducer merges the tokens and those probabilities; they are applied to the merged tokens' values (the v
+        projection of norm1 of the merged tokens) -> (x, attention's branch, size, source), M tokens."""
         attn = self.attn
         B, N, _ = x.shape
         q, k, v = attn.qkv(self.norm1(x)).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)

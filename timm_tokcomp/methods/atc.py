@@ -27,6 +27,7 @@ class ATC(ScheduledReducer):
 
     name = "atc"
     export_refusal = None
+    tune_space = ({"keep_rate": 0.9},)
     PARAMS = (*SCHEDULE,
               Param("linkage", "average", check_linkage,
                     "ATC: the cluster distance, 'single' (min), 'average' (mean) or 'complete' (max) of point pairs"),

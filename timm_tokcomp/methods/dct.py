@@ -22,6 +22,7 @@ weights of the original patches (each row summing to 1 without inflation), not a
 
     name = "dct"
     export_refusal = None
+    tune_space = ()  # not in tune's default space: far below ToMe at matched GMACs (docs/study.md)
     min_keep_rate = 0.5
     plan_on_tokens = True
     PARAMS = (*SCHEDULE,

@@ -36,6 +36,7 @@ class MCTF(ScheduledReducer):
 
     name = "mctf"
     export_refusal = None
+    tune_space = ({"r": 8}, {"r": 12})
     reduces_before_attention = True
     min_keep_rate = 0.5
     PARAMS = (*SCHEDULE,

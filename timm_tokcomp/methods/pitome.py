@@ -30,6 +30,8 @@ class PiToMe(ScheduledReducer):
 
     name = "pitome"
     export_refusal = None
+    tune_space = ()  # not in tune's default space: not significantly above ToMe at matched GMACs (study.md), and
+    # near-copies of ToMe's settings add chances to pass tune's held-out budget by luck (docs/speed.md)
     min_keep_rate = 0.5  # at most half of a block's tokens merge
     PARAMS = (*SCHEDULE,
               Param("margin", 0.75, _check_margin, "PiToMe: the energy margin of the first block, falling linearly "

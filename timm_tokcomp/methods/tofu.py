@@ -26,6 +26,8 @@ class ToFu(ScheduledReducer):
 
     name = "tofu"
     export_refusal = None
+    tune_space = ()  # not in tune's default space: not significantly above ToMe at matched GMACs (study.md), and
+    # near-copies of ToMe's settings add chances to pass tune's held-out budget by luck (docs/speed.md)
     min_keep_rate = 0.5  # bipartite matching merges at most half of a block's tokens
     PARAMS = (*SCHEDULE,
               Param("merge_from", None, optional(lambda v: check_int("merge_from", v)),
