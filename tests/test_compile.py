@@ -6,6 +6,7 @@ import timm
 import torch
 
 import timm_tokcomp
+from timm_tokcomp.methods import METHODS
 
 
 def _deit_tiny(method=None, **params):
@@ -38,12 +39,16 @@ def _counting_backend(compiles):
     return backend
 
 
-@pytest.mark.parametrize("method, params", [("tome", {"r": 16}), ("evit", {"r": 8}), ("dense_tome", {"r": 2}),
-                                            ("tome", {"flops_ratio": 2.0}), ("l2", {"keep_rate": 0.7}),
-                                            ("topk", {"keep_rate": 0.7}), ("kmedoids", {"keep_rate": 0.7}),
-                                            ("pyra", {"r": 16}), ("patchmerger", {"keep_rate": 0.7}),
-                                            ("dynamicvit", {"keep_rate": 0.7}), ("tofu", {"r": 8}),
-                                            ("pitome", {"r": 8}), ("dct", {"r": 8}), ("atc", {"r": 8}), ("mctf", {"r": 8})])
+def _fixed_settings():
+    """Every method whose counts do not come from the data (a new one included): its study form where it has one,
+    else r; and the r forms of their own."""
+    settings = [(name, {"keep_rate": 0.7} if "keep_rate" in cls.param_names() else {"r": 2 if cls.dense else 8})
+                for name, cls in METHODS.items() if not cls.data_dependent]
+    return settings + [("tome", {"r": 16}), ("tome", {"flops_ratio": 2.0}), ("evit", {"r": 8}), ("pyra", {"r": 16}),
+                       *[(name, {"r": 8}) for name in ("tofu", "pitome", "dct", "atc", "mctf")]]
+
+
+@pytest.mark.parametrize("method, params", _fixed_settings())
 def test_fixed_settings_compile_without_graph_breaks(method, params):
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(_deit_tiny(method, **params))(torch.randn(2, 3, 224, 224))

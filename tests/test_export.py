@@ -6,6 +6,7 @@ import timm
 import torch
 
 import timm_tokcomp
+from timm_tokcomp.methods import METHODS
 from timm_tokcomp.cli import main
 from timm_tokcomp.export import compare_onnxruntime, export_onnx
 from conftest import SMALL, real_model_and_images, require_data
@@ -30,12 +31,16 @@ def test_export_real_deit_tiny_tome_r16_matches_pytorch_on_real_images_at_any_ba
 STAGES = {"keep_rate": 0.5, "stages": (2, 3)}
 
 
-@pytest.mark.parametrize("method, params", [("evit", {"r": 3}), ("dense_tome", {"k": 8}), ("tome", {"r": 4}),
-                                            ("topk", STAGES), ("dpcknn", STAGES), ("l2", STAGES), ("linf", STAGES),
-                                            ("pyra", {"r": 4}), ("pyra", {"r": 4, "form": "pooled"}),
-                                            ("patchmerger", STAGES), ("sinkhorn", STAGES), ("sit", STAGES),
-                                            ("dynamicvit", STAGES), ("tofu", {"r": 4}), ("tofu", STAGES),
-                                            ("pitome", {"r": 4}), ("dct", {"r": 4}), ("dct", STAGES), ("atc", {"r": 4}), ("atc", STAGES), ("mctf", {"r": 4}), ("mctf", STAGES)])
+def _exportable_settings():
+    """Every method that declares itself exportable (a new one included): its study form where it has one, else
+    r; and the r forms and variants of their own."""
+    settings = [(name, STAGES if "keep_rate" in cls.param_names() else {"r": 2 if cls.dense else 4})
+                for name, cls in METHODS.items() if cls.exportable()]
+    return settings + [("evit", {"r": 3}), ("dense_tome", {"k": 8}), ("pyra", {"r": 4, "form": "pooled"}),
+                       *[(name, {"r": 4}) for name in ("tome", "pyra", "tofu", "pitome", "dct", "atc", "mctf")]]
+
+
+@pytest.mark.parametrize("method, params", _exportable_settings())
 def test_fixed_setting_methods_export(tmp_path, method, params):
     torch.manual_seed(0)
     model = timm_tokcomp.apply(timm.models.vision_transformer.VisionTransformer(**SMALL).eval(), method, **params)

@@ -9,12 +9,12 @@ from timm.models.vision_transformer import VisionTransformer
 
 import timm_tokcomp
 from conftest import SMALL
-from timm_tokcomp.methods import parse_method_tag
+from timm_tokcomp.methods import METHODS, parse_method_tag
 
-# every method, each with a setting that reduces on the small model (16 patches + a class token, 4 blocks)
-TAGS = ["tome_r4", "evit_r3", "atm", "ats_k70", "topk_k70", "l1_k70", "l2_k70", "linf_k70", "kmedoids_k70",
-        "dpcknn_k70", "pyra_r4", "patchmerger_k70", "dynamicvit_k70", "sinkhorn_k70", "sit_k70", "dense_tome_r2",
-        "tofu_r4", "pitome_r4", "dct_r4", "atc_r4", "mctf_r4"]
+# every method in METHODS (a new one included), each with a setting that reduces on the small model (16 patches + a
+# class token, 4 blocks): its keep rate form where it has one, else r
+TAGS = [f"{name}_k70" if "keep_rate" in cls.param_names() else name if "r" not in cls.param_names()
+        else f"{name}_r{2 if cls.dense else 4}" for name, cls in METHODS.items()]
 
 
 def _avg_pooled(tag):
