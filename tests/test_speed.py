@@ -83,6 +83,25 @@ def test_speed_table_and_csv(tmp_path, capsys):
     assert float(by["2", "tome_r16@triton"]["vs_limit"]) > 0  # ToMe's kernels (in the CPU interpreter here)
 
 
+def test_speed_csv_keeps_the_batches_measured_before_a_run_stops(tmp_path, monkeypatch, capsys):
+    """--out is rewritten after each (mode, batch): a run stopped in its second batch (a timeout, Ctrl-C) leaves the
+    first batch's rows, a whole CSV."""
+    out = tmp_path / "speed.csv"
+    real, calls = speed.time_runs, []
+
+    def stopping(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(speed, "time_runs", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        main(["speed", "deit_tiny_patch16_224", "--methods", "tome_r8", "--batches", "1,2", "--out", str(out)] + FAST)
+    rows = list(csv.DictReader(open(out)))
+    assert [(r["batch"], r["method"]) for r in rows] == [("1", "none"), ("1", "tome_r8"), ("1", "tome_r8 limit")]
+
+
 def test_speed_compiled_mode_skips_data_dependent_methods_and_never_falls_back_silently(monkeypatch, capsys):
     # dynamo's capture with the 'eager' backend: the harness's wiring without inductor's minutes on a CPU
     monkeypatch.setattr(modes, "runner", lambda m, mode, x: torch.compile(m, backend="eager", dynamic=False))

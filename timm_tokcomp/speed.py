@@ -9,7 +9,7 @@ import csv
 import statistics
 import sys
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import timm
 import torch
@@ -111,12 +111,14 @@ def run_speed(
     pretrained: bool = False,
     data: Optional[str] = None,
     show_progress: bool = True,
+    on_rows: Optional[Callable[[List[SpeedRow]], None]] = None,
 ) -> List[SpeedRow]:
     """Forward times of the plain model, every method and every method's limit, interleaved per (mode, batch) so
     that machine noise hits them alike (SpeedRow: medians, and speed-ups with their 95 % intervals).
     Data-dependent methods (ATM, ATS) run in eager mode only. modes: eager, compile, cudagraph (torch.compile
     mode='reduce-overhead'), graph (the eager forward captured in a CUDA graph, graphs.GraphedForward). data: a
-    folder of images whose first batch is timed (random inputs without it)."""
+    folder of images whose first batch is timed (random inputs without it). on_rows: called with all rows so far after
+    each (mode, batch), so a run stopped later keeps what it measured (the CLI writes --out there)."""
     check_batches(batches)
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
@@ -138,6 +140,8 @@ def run_speed(
                 runners = {name: modes_.runner(m, mode, x) for name, m in models.items()}
                 seconds = time_runs(runners, x, rounds=rounds, warmup=1 if mode == "eager" else 3)
             rows += _rows(mode, batch, seconds)
+            if on_rows is not None:
+                on_rows(list(rows))
             bar.update(1)
     return rows
 

@@ -32,7 +32,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     weights_flags(sp)
     sp.add_argument("--data", help="folder of images whose first batch is timed (random inputs without it; "
                                    "adaptive methods such as ATM need real images)")
-    sp.add_argument("--out", help="write the rows as CSV")
+    sp.add_argument("--out", help="write the rows as CSV, rewritten after each (mode, batch): a run stopped later "
+                                  "keeps what it measured")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     progress_flag(sp)
     sp.set_defaults(func=run, outputs=(FILE_OUT,))
@@ -44,15 +45,19 @@ def run(args: argparse.Namespace) -> int:
 
     batches = numbers("--batches", args.batches, int)
     methods = args.methods or SPEED_METHODS + (SPEED_METHODS_CUDA if args.device.startswith("cuda") else "")
+    device_name = device_description(args.device)
+    settings = {"device": device_name, "dtype": args.dtype, "tf32": args.tf32}
+    written = []
+
+    def save(rows) -> None:  # after each (mode, batch): a run stopped later keeps what it measured
+        write_speed_csv(rows, args.out, args.model, settings, overwrite=args.overwrite or bool(written))
+        written.append(len(rows))
+
     rows = run_speed(args.model, methods=methods.split(","), batches=batches, modes=args.modes.split(","),
                      device=args.device, dtype=args.dtype, tf32=args.tf32, rounds=args.rounds,
                      checkpoint=args.checkpoint, pretrained=args.pretrained, data=args.data,
-                     show_progress=not args.no_progress)
-    device_name = device_description(args.device)
+                     show_progress=not args.no_progress, on_rows=save if args.out else None)
     print(f"{args.model} on {device_name}: {describe_settings(args.device, args.dtype, args.tf32)}, "
           f"{args.rounds} interleaved rounds")
     print(format_speed(rows))
-    if args.out:
-        write_speed_csv(rows, args.out, args.model, {"device": device_name, "dtype": args.dtype, "tf32": args.tf32},
-                        overwrite=args.overwrite)
     return 0
