@@ -407,8 +407,8 @@ LINKAGES = ("single", "average", "complete")
 
 
 def agglomerative_clusters(dist: torch.Tensor, num_clusters: int, linkage: str) -> torch.Tensor:
-    """Bottom-up hierarchical clustering of each image's n points from their distances dist: (B, n, n), symmetric,
-    down to num_clusters clusters -> assign (B, n) in [0, num_clusters).
+    """Bottom-up hierarchical clustering of each image's n points from their distances dist: (B, n, n) (the smaller of
+    d[i, j] and d[j, i] is used for both), down to num_clusters clusters -> assign (B, n) in [0, num_clusters).
 
     Each of the n - num_clusters steps merges the two closest clusters (ties: the pair (i, j), i < j, first in
     row-major order; the cluster keeps its lowest point's index) and updates that cluster's distances by the
@@ -423,7 +423,9 @@ def agglomerative_clusters(dist: torch.Tensor, num_clusters: int, linkage: str) 
         raise ValueError(f"num_clusters must be in [1, {n}], got {num_clusters}")
     with torch.no_grad():
         step = _join_by_masks if torch.compiler.is_compiling() else _join_in_place
-        d = dist.float().masked_fill(torch.eye(n, dtype=torch.bool, device=dist.device), float("inf"))
+        d = dist.float()
+        d = torch.minimum(d, d.transpose(1, 2))  # exactly symmetric (a matmul's two halves may round apart)
+        d = d.masked_fill(torch.eye(n, dtype=torch.bool, device=dist.device), float("inf"))
         count = torch.ones(dist.shape[0], n, device=dist.device)
         label = torch.arange(n, device=dist.device).expand(dist.shape[0], n)
         for _ in range(n - num_clusters):

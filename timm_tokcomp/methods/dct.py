@@ -14,11 +14,10 @@ from .params import COMMON, SCHEDULE, Param, flag
 class DCT(ScheduledReducer):
     """inflate False (default): the transform pair scaled by sqrt(m / n), so a constant sequence of tokens stays
     that constant and token norms do not grow. True: OpenToMe's plain pair, which scales every token by about
-    sqrt(n / m) at each reduction (1.0435 for 196 -> 180). r <= n // 2 per block. Each output token holds an equal
-    share of the patches (sizes); a source map (trace_source) is mapped by the same matrix, so it holds signed
-weights of the original patches (each row summing to 1 without inflation), not a set of them. On a rotary-position model the
-    tokens' grid coordinates are resampled by the same mean-preserving map. Proportional attention is off by
-    default, as in OpenToMe."""
+    sqrt(n / m) at each reduction (1.0435 for 196 -> 180). r <= n // 2 per block. Sizes and source maps: each output
+    token holds the stretch of the token axis it resamples (ResamplePlan.shares), so every patch stays held with
+    total weight 1. On a rotary-position model the tokens' grid coordinates are resampled by the same
+    mean-preserving map. Proportional attention is off by default, as in OpenToMe."""
 
     name = "dct"
     export_refusal = None
@@ -29,7 +28,6 @@ weights of the original patches (each row summing to 1 without inflation), not a
               Param("inflate", False, lambda v: bool(flag("inflate")(v)),
                     "DCT: keep OpenToMe's amplitude inflation, sqrt(n / m) per reduction (default: mean-preserving)"),
               *COMMON)
-
 
     @property
     def reduce_after_mlp(self) -> bool:  # type: ignore[override]
