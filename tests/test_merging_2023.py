@@ -5,6 +5,7 @@ import copy
 import itertools
 
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
 
@@ -243,3 +244,16 @@ def test_on_real_deit_tiny(tag):
     # DCT reduces after each block's MLP; MCTF computes its reducing blocks' scores at the count entering them
     low, high = (0.8, 0.87) if tag in ("dct_r8", "mctf_r8") else (0.6, 0.8)
     assert low < macs / plain_macs < high and agree >= 0.5
+
+
+def test_mctf_values_of_a_wrapped_qkv_equal_those_of_the_plain_linear():
+    """MCTF projects only the v rows of a plain nn.Linear qkv; a wrapped one (an adapter, a quantized module) is
+    called whole and its v part taken: with the same weights both give the same output."""
+    torch.manual_seed(8)
+    plain = timm_tokcomp.apply(timm.create_model("deit_tiny_patch16_224").eval(), "mctf", r=8)
+    wrapped = copy.deepcopy(plain)
+    for blk in wrapped.blocks:
+        blk.attn.qkv = torch.nn.Sequential(blk.attn.qkv)
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), plain(x), rtol=0, atol=1e-5)
