@@ -45,6 +45,16 @@ def test_assignments_follow_the_models_own_source_map(deit_tiny, photos):
     assert (record(deit_tiny, "tome", [photos]).depth == 12).all()
 
 
+def test_own_patches_of_a_block_that_reduced_nothing(deit_tiny, photos):
+    """After a block that reduced nothing every patch is its own token, held by token 1 .. P (the prefix counted):
+    `own` once indexed past its count there (MCTF reduces at the start of the next block, so `tokcomp analyze`
+    compared such a block against ToMe's)."""
+    timm_tokcomp.apply(deit_tiny, "mctf", keep_rate=0.7)
+    rec = record(deit_tiny, "mctf", [photos])
+    assert rec.assign[:, 2].max() == 196 and rec.own(2).all()  # block 3 (1-based) has not reduced yet
+    assert not rec.own(3).all()
+
+
 def test_overlay_colours_groups_greys_dropped_and_keeps_single_patches():
     image = np.full((4, 4, 3), 0.5)
     assign = np.array([0, 0, 1, -1])  # 2 x 2 grid of 2 x 2 pixel patches: a group of two, a single, a dropped one

@@ -40,7 +40,8 @@ class Recording:
     def own(self, block: int) -> np.ndarray:
         """(images, P) bool: the patches that are still their own token after `block` (0-based)."""
         a = self.assign[:, block].astype(np.int64)
-        counts = np.zeros((a.shape[0], a.shape[1] + 1), dtype=np.int64)  # tokens of a block <= patches
+        # token indices count the prefix tokens: an unreduced block's reach P (the patches) and beyond
+        counts = np.zeros((a.shape[0], a.max(initial=-1) + 2), dtype=np.int64)
         np.add.at(counts, (np.arange(a.shape[0])[:, None], a + 1), 1)  # index 0 counts dropped patches
         return (a >= 0) & (np.take_along_axis(counts, a + 1, axis=1) == 1)
 
