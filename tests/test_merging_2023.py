@@ -216,13 +216,21 @@ def test_merged_attention_sums_key_columns_and_weighs_query_rows():
     torch.testing.assert_close(merged.sum(-1), torch.ones(B, H, N - 3))
 
 
-def test_mctf_reduces_at_the_start_of_the_next_block_and_refuses_flops_ratio():
+def test_mctf_reduces_at_the_start_of_the_next_block_and_refuses_flops_ratio_and_bad_powers():
     from timm_tokcomp.methods.mctf import MCTF
     cost = BlockCost(1, 1, 1)
     assert MCTF(r=4).block_settings(4, 50, 1, cost) == [None, 4, 4, 4]
     assert MCTF(keep_rate=0.5, stages=(2, 3)).block_settings(4, 65, 1, cost) == [None, 32, 16, None]
     with pytest.raises(ValueError, match="flops_ratio is not available for mctf"):
         MCTF(flops_ratio=1.5)
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "0.05"):
+        with pytest.raises(ValueError, match="info_power must be a finite number > 0"):
+            MCTF(r=4, info_power=bad)
+
+
+def test_atc_refuses_an_unknown_linkage_naming_the_choices():
+    with pytest.raises(ValueError, match="linkage must be one of single, average, complete, got 'ward'"):
+        timm_tokcomp.apply(timm.create_model("deit_tiny_patch16_224"), "atc", r=4, linkage="ward")
 
 
 @pytest.mark.realdata

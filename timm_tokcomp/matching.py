@@ -406,6 +406,13 @@ def density_peaks(x: torch.Tensor, num_clusters: int, neighbours: int = 5) -> to
 LINKAGES = ("single", "average", "complete")
 
 
+def check_linkage(linkage: str) -> str:
+    """linkage itself, or ValueError naming the valid ones."""
+    if linkage not in LINKAGES:
+        raise ValueError(f"linkage must be one of {', '.join(LINKAGES)}, got {linkage!r}")
+    return linkage
+
+
 def agglomerative_clusters(dist: torch.Tensor, num_clusters: int, linkage: str) -> torch.Tensor:
     """Bottom-up hierarchical clustering of each image's n points from their distances dist: (B, n, n) (the smaller of
     d[i, j] and d[j, i] is used for both), down to num_clusters clusters -> assign (B, n) in [0, num_clusters).
@@ -416,8 +423,7 @@ def agglomerative_clusters(dist: torch.Tensor, num_clusters: int, linkage: str) 
     points (count-weighted). The steps depend on each other, so this runs n - num_clusters small batched steps:
     rows and columns updated in place in eager mode, by masks (a functional graph) under torch.compile / export.
     Clusters are numbered by their lowest point, ascending."""
-    if linkage not in LINKAGES:
-        raise ValueError(f"linkage must be one of {', '.join(LINKAGES)}, got {linkage!r}")
+    check_linkage(linkage)
     n = dist.shape[1]
     if not 1 <= num_clusters <= n:
         raise ValueError(f"num_clusters must be in [1, {n}], got {num_clusters}")

@@ -7,15 +7,9 @@ from typing import Optional
 
 import torch
 
-from ..matching import LINKAGES, ClusterPlan, agglomerative_clusters
-from .base import ScheduledReducer
+from ..matching import ClusterPlan, agglomerative_clusters, check_linkage
+from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
-
-
-def check_linkage(value: str) -> str:
-    if value not in LINKAGES:
-        raise ValueError(f"linkage must be one of {', '.join(LINKAGES)}, got {value!r}")
-    return value
 
 
 class ATC(ScheduledReducer):
@@ -33,8 +27,7 @@ class ATC(ScheduledReducer):
                     "ATC: the cluster distance, 'single' (min), 'average' (mean) or 'complete' (max) of point pairs"),
               *COMMON)
 
-    def default_prop_attn(self, global_pool: str) -> bool:
-        return global_pool != "avg"
+    default_prop_attn = prop_attn_unless_avg_pool
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k.mean(dim=1)

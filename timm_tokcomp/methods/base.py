@@ -54,6 +54,12 @@ def warn_if_compiling(method: str) -> None:
                       f"...) compile as whole graphs", stacklevel=3)
 
 
+def prop_attn_unless_avg_pool(self, global_pool: str) -> bool:
+    """ToMe's default_prop_attn, shared by the merging methods: merged tokens weigh by their size in attention,
+    except in avg-pooled models."""
+    return global_pool != "avg"
+
+
 class TokenReducer(ABC):
     """The base of every method. Its parameters are declared once, as PARAMS (methods.params): the constructor
     takes them (by position or name, TypeError for unknown or missing ones), checks each, keeps each as an
@@ -356,9 +362,7 @@ class ClusterMerging(ScheduledReducer):
     many clusters as tokens stay; every cluster becomes its size-weighted mean. Subclasses give cluster()."""
 
     plan_on_tokens = True
-
-    def default_prop_attn(self, global_pool: str) -> bool:
-        return global_pool != "avg"
+    default_prop_attn = prop_attn_unless_avg_pool
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k  # unused: the plan reads the tokens

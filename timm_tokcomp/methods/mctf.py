@@ -4,21 +4,22 @@ three criteria multiplied (similarity of the tokens themselves, informativeness:
 higher, size: smaller scores higher) in a bidirectional matching; each group becomes its attention x size weighted
 mean; the probabilities are merged alike (key columns summed, query rows weighted) and applied to the merged
 tokens' values, so attention is not recomputed after merging. Training-free here (the paper also fine-tunes)."""
+import math
 from typing import Any, List, Optional
 
 import torch
 
 from ..matching import mctf_matching
 from ..ops import cluster_attention, cluster_sum
-from ..schedules import BlockCost
-from .base import ScheduledReducer
+from ..schedules import BlockCost, is_real
+from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
 
 
 def _positive(name: str):
     def check(value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if not is_real(value) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         return float(value)
 
     return check
@@ -55,8 +56,7 @@ class MCTF(ScheduledReducer):
     def reduce_after_mlp(self) -> bool:  # type: ignore[override]
         return False
 
-    def default_prop_attn(self, global_pool: str) -> bool:
-        return global_pool != "avg"
+    default_prop_attn = prop_attn_unless_avg_pool
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost
                        ) -> List[Optional[int]]:

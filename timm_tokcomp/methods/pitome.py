@@ -8,7 +8,7 @@ import torch
 
 from ..matching import MergePlan, energy_matching
 from ..schedules import BlockCost, is_real
-from .base import ScheduledReducer
+from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
 
 Setting = Tuple[int, float, bool]  # (r, margin, protect)
@@ -38,8 +38,7 @@ class PiToMe(ScheduledReducer):
                                                    "with depth to margin / L in the last"),
               *COMMON)
 
-    def default_prop_attn(self, global_pool: str) -> bool:
-        return global_pool != "avg"
+    default_prop_attn = prop_attn_unless_avg_pool
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int,
                        cost: BlockCost) -> List[Optional[Setting]]:

@@ -9,7 +9,7 @@ import torch
 from ..matching import MergePlan
 from ..ops import merge_keep_destination, merge_mlerp, merge_sum
 from ..schedules import BlockCost, check_int
-from .base import ScheduledReducer
+from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param, optional
 from .tome import tome_plan
 
@@ -34,8 +34,7 @@ class ToFu(ScheduledReducer):
                     "ToFu: the first block that merges by MLERP (earlier blocks prune); None: depth // 2 + 1"),
               *COMMON)
 
-    def default_prop_attn(self, global_pool: str) -> bool:
-        return global_pool != "avg"
+    default_prop_attn = prop_attn_unless_avg_pool
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int,
                        cost: BlockCost) -> List[Optional[Tuple[int, str]]]:

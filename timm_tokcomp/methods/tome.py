@@ -5,7 +5,7 @@ import torch
 
 from .. import kernels
 from ..matching import MergePlan, bipartite_soft_matching, max_merges
-from .base import FusedScheduledReducer, parse_named_schedule_tag
+from .base import FusedScheduledReducer, parse_named_schedule_tag, prop_attn_unless_avg_pool
 
 
 class ToMe(FusedScheduledReducer):
@@ -31,8 +31,7 @@ class ToMe(FusedScheduledReducer):
     def tag_forms(cls) -> Tuple[str, ...]:
         return (*super().tag_forms(), f"{cls.name}_low", f"{cls.name}_high")
 
-    def default_prop_attn(self, global_pool: str) -> bool:
-        return global_pool != "avg"
+    default_prop_attn = prop_attn_unless_avg_pool
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k.mean(dim=1)
