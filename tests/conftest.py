@@ -34,6 +34,13 @@ def _with_attn_dim(model, head_dim):
     return model
 
 
+def reducing_setting(cls, r: int, study: dict) -> dict:
+    """A setting that reduces, for the tests run over every method: `study` where the method takes keep_rate, r = `r`
+    where it takes r, else its defaults (DiffRate's untrained rates reduce from block 1 on)."""
+    names = cls.param_names()
+    return dict(study) if "keep_rate" in names else {"r": r} if "r" in names else {}
+
+
 def make_model(variant: str, fused: bool = True, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = VARIANTS[variant]().eval()

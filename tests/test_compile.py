@@ -6,6 +6,7 @@ import timm
 import torch
 
 import timm_tokcomp
+from conftest import reducing_setting
 from timm_tokcomp.methods import METHODS
 
 
@@ -42,7 +43,7 @@ def _counting_backend(compiles):
 def _fixed_settings():
     """Every method whose counts do not come from the data (a new one included): its study form where it has one,
     else r; and the r forms of their own."""
-    settings = [(name, {"keep_rate": 0.7} if "keep_rate" in cls.param_names() else {"r": 2 if cls.dense else 8})
+    settings = [(name, reducing_setting(cls, 2 if cls.dense else 8, {"keep_rate": 0.7}))
                 for name, cls in METHODS.items() if not cls.data_dependent]
     return settings + [("tome", {"r": 16}), ("tome", {"flops_ratio": 2.0}), ("evit", {"r": 8}), ("pyra", {"r": 16}),
                        *[(name, {"r": 8}) for name in ("tofu", "pitome", "dct", "atc", "mctf")]]

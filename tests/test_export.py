@@ -6,6 +6,7 @@ import timm
 import torch
 
 import timm_tokcomp
+from conftest import reducing_setting
 from timm_tokcomp.methods import METHODS
 from timm_tokcomp.cli import main
 from timm_tokcomp.export import compare_onnxruntime, export_onnx
@@ -34,7 +35,7 @@ STAGES = {"keep_rate": 0.5, "stages": (2, 3)}
 def _exportable_settings():
     """Every method that declares itself exportable (a new one included): its study form where it has one, else
     r; and the r forms and variants of their own."""
-    settings = [(name, STAGES if "keep_rate" in cls.param_names() else {"r": 2 if cls.dense else 4})
+    settings = [(name, reducing_setting(cls, 2 if cls.dense else 4, STAGES))
                 for name, cls in METHODS.items() if cls.exportable()]
     return settings + [("evit", {"r": 3}), ("dense_tome", {"k": 8}), ("pyra", {"r": 4, "form": "pooled"}),
                        *[(name, {"r": 4}) for name in ("tome", "pyra", "tofu", "pitome", "dct", "atc", "mctf")]]

@@ -31,7 +31,8 @@ FAMILY_MODELS = {
 ROPE_MODELS = [name for name in FAMILY_MODELS if name not in ("siglip_map", "siglip2_map")]
 BATCH_ADAPTIVE = {"atm"}  # one merge count per batch: the mean of the images' counts, by design
 TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.dense)
-PARAMS = {"atm": dict(alpha=0.2, beta=0.0, theta_min=0.2, prefix_only_last_block=False)}
+PARAMS = {"atm": dict(alpha=0.2, beta=0.0, theta_min=0.2, prefix_only_last_block=False),
+          "diffrate": {}}  # untrained rates: about half the patches kept from block 1 on
 
 
 def family_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:

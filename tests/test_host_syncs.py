@@ -4,6 +4,7 @@ import timm
 import torch
 
 import timm_tokcomp
+from conftest import reducing_setting
 from timm_tokcomp.methods import METHODS
 from timm_tokcomp.measure import OpCounter
 
@@ -23,7 +24,7 @@ def _count(method=None, **params):
 def _fixed_count_settings():
     """Every method whose counts do not come from the data (a new one included, with no list to forget it in), at a
     reducing setting, and a few forms of their own."""
-    settings = [(name, {"keep_rate": 0.7} if "keep_rate" in cls.param_names() else {"r": 1 if cls.dense else 8})
+    settings = [(name, reducing_setting(cls, 1 if cls.dense else 8, {"keep_rate": 0.7}))
                 for name, cls in METHODS.items() if not cls.data_dependent]
     return settings + [("tome", {"r": 16}), ("tome", {"flops_ratio": 2.0}), ("evit", {"r": 8}),
                        ("pyra", {"r": 16, "form": "pooled"}), ("mctf", {"r": 8})]

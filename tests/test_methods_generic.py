@@ -14,8 +14,11 @@ from conftest import SMALL, VARIANTS, make_model
 
 N_PATCH = (SMALL["img_size"] // SMALL["patch_size"]) ** 2  # 64
 NOTHING = {"atm": dict(alpha=1.0, beta=0.0, theta_min=1.0, prefix_only_last_block=False)}  # no merge, full last MLP
-REDUCING = {"atm": dict(alpha=0.5, beta=0.0, theta_min=0.5, prefix_only_last_block=False)}
+NOTHING["diffrate"] = dict(schedule={"prune": [N_PATCH] * SMALL["depth"], "merge": [N_PATCH] * SMALL["depth"]})
+REDUCING = {"atm": dict(alpha=0.5, beta=0.0, theta_min=0.5, prefix_only_last_block=False),
+            "diffrate": {}}  # untrained rates: about half the patches kept from block 1 on
 DROPPING = {"topk", "ats", "l1", "l2", "linf", "dynamicvit"}  # pruned patches are dropped, held by no token
+SIMILARITY_SIZED = {"diffrate"}  # prunes, and a merged token's size grows by its similarity (<= 1) to its keeper
 SOFT = {"patchmerger", "sinkhorn", "sit", "dct"}  # patches shared out over tokens by weights: held with total weight 1 up to round-off
 TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.dense)
 
@@ -61,6 +64,9 @@ def test_method_contract(method, images):
     elif method in DROPPING:
         assert torch.equal(stats.size[..., 0], stats.source.sum(-1))
         assert held.max() == 1 and held.min() == 0
+    elif method in SIMILARITY_SIZED:
+        assert held.max() == 1 and held.min() == 0
+        assert (stats.size[..., 0] >= 1).all() and (stats.size[..., 0] <= stats.source.sum(-1) + 1e-5).all()
     else:
         assert torch.equal(stats.size[..., 0], stats.source.sum(-1))
         assert torch.equal(held, torch.ones_like(held))

@@ -74,6 +74,26 @@ class ClusterPlan:
 
 
 @dataclass
+class KeepMergePlan:
+    """Prune, then merge into kept tokens by unweighted means (DiffRate's step).
+
+    num_prefix: leading tokens copied unchanged.
+    keep_idx: (B, P) the non-prefix tokens that stay (the rest are dropped), most important first.
+    assign: (B, P) int64, the output in [0, num_keepers) of each kept token; kept token j < num_keepers is keeper j.
+    size_weight: (B, P, 1) what each kept token's size counts for in its output's size: 1 for a keeper, its cosine
+        similarity to its keeper (>= 0) for a token merged into one.
+    num_keepers: M. Output order: prefix tokens, then the M keepers, each the unweighted mean of itself and the
+    tokens merged into it. Source maps add up whole (every kept patch held with weight 1).
+    """
+
+    num_prefix: int
+    keep_idx: torch.Tensor
+    assign: torch.Tensor
+    size_weight: torch.Tensor
+    num_keepers: int
+
+
+@dataclass
 class SoftPlan:
     """Soft merging: every output token is a convex combination of the non-prefix tokens.
 

@@ -6,7 +6,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .matching import ClusterPlan, MergePlan, PrunePlan, ResamplePlan, SoftPlan, TruncatePlan
+from .matching import ClusterPlan, KeepMergePlan, MergePlan, PrunePlan, ResamplePlan, SoftPlan, TruncatePlan
 from .matching import gather_tokens as _gather
 from .matching import split_tokens
 
@@ -104,6 +104,17 @@ def cluster_attention(probs: torch.Tensor, plan: ClusterPlan, weight: torch.Tens
     return probs.new_zeros(B, H, M, M).scatter_add(2, group.view(B, 1, N, 1).expand(B, H, N, M), rows)
 
 
+def keep_merge_sum(t: torch.Tensor, plan: KeepMergePlan, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The kept tokens (times weight (B, P, 1), if given) summed into their outputs: (B, N, C) -> (B, p + M, C)."""
+    p = plan.num_prefix
+    kept = _gather(t[:, p:], plan.keep_idx)
+    if weight is not None:
+        kept = kept * weight.to(kept.dtype)
+    sums = kept.new_zeros(kept.shape[0], plan.num_keepers, kept.shape[2])
+    sums = sums.scatter_add(1, plan.assign.unsqueeze(-1).expand(-1, -1, kept.shape[2]), kept)
+    return torch.cat([t[:, :p], sums], dim=1)
+
+
 def soft_mix(t: torch.Tensor, plan: SoftPlan, weight: torch.Tensor) -> torch.Tensor:
     """Prefix rows unchanged, then weight @ the non-prefix rows: (B, N, C) -> (B, p + M, C)."""
     p = plan.num_prefix
@@ -120,7 +131,7 @@ def weighted_mean(x: torch.Tensor, size: Optional[torch.Tensor], reduce_sum) -> 
 
 
 def apply_plan(
-    plan: Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan, ResamplePlan],
+    plan: Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan, ResamplePlan, KeepMergePlan],
     x: torch.Tensor,
     size: Optional[torch.Tensor],
     source: Optional[torch.Tensor],
@@ -131,6 +142,11 @@ def apply_plan(
     if isinstance(plan, TruncatePlan):
         keep = plan.num_keep
         return x[:, :keep], None if size is None else size[:, :keep], None if source is None else source[:, :keep]
+    if isinstance(plan, KeepMergePlan):
+        ones = x.new_ones(x.shape[0], x.shape[1], 1)
+        x = keep_merge_sum(x, plan) / keep_merge_sum(ones, plan)  # the prefix rows divide by 1
+        return (x, keep_merge_sum(ones if size is None else size, plan, plan.size_weight),
+                None if source is None else keep_merge_sum(source, plan))
     if isinstance(plan, SoftPlan):
         shares = plan.shares
         if size is None:

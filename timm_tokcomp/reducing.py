@@ -145,6 +145,8 @@ class ReducingBlockMixin:
                 num_prefix: int) -> Carried:
         if reducer.plan_on_tokens:  # the block's tokens, detached unless the plan learns through them
             metric = x if reducer.plan_differentiable else x.detach()
+        elif reducer.plan_reads_tokens:
+            metric = (metric, x.detach())
         if positions is None:  # the fused kernels carry no positions: with rope the plan runs in torch
             fused = reducer.reduce_fused(metric, x, size, source, setting, num_prefix)
             if fused is not None:

@@ -15,12 +15,12 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..matching import ClusterPlan, MergePlan, PrunePlan, ResamplePlan, SoftPlan, TruncatePlan
+from ..matching import ClusterPlan, KeepMergePlan, MergePlan, PrunePlan, ResamplePlan, SoftPlan, TruncatePlan
 from ..ops import apply_plan
 from ..schedules import NAMED_SCHEDULES, BlockCost, resolve_r, solve_flops_schedule, stage_schedule
 from .params import COMMON, SCHEDULE, Param, kernel_choice, signature
 
-Plan = Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan, ResamplePlan]
+Plan = Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan, ResamplePlan, KeepMergePlan]
 
 
 def parse_r_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
@@ -87,6 +87,8 @@ class TokenReducer(ABC):
     plan_on_tokens: ClassVar[bool] = False  # plan() gets the block's tokens (B, N, C), not the metric
     plan_differentiable: ClassVar[bool] = False  # with plan_on_tokens: the tokens keep their gradient (a learned
     # soft assignment such as PatchMerger's); otherwise plan() sees them detached
+    plan_reads_tokens: ClassVar[bool] = False  # plan() gets (metric, the block's tokens detached): it ranks by the
+    # metric and matches on the tokens (DiffRate)
     reduce_after_mlp: bool = False  # reduce at the end of the block (after its MLP), not between attention and MLP
     reduces_before_attention: ClassVar[bool] = False  # reduce at the start of the block with lookahead(), from this
     # block's attention probabilities at the unreduced count, which are then merged and reused (MCTF)

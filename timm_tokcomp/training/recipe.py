@@ -4,7 +4,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from ..methods import make_reducer, method_class, parse_method_tag
+from ..methods import METHODS, make_reducer, method_class, parse_method_tag
 from .engine import check_loop_settings
 
 NO_METHOD = "none"
@@ -77,8 +77,9 @@ class FinetuneConfig:
                              "training runs kernel=torch or kernel=auto")
         if self.lora_rank == 0 and not (self.distill and method is not None
                                         and getattr(method_class(method[0]), "learned_param", None)):
+            learned = ", ".join(name for name, cls in METHODS.items() if getattr(cls, "learned_param", None))
             raise ValueError("--lora-rank 0 (no LoRA: only the method's parameters train) needs --distill and a method "
-                             "with learned parameters (pyra, patchmerger, sinkhorn, sit, dynamicvit)")
+                             f"with learned parameters ({learned})")
         if method is not None:
             try:  # a bad value (e.g. form='wide') fails here, before --overwrite deletes an earlier run
                 make_reducer(method[0], **method[1])

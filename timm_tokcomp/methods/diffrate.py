@@ -1,0 +1,331 @@
+"""DiffRate (Chen et al., ICCV 2023): every reducing block prunes and then merges its patch tokens, ranked by the
+class token's attention (averaged over heads). It keeps the P most attended and, of those, merges the P - M least
+attended into their most similar of the first M (cosine on the block's tokens after attention); a keeper becomes the
+unweighted mean of itself and what merged into it, and its size grows by each merged token's size times that
+similarity (taken >= 0). Block 0 never reduces. The per-block counts (P, M) are a schedule, given (`schedule`) or
+searched with the ViT frozen (`rate_params`): per block two logit vectors over the candidate counts n, n - g,
+n - 2g, ... (g = granularity, n the patch tokens), each count the ceiling of its expectation under their softmax.
+
+The search is training mode: nothing is removed. Tokens are ranked as in eval mode; one beyond the kept count stays
+in place with size 1e-6 (the log-size attention bias keeps it out of every other token's attention), one merged
+away is added into its keeper as in eval mode and then does the same. The decisions are hard in the forward pass;
+their gradient reaches the logits through the soft keep probabilities (straight-through), and the MACs penalty's
+through the expected counts (ceiling straight-through). `method_loss()` gives
+macs_weight * (MACs share - macs_target)^2, the share of the block stack's unreduced MACs computed from the counts;
+`tokcomp finetune` adds it to its distillation loss. `rate_params.schedule()` is the searched schedule, which any
+model with as many blocks and patches can carry as `schedule=`.
+"""
+import math
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..matching import KeepMergePlan, class_attention, gather_tokens
+from ..schedules import BlockCost, is_int, is_real
+from .base import LearnedParams, TokenReducer
+from .params import COMMON, Param, optional
+
+EPS = 1e-6  # the size a token dropped in the search keeps (log-size bias log(EPS) ~ -13.8)
+
+
+def check_macs_target(value: Any) -> float:
+    if not is_real(value) or not math.isfinite(value) or not 0 < value <= 1:
+        raise ValueError(f"macs_target must be a number in (0, 1] (the share of the unreduced blocks' MACs the search "
+                         f"aims at), got {value!r}")
+    return float(value)
+
+
+def check_granularity(value: Any) -> int:
+    if not is_int(value) or value < 1:
+        raise ValueError(f"granularity must be an integer >= 1 (the step between candidate counts), got {value!r}")
+    return int(value)
+
+
+def check_macs_weight(value: Any) -> float:
+    if not is_real(value) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"macs_weight must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def check_schedule(value: Any) -> Dict[str, List[int]]:
+    """{'prune': [P per block], 'merge': [M per block]}: patch tokens kept after pruning and after merging."""
+    if not isinstance(value, dict) or set(value) != {"prune", "merge"}:
+        raise ValueError(f"schedule must be a dict {{'prune': [...], 'merge': [...]}} of patch tokens kept per block, "
+                         f"got {value!r}")
+    lists = {key: value[key] for key in ("prune", "merge")}
+    for key, counts in lists.items():
+        if not isinstance(counts, (list, tuple)) or not counts or not all(is_int(c) and c >= 1 for c in counts):
+            raise ValueError(f"schedule[{key!r}] must be a non-empty list of integers >= 1, got {counts!r}")
+    if len(lists["prune"]) != len(lists["merge"]):
+        raise ValueError(f"schedule's 'prune' and 'merge' lists must have one entry per block each, got "
+                         f"{len(lists['prune'])} and {len(lists['merge'])}")
+    return {key: [int(c) for c in counts] for key, counts in lists.items()}
+
+
+def ceil_through(value: torch.Tensor) -> torch.Tensor:
+    """ceil(value) in the forward pass (a 1e-4 slack against rounding), the identity's gradient in the backward."""
+    return value + (torch.ceil(value.detach() - 1e-4) - value.detach())
+
+
+def hard_through(hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+    """hard's values with soft's gradient."""
+    return hard.to(soft.dtype) + soft - soft.detach()
+
+
+class RateSetting(NamedTuple):
+    """A block the schedule may reduce: its index, and the model's shape the MACs penalty needs."""
+
+    block: int
+    num_blocks: int
+    num_patches: int
+    num_prefix: int
+    cost: BlockCost
+
+
+class DiffRateParams(nn.Module):
+    """The rate logits of a model of depth blocks and num_patches patch tokens: prune[l - 1] and merge[l - 1]
+    (K,) over the candidate counts (num_patches, num_patches - g, ... > 0) of block l >= 1, starting at zero."""
+
+    def __init__(self, depth: int, num_patches: int, granularity: int) -> None:
+        super().__init__()
+        self.depth, self.num_patches, self.granularity = depth, num_patches, granularity
+        candidates = torch.arange(num_patches, 0, -granularity, dtype=torch.float32)
+        self.register_buffer("candidates", candidates, persistent=False)
+        self.prune = nn.Parameter(torch.zeros(depth - 1, len(candidates)))
+        self.merge = nn.Parameter(torch.zeros(depth - 1, len(candidates)))
+        self._record: List[Tuple[RateSetting, torch.Tensor, torch.Tensor]] = []  # this search forward's (P, M)
+        self._counts: Optional[List[Tuple[int, int]]] = None  # counts(), read in eval mode
+        self.register_load_state_dict_post_hook(lambda module, keys: module._read_counts())
+        self._read_counts()
+
+    def config(self) -> Dict[str, Any]:
+        return {"depth": self.depth, "num_patches": self.num_patches, "granularity": self.granularity}
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "DiffRateParams":
+        for key, low in (("depth", 2), ("num_patches", 1), ("granularity", 1)):
+            value = config.get(key)
+            if not is_int(value) or value < low:
+                raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
+        return cls(config["depth"], config["num_patches"], config["granularity"])
+
+    def expected(self, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Block's (P, M): the ceilings of the expected candidate counts, with their gradient."""
+        c = self.candidates.to(self.prune.dtype)
+        return (ceil_through(self.prune[block - 1].softmax(-1) @ c), ceil_through(self.merge[block - 1].softmax(-1) @ c))
+
+    def survival(self, logits: torch.Tensor, n: int) -> torch.Tensor:
+        """(n,) the probability that a count drawn from softmax(logits) exceeds rank t = 0..n - 1."""
+        ranks = torch.arange(n, device=logits.device, dtype=self.candidates.dtype)
+        return (self.candidates.unsqueeze(0) > ranks.unsqueeze(1)).to(logits.dtype) @ logits.softmax(-1)
+
+    def counts(self) -> List[Tuple[int, int]]:
+        """[(P, M)] of blocks 1..depth - 1 as integers. Read from the logits (one host read) when the module is made,
+        loads weights or enters eval mode, so that an eval forward (compiled or exported too) never reads them."""
+        if self._counts is None:
+            self._read_counts()
+        return self._counts
+
+    def _read_counts(self) -> None:
+        with torch.no_grad():
+            self._counts = [tuple(int(v) for v in torch.stack(self.expected(b)).tolist()) for b in range(1, self.depth)]
+
+    def train(self, mode: bool = True) -> "DiffRateParams":
+        super().train(mode)
+        if not mode:
+            self._read_counts()
+        return self
+
+    def schedule(self) -> Dict[str, List[int]]:
+        """The searched schedule as DiffRate's `schedule` parameter takes it (block 0 keeps every patch)."""
+        counts = [(self.num_patches, self.num_patches)] + self.counts()
+        return {"prune": [p for p, _ in counts], "merge": [m for _, m in counts]}
+
+
+def check_fits(params: DiffRateParams, settings: Sequence[Optional[RateSetting]]) -> None:
+    shape = next((s for s in settings if s is not None), None)
+    if shape is not None and (params.depth, params.num_patches) != (shape.num_blocks, shape.num_patches):
+        raise ValueError(f"these DiffRate rates are for {params.depth} blocks of {params.num_patches} patch tokens; the "
+                         f"model has {shape.num_blocks} blocks of {shape.num_patches}")
+
+
+class DiffRate(LearnedParams, TokenReducer):
+    """See the module docstring. Give `schedule` (a fixed schedule, e.g. one searched before), or the searched
+    `rate_params` (a learned folder), or neither: untrained rates (every candidate count equally likely), the start
+    of a search aiming at `macs_target`. Proportional attention is always on (DiffRate adds log size in every block;
+    the search's dropped tokens rely on it). Tags: 'diffrate', 'diffrate_m<pct>' (macs_target = pct / 100)."""
+
+    name = "diffrate"
+    export_refusal = None
+    needs_class_token = True
+    plan_reads_tokens = True
+    masks_by_size = True
+    learned_class = DiffRateParams
+    learned_param = "rate_params"
+    PARAMS = (Param("macs_target", None, optional(check_macs_target),
+                    "DiffRate: the search's target, a share in (0, 1] of the unreduced blocks' MACs"),
+              Param("granularity", 4, check_granularity, "DiffRate: the step between the candidate kept counts"),
+              Param("macs_weight", 50.0, check_macs_weight,
+                    "DiffRate: the weight of the search's MACs penalty, macs_weight * (share - macs_target)^2"),
+              Param("schedule", None, optional(check_schedule),
+                    "DiffRate: {'prune': [...], 'merge': [...]}, patch tokens kept per block (instead of rates)"),
+              Param("rate_params", None, help="DiffRate's searched rates (a learned folder)"),
+              *COMMON)
+
+    def validate(self) -> None:
+        if self.schedule is not None and self.rate_params is not None:
+            raise ValueError("give schedule or rate_params, not both")
+        super().validate()
+
+    @classmethod
+    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
+        if tag == cls.name:
+            return {}
+        digits = tag[len(cls.name) + 2:]
+        if tag.startswith(f"{cls.name}_m") and digits.isdigit() and digits.isascii() and 1 <= int(digits) <= 100:
+            return {"macs_target": int(digits) / 100}
+        return None
+
+    @classmethod
+    def tag_forms(cls) -> Tuple[str, ...]:
+        return (cls.name, f"{cls.name}_m<pct>")
+
+    @classmethod
+    def tag_legend(cls) -> str:
+        return ("diffrate: DiffRate with untrained rates (or, with schedule= / rate_params=, a searched schedule); "
+                "diffrate_m<pct>: the same, its search aiming at pct % of the unreduced blocks' MACs")
+
+    def default_prop_attn(self, global_pool: str) -> bool:
+        return True
+
+    def check_depth(self, num_blocks: int) -> None:
+        if self.schedule is not None and len(self.schedule["prune"]) != num_blocks:
+            raise ValueError(f"schedule needs one entry per block ({num_blocks}), got {len(self.schedule['prune'])}")
+
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost
+                       ) -> List[Optional[RateSetting]]:
+        """A RateSetting where the block may reduce: with a schedule where it reduces the count its predecessor
+        leaves, with rates every block but the first."""
+        n = num_tokens - num_prefix
+        settings: List[Optional[RateSetting]] = []
+        for block in range(num_blocks):
+            reduces = block > 0
+            if self.schedule is not None:
+                left = min(self.schedule["prune"][block], self.schedule["merge"][block], n)
+                reduces, n = left < n, left
+            settings.append(RateSetting(block, num_blocks, num_tokens - num_prefix, num_prefix, cost)
+                            if reduces else None)
+        return settings
+
+    def bind(self, dim: int, settings: List[Any]) -> None:
+        if self.schedule is not None:
+            return
+        if self.rate_params is None:
+            shape = next((s for s in settings if s is not None), None)
+            if shape is not None:
+                self.rate_params = DiffRateParams(shape.num_blocks, shape.num_patches, self.granularity)
+        else:
+            check_fits(self.rate_params, settings)
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        """(B, N) the class token's attention, averaged over heads."""
+        return class_attention(q, k, attn_bias, scale).mean(dim=1)
+
+    def _counts(self, block: int) -> Tuple[int, int]:
+        if self.schedule is not None:
+            return self.schedule["prune"][block], self.schedule["merge"][block]
+        return self.rate_params.counts()[block - 1]
+
+    def plan(self, metric: Tuple[torch.Tensor, torch.Tensor], setting: RateSetting, num_prefix: int,
+             size: Optional[torch.Tensor]):
+        importance, tokens = metric
+        if self.rate_params is not None and self.rate_params.training:
+            return _SearchPlan(num_prefix, setting, importance.detach(), tokens)
+        p, n = num_prefix, tokens.shape[1] - num_prefix
+        prune, merge = self._counts(setting.block)
+        kept = min(prune, n)
+        keepers = min(merge, kept)
+        if keepers >= n:
+            return None
+        with torch.no_grad():
+            keep_idx = importance[:, p:].argsort(dim=-1, descending=True, stable=True)[:, :kept]
+            unit = F.normalize(gather_tokens(tokens[:, p:], keep_idx).float(), dim=-1)
+            sim, dst = (unit[:, keepers:] @ unit[:, :keepers].transpose(1, 2)).max(dim=-1)  # (B, P - M)
+            own = torch.arange(keepers, device=dst.device).expand(dst.shape[0], -1)
+            weight = torch.cat([sim.new_ones(sim.shape[0], keepers), sim.clamp_min(0)], dim=1).unsqueeze(-1)
+        return KeepMergePlan(p, keep_idx, torch.cat([own, dst], dim=1), weight, keepers)
+
+    def reduce(self, plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
+               setting: RateSetting):
+        if not isinstance(plan, _SearchPlan):
+            return super().reduce(plan, x, size, source, setting)
+        return (*self._search_step(plan, x, size), source)
+
+    def _search_step(self, plan: "_SearchPlan", x: torch.Tensor, size: Optional[torch.Tensor]
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Training: (x, size) after the block's decisions, every token in place (see the module docstring)."""
+        params, p = self.rate_params, plan.num_prefix
+        B, N, _ = x.shape
+        n = N - p
+        sizes = (x.new_ones(B, N, 1) if size is None else size).float()
+        patch_size = sizes[:, p:, 0]
+        alive = patch_size >= 0.5  # (B, n): not dropped or merged away before
+        importance = plan.importance[:, p:].float().masked_fill(~alive, float("-inf"))
+        rank = importance.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # (B, n)
+        prune, merge = params.expected(plan.setting.block)
+        if plan.setting.block == 1:
+            params._record = []
+        params._record.append((plan.setting, prune, merge))
+        keepers = (rank < torch.minimum(prune, merge).detach()) & alive
+        keep = hard_through(rank < prune.detach(), params.survival(params.prune[plan.setting.block - 1], n)[rank])
+        stay = hard_through(keepers, params.survival(params.merge[plan.setting.block - 1], n)[rank])
+        merged = keep * (1 - stay) * alive  # (B, n): 1 for a token merged away, with the gradient of both
+        unit = F.normalize(plan.tokens[:, p:].float(), dim=-1)
+        sim, dst = (unit @ unit.transpose(1, 2)).masked_fill(~keepers.unsqueeze(1), float("-inf")).max(dim=-1)
+        receive = merged.new_zeros(B, n, n).scatter(2, dst.unsqueeze(-1), merged.unsqueeze(-1)).transpose(1, 2)
+        xp = x[:, p:]
+        mean = (xp + receive.to(x.dtype) @ xp) / (1 + receive.sum(-1, keepdim=True)).to(x.dtype)
+        xp = torch.where(keepers.unsqueeze(-1), mean, xp)
+        grown = (patch_size.unsqueeze(-1) + receive @ (sim.clamp_min(0) * patch_size).unsqueeze(-1)).clamp_min(1)
+        held = torch.where(keepers.unsqueeze(-1), grown, patch_size.unsqueeze(-1))
+        patch_size = (keep * stay).unsqueeze(-1) * held * (1 - EPS) + EPS
+        return torch.cat([x[:, :p], xp], dim=1), torch.cat([sizes[:, :p], patch_size], dim=1).to(x.dtype)
+
+    def method_loss(self) -> Optional[torch.Tensor]:
+        """macs_weight * (share - macs_target)^2 of the last search forward (None without a target or a search
+        forward since the last call); the share is of the block stack's unreduced MACs, from the counts."""
+        params = self.rate_params
+        if params is None or not params._record or self.macs_target is None:
+            return None
+        share = macs_share(params._record)
+        params._record = []
+        return self.macs_weight * (share - self.macs_target) ** 2
+
+
+def macs_share(record: Sequence[Tuple[RateSetting, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The block stack's MACs under the recorded (setting, P, M) over its unreduced MACs: block l's attention runs
+    on the count block l - 1 leaves, its MLP on min(that, P, M)."""
+    shape = record[0][0]
+    counts = {setting.block: (prune, merge) for setting, prune, merge in record}
+    p, cost = shape.num_prefix, shape.cost
+    before = record[0][1].new_tensor(float(shape.num_patches))
+    total = before.new_zeros(())
+    for block in range(shape.num_blocks):
+        after = before
+        if block in counts:
+            after = torch.minimum(before, torch.minimum(*counts[block]))
+        total = total + cost.macs(p + before, p + after)
+        before = after
+    n = p + shape.num_patches
+    return total / (shape.num_blocks * cost.macs(n, n))
+
+
+class _SearchPlan(NamedTuple):
+    """Training mode: the block's ranking and tokens; the decisions are made in reduce()."""
+
+    num_prefix: int
+    setting: RateSetting
+    importance: torch.Tensor
+    tokens: torch.Tensor
