@@ -41,6 +41,17 @@ def reducing_setting(cls, r: int, study: dict) -> dict:
     return dict(study) if "keep_rate" in names else {"r": r} if "r" in names else {}
 
 
+def thresholds(depth: int, merge: float, prune: float = 0.0):
+    """LTMP thresholds for depth blocks: merge above cosine `merge`, prune below importance `prune` / 1000."""
+    from timm_tokcomp.methods.ltmp import LTMPParams
+
+    params = LTMPParams(depth)
+    with torch.no_grad():
+        params.merge.fill_(merge)
+        params.prune.fill_(prune)
+    return params
+
+
 def make_model(variant: str, fused: bool = True, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = VARIANTS[variant]().eval()

@@ -11,6 +11,7 @@ from torch import nn
 
 import timm_tokcomp
 from timm_tokcomp.matching import ClusterPlan
+from conftest import thresholds
 from timm_tokcomp.methods import METHODS
 from timm_tokcomp.rope import TokenPositions, grid_coords, rope_rows
 from conftest import real_model_and_images
@@ -32,7 +33,8 @@ ROPE_MODELS = [name for name in FAMILY_MODELS if name not in ("siglip_map", "sig
 BATCH_ADAPTIVE = {"atm"}  # one merge count per batch: the mean of the images' counts, by design
 TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.dense)
 PARAMS = {"atm": dict(alpha=0.2, beta=0.0, theta_min=0.2, prefix_only_last_block=False),
-          "diffrate": {}}  # untrained rates: about half the patches kept from block 1 on
+          "diffrate": {},  # untrained rates: about half the patches kept from block 1 on
+          "ltmp": lambda depth: dict(threshold_params=thresholds(depth, merge=0.0, prune=2.0))}
 
 
 def family_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -53,8 +55,9 @@ def images():
     return torch.randn(2, 3, 32, 32)
 
 
-def _reducing_params(method):
-    return PARAMS.get(method, {"keep_rate": 0.5, "stages": (2, 3)})
+def _reducing_params(method, depth):
+    params = PARAMS.get(method, {"keep_rate": 0.5, "stages": (2, 3)})
+    return params(depth) if callable(params) else params
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY_MODELS))
@@ -76,9 +79,9 @@ def test_every_method_reduces_every_family(name, method, images):
         pytest.skip("ranks by class attention; this model has no class token")
     if METHODS[method].reduces_before_attention and name != "siglip_map":  # MCTF: timm's ViT blocks only
         with pytest.raises(ValueError, match="reduce before attention .mctf. serve timm's VisionTransformer blocks"):
-            timm_tokcomp.apply(family_model(name), method, **_reducing_params(method))
+            timm_tokcomp.apply(family_model(name), method, **_reducing_params(method, len(family_model(name).blocks)))
         return
-    model = timm_tokcomp.apply(family_model(name), method, trace_source=True, **_reducing_params(method))
+    model = timm_tokcomp.apply(family_model(name), method, trace_source=True, **_reducing_params(method, len(family_model(name).blocks)))
     with torch.no_grad():
         out = model(images)
         assert out.shape == (2, 10) and torch.isfinite(out).all()

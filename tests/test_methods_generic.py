@@ -10,21 +10,27 @@ import torch
 import timm_tokcomp
 from timm.models.vision_transformer import VisionTransformer
 from timm_tokcomp.methods import METHODS
-from conftest import SMALL, VARIANTS, make_model
+from conftest import SMALL, VARIANTS, make_model, thresholds
 
 N_PATCH = (SMALL["img_size"] // SMALL["patch_size"]) ** 2  # 64
 NOTHING = {"atm": dict(alpha=1.0, beta=0.0, theta_min=1.0, prefix_only_last_block=False)}  # no merge, full last MLP
 NOTHING["diffrate"] = dict(schedule={"prune": [N_PATCH] * SMALL["depth"], "merge": [N_PATCH] * SMALL["depth"]})
+NOTHING["ltmp"] = lambda: dict(threshold_params=thresholds(SMALL["depth"], merge=1.0))  # no cosine exceeds 1; no importance is < 0
 REDUCING = {"atm": dict(alpha=0.5, beta=0.0, theta_min=0.5, prefix_only_last_block=False),
-            "diffrate": {}}  # untrained rates: about half the patches kept from block 1 on
+            "diffrate": {},  # untrained rates: about half the patches kept from block 1 on
+            "ltmp": lambda: dict(threshold_params=thresholds(SMALL["depth"], merge=0.5, prune=2.0))}
 DROPPING = {"topk", "ats", "l1", "l2", "linf", "dynamicvit"}  # pruned patches are dropped, held by no token
 SIMILARITY_SIZED = {"diffrate"}  # prunes, and a merged token's size grows by its similarity (<= 1) to its keeper
 SOFT = {"patchmerger", "sinkhorn", "sit", "dct"}  # patches shared out over tokens by weights: held with total weight 1 up to round-off
 TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.dense)
 
 
+def _fresh(params):
+    return params() if callable(params) else params
+
+
 def _reducing_params(method):
-    return REDUCING.get(method, {"keep_rate": 0.6, "stages": (2, 3)})
+    return _fresh(REDUCING.get(method, {"keep_rate": 0.6, "stages": (2, 3)}))
 
 
 def _variants(method):
@@ -34,7 +40,7 @@ def _variants(method):
 @pytest.mark.parametrize("method, variant", [(m, v) for m in TOKEN_METHODS for v in _variants(m)])
 def test_reducing_nothing_is_plain_timm_bit_for_bit(method, variant, images):
     plain = make_model(variant)
-    model = timm_tokcomp.apply(make_model(variant), method, **NOTHING.get(method, {"r": 0}))
+    model = timm_tokcomp.apply(make_model(variant), method, **_fresh(NOTHING.get(method, {"r": 0})))
     with torch.no_grad():
         assert torch.equal(model(images), plain(images))
     if "keep_rate" in METHODS[method].param_names():

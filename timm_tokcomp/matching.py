@@ -74,6 +74,22 @@ class ClusterPlan:
 
 
 @dataclass
+class GroupPlan:
+    """Merge the non-prefix tokens into groups and drop the others, images keeping different counts (LTMP).
+
+    num_prefix: leading tokens copied unchanged.
+    group: (B, n) int64, the output in [0, num_groups) of each non-prefix token, or -1 where it is dropped.
+    num_groups: K, the batch's largest count; a row with fewer groups is padded with empty ones (size 0, zero
+    features), which the log-size attention bias keeps out of attention. Each group is the size-weighted mean of its
+    members, sizes and source maps summed. Output order: prefix tokens, then the groups by index.
+    """
+
+    num_prefix: int
+    group: torch.Tensor
+    num_groups: int
+
+
+@dataclass
 class KeepMergePlan:
     """Prune, then merge into kept tokens by unweighted means (DiffRate's step).
 

@@ -6,7 +6,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .matching import ClusterPlan, KeepMergePlan, MergePlan, PrunePlan, ResamplePlan, SoftPlan, TruncatePlan
+from .matching import ClusterPlan, GroupPlan, KeepMergePlan, MergePlan, PrunePlan, ResamplePlan, SoftPlan, TruncatePlan
 from .matching import gather_tokens as _gather
 from .matching import split_tokens
 
@@ -115,6 +115,15 @@ def keep_merge_sum(t: torch.Tensor, plan: KeepMergePlan, weight: Optional[torch.
     return torch.cat([t[:, :p], sums], dim=1)
 
 
+def group_sum(t: torch.Tensor, plan: GroupPlan) -> torch.Tensor:
+    """Sum every group, dropping the tokens of group -1: (B, N, C) -> (B, p + num_groups, C)."""
+    p, rest = plan.num_prefix, t[:, plan.num_prefix:]
+    slot = torch.where(plan.group < 0, plan.num_groups, plan.group)  # one slot past the groups takes the dropped
+    sums = rest.new_zeros(rest.shape[0], plan.num_groups + 1, rest.shape[2])
+    sums = sums.scatter_add(1, slot.unsqueeze(-1).expand(-1, -1, rest.shape[2]), rest)
+    return torch.cat([t[:, :p], sums[:, :plan.num_groups]], dim=1)
+
+
 def soft_mix(t: torch.Tensor, plan: SoftPlan, weight: torch.Tensor) -> torch.Tensor:
     """Prefix rows unchanged, then weight @ the non-prefix rows: (B, N, C) -> (B, p + M, C)."""
     p = plan.num_prefix
@@ -131,7 +140,7 @@ def weighted_mean(x: torch.Tensor, size: Optional[torch.Tensor], reduce_sum) -> 
 
 
 def apply_plan(
-    plan: Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan, ResamplePlan, KeepMergePlan],
+    plan: Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan, ResamplePlan, KeepMergePlan, GroupPlan],
     x: torch.Tensor,
     size: Optional[torch.Tensor],
     source: Optional[torch.Tensor],
@@ -142,6 +151,11 @@ def apply_plan(
     if isinstance(plan, TruncatePlan):
         keep = plan.num_keep
         return x[:, :keep], None if size is None else size[:, :keep], None if source is None else source[:, :keep]
+    if isinstance(plan, GroupPlan):
+        size = x.new_ones(x.shape[0], x.shape[1], 1) if size is None else size
+        total, new_size = group_sum(torch.cat([x * size, size.to(x.dtype)], dim=-1), plan).split([x.shape[-1], 1], -1)
+        x = torch.where(new_size > 0, total / new_size.clamp_min(torch.finfo(new_size.dtype).tiny), 0.0)
+        return x, new_size, None if source is None else group_sum(source, plan)
     if isinstance(plan, KeepMergePlan):
         ones = x.new_ones(x.shape[0], x.shape[1], 1)
         x = keep_merge_sum(x, plan) / keep_merge_sum(ones, plan)  # the prefix rows divide by 1

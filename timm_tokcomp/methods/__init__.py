@@ -15,6 +15,7 @@ from .dpcknn import DPCKNN
 from .dynamicvit import DynamicViT
 from .evit import EViT
 from .kmedoids import KMedoids
+from .ltmp import LTMP
 from .mctf import MCTF
 from .patchmerger import PatchMerger
 from .pitome import PiToMe
@@ -29,7 +30,7 @@ from .topk import TopK
 METHODS: Dict[str, Type[TokenReducer]] = {
     cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids,
                                DPCKNN, PYRA, PatchMerger, DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF,
-                               DiffRate)}
+                               DiffRate, LTMP)}
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

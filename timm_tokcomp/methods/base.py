@@ -15,12 +15,12 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..matching import ClusterPlan, KeepMergePlan, MergePlan, PrunePlan, ResamplePlan, SoftPlan, TruncatePlan
+from ..matching import ClusterPlan, GroupPlan, KeepMergePlan, MergePlan, PrunePlan, ResamplePlan, SoftPlan, TruncatePlan
 from ..ops import apply_plan
 from ..schedules import NAMED_SCHEDULES, BlockCost, resolve_r, solve_flops_schedule, stage_schedule
 from .params import COMMON, SCHEDULE, Param, kernel_choice, signature
 
-Plan = Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan, ResamplePlan, KeepMergePlan]
+Plan = Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan, ResamplePlan, KeepMergePlan, GroupPlan]
 
 
 def parse_r_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:

@@ -25,16 +25,9 @@ from torch import nn
 from ..matching import KeepMergePlan, class_attention, gather_tokens
 from ..schedules import BlockCost, is_int, is_real
 from .base import LearnedParams, TokenReducer
-from .params import COMMON, Param, optional
+from .params import COMMON, MACS_TARGET, Param, optional
 
 EPS = 1e-6  # the size a token dropped in the search keeps (log-size bias log(EPS) ~ -13.8)
-
-
-def check_macs_target(value: Any) -> float:
-    if not is_real(value) or not math.isfinite(value) or not 0 < value <= 1:
-        raise ValueError(f"macs_target must be a number in (0, 1] (the share of the unreduced blocks' MACs the search "
-                         f"aims at), got {value!r}")
-    return float(value)
 
 
 def check_granularity(value: Any) -> int:
@@ -164,8 +157,7 @@ class DiffRate(LearnedParams, TokenReducer):
     masks_by_size = True
     learned_class = DiffRateParams
     learned_param = "rate_params"
-    PARAMS = (Param("macs_target", None, optional(check_macs_target),
-                    "DiffRate: the search's target, a share in (0, 1] of the unreduced blocks' MACs"),
+    PARAMS = (MACS_TARGET,
               Param("granularity", 4, check_granularity, "DiffRate: the step between the candidate kept counts"),
               Param("macs_weight", 50.0, check_macs_weight,
                     "DiffRate: the weight of the search's MACs penalty, macs_weight * (share - macs_target)^2"),

@@ -66,6 +66,18 @@ def check_flops_ratio(value: Any) -> float:
     return float(value)
 
 
+def check_macs_target(value: Any) -> float:
+    if not is_real(value) or not math.isfinite(value) or not 0 < value <= 1:
+        raise ValueError(f"macs_target must be a number in (0, 1] (the share of the unreduced blocks' MACs the training "
+                         f"aims at), got {value!r}")
+    return float(value)
+
+
+# the target of a method whose training trades accuracy against MACs (DiffRate, LTMP)
+MACS_TARGET = Param("macs_target", None, optional(check_macs_target),
+                    "the training's target: a share in (0, 1] of the unreduced blocks' MACs (None: no MACs penalty)")
+
+
 # the parameters every token-dropping method takes (TokenReducer documents them)
 COMMON: Tuple[Param, ...] = (
     Param("prop_attn", None, checked_by(check_prop_attn),
