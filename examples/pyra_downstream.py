@@ -42,8 +42,8 @@ def arm_seeds(seeds: Optional[tuple], high_seeds: int) -> tuple:
     return tuple(range(high_seeds)) if seeds is None else seeds
 
 
-def run_arms(data: Path, out: Path, epochs: int, lr: float, workers: int, high_seeds: int) -> None:
-    for arm, method, args, seeds in ARMS:
+def run_arms(data: Path, out: Path, epochs: int, lr: float, workers: int, high_seeds: int, arms=ARMS) -> None:
+    for arm, method, args, seeds in arms:
         for seed in arm_seeds(seeds, high_seeds):
             folder = out / f"{arm}_seed{seed}"
             if (folder / FINETUNE_CONFIG).is_file() and "results" in json.loads((folder / FINETUNE_CONFIG).read_text()):

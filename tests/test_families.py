@@ -11,7 +11,7 @@ from torch import nn
 
 import timm_tokcomp
 from timm_tokcomp.matching import ClusterPlan
-from conftest import thresholds
+from conftest import reducing_setting, thresholds
 from timm_tokcomp.methods import METHODS
 from timm_tokcomp.rope import TokenPositions, grid_coords, rope_rows
 from conftest import real_model_and_images
@@ -33,7 +33,6 @@ ROPE_MODELS = [name for name in FAMILY_MODELS if name not in ("siglip_map", "sig
 BATCH_ADAPTIVE = {"atm"}  # one merge count per batch: the mean of the images' counts, by design
 TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.dense)
 PARAMS = {"atm": dict(alpha=0.2, beta=0.0, theta_min=0.2, prefix_only_last_block=False),
-          "diffrate": {},  # untrained rates: about half the patches kept from block 1 on
           "ltmp": lambda depth: dict(threshold_params=thresholds(depth, merge=0.0, prune=2.0))}
 
 
@@ -56,7 +55,7 @@ def images():
 
 
 def _reducing_params(method, depth):
-    params = PARAMS.get(method, {"keep_rate": 0.5, "stages": (2, 3)})
+    params = PARAMS.get(method, reducing_setting(METHODS[method], 4, {"keep_rate": 0.5, "stages": (2, 3)}))
     return params(depth) if callable(params) else params
 
 

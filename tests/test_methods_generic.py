@@ -10,14 +10,13 @@ import torch
 import timm_tokcomp
 from timm.models.vision_transformer import VisionTransformer
 from timm_tokcomp.methods import METHODS
-from conftest import SMALL, VARIANTS, make_model, thresholds
+from conftest import SMALL, VARIANTS, make_model, reducing_setting, thresholds
 
 N_PATCH = (SMALL["img_size"] // SMALL["patch_size"]) ** 2  # 64
 NOTHING = {"atm": dict(alpha=1.0, beta=0.0, theta_min=1.0, prefix_only_last_block=False)}  # no merge, full last MLP
 NOTHING["diffrate"] = dict(schedule={"prune": [N_PATCH] * SMALL["depth"], "merge": [N_PATCH] * SMALL["depth"]})
 NOTHING["ltmp"] = lambda: dict(threshold_params=thresholds(SMALL["depth"], merge=1.0))  # no cosine exceeds 1; no importance is < 0
 REDUCING = {"atm": dict(alpha=0.5, beta=0.0, theta_min=0.5, prefix_only_last_block=False),
-            "diffrate": {},  # untrained rates: about half the patches kept from block 1 on
             "ltmp": lambda: dict(threshold_params=thresholds(SMALL["depth"], merge=0.5, prune=2.0))}
 DROPPING = {"topk", "ats", "l1", "l2", "linf", "dynamicvit"}  # pruned patches are dropped, held by no token
 SIMILARITY_SIZED = {"diffrate"}  # prunes, and a merged token's size grows by its similarity (<= 1) to its keeper
@@ -30,14 +29,18 @@ def _fresh(params):
 
 
 def _reducing_params(method):
-    return _fresh(REDUCING.get(method, {"keep_rate": 0.6, "stages": (2, 3)}))
+    return _fresh(REDUCING.get(method, reducing_setting(METHODS[method], 8, {"keep_rate": 0.6, "stages": (2, 3)})))
 
 
 def _variants(method):
     return [v for v in sorted(VARIANTS) if not (METHODS[method].needs_class_token and v == "avgpool_noclass")]
 
 
-@pytest.mark.parametrize("method, variant", [(m, v) for m in TOKEN_METHODS for v in _variants(m)])
+ALWAYS_REDUCES = {"fpet"}  # merges half the patches at its block: it has no setting that merges nothing
+
+
+@pytest.mark.parametrize("method, variant", [(m, v) for m in TOKEN_METHODS if m not in ALWAYS_REDUCES
+                                             for v in _variants(m)])
 def test_reducing_nothing_is_plain_timm_bit_for_bit(method, variant, images):
     plain = make_model(variant)
     model = timm_tokcomp.apply(make_model(variant), method, **_fresh(NOTHING.get(method, {"r": 0})))

@@ -80,7 +80,8 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     # settings for the model's default input: a budget out of reach (flops_ratio) fails here, not in a forward
     settings = reducer.block_settings(depth, model.patch_embed.num_patches + model.num_prefix_tokens,
                                       model.num_prefix_tokens, block_cost)
-    reducer.bind(model.embed_dim, settings)  # a learned method's parameters are made or checked here
+    # a learned method's parameters are made or checked here
+    reducer.bind(model.embed_dim, settings, model.blocks[0].attn.head_dim)
     prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
     prop_attn = "auto" if prop_attn is True else prop_attn  # on: the implementation measured for the device
     if prop_attn == "fold_qkv":

@@ -14,6 +14,7 @@ from .dense_tome import DenseToMe
 from .dpcknn import DPCKNN
 from .dynamicvit import DynamicViT
 from .evit import EViT
+from .fpet import FPET
 from .kmedoids import KMedoids
 from .ltmp import LTMP
 from .mctf import MCTF
@@ -30,7 +31,7 @@ from .topk import TopK
 METHODS: Dict[str, Type[TokenReducer]] = {
     cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids,
                                DPCKNN, PYRA, PatchMerger, DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF,
-                               DiffRate, LTMP)}
+                               DiffRate, LTMP, FPET)}
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

@@ -217,9 +217,9 @@ class TokenReducer(ABC):
         inputs (then plan() and reduce() run)."""
         return None
 
-    def bind(self, dim: int, settings: List[Any]) -> None:
-        """Called by patch before the model changes, with the model's width and the block settings for its
-        default input: a learned method creates its parameters here, or raises ValueError if given ones do not
+    def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:
+        """Called by patch before the model changes, with the model's width, the block settings for its default
+        input and its attention's head width: a learned method creates its parameters here, or raises ValueError if given ones do not
         fit. Training-free methods have nothing to do."""
 
     def learned_module(self) -> Optional[nn.Module]:

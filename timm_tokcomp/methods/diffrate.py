@@ -211,7 +211,7 @@ class DiffRate(LearnedParams, TokenReducer):
                             if reduces else None)
         return settings
 
-    def bind(self, dim: int, settings: List[Any]) -> None:
+    def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:
         if self.schedule is not None:
             return
         if self.rate_params is None:

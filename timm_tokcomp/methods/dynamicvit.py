@@ -112,7 +112,7 @@ class DynamicViT(LearnedParams, ScheduledReducer):
             settings.append(None if counts is None else StageSetting(counts[1], counts[1] / total, stage))
         return settings
 
-    def bind(self, dim: int, settings: List[Any]) -> None:
+    def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:
         if self.predictor_params is None:
             self.predictor_params = DynamicViTParams(dim, _blocks(settings))
         else:

@@ -123,7 +123,7 @@ class LTMP(LearnedParams, TokenReducer):
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[BlockSetting]:
         return [BlockSetting(b, num_blocks, num_tokens - num_prefix, num_prefix, cost) for b in range(num_blocks)]
 
-    def bind(self, dim: int, settings: List[Any]) -> None:
+    def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:
         if self.threshold_params is None:
             self.threshold_params = LTMPParams(len(settings))
         elif self.threshold_params.depth != len(settings):

@@ -104,7 +104,7 @@ class PatchMerger(LearnedParams, ScheduledReducer):
         return [None if c is None or c[0] == c[1] else MergerSetting(c[0] - c[1], c[1], layer)
                 for layer, c in enumerate(self.patch_counts(num_blocks, num_tokens, num_prefix, cost))]
 
-    def bind(self, dim: int, settings: List[Any]) -> None:
+    def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:
         if self.merger_params is None:
             self.merger_params = self.learned_class(dim, _outputs(settings))
         else:

@@ -166,7 +166,7 @@ class PYRA(LearnedParams, ToMe):
         return [None if r is None else PyraSetting(r, layer)
                 for layer, r in enumerate(super().block_settings(num_blocks, num_tokens, num_prefix, cost))]
 
-    def bind(self, dim: int, settings: List[Any]) -> None:
+    def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:
         if self.pyra_params is None:
             self.pyra_params = PyraParams(dim, [0 if s is None else s.r for s in settings], self.form)
         else:

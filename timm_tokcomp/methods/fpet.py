@@ -1,0 +1,193 @@
+"""FPET, Faster Parameter-Efficient Tuning (Kim et al., CVPR 2025): one block (by default the middle one: block 6 of
+12), between attention and MLP, merges half of the patch tokens at once, for a model fine-tuned with a
+parameter-efficient method (here `tokcomp finetune`'s LoRA).
+
+  1. split: a 2 x 2 checkerboard on the patch grid; A = the cells with an even row + column (top-left and bottom-right
+     of every 2 x 2 block), B = the others; prefix tokens are never merged;
+  2. metric: the keys averaged over heads (detached), refined by a small adapter, k + A(k): head_dim -> head_dim / 2
+     -> head_dim, ReLU, dropout 0.1, with 1-bit weights (each weight matrix standardised, binarised by its sign and
+     rescaled by its std and mean; straight-through gradient); the up-projection starts near zero;
+  3. every A token merges into the B token of highest cosine similarity (size-weighted mean, sizes summed). In
+     training the match is hard in the forward pass and soft in the backward pass, sigmoid(score - the mean of the
+     row's two best scores) (straight-through), which is how the adapter learns.
+
+Proportional attention is on by default. `refine=False` (tag `fpet_norefine`) leaves the adapter out: one-shot
+checkerboard ToMe, training-free. The patch tokens must lie on a square grid in raster order (a model whose patch
+tokens are not a square number is refused)."""
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..matching import MergePlan, merge_top_r
+from ..schedules import BlockCost, is_int
+from .base import LearnedParams, TokenReducer
+from .params import COMMON, Param, flag, optional
+
+DROPOUT = 0.1
+
+
+def check_layer(value: Any) -> int:
+    if not is_int(value) or value < 0:
+        raise ValueError(f"layer must be a block index >= 0, got {value!r}")
+    return int(value)
+
+
+class BinaryLinear(nn.Linear):
+    """A Linear whose weight is used as sign((w - mean) / std) * std + mean (1 bit per weight), with the gradient of
+    the standardised weight passed straight through the sign."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        mean, std = w.mean(), w.std().clamp_min(1e-12)
+        unit = (w - mean) / std
+        binary = unit + (torch.where(unit >= 0, 1.0, -1.0).to(w.dtype) - unit).detach()
+        return F.linear(x, binary * std + mean, self.bias)
+
+
+class FPETParams(nn.Module):
+    """The refinement adapter on head_dim-wide key means: (B, n, d) -> (B, n, d), added to its input."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.down = BinaryLinear(head_dim, max(head_dim // 2, 1))
+        self.up = BinaryLinear(max(head_dim // 2, 1), head_dim)
+        nn.init.normal_(self.up.weight, std=1e-3)
+        nn.init.zeros_(self.up.bias)
+        self.dropout = nn.Dropout(DROPOUT)
+
+    def forward(self, keys: torch.Tensor) -> torch.Tensor:
+        return keys + self.up(self.dropout(F.relu(self.down(keys))))
+
+    def config(self) -> Dict[str, Any]:
+        return {"head_dim": self.head_dim}
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "FPETParams":
+        head_dim = config.get("head_dim")
+        if not is_int(head_dim) or head_dim < 1:
+            raise ValueError(f"head_dim must be an integer >= 1, got {head_dim!r}")
+        return cls(head_dim)
+
+
+class GridSetting(NamedTuple):
+    """The reducing block's grid side (patch tokens = side^2)."""
+
+    side: int
+
+
+@dataclass
+class SoftMatchPlan(MergePlan):
+    """A MergePlan (the hard matches) with its matches as a (B, Na, Nb) matrix: one-hot in the forward pass, the soft
+    matches' gradient in the backward pass (training)."""
+
+    soft: Optional[torch.Tensor] = None
+
+
+def checkerboard(side: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) positions of a side x side raster grid: A where row + column is even."""
+    cells = torch.arange(side * side, device=device)
+    order = ((cells // side + cells % side) % 2).argsort(stable=True)  # fixed shapes: no host read, compiles whole
+    return order[:(side * side + 1) // 2], order[(side * side + 1) // 2:]
+
+
+class FPET(LearnedParams, TokenReducer):
+    """See the module docstring. layer: the reducing block (None: num_blocks // 2); refine: learn the adapter
+    (adapter_params: a trained one, from a learned folder; None: made untrained at apply)."""
+
+    name = "fpet"
+    export_refusal = None
+    learned_class = FPETParams
+    learned_param = "adapter_params"
+    PARAMS = (Param("layer", None, optional(check_layer), "FPET: the block that merges half the patches (None: the "
+                                                           "middle block, num_blocks // 2)"),
+              Param("refine", True, flag("refine"), "FPET: learn the 1-bit adapter that refines the matching metric"),
+              Param("adapter_params", None, help="FPET's trained adapter (a learned folder)"),
+              *COMMON)
+
+    def validate(self) -> None:
+        if not self.refine and self.adapter_params is not None:
+            raise ValueError("adapter_params needs refine=True")
+        super().validate()
+
+    @classmethod
+    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
+        return {"fpet": {}, "fpet_norefine": {"refine": False}}.get(tag)
+
+    @classmethod
+    def tag_forms(cls) -> Tuple[str, ...]:
+        return ("fpet", "fpet_norefine")
+
+    @classmethod
+    def tag_legend(cls) -> str:
+        return "fpet: FPET with its learned metric adapter; fpet_norefine: without it (training-free)"
+
+    def default_prop_attn(self, global_pool: str) -> bool:
+        return True
+
+    def check_depth(self, num_blocks: int) -> None:
+        if self.layer is not None and self.layer >= num_blocks:
+            raise ValueError(f"layer must be a block of this model, 0..{num_blocks - 1}, got {self.layer}")
+
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost
+                       ) -> List[Optional[GridSetting]]:
+        side = math.isqrt(num_tokens - num_prefix)
+        if side * side != num_tokens - num_prefix or side < 2:
+            raise ValueError(f"fpet splits a square patch grid; this input has {num_tokens - num_prefix} patch tokens")
+        layer = num_blocks // 2 if self.layer is None else self.layer
+        return [GridSetting(side) if block == layer else None for block in range(num_blocks)]
+
+    def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:
+        if not self.refine:
+            return
+        if self.adapter_params is None:
+            self.adapter_params = FPETParams(head_dim)
+        elif self.adapter_params.head_dim != head_dim:
+            raise ValueError(f"this FPET adapter is for keys {self.adapter_params.head_dim} wide; the model's heads are "
+                             f"{head_dim} wide")
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        return k.mean(dim=1).detach()
+
+    def plan(self, metric: torch.Tensor, setting: GridSetting, num_prefix: int,
+             size: Optional[torch.Tensor]) -> Optional[MergePlan]:
+        p = num_prefix
+        if metric.shape[1] - p != setting.side ** 2:
+            return None  # the grid is gone (an earlier reduction by another method's call): nothing to split
+        if self.refine:
+            metric = self.adapter_params(metric.float())
+        a_pos, b_pos = checkerboard(setting.side, metric.device)
+        unit = F.normalize(metric[:, p:].float(), dim=-1)
+        scores = unit[:, a_pos] @ unit[:, b_pos].transpose(1, 2)  # (B, Na, Nb)
+        best, dst = scores.detach().max(dim=-1)
+        B = metric.shape[0]
+        split = (a_pos.expand(B, -1), b_pos.expand(B, -1))
+        hard = merge_top_r(best, dst, len(a_pos), p, split)
+        if not (self.refine and torch.is_grad_enabled() and scores.requires_grad):
+            return hard
+        soft = torch.sigmoid(scores - scores.topk(2, dim=-1).values.mean(dim=-1, keepdim=True))
+        onehot = F.one_hot(dst, scores.shape[-1]).to(soft.dtype)
+        return SoftMatchPlan(**{f: getattr(hard, f) for f in hard.__dataclass_fields__},
+                             soft=onehot + soft - soft.detach())
+
+    def reduce(self, plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor], setting):
+        """The hard merge; in training its B tokens also carry the gradient of the matches (the hard ones in the
+        forward pass, the soft ones in the backward pass), not a second gradient of x."""
+        x_out, size_out, source_out = super().reduce(plan, x, size, source, setting)
+        if not isinstance(plan, SoftMatchPlan):
+            return x_out, size_out, source_out
+        p = plan.num_prefix
+        sizes = x.new_ones(x.shape[0], x.shape[1], 1) if size is None else size
+        rest, rest_size = x[:, p:].detach(), sizes[:, p:].detach()
+        a, b = rest[:, plan.a_idx[0]], rest[:, plan.b_idx[0]]
+        a_size, b_size = rest_size[:, plan.a_idx[0]], rest_size[:, plan.b_idx[0]]
+        soft = plan.soft.to(x.dtype).transpose(1, 2)  # (B, Nb, Na)
+        mean = (b_size * b + soft @ (a_size * a)) / (b_size + soft @ a_size)
+        n_b = mean.shape[1]
+        x_out = torch.cat([x_out[:, :-n_b], x_out[:, -n_b:] + mean - mean.detach()], dim=1)
+        return x_out, size_out, source_out
+
