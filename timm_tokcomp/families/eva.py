@@ -61,7 +61,7 @@ def _forward_reduce(
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if attn_bias is not None:
         attn_bias = attn_bias.to(q.dtype)
-    metric = reducer_metric(reducer, q, k, v, attn_bias, self.scale)
+    metric = reducer_metric(reducer, q, k, v, attn_bias, self.scale, x)
     x = attention.attend(q, k, v, attn_bias, prop_impl, self.scale, self.attn_drop, self.fused_attn)
     return project_heads(self, x, gate), metric
 

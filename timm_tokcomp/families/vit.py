@@ -31,7 +31,7 @@ class ReducingAttention(Attention):
         if attn_bias is not None and self.fused_attn and prop_impl == "fold_qkv":
             q, k, v = attention.folded_qkv(self, x, attn_bias)  # (B, H, N, d') views of one padded copy
             attn_bias = attn_bias.to(q.dtype)
-            metric = reducer_metric(reducer, q[..., :d], k[..., :d], v[..., :d], attn_bias, self.scale)
+            metric = reducer_metric(reducer, q[..., :d], k[..., :d], v[..., :d], attn_bias, self.scale, x)
             dropout_p = self.attn_drop.p if self.training else 0.0
             x = attention.padded_attention(q, k, v, d, dropout_p, self.scale)
         else:
@@ -40,7 +40,7 @@ class ReducingAttention(Attention):
             q, k = self.q_norm(q), self.k_norm(k)
             if attn_bias is not None:
                 attn_bias = attn_bias.to(q.dtype)
-            metric = reducer_metric(reducer, q, k, v, attn_bias, self.scale)
+            metric = reducer_metric(reducer, q, k, v, attn_bias, self.scale, x)
             x = attention.attend(q, k, v, attn_bias, prop_impl, self.scale, self.attn_drop, self.fused_attn)
         return project_heads(self, x, gate), metric
 
@@ -55,12 +55,16 @@ def project_heads(attn: nn.Module, x: torch.Tensor, gate: Optional[torch.Tensor]
     return attn.proj_drop(attn.proj(x))
 
 
-def reducer_metric(reducer: Optional[TokenReducer], q, k, v, attn_bias, scale: float) -> Optional[torch.Tensor]:
-    """The reducer's metric from q, k, v: (B, H, N, d) as attention uses them, or None without a reducer."""
+def reducer_metric(reducer: Optional[TokenReducer], q, k, v, attn_bias, scale: float, inputs: torch.Tensor
+                   ) -> Optional[torch.Tensor]:
+    """The reducer's metric from q, k, v: (B, H, N, d) as attention uses them (and the attention's input (B, N, C)),
+    or None without a reducer."""
     if reducer is None:
         return None
-    return reducer.metric(q, k, attn_bias, scale, v) if reducer.metric_reads_values else \
-        reducer.metric(q, k, attn_bias, scale)
+    extra = {"v": v} if reducer.metric_reads_values else {}
+    if reducer.metric_reads_input:
+        extra["inputs"] = inputs
+    return reducer.metric(q, k, attn_bias, scale, **extra)
 
 
 class ReducingBlock(ReducingBlockMixin, Block):

@@ -9,6 +9,7 @@ from .atm import ATM
 from .base import TokenReducer
 from .dct import DCT
 from .diffrate import DiffRate
+from .dtem import DTEM
 from .params import REQUIRED
 from .dense_tome import DenseToMe
 from .dpcknn import DPCKNN
@@ -31,7 +32,7 @@ from .topk import TopK
 METHODS: Dict[str, Type[TokenReducer]] = {
     cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids,
                                DPCKNN, PYRA, PatchMerger, DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF,
-                               DiffRate, LTMP, FPET)}
+                               DiffRate, LTMP, FPET, DTEM)}
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

@@ -93,6 +93,7 @@ class TokenReducer(ABC):
     reduces_before_attention: ClassVar[bool] = False  # reduce at the start of the block with lookahead(), from this
     # block's attention probabilities at the unreduced count, which are then merged and reused (MCTF)
     metric_reads_values: ClassVar[bool] = False  # metric() also gets v: (B, H, N, d)
+    metric_reads_input: ClassVar[bool] = False  # metric() also gets inputs: the attention's input (B, N, C)
     masks_by_size: ClassVar[bool] = False  # pads images to one count with size-0 tokens (needs prop_attn)
     PARAMS: ClassVar[Tuple[Param, ...]] = COMMON
     # traits the commands read (bench, speed, tune, export, the registry, ToCom), declared beside the method
