@@ -5,10 +5,14 @@ McNemar p (timm_tokcomp.kit.agreement). The study's protocol for a new method at
     python scripts/paired_methods.py --data $TOKCOMP_DATA/imagenet-val-1300 \\
         --checkpoint $TOKCOMP_DATA/deit_tiny_patch16_224.safetensors --reference tome_k70,dpcknn_k70 \\
         --methods tofu_k70,pitome_k70,dct_k70,atc_k70
+
+A --methods entry may also be a folder `tokcomp finetune` wrote (a learned method's parameters, e.g. DiffRate's
+searched rates): the model it saved, on the same weights.
 """
 import argparse
 import copy
 import sys
+from pathlib import Path
 
 import timm
 import torch
@@ -19,6 +23,8 @@ from timm_tokcomp.data import open_images
 from timm_tokcomp.kit.agreement import compare, predict
 from timm_tokcomp.kit.grammar import method_spec
 from timm_tokcomp.models import build_base_model
+from timm_tokcomp.training import load_finetuned
+from timm_tokcomp.training.folder import FINETUNE_CONFIG
 
 
 def main() -> None:
@@ -28,7 +34,7 @@ def main() -> None:
     parser.add_argument("--data", required=True, help="a labelled folder (labels.csv or class folders)")
     parser.add_argument("--reference", default="tome_r8", help="comma list of the method tags the others are paired "
                                                               "against")
-    parser.add_argument("--methods", required=True, help="comma list of method tags")
+    parser.add_argument("--methods", required=True, help="comma list of method tags or `tokcomp finetune` folders")
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
@@ -46,6 +52,8 @@ def main() -> None:
     for name in ["none"] + names:
         if name == "none":
             model = plain
+        elif Path(name, FINETUNE_CONFIG).is_file():
+            model = load_finetuned(name, checkpoint=args.checkpoint)
         else:
             method, params = method_spec(name)
             model = timm_tokcomp.apply(copy.deepcopy(plain), method, **params)

@@ -113,3 +113,24 @@ def test_study_paired_example_counts_images_gained_and_lost_per_set_and_pooled()
     pooled = by_set["pooled"]
     assert (pooled["images"], pooled["gained"], pooled["lost"]) == (6, 3, 1)
     assert pooled["top1_first"] == pytest.approx(400 / 6) and pooled["p"] == mcnemar_exact_p(3, 1)
+
+
+def test_fpet_example_reports_both_arms_image_by_image(tmp_path, monkeypatch):
+    """Two stand-in finished runs: the table shows each arm and the paired count of images only one gets right."""
+    import json
+    import sys
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # the example imports pyra_downstream beside it
+    fpet = _load("fpet_downstream")
+    labels = [0, 1, 2, 3]
+    for arm, preds, top1 in (("g_fpet", [0, 1, 2, 0], 75.0), ("h_fpet_norefine", [0, 0, 0, 3], 50.0)):
+        folder = tmp_path / f"{arm}_seed0"
+        (folder / "training").mkdir(parents=True)
+        (folder / "tokcomp_finetune.json").write_text(json.dumps(
+            {"results": {"top1": top1, "gmacs": 0.9, "train_seconds": 60.0}}))
+        rows = "".join(f"img{i}.jpg,{y},{p}\n" for i, (y, p) in enumerate(zip(labels, preds)))
+        (folder / "training" / "predictions.csv").write_text("file,label,prediction\n" + rows)
+    table = fpet.report(tmp_path)
+    assert "| g_fpet | fpet | 0 | 75.00 | 0.9000 | 1.0 |" in table
+    assert "2 test images right only with the adapter, 1 only without it" in table
+    assert "pyra_downstream" in sys.modules

@@ -15,7 +15,6 @@ macs_weight * (MACs share - macs_target)^2, the share of the block stack's unred
 `tokcomp finetune` adds it to its distillation loss. `rate_params.schedule()` is the searched schedule, which any
 model with as many blocks and patches can carry as `schedule=`.
 """
-import math
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -23,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..matching import KeepMergePlan, class_attention, gather_tokens
-from ..schedules import BlockCost, is_int, is_real
+from ..schedules import BlockCost, is_int
 from .base import LearnedParams, TokenReducer
-from .params import COMMON, MACS_TARGET, Param, optional
+from .params import COMMON, MACS_TARGET, Param, check_macs_weight, optional
+from .straight_through import ceil_through, hard_through
 
 EPS = 1e-6  # the size a token dropped in the search keeps (log-size bias log(EPS) ~ -13.8)
 
@@ -34,12 +34,6 @@ def check_granularity(value: Any) -> int:
     if not is_int(value) or value < 1:
         raise ValueError(f"granularity must be an integer >= 1 (the step between candidate counts), got {value!r}")
     return int(value)
-
-
-def check_macs_weight(value: Any) -> float:
-    if not is_real(value) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"macs_weight must be a finite number > 0, got {value!r}")
-    return float(value)
 
 
 def check_schedule(value: Any) -> Dict[str, List[int]]:
@@ -55,16 +49,6 @@ def check_schedule(value: Any) -> Dict[str, List[int]]:
         raise ValueError(f"schedule's 'prune' and 'merge' lists must have one entry per block each, got "
                          f"{len(lists['prune'])} and {len(lists['merge'])}")
     return {key: [int(c) for c in counts] for key, counts in lists.items()}
-
-
-def ceil_through(value: torch.Tensor) -> torch.Tensor:
-    """ceil(value) in the forward pass (a 1e-4 slack against rounding), the identity's gradient in the backward."""
-    return value + (torch.ceil(value.detach() - 1e-4) - value.detach())
-
-
-def hard_through(hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
-    """hard's values with soft's gradient."""
-    return hard.to(soft.dtype) + soft - soft.detach()
 
 
 class RateSetting(NamedTuple):

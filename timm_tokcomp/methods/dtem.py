@@ -29,6 +29,7 @@ from ..matching import bipartite_soft_matching, gather_tokens, max_merges
 from ..schedules import BlockCost, is_int
 from .base import LearnedParams, ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
+from .straight_through import clamp_through
 
 CANDIDATES = 3  # k2: each A token's best B tokens the soft selection chooses among
 TAU_SCORE = 0.1  # tau1
@@ -151,8 +152,7 @@ class DTEM(LearnedParams, ScheduledReducer):
         a_size, b_size = sizes[:, a_pos].float(), sizes[:, b_pos].float()
         moved = share.transpose(1, 2) @ a_size  # (B, nb, 1): the size B tokens take in
         b_x = (b_size * x[:, b_pos].float() + share.transpose(1, 2) @ (a_size * x[:, a_pos].float())) / (b_size + moved)
-        given = share.sum(dim=-1, keepdim=True)
-        given = given + (given.detach().clamp(0, 1) - given.detach())  # clipped to [0, 1], gradient straight through
+        given = clamp_through(share.sum(dim=-1, keepdim=True))  # clipped to [0, 1], gradient straight through
         x, sizes = x.clone(), sizes.float().clone()
         x[:, b_pos] = b_x.to(x.dtype)
         sizes[:, b_pos] = b_size + moved

@@ -29,8 +29,8 @@ from torch import nn
 from ..matching import GroupPlan
 from ..schedules import BlockCost, is_int, is_real
 from .base import LearnedParams, TokenReducer, warn_if_compiling
-from .diffrate import check_macs_weight, hard_through
-from .params import COMMON, MACS_TARGET, Param
+from .params import COMMON, MACS_TARGET, Param, check_macs_weight
+from .straight_through import clamp_through, hard_through
 
 EPS = 1e-6  # the size a token merged or pruned in training keeps
 PRUNE_UNIT = 1e-3  # the prune threshold is stored in thousandths
@@ -40,11 +40,6 @@ def check_tau(value: Any) -> float:
     if not is_real(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"tau must be a finite number > 0 (the temperature of the soft thresholds), got {value!r}")
     return float(value)
-
-
-def clamp_through(value: torch.Tensor) -> torch.Tensor:
-    """value clamped to [0, 1] in the forward pass, the identity's gradient in the backward."""
-    return value + (value.detach().clamp(0, 1) - value.detach())
 
 
 class BlockSetting(NamedTuple):

@@ -73,6 +73,12 @@ def check_macs_target(value: Any) -> float:
     return float(value)
 
 
+def check_macs_weight(value: Any) -> float:
+    if not is_real(value) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"macs_weight must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 # the target of a method whose training trades accuracy against MACs (DiffRate, LTMP)
 MACS_TARGET = Param("macs_target", None, optional(check_macs_target),
                     "the training's target: a share in (0, 1] of the unreduced blocks' MACs (None: no MACs penalty)")
