@@ -174,3 +174,18 @@ def test_bad_settings_are_refused_naming_the_parameter(params, match):
 def test_a_schedule_of_another_depth_is_refused():
     with pytest.raises(ValueError, match=r"schedule needs one entry per block \(4\), got 3"):
         timm_tokcomp.apply(make_model("cls"), "diffrate", schedule={"prune": [64] * 3, "merge": [64] * 3})
+
+
+def test_a_searched_schedule_in_a_preset_file_deploys_by_name(tmp_path, images):
+    from timm_tokcomp.kit.grammar import method_spec
+    from timm_tokcomp.kit.presets import write_preset
+
+    model = _small(macs_target=0.5).eval()
+    with torch.no_grad():
+        expected = model(images)
+    write_preset(tmp_path / "diffrate.json", "diffrate", {"schedule": model.tokcomp["diffrate"].schedule()})
+    method, params = method_spec(str(tmp_path / "diffrate.json"))
+    torch.manual_seed(0)
+    again = timm_tokcomp.apply(make_model("cls"), method, **params).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(images), expected)

@@ -144,3 +144,25 @@ def test_saved_thresholds_reload_and_refuse_another_depth(tmp_path, images):
 def test_bad_settings_are_refused_naming_the_parameter(params, match):
     with pytest.raises(ValueError, match=match):
         make_reducer("ltmp", **params)
+
+
+def test_trained_thresholds_carried_as_numbers_in_a_preset_give_the_same_model(tmp_path, images):
+    from timm_tokcomp.kit.grammar import method_spec
+    from timm_tokcomp.kit.presets import write_preset
+
+    torch.manual_seed(0)
+    model = timm_tokcomp.apply(make_model("cls"), "ltmp", threshold_params=thresholds(4, 0.3, 12.0)).eval()
+    with torch.no_grad():
+        expected = model(images)
+    write_preset(tmp_path / "ltmp.json", "ltmp", {"thresholds": model.tokcomp["ltmp"].values()})
+    method, params = method_spec(str(tmp_path / "ltmp.json"))
+    torch.manual_seed(0)
+    again = timm_tokcomp.apply(make_model("cls"), method, **params).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(images), expected)
+    with pytest.raises(ValueError, match=r"thresholds needs one entry per block \(4\), got 2"):
+        timm_tokcomp.apply(make_model("cls"), "ltmp", thresholds={"merge": [0.5, 0.5], "prune": [0.0, 0.0]})
+    with pytest.raises(ValueError, match="give thresholds or threshold_params, not both"):
+        make_reducer("ltmp", thresholds=params["thresholds"], threshold_params=thresholds(4, 0.3))
+    with pytest.raises(ValueError, match=r"thresholds\['prune'\] must be a non-empty list of numbers in \[0, 1\]"):
+        make_reducer("ltmp", thresholds={"merge": [0.5], "prune": [2.0]})

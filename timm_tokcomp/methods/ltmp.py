@@ -29,11 +29,27 @@ from torch import nn
 from ..matching import GroupPlan
 from ..schedules import BlockCost, is_int, is_real
 from .base import LearnedParams, TokenReducer, warn_if_compiling
-from .params import COMMON, MACS_TARGET, Param, check_macs_weight
+from .params import COMMON, MACS_TARGET, Param, check_macs_weight, optional
 from .straight_through import clamp_through, hard_through
 
 EPS = 1e-6  # the size a token merged or pruned in training keeps
 PRUNE_UNIT = 1e-3  # the prune threshold is stored in thousandths
+
+
+def check_thresholds(value: Any) -> Dict[str, List[float]]:
+    """{'merge': [per block], 'prune': [per block]}: fixed thresholds in [0, 1]."""
+    if not isinstance(value, dict) or set(value) != {"merge", "prune"}:
+        raise ValueError(f"thresholds must be a dict {{'merge': [...], 'prune': [...]}} with one threshold per block, "
+                         f"got {value!r}")
+    for key in ("merge", "prune"):
+        values = value[key]
+        if not isinstance(values, (list, tuple)) or not values or \
+                not all(is_real(v) and math.isfinite(v) and 0 <= v <= 1 for v in values):
+            raise ValueError(f"thresholds[{key!r}] must be a non-empty list of numbers in [0, 1], got {values!r}")
+    if len(value["merge"]) != len(value["prune"]):
+        raise ValueError(f"thresholds' 'merge' and 'prune' lists must have one entry per block each, got "
+                         f"{len(value['merge'])} and {len(value['prune'])}")
+    return {key: [float(v) for v in value[key]] for key in ("merge", "prune")}
 
 
 def check_tau(value: Any) -> float:
@@ -76,10 +92,25 @@ class LTMPParams(nn.Module):
         """Block's (merge, prune) thresholds in [0, 1], with their gradient."""
         return clamp_through(self.merge[block]), clamp_through(self.prune[block] * PRUNE_UNIT)
 
+    def values(self) -> Dict[str, List[float]]:
+        """The thresholds in use, as LTMP's `thresholds` parameter takes them (a preset)."""
+        with torch.no_grad():
+            merge, prune = zip(*(self.thresholds(b) for b in range(self.depth)))
+            return {"merge": torch.stack(merge).tolist(), "prune": torch.stack(prune).tolist()}
+
+    @classmethod
+    def fixed(cls, thresholds: Dict[str, List[float]]) -> "LTMPParams":
+        """Parameters holding given thresholds (LTMP's `thresholds` parameter)."""
+        params = cls(len(thresholds["merge"]))
+        with torch.no_grad():
+            params.merge.copy_(torch.tensor(thresholds["merge"]))
+            params.prune.copy_(torch.tensor(thresholds["prune"]) / PRUNE_UNIT)
+        return params
+
 
 class LTMP(LearnedParams, TokenReducer):
-    """See the module docstring. threshold_params: trained thresholds (a learned folder), or None for the start
-    (merge above 0.9, prune nothing). Tags: 'ltmp', 'ltmp_m<pct>' (macs_target = pct / 100, the training's target)."""
+    """See the module docstring. threshold_params: trained thresholds (a learned folder); thresholds: fixed ones as
+    numbers (a preset: `threshold_params.values()`); neither: the start (merge above 0.9, prune nothing). Tags: 'ltmp', 'ltmp_m<pct>' (macs_target = pct / 100, the training's target)."""
 
     name = "ltmp"
     data_dependent = True
@@ -91,6 +122,8 @@ class LTMP(LearnedParams, TokenReducer):
               Param("tau", 0.1, check_tau, "LTMP: the temperature of the soft thresholds in training"),
               Param("macs_weight", 10.0, check_macs_weight,
                     "LTMP: the weight of the training's MACs penalty, macs_weight * (macs_target - share)^2"),
+              Param("thresholds", None, optional(check_thresholds),
+                    "LTMP: fixed thresholds {'merge': [...], 'prune': [...]}, one per block (instead of threshold_params)"),
               Param("threshold_params", None, help="LTMP's trained thresholds (a learned folder)"),
               *COMMON)
 
@@ -118,8 +151,18 @@ class LTMP(LearnedParams, TokenReducer):
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost) -> List[BlockSetting]:
         return [BlockSetting(b, num_blocks, num_tokens - num_prefix, num_prefix, cost) for b in range(num_blocks)]
 
+    def validate(self) -> None:
+        if self.thresholds is not None and self.threshold_params is not None:
+            raise ValueError("give thresholds or threshold_params, not both")
+        super().validate()
+
     def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:
-        if self.threshold_params is None:
+        if self.thresholds is not None:
+            if len(self.thresholds["merge"]) != len(settings):
+                raise ValueError(f"thresholds needs one entry per block ({len(settings)}), got "
+                                 f"{len(self.thresholds['merge'])}")
+            self.threshold_params = LTMPParams.fixed(self.thresholds).requires_grad_(False)
+        elif self.threshold_params is None:
             self.threshold_params = LTMPParams(len(settings))
         elif self.threshold_params.depth != len(settings):
             raise ValueError(f"these LTMP thresholds are for {self.threshold_params.depth} blocks; the model has "
