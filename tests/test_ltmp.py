@@ -166,3 +166,13 @@ def test_trained_thresholds_carried_as_numbers_in_a_preset_give_the_same_model(t
         make_reducer("ltmp", thresholds=params["thresholds"], threshold_params=thresholds(4, 0.3))
     with pytest.raises(ValueError, match=r"thresholds\['prune'\] must be a non-empty list of numbers in \[0, 1\]"):
         make_reducer("ltmp", thresholds={"merge": [0.5], "prune": [2.0]})
+
+
+def test_ltmp_waits_for_the_device_once_per_block(images):
+    from timm_tokcomp.measure import OpCounter
+
+    torch.manual_seed(0)
+    model = timm_tokcomp.apply(make_model("cls"), "ltmp", threshold_params=thresholds(4, 0.3, 12.0)).eval()
+    with torch.no_grad(), OpCounter() as ops:
+        model(images)
+    assert ops.host_syncs == SMALL["depth"]

@@ -203,7 +203,7 @@ class LTMP(LearnedParams, TokenReducer):
             group = torch.where((slot < n) & keep.gather(1, at), index.gather(1, at), -1)  # (B, n), -1: dropped
             unchanged = (group == torch.arange(n, device=group.device)).all()
             warn_if_compiling(self.name)
-            count, unchanged = torch.stack([keep.sum(dim=1).max(), unchanged.long()]).tolist()  # one host read
+            count, unchanged = divmod(int((keep.sum(dim=1).max() * 2 + unchanged.long()).item()), 2)  # one host read
         if unchanged and count == n:
             return None
         return GroupPlan(p, group, count)
