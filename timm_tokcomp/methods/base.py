@@ -275,6 +275,26 @@ class RTagged:
         return (f"{cls.name}_r<k>",)
 
 
+class MacsTargetTagged:
+    """Mixin for learned methods trained against a MACs target (DiffRate, LTMP), named '<name>' (its defaults) and
+    '<name>_m<pct>' (macs_target = pct / 100, pct in 1..100)."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
+        if tag == cls.name:
+            return {}
+        digits = tag[len(cls.name) + 2:]
+        if tag.startswith(f"{cls.name}_m") and digits.isdigit() and digits.isascii() and 1 <= int(digits) <= 100:
+            return {"macs_target": int(digits) / 100}
+        return None
+
+    @classmethod
+    def tag_forms(cls) -> Tuple[str, ...]:
+        return (cls.name, f"{cls.name}_m<pct>")
+
+
 class ScheduledReducer(RTagged, TokenReducer):
     """A method with an r schedule: r tokens removed per block (int, per-block list, or (r, inflection)
     tuple), a schedule solved from flops_ratio (unreduced MACs / target MACs), or the "Which Tokens to

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..matching import KeepMergePlan, class_attention, gather_tokens
 from ..schedules import BlockCost, is_int
-from .base import LearnedParams, TokenReducer
+from .base import LearnedParams, MacsTargetTagged, TokenReducer
 from .params import COMMON, MACS_TARGET, Param, check_macs_weight, optional
 from .straight_through import ceil_through, hard_through
 
@@ -128,7 +128,7 @@ def check_fits(params: DiffRateParams, settings: Sequence[Optional[RateSetting]]
                          f"model has {shape.num_blocks} blocks of {shape.num_patches}")
 
 
-class DiffRate(LearnedParams, TokenReducer):
+class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
     """See the module docstring. Give `schedule` (a fixed schedule, e.g. one searched before), or the searched
     `rate_params` (a learned folder), or neither: untrained rates (every candidate count equally likely), the start
     of a search aiming at `macs_target`. Proportional attention is always on (DiffRate adds log size in every block;
@@ -154,19 +154,6 @@ class DiffRate(LearnedParams, TokenReducer):
         if self.schedule is not None and self.rate_params is not None:
             raise ValueError("give schedule or rate_params, not both")
         super().validate()
-
-    @classmethod
-    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        if tag == cls.name:
-            return {}
-        digits = tag[len(cls.name) + 2:]
-        if tag.startswith(f"{cls.name}_m") and digits.isdigit() and digits.isascii() and 1 <= int(digits) <= 100:
-            return {"macs_target": int(digits) / 100}
-        return None
-
-    @classmethod
-    def tag_forms(cls) -> Tuple[str, ...]:
-        return (cls.name, f"{cls.name}_m<pct>")
 
     @classmethod
     def tag_legend(cls) -> str:

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..matching import GroupPlan
 from ..schedules import BlockCost, is_int, is_real
-from .base import LearnedParams, TokenReducer, warn_if_compiling
+from .base import LearnedParams, MacsTargetTagged, TokenReducer, warn_if_compiling
 from .params import COMMON, MACS_TARGET, Param, check_macs_weight, optional
 from .straight_through import clamp_through, hard_through
 
@@ -108,7 +108,7 @@ class LTMPParams(nn.Module):
         return params
 
 
-class LTMP(LearnedParams, TokenReducer):
+class LTMP(MacsTargetTagged, LearnedParams, TokenReducer):
     """See the module docstring. threshold_params: trained thresholds (a learned folder); thresholds: fixed ones as
     numbers (a preset: `threshold_params.values()`); neither: the start (merge above 0.9, prune nothing). Tags: 'ltmp', 'ltmp_m<pct>' (macs_target = pct / 100, the training's target)."""
 
@@ -126,19 +126,6 @@ class LTMP(LearnedParams, TokenReducer):
                     "LTMP: fixed thresholds {'merge': [...], 'prune': [...]}, one per block (instead of threshold_params)"),
               Param("threshold_params", None, help="LTMP's trained thresholds (a learned folder)"),
               *COMMON)
-
-    @classmethod
-    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        if tag == cls.name:
-            return {}
-        digits = tag[len(cls.name) + 2:]
-        if tag.startswith(f"{cls.name}_m") and digits.isdigit() and digits.isascii() and 1 <= int(digits) <= 100:
-            return {"macs_target": int(digits) / 100}
-        return None
-
-    @classmethod
-    def tag_forms(cls) -> Tuple[str, ...]:
-        return (cls.name, f"{cls.name}_m<pct>")
 
     @classmethod
     def tag_legend(cls) -> str:
