@@ -106,3 +106,14 @@ def test_bad_settings_are_refused():
     wide = timm.models.vision_transformer.VisionTransformer(**{**SMALL, "img_size": (32, 16)})
     with pytest.raises(ValueError, match="fpet splits a square patch grid; this input has 32 patch tokens"):
         timm_tokcomp.apply(wide, "fpet")
+
+
+def test_fpet_without_its_adapter_trains_lora_and_reloads_with_no_method_files(image_folder, tmp_path):
+    out = tmp_path / "plain_merge"
+    config = FinetuneConfig(method="fpet_norefine", epochs=1, warmup_epochs=0, batch_size=10, distill=True)
+    finetune("deit_tiny_patch16_224", str(image_folder), str(out), config=config, show_progress=False, num_workers=0)
+    assert (out / "adapter_config.json").is_file() and not (out / "fpet.safetensors").exists()
+    model = load_finetuned(str(out))
+    assert not hasattr(model, "tokcomp") or "fpet" not in model.tokcomp
+    with pytest.raises(ValueError, match="--lora-rank 0"):
+        FinetuneConfig(method="fpet_norefine", lora_rank=0, distill=True).validate()

@@ -254,6 +254,12 @@ class LearnedParams:
     def learned_module(self) -> Optional[nn.Module]:
         return getattr(self, self.learned_param)
 
+    @classmethod
+    def learns(cls, params: Dict[str, Any]) -> bool:
+        """Whether the method built from params has learned parameters (that train, and that a fine-tuning folder
+        holds): no for a setting that fixes them (FPET without its adapter, a DiffRate schedule, LTMP thresholds)."""
+        return True
+
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None and k != self.learned_param)
         module = self.learned_module()

@@ -160,6 +160,10 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
         return ("diffrate: DiffRate with untrained rates (or, with schedule= / rate_params=, a searched schedule); "
                 "diffrate_m<pct>: the same, its search aiming at pct % of the unreduced blocks' MACs")
 
+    @classmethod
+    def learns(cls, params: Dict[str, Any]) -> bool:
+        return params.get("schedule") is None
+
     def default_prop_attn(self, global_pool: str) -> bool:
         return True
 

@@ -126,6 +126,10 @@ class FPET(LearnedParams, TokenReducer):
     def tag_legend(cls) -> str:
         return "fpet: FPET with its learned metric adapter; fpet_norefine: without it (training-free)"
 
+    @classmethod
+    def learns(cls, params: Dict[str, Any]) -> bool:
+        return params.get("refine", True) is not False
+
     def default_prop_attn(self, global_pool: str) -> bool:
         return True
 

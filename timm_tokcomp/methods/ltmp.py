@@ -132,6 +132,10 @@ class LTMP(MacsTargetTagged, LearnedParams, TokenReducer):
         return ("ltmp: LTMP at its thresholds' start or, with threshold_params=, trained ones; ltmp_m<pct>: the same, "
                 "its training aiming at pct % of the unreduced blocks' MACs")
 
+    @classmethod
+    def learns(cls, params: Dict[str, Any]) -> bool:
+        return params.get("thresholds") is None
+
     def default_prop_attn(self, global_pool: str) -> bool:
         return True
 

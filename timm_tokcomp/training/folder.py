@@ -102,7 +102,7 @@ def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretr
         if method is not None:
             name, params = method
             learned_param = getattr(method_class(name), "learned_param", None)
-            if learned_param is not None:
+            if learned_param is not None and method_class(name).learns(params):
                 params = {**params, learned_param: load_learned(name, folder)}
             apply(model, name, **params)
         if recipe.lora_rank and not merge and adapter_skip(model) is not None:

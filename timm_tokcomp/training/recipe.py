@@ -76,7 +76,8 @@ class FinetuneConfig:
             raise ValueError("--method-arg kernel=triton: the Triton kernels are inference-only (no backward); "
                              "training runs kernel=torch or kernel=auto")
         if self.lora_rank == 0 and not (self.distill and method is not None
-                                        and getattr(method_class(method[0]), "learned_param", None)):
+                                        and getattr(method_class(method[0]), "learned_param", None)
+                                        and method_class(method[0]).learns(method[1])):
             learned = ", ".join(name for name, cls in METHODS.items() if getattr(cls, "learned_param", None))
             raise ValueError("--lora-rank 0 (no LoRA: only the method's parameters train) needs --distill and a method "
                              f"with learned parameters ({learned})")
