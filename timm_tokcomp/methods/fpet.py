@@ -161,7 +161,7 @@ class FPET(LearnedParams, TokenReducer):
              size: Optional[torch.Tensor]) -> Optional[MergePlan]:
         p = num_prefix
         if metric.shape[1] - p != setting.side ** 2:
-            return None  # the grid is gone (an earlier reduction by another method's call): nothing to split
+            return None  # the tokens no longer form the grid (reduced before this block): nothing to split
         if self.refine:
             metric = self.adapter_params(metric.float())
         a_pos, b_pos = checkerboard(setting.side, metric.device)
