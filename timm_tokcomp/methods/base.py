@@ -220,8 +220,8 @@ class TokenReducer(ABC):
 
     def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:
         """Called by patch before the model changes, with the model's width, the block settings for its default
-        input and its attention's head width: a learned method creates its parameters here, or raises ValueError if given ones do not
-        fit. Training-free methods have nothing to do."""
+        input and its attention's head width: a learned method creates its parameters here, or raises ValueError if
+        given ones do not fit. Training-free methods have nothing to do."""
 
     def learned_module(self) -> Optional[nn.Module]:
         """The method's trainable parameters (patch attaches them as model.tokcomp[<name>], so they move, save
