@@ -11,7 +11,7 @@ from conftest import SMALL, make_model, thresholds
 from timm_tokcomp.learned import load_learned, save_learned
 from timm_tokcomp.matching import GroupPlan
 from timm_tokcomp.methods import make_reducer
-from timm_tokcomp.methods.ltmp import BlockSetting
+from timm_tokcomp.methods.base import BlockSetting
 from timm_tokcomp.ops import apply_plan
 from timm_tokcomp.schedules import BlockCost
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned

@@ -10,7 +10,7 @@ and then reducer.reduce(plan, x, size, source, setting) carries the plan out. A 
 """
 import warnings
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
+from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -279,6 +279,16 @@ class RTagged:
     @classmethod
     def tag_forms(cls) -> Tuple[str, ...]:
         return (f"{cls.name}_r<k>",)
+
+
+class BlockSetting(NamedTuple):
+    """A block a learned method may reduce, with the model's shape its MACs penalty needs (DiffRate, LTMP)."""
+
+    block: int
+    num_blocks: int
+    num_patches: int
+    num_prefix: int
+    cost: BlockCost
 
 
 class MacsTargetTagged:

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..matching import KeepMergePlan, class_attention, gather_tokens
 from ..schedules import BlockCost, is_int
-from .base import LearnedParams, MacsTargetTagged, TokenReducer
+from .base import BlockSetting, LearnedParams, MacsTargetTagged, TokenReducer
 from .params import COMMON, MACS_TARGET, Param, check_macs_weight, optional
 from .straight_through import ceil_through, hard_through
 
@@ -51,16 +51,6 @@ def check_schedule(value: Any) -> Dict[str, List[int]]:
     return {key: [int(c) for c in counts] for key, counts in lists.items()}
 
 
-class RateSetting(NamedTuple):
-    """A block the schedule may reduce: its index, and the model's shape the MACs penalty needs."""
-
-    block: int
-    num_blocks: int
-    num_patches: int
-    num_prefix: int
-    cost: BlockCost
-
-
 class DiffRateParams(nn.Module):
     """The rate logits of a model of depth blocks and num_patches patch tokens: prune[l - 1] and merge[l - 1]
     (K,) over the candidate counts (num_patches, num_patches - g, ... > 0) of block l >= 1, starting at zero."""
@@ -72,7 +62,7 @@ class DiffRateParams(nn.Module):
         self.register_buffer("candidates", candidates, persistent=False)
         self.prune = nn.Parameter(torch.zeros(depth - 1, len(candidates)))
         self.merge = nn.Parameter(torch.zeros(depth - 1, len(candidates)))
-        self._record: List[Tuple[RateSetting, torch.Tensor, torch.Tensor]] = []  # this search forward's (P, M)
+        self._record: List[Tuple[BlockSetting, torch.Tensor, torch.Tensor]] = []  # this search forward's (P, M)
         self._counts: Optional[List[Tuple[int, int]]] = None  # counts(), read in eval mode
         self.register_load_state_dict_post_hook(lambda module, keys: module._read_counts())
         self._read_counts()
@@ -121,7 +111,7 @@ class DiffRateParams(nn.Module):
         return {"prune": [p for p, _ in counts], "merge": [m for _, m in counts]}
 
 
-def check_fits(params: DiffRateParams, settings: Sequence[Optional[RateSetting]]) -> None:
+def check_fits(params: DiffRateParams, settings: Sequence[Optional[BlockSetting]]) -> None:
     shape = next((s for s in settings if s is not None), None)
     if shape is not None and (params.depth, params.num_patches) != (shape.num_blocks, shape.num_patches):
         raise ValueError(f"these DiffRate rates are for {params.depth} blocks of {params.num_patches} patch tokens; the "
@@ -172,17 +162,17 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
             raise ValueError(f"schedule needs one entry per block ({num_blocks}), got {len(self.schedule['prune'])}")
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost
-                       ) -> List[Optional[RateSetting]]:
-        """A RateSetting where the block may reduce: with a schedule where it reduces the count its predecessor
+                       ) -> List[Optional[BlockSetting]]:
+        """A BlockSetting where the block may reduce: with a schedule where it reduces the count its predecessor
         leaves, with rates every block but the first."""
         n = num_tokens - num_prefix
-        settings: List[Optional[RateSetting]] = []
+        settings: List[Optional[BlockSetting]] = []
         for block in range(num_blocks):
             reduces = block > 0
             if self.schedule is not None:
                 left = min(self.schedule["prune"][block], self.schedule["merge"][block], n)
                 reduces, n = left < n, left
-            settings.append(RateSetting(block, num_blocks, num_tokens - num_prefix, num_prefix, cost)
+            settings.append(BlockSetting(block, num_blocks, num_tokens - num_prefix, num_prefix, cost)
                             if reduces else None)
         return settings
 
@@ -205,7 +195,7 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
             return self.schedule["prune"][block], self.schedule["merge"][block]
         return self.rate_params.counts()[block - 1]
 
-    def plan(self, metric: Tuple[torch.Tensor, torch.Tensor], setting: RateSetting, num_prefix: int,
+    def plan(self, metric: Tuple[torch.Tensor, torch.Tensor], setting: BlockSetting, num_prefix: int,
              size: Optional[torch.Tensor]):
         importance, tokens = metric
         if self.rate_params is not None and self.rate_params.training:
@@ -225,7 +215,7 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
         return KeepMergePlan(p, keep_idx, torch.cat([own, dst], dim=1), weight, keepers)
 
     def reduce(self, plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
-               setting: RateSetting):
+               setting: BlockSetting):
         if not isinstance(plan, _SearchPlan):
             return super().reduce(plan, x, size, source, setting)
         return (*self._search_step(plan, x, size), source)
@@ -271,7 +261,7 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
         return self.macs_weight * (share - self.macs_target) ** 2
 
 
-def macs_share(record: Sequence[Tuple[RateSetting, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def macs_share(record: Sequence[Tuple[BlockSetting, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """The block stack's MACs under the recorded (setting, P, M) over its unreduced MACs: block l's attention runs
     on the count block l - 1 leaves, its MLP on min(that, P, M)."""
     shape = record[0][0]
@@ -293,6 +283,6 @@ class _SearchPlan(NamedTuple):
     """Training mode: the block's ranking and tokens; the decisions are made in reduce()."""
 
     num_prefix: int
-    setting: RateSetting
+    setting: BlockSetting
     importance: torch.Tensor
     tokens: torch.Tensor

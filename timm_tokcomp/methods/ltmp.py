@@ -28,7 +28,7 @@ from torch import nn
 
 from ..matching import GroupPlan
 from ..schedules import BlockCost, is_int, is_real
-from .base import LearnedParams, MacsTargetTagged, TokenReducer, warn_if_compiling
+from .base import BlockSetting, LearnedParams, MacsTargetTagged, TokenReducer, warn_if_compiling
 from .params import COMMON, MACS_TARGET, Param, check_macs_weight, optional
 from .straight_through import clamp_through, hard_through
 
@@ -56,16 +56,6 @@ def check_tau(value: Any) -> float:
     if not is_real(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"tau must be a finite number > 0 (the temperature of the soft thresholds), got {value!r}")
     return float(value)
-
-
-class BlockSetting(NamedTuple):
-    """A block's index, and the model's shape the MACs penalty needs."""
-
-    block: int
-    num_blocks: int
-    num_patches: int
-    num_prefix: int
-    cost: BlockCost
 
 
 class LTMPParams(nn.Module):
