@@ -39,6 +39,17 @@ class MergePlan:
     def r(self) -> int:
         return self.src_idx.shape[1]
 
+    def destination(self, n: int) -> torch.Tensor:
+        """(B, n - r) the non-prefix input (of n) whose position each non-prefix output keeps: a kept A token its
+        own, a B token (and what merged into it) the B token's."""
+        if self.a_idx is not None:
+            a, b = self.a_idx, self.b_idx
+        else:
+            B, device = self.unm_idx.shape[0], self.unm_idx.device
+            a = torch.arange(self.a_start, n, 2, device=device).expand(B, -1)
+            b = torch.arange(1 - self.a_start, n, 2, device=device).expand(B, -1)
+        return torch.cat([a.gather(1, self.unm_idx), b], dim=1)
+
 
 @dataclass
 class PrunePlan:
@@ -58,6 +69,11 @@ class PrunePlan:
     fuse_weight: Optional[torch.Tensor] = None
     valid: Optional[torch.Tensor] = None
 
+    def destination(self, n: int) -> Optional[torch.Tensor]:
+        """(B, K) the kept tokens, each in its own place; None with a fused token (it has no destination: it sits
+        at the centroid of what it holds, and every kept token there too is its own centroid)."""
+        return self.keep_idx if self.fuse_idx is None else None
+
 
 @dataclass
 class ClusterPlan:
@@ -71,6 +87,10 @@ class ClusterPlan:
     num_prefix: int
     assign: torch.Tensor
     num_clusters: int
+
+    def destination(self, n: int) -> None:
+        """None: a cluster has no destination token; it sits at the centroid of its members."""
+        return None
 
 
 @dataclass
@@ -87,6 +107,12 @@ class GroupPlan:
     num_prefix: int
     group: torch.Tensor
     num_groups: int
+    lead: Optional[torch.Tensor] = None
+
+    def destination(self, n: int) -> Optional[torch.Tensor]:
+        """(B, num_groups) each group's lead: the token the others merged into (an empty group's: any); None
+        without leads (then a group sits at its members' centroid)."""
+        return self.lead
 
 
 @dataclass
@@ -108,6 +134,10 @@ class KeepMergePlan:
     size_weight: torch.Tensor
     num_keepers: int
 
+    def destination(self, n: int) -> torch.Tensor:
+        """(B, M) each output's keeper."""
+        return self.keep_idx[:, :self.num_keepers]
+
 
 @dataclass
 class SoftPlan:
@@ -123,6 +153,10 @@ class SoftPlan:
     num_prefix: int
     weight: torch.Tensor
 
+    def destination(self, n: int) -> None:
+        """None: a soft mix has no destination token; it sits at the weighted centroid of its inputs."""
+        return None
+
     @property
     def shares(self) -> torch.Tensor:
         """(B, M, n) the weights with every column normalised to sum 1: how each input is shared out."""
@@ -136,6 +170,10 @@ class TruncatePlan:
 
     num_keep: int
 
+    def destination(self, n: int) -> None:
+        """None: the kept tokens are their own centroids."""
+        return None
+
 
 @dataclass
 class ResamplePlan:
@@ -148,6 +186,10 @@ class ResamplePlan:
 
     num_prefix: int
     matrix: torch.Tensor
+
+    def destination(self, n: int) -> None:
+        """None: a resampled token has no destination; it sits at the centroid of the stretch it holds."""
+        return None
 
     @property
     def shares(self) -> torch.Tensor:
@@ -299,6 +341,15 @@ def energy_matching(metric: torch.Tensor, r: int, num_prefix: int, margin: float
             candidate = torch.zeros_like(order, dtype=torch.bool).scatter(1, a_rank, True).gather(1, a_idx)
             node_max = torch.where(candidate, node_max, torch.full_like(node_max, -torch.inf))
         return merge_top_r(node_max, node_idx, r, num_prefix, (a_idx, b_idx))
+
+
+def keep_best(keep: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """keep: (B, n) bool, with each row's best-scoring token (score (B, n)) kept too, so that a data-dependent
+    reduction never leaves an image without a patch token (as r is clamped for a fixed count)."""
+    if keep.shape[1] == 0:
+        return keep
+    best = score.argmax(dim=1, keepdim=True)
+    return keep.scatter(1, best, True)
 
 
 def count_above(node_max: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -302,7 +302,7 @@ class ReducingModel:
             return super().pool(x, pool_type)
         start = 0 if getattr(self, "pool_include_prefix", False) else self.num_prefix_tokens
         xs, s = x[:, start:], size[:, start:].to(x.dtype)
-        mean = (xs * s).sum(dim=1) / s.sum(dim=1)
+        mean = (xs * s).sum(dim=1) / s.sum(dim=1).clamp_min(torch.finfo(s.dtype).tiny)  # never 0 / 0
         return mean if pool_type == "avg" else 0.5 * (xs.amax(dim=1) + mean)
 
     def _token_sizes(self, x: torch.Tensor) -> Optional[torch.Tensor]:

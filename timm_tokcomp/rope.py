@@ -14,7 +14,7 @@ from torch import nn
 from timm.layers.pos_embed_sincos import (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed,
                                           _build_grid, _rope_layout)
 
-from .matching import MergePlan, gather_tokens
+from .matching import gather_tokens
 from .ops import apply_plan
 
 ROPE_MERGES = ("dst", "centroid")  # how a merged token's rotary position is chosen (the rope_merge parameter)
@@ -67,17 +67,6 @@ def rope_rows(rope: nn.Module, coords: torch.Tensor, block: int, dtype: torch.dt
     return rows.unsqueeze(1).to(dtype)
 
 
-def keep_destination(coords: torch.Tensor, plan: MergePlan) -> torch.Tensor:
-    """A merge plan's output positions where every merged token keeps its destination's: coords (B, n, 2) of the
-    patch tokens -> (B, n - r, 2) in the plan's output order (kept A tokens, then every B token)."""
-    n = coords.shape[1]
-    if plan.a_idx is not None:
-        a, b = gather_tokens(coords, plan.a_idx), gather_tokens(coords, plan.b_idx)
-    else:
-        a, b = coords[:, plan.a_start:n:2], coords[:, 1 - plan.a_start:n:2]
-    return torch.cat([gather_tokens(a, plan.unm_idx), b], dim=1)
-
-
 @dataclass
 class TokenPositions:
     """Where a forward's patch tokens sit. coords: (B, n, 2) float32 in the rope module's units, one row per
@@ -108,12 +97,20 @@ class TokenPositions:
         return torch.float32 if cached is None else cached.dtype
 
     def reduced(self, plan, size: Optional[torch.Tensor], num_prefix: int) -> "TokenPositions":
-        """The positions after `plan` (size: (B, N, 1) the tokens' sizes before it, or None). A merge under 'dst'
-        keeps the destination's position; every other output token (centroid, a cluster's or a soft mix's, EViT's
-        fused token) sits at the size- (or attention-) weighted centroid of what it holds."""
+        """The positions after `plan` (size: (B, N, 1) the tokens' sizes before it, or None). Under 'dst' every
+        output of a plan with destinations (plan.destination: a merge's destination, DiffRate's keeper, LTMP's
+        group lead, a kept token) keeps its destination's position; under 'centroid', and for an output that has no
+        destination (a cluster, a soft mix, a resampled token, EViT's fused token), it sits at the size- (or
+        attention-) weighted centroid of what it holds. A plan of a method's training step (which keeps the tokens
+        in place and mixes them softly) is refused: its positions are not defined."""
         p = num_prefix
-        if isinstance(plan, MergePlan) and self.merge == "dst":
-            coords = keep_destination(self.coords, plan)
+        if not hasattr(plan, "destination"):
+            raise NotImplementedError(
+                f"{type(plan).__name__.lstrip('_')}: this method's training step does not carry rotary positions; "
+                "train it on a model without rotary embeddings, or run this model in eval mode")
+        destination = plan.destination(self.coords.shape[1]) if self.merge == "dst" else None
+        if destination is not None:
+            coords = gather_tokens(self.coords, destination)
         else:
             full = torch.cat([self.coords.new_zeros(self.coords.shape[0], p, 2), self.coords], dim=1)
             coords = apply_plan(plan, full, size, None)[0][:, p:]

@@ -171,6 +171,10 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
             reduces = block > 0
             if self.schedule is not None:
                 left = min(self.schedule["prune"][block], self.schedule["merge"][block], n)
+                if block == 0 and left < n:
+                    raise ValueError(f"schedule's first entries (prune {self.schedule['prune'][0]}, merge "
+                                     f"{self.schedule['merge'][0]}) reduce in block 0, which DiffRate never does; "
+                                     f"give this model's {n} patch tokens (or more) there")
                 reduces, n = left < n, left
             settings.append(BlockSetting(block, num_blocks, num_tokens - num_prefix, num_prefix, cost)
                             if reduces else None)

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from ..matching import GroupPlan
+from ..matching import GroupPlan, keep_best
 from ..schedules import BlockCost, is_int, is_real
 from .base import BlockSetting, LearnedParams, MacsTargetTagged, TokenReducer, warn_if_compiling
 from .params import COMMON, MACS_TARGET, Param, check_macs_weight, optional
@@ -178,7 +178,7 @@ class LTMP(MacsTargetTagged, LearnedParams, TokenReducer):
             slot = torch.where(real, slot, n)  # padding goes to a slot past the end
             imp = importance[:, p:].float().masked_fill(~real, float("-inf"))
             held = imp.new_full((imp.shape[0], n + 1), float("-inf")).scatter_reduce(1, slot, imp, "amax")[:, :n]
-            keep = held >= prune_at  # (B, n): the slots that stay (an empty one holds -inf)
+            keep = keep_best(held >= prune_at, held)  # (B, n): the slots that stay (an empty one holds -inf)
             index = keep.cumsum(dim=1) - 1
             at = slot.clamp_max(n - 1)
             group = torch.where((slot < n) & keep.gather(1, at), index.gather(1, at), -1)  # (B, n), -1: dropped
@@ -187,7 +187,9 @@ class LTMP(MacsTargetTagged, LearnedParams, TokenReducer):
             count, unchanged = divmod(int((keep.sum(dim=1).max() * 2 + unchanged.long()).item()), 2)  # one host read
         if unchanged and count == n:
             return None
-        return GroupPlan(p, group, count)
+        lead = index.new_zeros(index.shape[0], count + 1)  # column `count` takes the slots that do not stay
+        lead.scatter_(1, torch.where(keep, index, count), torch.arange(n, device=index.device).expand_as(index))
+        return GroupPlan(p, group, count, lead[:, :count])
 
     def reduce(self, plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
                setting: BlockSetting):
