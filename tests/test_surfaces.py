@@ -102,3 +102,25 @@ def test_a_diffrate_schedule_reducing_in_block_0_is_refused():
         timm_tokcomp.apply(make_model("cls"), "diffrate", schedule={"prune": [n - 8] * DEPTH, "merge": [n - 8] * DEPTH})
     timm_tokcomp.apply(make_model("cls"), "diffrate", schedule={"prune": [n] + [n - 8] * (DEPTH - 1),
                                                                 "merge": [n] * DEPTH})
+
+
+@pytest.mark.parametrize("method, params", [("diffrate", {}), ("ltmp", {}), ("dtem", dict(r=4))])
+def test_in_place_training_steps_are_refused_on_rope_models_with_a_message(method, params, images):
+    """DiffRate's search, LTMP and DTEM train with every token in place: on a rope model the forward says so, and
+    `tokcomp finetune` refuses before it makes its run folder; their eval models run."""
+    model = timm_tokcomp.apply(family_model("eva02_cat_swiglu"), method, **params)
+    with pytest.raises(NotImplementedError, match="train it on a model without rotary embeddings"):
+        model.train()(images)
+    with torch.no_grad():
+        assert torch.isfinite(model.eval()(images)).all()
+
+
+def test_finetune_refuses_in_place_training_on_a_rope_model_before_its_folder(image_folder, tmp_path):
+    from timm_tokcomp.training import FinetuneConfig, finetune
+
+    out = tmp_path / "run"
+    config = FinetuneConfig(method="dtem_r8", epochs=1, batch_size=4, distill=True, lora_rank=0)
+    with pytest.raises(ValueError, match="dtem trains with every token in place .* Eva has rotary embeddings"):
+        finetune("eva02_tiny_patch14_224", str(image_folder), str(out), config=config, show_progress=False,
+                 num_workers=0)
+    assert not out.exists()

@@ -260,6 +260,12 @@ class LearnedParams:
         holds): no for a setting that fixes them (FPET without its adapter, a DiffRate schedule, LTMP thresholds)."""
         return True
 
+    @classmethod
+    def trains_in_place(cls, params: Dict[str, Any]) -> bool:
+        """Whether the method built from params, in training mode, keeps every token in place with soft sizes (which
+        defines no rotary position for a merged token: not trained on rope models, rope.refuse_in_place_training)."""
+        return False
+
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None and k != self.learned_param)
         module = self.learned_module()

@@ -140,6 +140,10 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
               Param("rate_params", None, help="DiffRate's searched rates (a learned folder)"),
               *COMMON)
 
+    @classmethod
+    def trains_in_place(cls, params: Dict[str, Any]) -> bool:
+        return cls.learns(params)  # a fixed schedule trains nothing and runs its eval steps
+
     def validate(self) -> None:
         if self.schedule is not None and self.rate_params is not None:
             raise ValueError("give schedule or rate_params, not both")

@@ -95,6 +95,10 @@ class DTEM(LearnedParams, ScheduledReducer):
 
     default_prop_attn = prop_attn_unless_avg_pool
 
+    @classmethod
+    def trains_in_place(cls, params: Dict[str, Any]) -> bool:
+        return True
+
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost
                        ) -> List[Optional[MergeSetting]]:
         settings, active = [], num_tokens - num_prefix

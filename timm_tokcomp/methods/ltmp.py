@@ -118,6 +118,10 @@ class LTMP(MacsTargetTagged, LearnedParams, TokenReducer):
               *COMMON)
 
     @classmethod
+    def trains_in_place(cls, params: Dict[str, Any]) -> bool:
+        return True  # fixed thresholds too: they make the training step in training mode
+
+    @classmethod
     def tag_legend(cls) -> str:
         return ("ltmp: LTMP at its thresholds' start or, with threshold_params=, trained ones; ltmp_m<pct>: the same, "
                 "its training aiming at pct % of the unreduced blocks' MACs")

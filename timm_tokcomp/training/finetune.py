@@ -36,6 +36,7 @@ from ..data import check_num_classes, open_dataset, open_images
 from ..models import build_base_model
 from ..outputs import replacing
 from ..patch import adapter_skip
+from ..rope import refuse_in_place_training
 from .engine import SeededAugment, Schedule, TrainingTask, distill_loss, rank_and_world, rank_share, train
 from .folder import RUN_ENTRIES, finish_folder, load_finetuned, save_folder
 from .recipe import FinetuneConfig, FinetuneResult
@@ -200,6 +201,8 @@ def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str
     with torch.random.fork_rng():  # seeded: without weights, the same random ones every call (a resume needs them)
         torch.manual_seed(config.seed)
         model = build_base_model(base_model, checkpoint, pretrained, "cpu")
+    if config.method_params() is not None:  # before the run folder is made
+        refuse_in_place_training(model, *config.method_params())
     train_digest = data_digest(train_data, "--data")
     run = {"base_model": base_model, "weights_sha256": weights_digest(model), "data_sha256": train_digest,
            "eval_data_sha256": train_digest if eval_data == train_data else data_digest(eval_data, "--eval-data")}
