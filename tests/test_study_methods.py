@@ -66,17 +66,16 @@ def test_top_k_keeps_the_most_attended_and_breaks_ties_towards_the_lower_index()
 
 
 def test_radial_patterns_keep_the_patches_nearest_the_centre():
-    assert set(centre_order(16, 2.0)[:4]) == {5, 6, 9, 10}
-    assert centre_order(16, 1.0)[:4] == centre_order(16, float("inf"))[:4]
-    with pytest.raises(ValueError, match="square"):
-        centre_order(12, 2.0)
+    assert set(centre_order((4, 4), 2.0)[:4]) == {5, 6, 9, 10}
+    assert centre_order((4, 4), 1.0)[:4] == centre_order((4, 4), float("inf"))[:4]
+    assert set(centre_order((2, 8), float("inf"))[:4]) == {3, 4, 11, 12}  # a 2 x 8 grid: the middle columns
     model = timm_tokcomp.apply(make_model("registers"), "l2", keep_rate=0.5, stages=(2, 3), trace_source=True)
     with torch.no_grad():
         model(torch.randn(2, 3, 32, 32))
     p = model.num_prefix_tokens
     held = timm_tokcomp.last_stats(model).source.sum(1)[:, p:]  # (B, 64): 1 where the patch is still held
     for b in range(2):
-        assert set(held[b].nonzero().flatten().tolist()) == set(centre_order(64, 2.0)[:16])  # 64 -> 32 -> 16
+        assert set(held[b].nonzero().flatten().tolist()) == set(centre_order((8, 8), 2.0)[:16])  # 64 -> 32 -> 16
 
 
 def test_radial_index_made_under_inference_mode_still_serves_training():

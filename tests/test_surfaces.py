@@ -124,3 +124,88 @@ def test_finetune_refuses_in_place_training_on_a_rope_model_before_its_folder(im
         finetune("eva02_tiny_patch14_224", str(image_folder), str(out), config=config, show_progress=False,
                  num_workers=0)
     assert not out.exists()
+
+
+def test_fpet_and_radial_patterns_read_the_models_patch_grid_not_the_square_root_of_the_count():
+    """A 4 x 16 grid (64 patch tokens, whose square root would say 8 x 8): every FPET merge joins two cells of
+    different colours of the real checkerboard (each token holds one B cell), and the l-infinity pattern keeps the middle columns."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    def wide():
+        torch.manual_seed(0)
+        return VisionTransformer(**{**SMALL, "img_size": (16, 64)}).eval()
+
+    x = torch.randn(2, 3, 16, 64)
+    model = timm_tokcomp.apply(wide(), "fpet", refine=False, trace_source=True, layer=0)
+    with torch.no_grad():
+        model(x)
+    p = model.num_prefix_tokens
+    source = timm_tokcomp.last_stats(model).source[:, p:, p:]  # (B, 32, 64)
+    colour = torch.tensor([(i // 16 + i % 16) % 2 for i in range(64)])
+    for b in range(2):
+        for row in source[b]:
+            held = row.nonzero().flatten()  # one B cell (odd row + column) and the A cells merged into it
+            assert (colour[held] == 1).sum() == 1
+    model = timm_tokcomp.apply(wide(), "linf", keep_rate=0.5, stages=(2,), trace_source=True)
+    with torch.no_grad():
+        model(x)
+    held = timm_tokcomp.last_stats(model).source.sum(1)[0, p:].nonzero().flatten()
+    assert {i % 16 for i in held.tolist()} == set(range(4, 12))  # the 8 middle of 16 columns, all 4 rows
+
+
+@pytest.mark.parametrize("method, params", [("pitome", dict(r=100)), ("mctf", dict(r=100)), ("ltmp", {}),
+                                            ("tome", dict(r=100))])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 4), (2, 3, 8, 4), (0, 3, 32, 32)])
+def test_one_patch_token_none_left_or_an_empty_batch_run_as_the_plain_model_does(method, params, shape):
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    plain = VisionTransformer(**SMALL, dynamic_img_size=shape[0] > 0).eval()  # timm's dynamic size: no empty batch
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        want = plain(x)
+        got = timm_tokcomp.apply(plain, method, **params)(x)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+
+
+def test_none_means_the_default_for_every_parameter():
+    model = timm_tokcomp.apply(make_model("cls"), "fpet", refine=None)
+    assert timm_tokcomp.get_reducer(model).refine is True and model.tokcomp["fpet"] is not None
+    model = timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "tome", r=2, rope_merge=None)
+    assert timm_tokcomp.get_reducer(model).rope_merge == "dst"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fpet_runs_in_half_precision(dtype, images):
+    for model in (timm_tokcomp.apply(make_model("cls"), "fpet").to(dtype),
+                  timm_tokcomp.apply(make_model("cls").to(dtype), "fpet")):
+        with torch.no_grad():
+            out = model(images.to(dtype))
+        assert out.dtype == dtype and torch.isfinite(out).all()
+
+
+def test_a_diffrate_model_pickles_and_saves_whole(images):
+    import io
+
+    model = timm_tokcomp.apply(make_model("cls"), "diffrate")
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    again = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        torch.testing.assert_close(again(images), model(images))
+
+
+@pytest.mark.parametrize("method, params, new", [
+    ("fpet", {}, dict(trace_source=True)),
+    ("fpet", {}, dict(refine=False)),
+    ("ltmp", dict(thresholds={"merge": [0.5] * DEPTH, "prune": [0.0] * DEPTH}), dict(trace_source=True)),
+    ("diffrate", {}, dict(trace_source=True)),
+    ("diffrate", {}, dict(schedule={"prune": [64] + [40] * (DEPTH - 1), "merge": [64] + [30] * (DEPTH - 1)})),
+])
+def test_set_params_does_not_blame_learned_parameters_the_user_never_gave(method, params, new):
+    model = timm_tokcomp.apply(make_model("cls"), method, **params)
+    timm_tokcomp.set_params(model, trace_source=True)  # twice: the made parameters stay marked as made
+    timm_tokcomp.set_params(model, **new)
+    for key, value in new.items():
+        assert getattr(timm_tokcomp.get_reducer(model), key) == value

@@ -50,7 +50,7 @@ def set_params(model: nn.Module, **params: Any) -> nn.Module:
     ATM preset replaces the thresholds not given."""
     reducer = _patch.reducer_of(model)
     cls = type(reducer)
-    merged = cls.resolve_params(model, cls.update_params(reducer.params, params))
+    merged = cls.resolve_params(model, cls.update_params(reducer.params_for_update(params), params))
     _patch.patch(model, make_reducer(reducer.name, **merged))
     return model
 

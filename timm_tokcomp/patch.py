@@ -13,7 +13,8 @@ from .families.eva import ReducingEva
 from .families.vit import (DenseBlock, ReducingAttention, ReducingBlock, ReducingVisionTransformer,
                            ReducingVisionTransformerDistilled)
 from .methods.base import TokenReducer
-from .reducing import ReducingBlockMixin, feature_stats, forget_last, last_of, prefix_only_last
+from .reducing import (ReducingBlockMixin, block_settings, feature_stats, forget_last, last_of, patch_grid,
+                       prefix_only_last)
 from .schedules import BlockCost
 from .state import ReductionStats
 
@@ -78,10 +79,12 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     prefix_only_last(model, reducer)  # raises if asked for where it is not exact
     block_cost = _block_cost(model.blocks[0])
     # settings for the model's default input: a budget out of reach (flops_ratio) fails here, not in a forward
-    settings = reducer.block_settings(depth, model.patch_embed.num_patches + model.num_prefix_tokens,
-                                      model.num_prefix_tokens, block_cost)
+    settings = block_settings(reducer, depth, model.patch_embed.num_patches + model.num_prefix_tokens,
+                              model.num_prefix_tokens, block_cost, patch_grid(model))
     # a learned method's parameters are made or checked here
     reducer.bind(model.embed_dim, settings, model.blocks[0].attn.head_dim)
+    if hasattr(reducer, "mark_made"):
+        reducer.mark_made()
     prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
     prop_attn = "auto" if prop_attn is True else prop_attn  # on: the implementation measured for the device
     if prop_attn == "fold_qkv":
@@ -173,8 +176,8 @@ def _patch_dense(model: nn.Module, reducer: TokenReducer, family: Family) -> Non
         raise TypeError(refusal)
     # a dense method's settings may not depend on the token count: any input size runs the same blocks
     num_prefix = model.num_prefix_tokens
-    settings = reducer.block_settings(len(model.blocks), model.patch_embed.num_patches + num_prefix, num_prefix,
-                                      _block_cost(model.blocks[0]))
+    settings = block_settings(reducer, len(model.blocks), model.patch_embed.num_patches + num_prefix, num_prefix,
+                              _block_cost(model.blocks[0]), patch_grid(model))
     _swap_classes(model, family, dense=True)
     for blk, setting in zip(model.blocks, settings):
         blk._tokcomp_reducer = reducer
@@ -208,7 +211,8 @@ def trace_blocks(model: nn.Module, x: torch.Tensor,
     reducer_of(model)  # raises if not patched
     if model._tokcomp_reducer.dense:
         raise ValueError("dense methods keep every token (nothing to trace); trace a token-reducing method")
-    tokens, stats = model._reduce_blocks(*model._embed(x), for_intermediates=True, on_block=on_block)
+    tokens, stats = model._reduce_blocks(*model._embed(x), for_intermediates=True, on_block=on_block,
+                                         grid=patch_grid(model, x.shape[-2:]))
     return model._register_features(model.norm(tokens), stats)
 
 

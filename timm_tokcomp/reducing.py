@@ -55,6 +55,22 @@ def resolve_prop_attn(prop_attn: Union[bool, str], x: torch.Tensor) -> Union[boo
     return measured("prop_attn", x) or "mask"
 
 
+def block_settings(reducer: TokenReducer, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost,
+                   grid: Tuple[int, int]) -> List[Any]:
+    """The reducer's per-block settings; grid (rows, cols) of the patch tokens goes to a reducer that reads_grid."""
+    if reducer.reads_grid:
+        return reducer.block_settings(num_blocks, num_tokens, num_prefix, cost, grid=grid)
+    return reducer.block_settings(num_blocks, num_tokens, num_prefix, cost)
+
+
+def patch_grid(model: nn.Module, image_size: Optional[Tuple[int, int]] = None) -> Tuple[int, int]:
+    """(rows, cols) of the patch tokens for an input of image_size (H, W) (None: the model's default size)."""
+    embed = model.patch_embed
+    if image_size is not None and getattr(model, "dynamic_img_size", False):
+        return tuple(embed.dynamic_feat_size(tuple(image_size)))
+    return tuple(embed.grid_size)
+
+
 def prefix_only_last(model: nn.Module, reducer: TokenReducer) -> bool:
     """Whether the last block keeps only the prefix tokens (see TokenReducer.prefix_only_last_block).
     Checked at every forward: the head may have been reset since the method was applied."""
@@ -120,7 +136,8 @@ class ReducingBlockMixin:
         runs between attention and MLP, or after the MLP when reducer.reduce_after_mlp (the study protocol's
         'before the next block'); the metric is this block's either way."""
         attn_bias = size.log().view(x.shape[0], 1, 1, x.shape[1]) if prop_attn and size is not None else None
-        active = setting is not None and not prefix_only
+        # one guard for every method: an empty batch, or fewer than two patch tokens, has nothing to reduce
+        active = setting is not None and not prefix_only and x.shape[0] > 0 and x.shape[1] - num_prefix >= 2
         rope = None if positions is None else positions.rows(block)
         if active and reducer.reduces_before_attention:  # no rope here: patch refuses such models
             x, h, size, source = self._lookahead_branch(x, size, source, attn_bias, setting, reducer, num_prefix)
@@ -229,22 +246,24 @@ class ReducingModel:
         return self._register_features(*self._features(x))
 
     def _features(self, x: torch.Tensor) -> Tuple[torch.Tensor, ReductionStats]:
-        x, stats = self._reduce_blocks(*self._embed(x))
+        x, stats = self._reduce_blocks(*self._embed(x), grid=patch_grid(self, x.shape[-2:]))
         return self.norm(x), stats
 
     def _reduce_blocks(self, x: torch.Tensor, positions: Optional[TokenPositions], for_intermediates: bool = False,
                        num_blocks: Optional[int] = None,
                        on_block: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None,
-                       final: bool = True) -> Tuple[torch.Tensor, ReductionStats]:
+                       final: bool = True, grid: Optional[Tuple[int, int]] = None
+                       ) -> Tuple[torch.Tensor, ReductionStats]:
         """x: (B, N, C) -> (B, N', C) through the first num_blocks blocks (all: None), with this call's stats.
         positions: the patch tokens' rotary positions (None without rope). for_intermediates: trace the source map;
         on_block(i, x, source) sees each block's output, every token of it. final: the returned tokens are the final
         features, computed as forward_features computes them (a last block that keeps only the prefix tokens runs its
         MLP on those alone; for on_block it runs once more on every token); False: every block keeps its tokens to
-        the end."""
+        the end. grid: (rows, cols) of the patch tokens (None: the model's default grid)."""
         refuse_fx_tracing()
         reducer, num_prefix = self._tokcomp_reducer, self.num_prefix_tokens
-        settings = reducer.block_settings(self._tokcomp_depth, x.shape[1], num_prefix, self._tokcomp_block_cost)
+        settings = block_settings(reducer, self._tokcomp_depth, x.shape[1], num_prefix, self._tokcomp_block_cost,
+                                  grid or patch_grid(self))
         prefix_only_last_block = prefix_only_last(self, reducer) and final
         size = None
         source = None
@@ -357,7 +376,7 @@ class ReducingModel:
                 held = source.sum(dim=1).unsqueeze(-1)  # (B, N0, 1): 0 where a dropping pruner removed the patch
                 grids.append(gather_tokens(self.norm(tokens) if norm else tokens, holder) * held)
 
-        x, stats = self._reduce_blocks(*self._embed(x), for_intermediates=True,
+        x, stats = self._reduce_blocks(*self._embed(x), for_intermediates=True, grid=patch_grid(self, (height, width)),
                                        num_blocks=max_index + 1 if stop_early else None,
                                        on_block=on_block, final=not intermediates_only)
         p = self.num_prefix_tokens

@@ -95,6 +95,8 @@ class TokenReducer(ABC):
     metric_reads_values: ClassVar[bool] = False  # metric() also gets v: (B, H, N, d)
     metric_reads_input: ClassVar[bool] = False  # metric() also gets inputs: the attention's input (B, N, C)
     masks_by_size: ClassVar[bool] = False  # pads images to one count with size-0 tokens (needs prop_attn)
+    reads_grid: ClassVar[bool] = False  # block_settings also gets grid=(rows, cols): the patch tokens' grid, read
+    # from the model and the input (FPET's checkerboard, the radial patterns)
     PARAMS: ClassVar[Tuple[Param, ...]] = COMMON
     # traits the commands read (bench, speed, tune, export, the registry, ToCom), declared beside the method
     data_dependent: ClassVar[bool] = False  # token counts read from the data (a host-side count per block):
@@ -116,8 +118,9 @@ class TokenReducer(ABC):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         bound = type(self).__signature__.bind(*args, **kwargs)  # TypeError for an unknown or a missing parameter
         bound.apply_defaults()
-        for param in self.PARAMS:
-            setattr(self, param.name, param.check(bound.arguments[param.name]))
+        for param in self.PARAMS:  # None means the parameter's default, for every parameter
+            value = bound.arguments[param.name]
+            setattr(self, param.name, param.check(param.default if value is None else value))
         self.validate()
         # block_settings' results per model shape. Made here, not lazily inside a forward: on torch 2.8 a cache made
         # while dynamo traces turns a second model's settings into symbolic ints, and compiling it never ends.
@@ -172,6 +175,10 @@ class TokenReducer(ABC):
     def params(self) -> Dict[str, Any]:
         """The constructor arguments, for set_params and display."""
         return {name: getattr(self, name) for name in self.param_names()}
+
+    def params_for_update(self, new: Dict[str, Any]) -> Dict[str, Any]:
+        """What set_params(**new) starts from: the current parameters."""
+        return self.params
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None)
@@ -246,6 +253,8 @@ class LearnedParams:
     def validate(self) -> None:
         """The learned parameters given are of learned_class (ValueError naming it otherwise)."""
         value = getattr(self, self.learned_param)
+        # given by the user (else bind makes them; a made module stays marked so across set_params)
+        self._learned_given = value is not None and not getattr(value, "_tokcomp_made", False)
         if value is not None and type(value) is not self.learned_class:
             raise ValueError(f"{self.learned_param} must be {self.learned_class.__name__} (e.g. from "
                              f"timm_tokcomp.learned.load_learned), got {type(value).__name__}")
@@ -254,11 +263,26 @@ class LearnedParams:
     def learned_module(self) -> Optional[nn.Module]:
         return getattr(self, self.learned_param)
 
+    def mark_made(self) -> None:
+        """Called after bind: learned parameters bind made (not given) are marked so (see params_for_update)."""
+        module = self.learned_module()
+        if module is not None and not self._learned_given:
+            module._tokcomp_made = True
+
     @classmethod
     def learns(cls, params: Dict[str, Any]) -> bool:
         """Whether the method built from params has learned parameters (that train, and that a fine-tuning folder
         holds): no for a setting that fixes them (FPET without its adapter, a DiffRate schedule, LTMP thresholds)."""
         return True
+
+    def params_for_update(self, new: Dict[str, Any]) -> Dict[str, Any]:
+        """The current parameters; learned parameters that bind made (not given) are left out where the new setting
+        fixes them (FPET without its adapter, LTMP thresholds, a DiffRate schedule), so they are made again from it
+        rather than blamed as given. Made ones the setting still learns (perhaps trained since) are kept."""
+        params = self.params
+        if not self._learned_given and not self.learns({**params, **new, self.learned_param: None}):
+            params[self.learned_param] = None
+        return params
 
     @classmethod
     def trains_in_place(cls, params: Dict[str, Any]) -> bool:

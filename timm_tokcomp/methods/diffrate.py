@@ -64,7 +64,7 @@ class DiffRateParams(nn.Module):
         self.merge = nn.Parameter(torch.zeros(depth - 1, len(candidates)))
         self._record: List[Tuple[BlockSetting, torch.Tensor, torch.Tensor]] = []  # this search forward's (P, M)
         self._counts: Optional[List[Tuple[int, int]]] = None  # counts(), read in eval mode
-        self.register_load_state_dict_post_hook(lambda module, keys: module._read_counts())
+        self.register_load_state_dict_post_hook(_reread_counts)  # a module-level function: the model pickles
         self._read_counts()
 
     def config(self) -> Dict[str, Any]:
@@ -109,6 +109,10 @@ class DiffRateParams(nn.Module):
         """The searched schedule as DiffRate's `schedule` parameter takes it (block 0 keeps every patch)."""
         counts = [(self.num_patches, self.num_patches)] + self.counts()
         return {"prune": [p for p, _ in counts], "merge": [m for _, m in counts]}
+
+
+def _reread_counts(module: DiffRateParams, incompatible_keys) -> None:
+    module._read_counts()
 
 
 def check_fits(params: DiffRateParams, settings: Sequence[Optional[BlockSetting]]) -> None:

@@ -2,7 +2,7 @@
 12), between attention and MLP, merges half of the patch tokens at once, for a model fine-tuned with a
 parameter-efficient method (here `tokcomp finetune`'s LoRA).
 
-  1. split: a 2 x 2 checkerboard on the patch grid; A = the cells with an even row + column (top-left and bottom-right
+  1. split: a 2 x 2 checkerboard on the model's patch grid; A = the cells with an even row + column (top-left and bottom-right
      of every 2 x 2 block), B = the others; prefix tokens are never merged;
   2. metric: the keys averaged over heads (detached), refined by a small adapter, k + A(k): head_dim -> head_dim / 2
      -> head_dim, ReLU, dropout 0.1, with 1-bit weights (each weight matrix standardised, binarised by its sign and
@@ -12,9 +12,7 @@ parameter-efficient method (here `tokcomp finetune`'s LoRA).
      row's two best scores) (straight-through), which is how the adapter learns.
 
 Proportional attention is on by default. `refine=False` (tag `fpet_norefine`) leaves the adapter out: one-shot
-checkerboard ToMe, training-free. The patch tokens must lie on a square grid in raster order (a model whose patch
-tokens are not a square number is refused)."""
-import math
+checkerboard ToMe, training-free. The patch tokens must lie on the model's patch grid in raster order (rows x cols, any aspect)."""
 from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -75,9 +73,10 @@ class FPETParams(nn.Module):
 
 
 class GridSetting(NamedTuple):
-    """The reducing block's grid side (patch tokens = side^2)."""
+    """The reducing block's patch grid (patch tokens = rows * cols, in raster order)."""
 
-    side: int
+    rows: int
+    cols: int
 
 
 @dataclass
@@ -88,11 +87,11 @@ class SoftMatchPlan(MergePlan):
     soft: Optional[torch.Tensor] = None
 
 
-def checkerboard(side: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(A, B) positions of a side x side raster grid: A where row + column is even."""
-    cells = torch.arange(side * side, device=device)
-    order = ((cells // side + cells % side) % 2).argsort(stable=True)  # fixed shapes: no host read, compiles whole
-    return order[:(side * side + 1) // 2], order[(side * side + 1) // 2:]
+def checkerboard(rows: int, cols: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) positions of a rows x cols raster grid: A where row + column is even."""
+    cells = torch.arange(rows * cols, device=device)
+    order = ((cells // cols + cells % cols) % 2).argsort(stable=True)  # fixed shapes: no host read, compiles whole
+    return order[:(rows * cols + 1) // 2], order[(rows * cols + 1) // 2:]
 
 
 class FPET(LearnedParams, TokenReducer):
@@ -103,6 +102,7 @@ class FPET(LearnedParams, TokenReducer):
     export_refusal = None
     learned_class = FPETParams
     learned_param = "adapter_params"
+    reads_grid = True
     PARAMS = (Param("layer", None, optional(check_layer), "FPET: the block that merges half the patches (None: the "
                                                            "middle block, num_blocks // 2)"),
               Param("refine", True, flag("refine"), "FPET: learn the 1-bit adapter that refines the matching metric"),
@@ -137,13 +137,14 @@ class FPET(LearnedParams, TokenReducer):
         if self.layer is not None and self.layer >= num_blocks:
             raise ValueError(f"layer must be a block of this model, 0..{num_blocks - 1}, got {self.layer}")
 
-    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost
-                       ) -> List[Optional[GridSetting]]:
-        side = math.isqrt(num_tokens - num_prefix)
-        if side * side != num_tokens - num_prefix or side < 2:
-            raise ValueError(f"fpet splits a square patch grid; this input has {num_tokens - num_prefix} patch tokens")
+    def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost,
+                       grid: Optional[Tuple[int, int]] = None) -> List[Optional[GridSetting]]:
+        """grid: the model's (rows, cols) of patch tokens (reducing.patch_grid); FPET needs one to split."""
+        if grid is None or grid[0] * grid[1] != num_tokens - num_prefix:
+            raise ValueError(f"fpet splits the patch grid of the model; this input has {num_tokens - num_prefix} "
+                             f"patch tokens and the grid {grid} (a model without a patch grid is not served)")
         layer = num_blocks // 2 if self.layer is None else self.layer
-        return [GridSetting(side) if block == layer else None for block in range(num_blocks)]
+        return [GridSetting(*grid) if block == layer else None for block in range(num_blocks)]
 
     def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:
         if not self.refine:
@@ -160,11 +161,12 @@ class FPET(LearnedParams, TokenReducer):
     def plan(self, metric: torch.Tensor, setting: GridSetting, num_prefix: int,
              size: Optional[torch.Tensor]) -> Optional[MergePlan]:
         p = num_prefix
-        if metric.shape[1] - p != setting.side ** 2:
+        if metric.shape[1] - p != setting.rows * setting.cols:
             return None  # the tokens no longer form the grid (reduced before this block): nothing to split
         if self.refine:
-            metric = self.adapter_params(metric.float())
-        a_pos, b_pos = checkerboard(setting.side, metric.device)
+            weight = self.adapter_params.down.weight  # the adapter in its own precision (a bf16 / fp16 model's too)
+            metric = self.adapter_params(metric.to(weight.dtype)).float()
+        a_pos, b_pos = checkerboard(setting.rows, setting.cols, metric.device)
         unit = F.normalize(metric[:, p:].float(), dim=-1)
         scores = unit[:, a_pos] @ unit[:, b_pos].transpose(1, 2)  # (B, Na, Nb)
         best, dst = scores.detach().max(dim=-1)
