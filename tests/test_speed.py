@@ -84,9 +84,10 @@ def test_speed_table_and_csv(tmp_path, capsys):
 
 
 def test_speed_csv_keeps_the_batches_measured_before_a_run_stops(tmp_path, monkeypatch, capsys):
-    """--out is rewritten after each (mode, batch): a run stopped in its second batch (a timeout, Ctrl-C) leaves the
-    first batch's rows, a whole CSV."""
+    """A run stopped in its second batch (a timeout, Ctrl-C) with --out F --overwrite leaves the user's F as it was
+    and the first batch's rows, a whole CSV, in F.partial; a run that ends replaces F and removes F.partial."""
     out = tmp_path / "speed.csv"
+    out.write_text("the user's earlier file\n")
     real, calls = speed.time_runs, []
 
     def stopping(*args, **kwargs):
@@ -96,10 +97,16 @@ def test_speed_csv_keeps_the_batches_measured_before_a_run_stops(tmp_path, monke
         return real(*args, **kwargs)
 
     monkeypatch.setattr(speed, "time_runs", stopping)
+    args = ["speed", "deit_tiny_patch16_224", "--methods", "tome_r8", "--batches", "1,2", "--out", str(out),
+            "--overwrite"] + FAST
     with pytest.raises(KeyboardInterrupt):
-        main(["speed", "deit_tiny_patch16_224", "--methods", "tome_r8", "--batches", "1,2", "--out", str(out)] + FAST)
-    rows = list(csv.DictReader(open(out)))
+        main(args)
+    assert out.read_text() == "the user's earlier file\n"
+    rows = list(csv.DictReader(open(tmp_path / "speed.csv.partial")))
     assert [(r["batch"], r["method"]) for r in rows] == [("1", "none"), ("1", "tome_r8"), ("1", "tome_r8 limit")]
+    monkeypatch.setattr(speed, "time_runs", real)
+    assert main(args) == 0
+    assert len(list(csv.DictReader(open(out)))) == 6 and not (tmp_path / "speed.csv.partial").exists()
 
 
 def test_speed_compiled_mode_skips_data_dependent_methods_and_never_falls_back_silently(monkeypatch, capsys):

@@ -101,6 +101,13 @@ def new_output(path: PathLike, overwrite: bool = False, flag: str = "path") -> I
         yield tmp
 
 
+def partial_path(path: PathLike) -> Path:
+    """Where a command that measures in steps keeps its rows so far (F.partial beside F): F itself is replaced only
+    when the run ends, so an interrupted run leaves F as it was and its finished steps in F.partial."""
+    path = Path(path)
+    return path.with_name(path.name + ".partial")
+
+
 REPLACED = ".replaced-"  # + the writer's process id and a unique part: an earlier run set aside while a new run works
 
 

@@ -32,8 +32,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     weights_flags(sp)
     sp.add_argument("--data", help="folder of images whose first batch is timed (random inputs without it; "
                                    "adaptive methods such as ATM need real images)")
-    sp.add_argument("--out", help="write the rows as CSV, rewritten after each (mode, batch): a run stopped later "
-                                  "keeps what it measured")
+    sp.add_argument("--out", help="write the rows as CSV when the run ends; until then the rows so far are in "
+                                  "OUT.partial, rewritten after each (mode, batch), so a run stopped later keeps "
+                                  "what it measured and OUT is left as it was")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     progress_flag(sp)
     sp.set_defaults(func=run, outputs=(FILE_OUT,))
@@ -41,22 +42,26 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..precision import describe_settings, device_description
+    from ..outputs import partial_path, refuse_existing
     from ..speed import format_speed, run_speed, write_speed_csv
 
     batches = numbers("--batches", args.batches, int)
     methods = args.methods or SPEED_METHODS + (SPEED_METHODS_CUDA if args.device.startswith("cuda") else "")
     device_name = device_description(args.device)
     settings = {"device": device_name, "dtype": args.dtype, "tf32": args.tf32}
-    written = []
+    if args.out:
+        refuse_existing(args.out, args.overwrite, "--out")  # before any work
 
-    def save(rows) -> None:  # after each (mode, batch): a run stopped later keeps what it measured
-        write_speed_csv(rows, args.out, args.model, settings, overwrite=args.overwrite or bool(written))
-        written.append(len(rows))
+    def save(rows) -> None:  # after each (mode, batch): a run stopped later keeps what it measured, beside --out
+        write_speed_csv(rows, str(partial_path(args.out)), args.model, settings, overwrite=True)
 
     rows = run_speed(args.model, methods=methods.split(","), batches=batches, modes=args.modes.split(","),
                      device=args.device, dtype=args.dtype, tf32=args.tf32, rounds=args.rounds,
                      checkpoint=args.checkpoint, pretrained=args.pretrained, data=args.data,
                      show_progress=not args.no_progress, on_rows=save if args.out else None)
+    if args.out:  # the run ended: --out is replaced now, and the partial rows go
+        write_speed_csv(rows, args.out, args.model, settings, overwrite=True)
+        partial_path(args.out).unlink(missing_ok=True)
     print(f"{args.model} on {device_name}: {describe_settings(args.device, args.dtype, args.tf32)}, "
           f"{args.rounds} interleaved rounds")
     print(format_speed(rows))
