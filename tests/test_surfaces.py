@@ -209,3 +209,20 @@ def test_set_params_does_not_blame_learned_parameters_the_user_never_gave(method
     timm_tokcomp.set_params(model, **new)
     for key, value in new.items():
         assert getattr(timm_tokcomp.get_reducer(model), key) == value
+
+
+@pytest.mark.parametrize("method, params", [("ltmp", {}), ("dtem", dict(r=4)), ("fpet", {}), ("diffrate", {})])
+def test_a_saved_learned_tensor_with_nan_is_refused_naming_the_file_and_the_tensor(method, params, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from timm_tokcomp.learned import load_learned, save_learned, weights_file
+
+    model = timm_tokcomp.apply(make_model("cls"), method, **params)
+    save_learned(model.tokcomp[method], method, tmp_path)
+    path = tmp_path / weights_file(method)
+    tensors = load_file(str(path))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone().fill_(float("nan"))
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match=f"{path}.* holds NaN or inf in tensor '{name}'"):
+        load_learned(method, tmp_path)

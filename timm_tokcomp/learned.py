@@ -50,12 +50,14 @@ def load_learned(method: str, folder: Union[str, Path]) -> nn.Module:
         module = cls.from_config(config)
     except ValueError as e:
         raise ValueError(f"{config_path}: {e}") from None
-    tensors = read_safetensors(weights_path)
+    tensors = read_safetensors(weights_path)  # finite, or refused naming the tensor
     expected = module.state_dict()
     wrong = sorted(k for k in set(expected) | set(tensors)
                    if k not in tensors or k not in expected or tensors[k].shape != expected[k].shape)
     if wrong:
+        shapes = ", ".join(f"{k} {tuple(tensors[k].shape) if k in tensors else 'missing'} (expected "
+                           f"{tuple(expected[k].shape) if k in expected else 'none'})" for k in wrong[:5])
         raise ValueError(f"{weights_path} does not match {config_path} (missing, extra or mis-shaped: "
-                         f"{', '.join(wrong[:5])}{', ...' if len(wrong) > 5 else ''})")
+                         f"{shapes}{', ...' if len(wrong) > 5 else ''})")
     module.load_state_dict(tensors)
     return module

@@ -50,16 +50,22 @@ def read_versioned_json(folder: PathLike, name: str, version: int, what: str, fl
     return data
 
 
-def read_safetensors(path: PathLike, flag: Optional[str] = None) -> Dict[str, torch.Tensor]:
-    """Every tensor of a .safetensors file; truncated or corrupt files are refused."""
+def read_safetensors(path: PathLike, flag: Optional[str] = None, finite: bool = True) -> Dict[str, torch.Tensor]:
+    """Every tensor of a .safetensors file; truncated or corrupt files are refused, and so (finite=True: learned
+    parameters, adapters) is a floating-point tensor holding NaN or inf, named with its file."""
     from safetensors.torch import load_file
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"{flag + ' ' if flag else ''}{path} is missing")
     try:
-        return load_file(str(path))
+        tensors = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
         raise fail(flag, path, f"cannot be read as safetensors ({e})") from None
+    if finite:
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise fail(flag, path, f"holds NaN or inf in tensor {name!r}")
+    return tensors
 
 
 def check_safetensors(path: PathLike, flag: Optional[str] = None) -> None:
@@ -91,7 +97,7 @@ def read_state_dict(path: PathLike, flag: Optional[str] = None) -> Dict[str, tor
     """A model's weights from a .safetensors or torch file (a bare state dict, or one under 'state_dict' / 'model' /
     'state_dict_ema', a 'module.' prefix removed, as timm's checkpoints hold them)."""
     if str(path).endswith(".safetensors"):
-        return read_safetensors(path, flag)
+        return read_safetensors(path, flag, finite=False)  # a model's own buffers may hold inf (attention masks)
     state = read_torch(path, flag)
     if isinstance(state, dict):
         for key in ("state_dict", "model", "state_dict_ema"):
