@@ -127,8 +127,9 @@ def test_finetune_refuses_in_place_training_on_a_rope_model_before_its_folder(im
 
 
 def test_fpet_and_radial_patterns_read_the_models_patch_grid_not_the_square_root_of_the_count():
-    """A 4 x 16 grid (64 patch tokens, whose square root would say 8 x 8): every FPET merge joins two cells of
-    different colours of the real checkerboard (each token holds one B cell), and the l-infinity pattern keeps the middle columns."""
+    """A 4 x 16 grid (64 patch tokens, whose square root would say 8 x 8): every FPET merge joins cells of different
+    colours of the real checkerboard (each token holds one B cell), and the l-infinity pattern keeps the middle
+    columns."""
     from timm.models.vision_transformer import VisionTransformer
 
     def wide():
@@ -226,3 +227,54 @@ def test_a_saved_learned_tensor_with_nan_is_refused_naming_the_file_and_the_tens
     save_file(tensors, str(path))
     with pytest.raises(ValueError, match=f"{path}.* holds NaN or inf in tensor '{name}'"):
         load_learned(method, tmp_path)
+
+
+def _preset(tmp_path, doc, name="preset.json"):
+    import json
+
+    path = tmp_path / name
+    path.write_text(json.dumps({"format": 1, "method": "tome", "params": {"r": 2}, **doc}))
+    return str(path)
+
+
+@pytest.mark.parametrize("doc, match", [
+    (dict(method=["tome"]), r"key 'method' must be a method name \(a string\), got \[\"tome\"\]"),
+    (dict(method={"a": 1}), r"key 'method' must be a method name"),
+    (dict(params=["r"]), r"key 'params' must be an object"),
+    (dict(execution="compile"), r"key 'execution' must be an object with the keys mode"),
+    (dict(execution={"mode": ["eager"]}), r"key 'execution.mode' must be an execution mode"),
+    (dict(execution={"modes": "compile"}), r"key 'execution.modes' is not one of execution.mode"),
+    (dict(tuned={"versions": "0.2.0"}), r"key 'tuned.versions' must be an object of version strings"),
+    (dict(tuned={"dtype": ["bf16"]}), r"key 'tuned.dtype' must be a dtype name"),
+    (dict(tuned={"batch_size": True}), r"key 'tuned.batch_size' must be an integer"),
+    (dict(method="none", params={"r": 2}), r"key 'params' must be empty for method 'none'"),
+])
+def test_the_preset_schema_is_checked_once_at_the_door_naming_the_file_and_the_key(doc, match, tmp_path):
+    from timm_tokcomp.bench import build_method_models
+    from timm_tokcomp.kit.presets import read_preset
+
+    path = _preset(tmp_path, doc)
+    with pytest.raises(ValueError, match=f"preset file {path}.*{match}"):
+        read_preset(path)
+    with pytest.raises(ValueError, match=match):  # through bench --methods too
+        build_method_models(make_model("cls"), ["none", path])
+    with pytest.raises(ValueError, match=match):
+        timm_tokcomp.deploy(make_model("cls"), path)
+
+
+def test_deploy_leaves_the_model_as_it_was_when_the_preset_does_not_apply(tmp_path):
+    model = make_model("cls").train()
+    classes = [type(m) for m in model.modules()]
+    path = _preset(tmp_path, dict(params={"r": 2, "alpha": 0.5}))
+    with pytest.raises(TypeError, match="unknown parameter"):
+        timm_tokcomp.deploy(model, path)
+    assert model.training and [type(m) for m in model.modules()] == classes
+    assert not timm_tokcomp.is_reduced(model)
+
+
+def test_bench_names_the_methods_item_whose_preset_fails_to_apply(tmp_path):
+    from timm_tokcomp.bench import build_method_models
+
+    path = _preset(tmp_path, dict(params={"r": -3}))
+    with pytest.raises(ValueError, match=f"--methods {path}: "):
+        build_method_models(make_model("cls"), ["none", "tome_r2", path])

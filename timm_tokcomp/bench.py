@@ -101,7 +101,10 @@ def build_method_models(base: nn.Module, methods: Sequence[str]) -> Dict[str, nn
             models[name] = base
         else:
             method, params = method_spec(name)
-            models[name] = apply(copy.deepcopy(base), method, **params)
+            try:
+                models[name] = apply(copy.deepcopy(base), method, **params)
+            except (ValueError, TypeError) as e:  # which --methods item failed: a preset's params look like a tag's
+                raise type(e)(f"--methods {name}: {e}") from None
     return models
 
 

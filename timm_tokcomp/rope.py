@@ -35,19 +35,6 @@ def check_rope(rope: Optional[nn.Module]) -> None:
                         f"{', '.join(c.__name__ for c in SERVED_ROPES)} (rope_type 'cat', 'dinov3', 'mixed')")
 
 
-def refuse_in_place_training(model: nn.Module, method: str, params: dict) -> None:
-    """ValueError where `method` with `params` would train with in-place soft steps on a model with rotary
-    positions (see TokenPositions.reduced), naming the method and what runs instead."""
-    from .methods import method_class
-
-    cls = method_class(method)
-    trains_in_place = getattr(cls, "trains_in_place", None)
-    if getattr(model, "rope", None) is not None and trains_in_place is not None and trains_in_place(params):
-        raise ValueError(f"{method} trains with every token in place and soft sizes, which defines no rotary "
-                         f"position for a merged token; {type(model).__name__} has rotary embeddings. Train {method} "
-                         "on a model without them (its eval model runs on this one)")
-
-
 def grid_coords(rope: nn.Module, feat_shape: Tuple[int, int], device: torch.device) -> torch.Tensor:
     """(H * W, 2) float32 coordinates of the patch grid in the rope module's own units (row-major, as its table)."""
     if isinstance(rope, RotaryEmbeddingMixed):

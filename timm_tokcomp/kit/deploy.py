@@ -63,7 +63,7 @@ def deploy(model: nn.Module, preset: str, device: Optional[str] = None) -> Deplo
     warn_if_conditions_differ(preset, loaded, target, loaded.dtype, None)
     modes.check_mode(loaded.mode, target, loaded.dtype, flag=f"preset {preset}: execution mode",
                      allowed=modes.TORCH_MODES)
-    model = model.to(target).eval()
-    if loaded.method != NO_REDUCTION:
+    if loaded.method != NO_REDUCTION:  # first: a refusal leaves the model as it was (device, mode, classes)
         apply(model, loaded.method, **loaded.params)
+    model = model.to(target).eval()
     return Deployment(model, loaded, target, bool(loaded.tuned.get("tf32", False)))

@@ -70,15 +70,9 @@ def read_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = 
     if device is not None:
         check_device(device)
     doc = read_json(path, "preset file")
-    if doc.get("format") != PRESET_FORMAT or not isinstance(doc.get("params"), dict) or "method" not in doc:
-        raise fail("preset file", path, f"is not a tokcomp preset (format {PRESET_FORMAT} with 'method' and 'params')")
-    if doc["method"] != NO_REDUCTION and doc["method"] not in METHODS:
-        raise fail("preset file", path, f"names method {doc['method']!r}, which is not one of {NO_REDUCTION}, "
-                                        f"{', '.join(METHODS)}")
-    execution = doc.get("execution") or {}
-    tuned = doc.get("tuned") if isinstance(doc.get("tuned"), dict) else {}
-    preset = Preset(doc["method"], doc["params"], execution.get("mode", "eager") if isinstance(execution, dict)
-                    else "eager", tuned)
+    check_schema(doc, path)
+    tuned = doc.get("tuned") or {}
+    preset = Preset(doc["method"], doc["params"], (doc.get("execution") or {}).get("mode", "eager"), tuned)
     if preset.mode not in TORCH_MODES:
         raise fail("preset file", path, f"records execution mode {preset.mode!r}, not one of {', '.join(TORCH_MODES)}")
     if preset.dtype not in DTYPES:
@@ -86,6 +80,60 @@ def read_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = 
     if warn:
         warn_if_conditions_differ(path, preset, device, dtype, batch_size)
     return preset
+
+
+# section -> {key: (the types it may hold, what it means)}; a key not listed is refused, so is a value of another type
+SECTIONS: Dict[str, Dict[str, Tuple[Tuple[type, ...], str]]] = {
+    "execution": {"mode": ((str,), "an execution mode")},
+    "tuned": {"model": ((str,), "a model name"), "device": ((str,), "a device description"),
+              "torch_device": ((str,), "a torch device"),
+              "dtype": ((str,), "a dtype name"), "tf32": ((bool,), "true or false"),
+              "batch_size": ((int,), "an integer"), "versions": ((dict,), "an object of version strings")},
+}
+
+
+def check_schema(doc: Dict[str, Any], path: str) -> None:
+    """The preset's layout, checked once at the door: UserFileError naming the file and the key that is wrong."""
+    def wrong(key: str, want: str) -> Exception:
+        return fail("preset file", path, f"key {key!r} must be {want}, got {json.dumps(doc_value(key))}")
+
+    def doc_value(key: str) -> Any:
+        value: Any = doc
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        return value
+
+    if doc.get("format") != PRESET_FORMAT or "method" not in doc or "params" not in doc:
+        raise fail("preset file", path, f"is not a tokcomp preset (format {PRESET_FORMAT} with 'method' and 'params')")
+    if not isinstance(doc["method"], str):
+        raise wrong("method", "a method name (a string)")
+    if doc["method"] != NO_REDUCTION and doc["method"] not in METHODS:
+        raise fail("preset file", path, f"names method {doc['method']!r}, which is not one of {NO_REDUCTION}, "
+                                        f"{', '.join(METHODS)}")
+    if not isinstance(doc["params"], dict):
+        raise wrong("params", "an object of parameter names and values")
+    if doc["method"] == NO_REDUCTION and doc["params"]:
+        raise wrong("params", f"empty for method {NO_REDUCTION!r} (the plain model takes no parameters)")
+    for section, keys in SECTIONS.items():
+        value = doc.get(section)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise wrong(section, f"an object with the keys {', '.join(keys)}")
+        for key, item in value.items():
+            if key not in keys:
+                if section == "tuned":  # the figures a tune preset records beside its conditions
+                    continue
+                raise fail("preset file", path, f"key '{section}.{key}' is not one of "
+                                                 f"{', '.join(f'{section}.{k}' for k in keys)}")
+            types, want = keys[key]
+            if not isinstance(item, types) or (bool not in types and isinstance(item, bool)):
+                raise wrong(f"{section}.{key}", want)
+    versions_ = doc_value("tuned.versions") or {}
+    if not all(isinstance(v, str) for v in versions_.values()):
+        raise wrong("tuned.versions", "an object of version strings")
+    if doc.get("calibration") is not None and not isinstance(doc["calibration"], dict):
+        raise wrong("calibration", "an object")
 
 
 def load_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = None,

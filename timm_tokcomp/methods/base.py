@@ -286,8 +286,9 @@ class LearnedParams:
 
     @classmethod
     def trains_in_place(cls, params: Dict[str, Any]) -> bool:
-        """Whether the method built from params, in training mode, keeps every token in place with soft sizes (which
-        defines no rotary position for a merged token: not trained on rope models, rope.refuse_in_place_training)."""
+        """Whether the method built from params, in training mode, keeps every token in place with soft sizes, which
+        defines no rotary position for a merged token: not trained on rope models (see
+        training.finetune.refuse_in_place_training)."""
         return False
 
     def __repr__(self) -> str:

@@ -2,8 +2,8 @@
 12), between attention and MLP, merges half of the patch tokens at once, for a model fine-tuned with a
 parameter-efficient method (here `tokcomp finetune`'s LoRA).
 
-  1. split: a 2 x 2 checkerboard on the model's patch grid; A = the cells with an even row + column (top-left and bottom-right
-     of every 2 x 2 block), B = the others; prefix tokens are never merged;
+  1. split: a 2 x 2 checkerboard on the model's patch grid; A = the cells with an even row + column (top-left and
+     bottom-right of every 2 x 2 block), B = the others; prefix tokens are never merged;
   2. metric: the keys averaged over heads (detached), refined by a small adapter, k + A(k): head_dim -> head_dim / 2
      -> head_dim, ReLU, dropout 0.1, with 1-bit weights (each weight matrix standardised, binarised by its sign and
      rescaled by its std and mean; straight-through gradient); the up-projection starts near zero;
@@ -12,7 +12,8 @@ parameter-efficient method (here `tokcomp finetune`'s LoRA).
      row's two best scores) (straight-through), which is how the adapter learns.
 
 Proportional attention is on by default. `refine=False` (tag `fpet_norefine`) leaves the adapter out: one-shot
-checkerboard ToMe, training-free. The patch tokens must lie on the model's patch grid in raster order (rows x cols, any aspect)."""
+checkerboard ToMe, training-free. The patch tokens must lie on the model's patch grid (rows x cols, any aspect ratio)
+in raster order."""
 from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 

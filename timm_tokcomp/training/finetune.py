@@ -29,6 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..core import apply, get_reducer
+from ..methods import method_class
 from ..extras import require
 from ..identity import data_digest, weights_digest
 from ..kit.agreement import compare
@@ -36,7 +37,6 @@ from ..data import check_num_classes, open_dataset, open_images
 from ..models import build_base_model
 from ..outputs import replacing
 from ..patch import adapter_skip
-from ..rope import refuse_in_place_training
 from .engine import SeededAugment, Schedule, TrainingTask, distill_loss, rank_and_world, rank_share, train
 from .folder import RUN_ENTRIES, finish_folder, load_finetuned, save_folder
 from .recipe import FinetuneConfig, FinetuneResult
@@ -182,6 +182,17 @@ class FinetuneTask(TrainingTask):
         finish_folder(str(out), saved, self.base_model, self.eval_data, self.train_data, len(self.train_set),
                       self.config, result)
         return result
+
+
+def refuse_in_place_training(model: nn.Module, method: str, params: dict) -> None:
+    """ValueError where `method` with `params` would train with in-place soft steps on a model with rotary
+    positions (see rope.TokenPositions.reduced), naming the method and what runs instead."""
+    cls = method_class(method)
+    trains_in_place = getattr(cls, "trains_in_place", None)
+    if getattr(model, "rope", None) is not None and trains_in_place is not None and trains_in_place(params):
+        raise ValueError(f"{method} trains with every token in place and soft sizes, which defines no rotary "
+                         f"position for a merged token; {type(model).__name__} has rotary embeddings. Train {method} "
+                         "on a model without them (its eval model runs on this one)")
 
 
 def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str] = None,
