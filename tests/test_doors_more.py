@@ -172,7 +172,7 @@ def test_a_preset_for_cuda_on_a_machine_without_it_names_the_device(tmp_path):
 
     preset = tmp_path / "p.json"
     preset.write_text(json.dumps({"format": 1, "method": "tome", "params": {"r": 4}, "tuned": {"device": "H100"}}))
-    with pytest.raises(ValueError, match="--device cuda: CUDA is not available"):
+    with pytest.raises(ValueError, match="device='cuda': CUDA is not available"):
         load_preset(str(preset), device="cuda")
 
 

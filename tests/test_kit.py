@@ -85,8 +85,11 @@ def test_deploy_refuses_what_it_cannot_run(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing"):
         timm_tokcomp.deploy(copy.deepcopy(plain), str(tmp_path / "nowhere.json"))
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="CUDA is not available"):
-            timm_tokcomp.deploy(copy.deepcopy(plain), _preset(tmp_path / "c.json", device="cuda"))
+        path = _preset(tmp_path / "c.json", device="cuda")
+        with pytest.raises(ValueError, match=f"preset {path}: its recorded device cuda: CUDA is not available"):
+            timm_tokcomp.deploy(copy.deepcopy(plain), path)
+        with pytest.raises(ValueError, match="device='cuda:0': CUDA is not available"):
+            timm_tokcomp.deploy(copy.deepcopy(plain), _preset(tmp_path / "p.json"), device="cuda:0")
     assert not timm_tokcomp.is_reduced(plain)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import timm_tokcomp
-from conftest import SMALL, make_model, thresholds
+from conftest import DATA, SMALL, make_model, thresholds
 from test_families import family_model
 from timm_tokcomp.rope import TokenPositions
 
@@ -278,3 +278,18 @@ def test_bench_names_the_methods_item_whose_preset_fails_to_apply(tmp_path):
     path = _preset(tmp_path, dict(params={"r": -3}))
     with pytest.raises(ValueError, match=f"--methods {path}: "):
         build_method_models(make_model("cls"), ["none", "tome_r2", path])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
+@pytest.mark.parametrize("command", [["speed", "deit_tiny_patch16_224", "--batches", "1"],
+                                     ["bench", "deit_tiny_patch16_224"],
+                                     ["tune", "deit_tiny_patch16_224", "--data", str(DATA), "--out", "unused"]])
+def test_every_command_checks_its_device_at_the_door_with_one_line(command, capsys, tmp_path, monkeypatch):
+    from timm_tokcomp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([*command, "--device", "cuda", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["tokcomp: error: --device cuda: CUDA is not available on this machine (no CUDA device or driver, "
+                   "or a torch built without CUDA)"]
+    assert not (tmp_path / "unused").exists()

@@ -48,17 +48,22 @@ def describe_settings(device: str, dtype: str, tf32: bool) -> str:
     return f"device {device}, {precision_text}{tf32_text}"
 
 
-def check_device(device: str) -> None:
-    """Raise ValueError for a device string torch cannot parse or a device this machine does not have."""
+def check_device(device: str, source: str = "--device") -> None:
+    """Raise ValueError for a device string torch cannot parse or a device this machine does not have (a CUDA build
+    of torch without a driver included), naming where the device came from (source: '--device', 'device=', 'preset
+    <file>')."""
+    named = f"{source}{device!r}" if source.endswith("=") else f"{source} {device}"
     try:
         kind = torch.device(device).type
-    except RuntimeError:
-        raise ValueError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{source}{'' if source.endswith('=') else ' '}{device!r} is not a torch device (cpu, cuda, "
+                         f"cuda:1, ...)") from None
     if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+        raise ValueError(f"{named}: CUDA is not available on this machine (no CUDA device or driver, or a "
+                         f"torch built without CUDA)")
     index = torch.device(device).index
     if kind == "cuda" and index is not None and index >= torch.cuda.device_count():
-        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise ValueError(f"{named}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def device_description(device: str) -> str:

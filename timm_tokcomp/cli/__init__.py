@@ -43,12 +43,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..training.engine import TrainingDiverged
 
     from ..outputs import check_output
+    from ..precision import check_device
 
     args = build_parser().parse_args(argv)
     args.notes = []  # what qualifies the result, printed after it: an error stays the only line
     try:
         if getattr(args, "inference_precision", False):
             args.dtype = resolve_precision(args)
+        if isinstance(getattr(args, "device", None), str):  # one device check for every command, before any work
+            check_device(args.device)
         for dest, flag, folder in args.outputs:  # every output path, before any work
             if getattr(args, dest) is not None:
                 check_output(getattr(args, dest), flag, getattr(args, "overwrite", False), folder=folder)

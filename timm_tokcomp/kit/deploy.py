@@ -59,7 +59,7 @@ def deploy(model: nn.Module, preset: str, device: Optional[str] = None) -> Deplo
                          "(timm_tokcomp.remove(model) first, or build it again)")
     loaded = read_preset(preset, warn=False)
     target = device or loaded.device or "cpu"
-    check_device(target)
+    check_device(target, "device=" if device else f"preset {preset}: its recorded device")
     warn_if_conditions_differ(preset, loaded, target, loaded.dtype, None)
     modes.check_mode(loaded.mode, target, loaded.dtype, flag=f"preset {preset}: execution mode",
                      allowed=modes.TORCH_MODES)

@@ -68,7 +68,7 @@ def read_preset(path: str, device: Optional[str] = None, dtype: Optional[str] = 
     """The preset at path, checked at the door; with warn, a tune preset warns when read under other versions, or,
     where given, another device, dtype or batch size than it was measured with (warn_if_conditions_differ)."""
     if device is not None:
-        check_device(device)
+        check_device(device, "device=")
     doc = read_json(path, "preset file")
     check_schema(doc, path)
     tuned = doc.get("tuned") or {}
