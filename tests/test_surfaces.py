@@ -293,3 +293,19 @@ def test_every_command_checks_its_device_at_the_door_with_one_line(command, caps
     assert err == ["tokcomp: error: --device cuda: CUDA is not available on this machine (no CUDA device or driver, "
                    "or a torch built without CUDA)"]
     assert not (tmp_path / "unused").exists()
+
+
+def test_tune_resume_of_a_run_on_random_weights_says_why_and_what_to_give(tmp_path):
+    import json
+
+    from timm_tokcomp.tuning.store import resume_rows
+
+    saved = {"model": "deit_tiny_patch16_224", "weights_sha256": "a", "data_sha256": "d", "random_weights": True}
+    (tmp_path / "tune_config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"random weights \(no --checkpoint or --pretrained\), which are drawn anew "
+                                         r"on every run.*--checkpoint FILE or --pretrained"):
+        resume_rows(str(tmp_path), {**saved, "weights_sha256": "b"})
+    saved["random_weights"] = False
+    (tmp_path / "tune_config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"other weights \(--checkpoint / --pretrained"):
+        resume_rows(str(tmp_path), {**saved, "weights_sha256": "b"})

@@ -141,7 +141,8 @@ def tune(
                 "limit": limit, "prune_images": prune_images, "max_rounds": max_rounds, "data": str(data),
                 "space": [[m, p] for m, p in space],
                 # what the rows were measured on, by content (a resume needs the same; the path is only shown)
-                "weights_sha256": weights_digest(base), "data_sha256": data_digest(data)}
+                "weights_sha256": weights_digest(base), "data_sha256": data_digest(data),
+                "random_weights": isinstance(model, str) and not checkpoint and not pretrained}
     # an earlier run in out is set aside (--overwrite) and comes back if this one fails before writing
     with run_folder(out, resume, overwrite, OUT_FILES) if out else contextlib.nullcontext():
         previous = resume_rows(out, settings) if out and resume else {}  # before any image is read

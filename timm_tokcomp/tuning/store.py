@@ -10,7 +10,8 @@ from ..userfiles import fail, read_json
 from .rows import TuneRow
 
 
-SHOWN_ONLY = ("data",)  # recorded for the reader; a resume compares data_sha256, not how the path was spelled
+SHOWN_ONLY = ("data", "random_weights")  # recorded for the reader; a resume compares data_sha256 (not how the path
+# was spelled) and weights_sha256
 _RESUME_NAMES = {"weights_sha256": "other weights (--checkpoint / --pretrained, or another module)",
                  "data_sha256": "other images in --data"}
 
@@ -22,6 +23,11 @@ def resume_rows(out: str, settings: Dict[str, Any]) -> Dict[Tuple[int, str], Tun
         return {}
     saved = read_json(config)
     differing = sorted(k for k in settings if k not in SHOWN_ONLY and saved.get(k) != json.loads(json.dumps(settings[k])))
+    if "weights_sha256" in differing and (saved.get("random_weights") or settings.get("random_weights")):
+        raise ValueError(f"--resume: {out} was measured on random weights (no --checkpoint or --pretrained), which "
+                         f"are drawn anew on every run, so this run's weights cannot be the same; tune weights that "
+                         f"stay the same (--checkpoint FILE or --pretrained) to resume, or start again with "
+                         f"--overwrite (without --resume)")
     if differing:
         named = ", ".join(_RESUME_NAMES.get(k, k) for k in differing)
         raise ValueError(f"--resume: {out} holds a run measured with other settings ({named}); give the same ones, or "
