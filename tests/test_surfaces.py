@@ -309,3 +309,18 @@ def test_tune_resume_of_a_run_on_random_weights_says_why_and_what_to_give(tmp_pa
     (tmp_path / "tune_config.json").write_text(json.dumps(saved))
     with pytest.raises(ValueError, match=r"other weights \(--checkpoint / --pretrained"):
         resume_rows(str(tmp_path), {**saved, "weights_sha256": "b"})
+
+
+def test_a_compensator_trained_under_a_short_name_fits_the_same_architecture_by_its_full_name():
+    import timm
+
+    from timm_tokcomp.tocom import Compensator, attach
+
+    def compensator(base_model):
+        return Compensator(torch.zeros(4, 12, 2, 2, 192), torch.zeros(4, 12, 2, 192, 2), base_model=base_model)
+
+    for trained, served in (("deit_tiny", "deit_tiny_patch16_224"), ("deit_tiny_patch16_224.fb_in1k", "deit_tiny"),
+                            ("deit_tiny.fb_in1k", "deit_tiny_patch16_224.fb_in1k")):
+        attach(timm.create_model(served), compensator(trained))
+    with pytest.raises(ValueError, match="trained for 'deit_small'"):
+        attach(timm.create_model("deit_tiny_patch16_224"), compensator("deit_small"))

@@ -31,6 +31,15 @@ SHORT_NAMES = {
     "deit_small": "deit_small_patch16_224",
     "deit_base": "deit_base_patch16_224",
 }
+
+
+def architecture_of(name: str) -> str:
+    """The timm architecture a model name stands for: its pretrained tag and method tag dropped, a short name
+    resolved ('deit_tiny.fb_in1k' -> 'deit_tiny_patch16_224')."""
+    arch = name.split(".")[0]
+    return SHORT_NAMES.get(arch, arch)
+
+
 # Architectures of those modules whose blocks / attention the engine refuses, and why (checked by
 # tests/test_registry.py against timm by building each on the meta device).
 _PARALLEL = "parallel blocks (ParallelThingsBlock / ParallelScalingBlock), which timm_tokcomp does not serve"

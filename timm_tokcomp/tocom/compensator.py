@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..core import apply, get_reducer, is_reduced, remove, set_params
+from ..registry import architecture_of
 from ..schedules import is_int, is_real
 
 QUERY, VALUE = 0, 1  # index of the projection in the plugin tensors
@@ -171,7 +172,8 @@ def attach(model: nn.Module, compensator: Compensator, source_r: int = 0, scale:
     source_r = compensator.check_degree("source_r", source_r)
     scale = compensator.scale if scale is None else check_scale(scale)
     architecture = getattr(model, "pretrained_cfg", {}).get("architecture")
-    if compensator.base_model and architecture and compensator.base_model.split(".")[0] != architecture:
+    if compensator.base_model and architecture and \
+            architecture_of(compensator.base_model) != architecture_of(architecture):  # names timm resolves alike
         raise ValueError(f"this compensator was trained for {compensator.base_model!r}; its plugins fit those weights "
                          f"only, not this {architecture!r}: train one for it (tokcomp train-tocom {architecture})")
     if getattr(model, "_tocom", None) is not None:
