@@ -302,8 +302,8 @@ def test_tune_resume_of_a_run_on_random_weights_says_why_and_what_to_give(tmp_pa
 
     saved = {"model": "deit_tiny_patch16_224", "weights_sha256": "a", "data_sha256": "d", "random_weights": True}
     (tmp_path / "tune_config.json").write_text(json.dumps(saved))
-    with pytest.raises(ValueError, match=r"random weights \(no --checkpoint or --pretrained\), which are drawn anew "
-                                         r"on every run.*--checkpoint FILE or --pretrained"):
+    with pytest.raises(ValueError, match=r"random weights \(no --checkpoint or --pretrained\), drawn from a fixed "
+                                         r"seed, and this run's differ.*--checkpoint FILE or --pretrained"):
         resume_rows(str(tmp_path), {**saved, "weights_sha256": "b"})
     saved["random_weights"] = False
     (tmp_path / "tune_config.json").write_text(json.dumps(saved))
@@ -324,3 +324,25 @@ def test_a_compensator_trained_under_a_short_name_fits_the_same_architecture_by_
         attach(timm.create_model(served), compensator(trained))
     with pytest.raises(ValueError, match="trained for 'deit_small'"):
         attach(timm.create_model("deit_tiny_patch16_224"), compensator("deit_small"))
+
+
+def test_random_weights_are_the_same_on_every_call_so_a_resume_meets_them_again(tmp_path, image_folder):
+    """Without --checkpoint / --pretrained, build_base_model draws timm's random init from a fixed seed (the caller's
+    random stream untouched): `analyze --resume` reuses its recordings and writes the same metrics."""
+    from timm_tokcomp.cli import main
+    from timm_tokcomp.models import build_base_model
+
+    state = torch.random.get_rng_state()
+    a = build_base_model("deit_tiny_patch16_224", None, False, "cpu").state_dict()
+    b = build_base_model("deit_tiny_patch16_224", None, False, "cpu").state_dict()
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    out = tmp_path / "an"
+    args = ["analyze", "test_vit", "--data", str(image_folder), "--methods", "tome_r2,evit_r2", "--limit", "4",
+            "--overlays", "0", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    records = {p.name: p.stat().st_mtime_ns for p in (out / "records").iterdir()}
+    metrics = (out / "metrics.csv").read_text()
+    assert main(args + ["--resume"]) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "records").iterdir()} == records
+    assert (out / "metrics.csv").read_text() == metrics

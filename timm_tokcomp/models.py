@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Optional
 
 import timm
+import torch
 from torch import nn
 
 from .core import is_reduced
@@ -12,15 +13,19 @@ from .precision import check_device
 from .userfiles import hub_access, hub_error, load_weights
 
 
-def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: bool, device: str) -> nn.Module:
-    """The unmodified timm model, with weights from checkpoint (safetensors / torch file) or timm.
+def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: bool, device: str,
+                     seed: int = 0) -> nn.Module:
+    """The unmodified timm model, with weights from checkpoint (safetensors / torch file) or timm; without either,
+    timm's random initialisation drawn from `seed` (the caller's random stream left as it was), so every command
+    that resumes (tune, analyze, finetune, train-tocom) meets the same random weights again.
     Raises ValueError / FileNotFoundError naming the argument for an unknown model, a missing checkpoint
     or a device this machine does not have."""
     check_device(device)
     if checkpoint and not Path(checkpoint).is_file():
         raise FileNotFoundError(f"--checkpoint {checkpoint} not found")
     try:
-        with hub_access() if pretrained else contextlib.nullcontext():
+        with hub_access() if pretrained else contextlib.nullcontext(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
             model = timm.create_model(model_name, pretrained=pretrained)
     except RuntimeError as e:
         if "Unknown model" not in str(e):

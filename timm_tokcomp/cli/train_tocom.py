@@ -42,8 +42,6 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from ..models import build_base_model
     from ..precision import check_device
     from ..tocom.train import TrainConfig, train_tocom
@@ -73,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
         writer = rank_and_world()[0] == 0
         if not args.checkpoint and not args.pretrained and writer:
             args.notes.append("no --checkpoint or --pretrained: the plugins were trained for random weights")
-        torch.manual_seed(args.seed)  # the same random weights in every process when there is no checkpoint
-        model = build_base_model(args.model, args.checkpoint, args.pretrained, "cpu")
+        model = build_base_model(args.model, args.checkpoint, args.pretrained, "cpu", seed=args.seed)
         _, report = train_tocom(model, args.data, args.out, args.model, config, resume=args.resume, device=device,
                                 show_progress=not args.no_progress, num_workers=args.num_workers,
                                 stop_after=args.stop_after, overwrite=args.overwrite)

@@ -209,9 +209,8 @@ def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str
     config.validate()
     require("peft", "train", "tokcomp finetune")  # before any work
     eval_data = eval_data or train_data
-    with torch.random.fork_rng():  # seeded: without weights, the same random ones every call (a resume needs them)
-        torch.manual_seed(config.seed)
-        model = build_base_model(base_model, checkpoint, pretrained, "cpu")
+    model = build_base_model(base_model, checkpoint, pretrained, "cpu", seed=config.seed)  # without weights, the
+    # same random ones every call (a resume needs them)
     if config.method_params() is not None:  # before the run folder is made
         refuse_in_place_training(model, *config.method_params())
     train_digest = data_digest(train_data, "--data")

@@ -24,9 +24,10 @@ def resume_rows(out: str, settings: Dict[str, Any]) -> Dict[Tuple[int, str], Tun
     saved = read_json(config)
     differing = sorted(k for k in settings if k not in SHOWN_ONLY and saved.get(k) != json.loads(json.dumps(settings[k])))
     if "weights_sha256" in differing and (saved.get("random_weights") or settings.get("random_weights")):
-        raise ValueError(f"--resume: {out} was measured on random weights (no --checkpoint or --pretrained), which "
-                         f"are drawn anew on every run, so this run's weights cannot be the same; tune weights that "
-                         f"stay the same (--checkpoint FILE or --pretrained) to resume, or start again with "
+        raise ValueError(f"--resume: {out} was measured on random weights (no --checkpoint or --pretrained), drawn "
+                         f"from a fixed seed, and this run's differ from them (timm or torch initialise them "
+                         f"differently here, or one run had weights); resume with the weights of that run, tune "
+                         f"weights that stay the same (--checkpoint FILE or --pretrained), or start again with "
                          f"--overwrite (without --resume)")
     if differing:
         named = ", ".join(_RESUME_NAMES.get(k, k) for k in differing)
