@@ -346,3 +346,16 @@ def test_random_weights_are_the_same_on_every_call_so_a_resume_meets_them_again(
     assert main(args + ["--resume"]) == 0
     assert {p.name: p.stat().st_mtime_ns for p in (out / "records").iterdir()} == records
     assert (out / "metrics.csv").read_text() == metrics
+
+
+def test_rope_grid_coordinates_are_made_once_per_module_grid_and_device(images):
+    """The reduced Eva forward copies nothing from the host per call (a CUDA graph cannot capture such a copy): the
+    grid coordinates are made once and reused."""
+    from timm_tokcomp.rope import grid_coords
+
+    model = timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "tome", r=2)
+    with torch.no_grad():
+        first = model(images)
+        grid = grid_coords(model.rope, tuple(model.patch_embed.grid_size), images.device)
+        assert grid_coords(model.rope, tuple(model.patch_embed.grid_size), images.device) is grid
+        torch.testing.assert_close(model(images), first, rtol=0, atol=0)

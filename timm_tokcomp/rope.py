@@ -6,8 +6,9 @@ its angles; the sin / cos values are never averaged.
 
 Pure tensor math on the rope module's buffers; the model surgery lives in timm_tokcomp/families/eva.py."""
 import math
+import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -35,8 +36,25 @@ def check_rope(rope: Optional[nn.Module]) -> None:
                         f"{', '.join(c.__name__ for c in SERVED_ROPES)} (rope_type 'cat', 'dinov3', 'mixed')")
 
 
+# rope module -> {(feat_shape, device): its grid coordinates on that device}: made once, so an eager forward copies
+# nothing from the host (a CUDA graph cannot capture such a copy; outside one it is a host-to-device transfer)
+_GRIDS: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
 def grid_coords(rope: nn.Module, feat_shape: Tuple[int, int], device: torch.device) -> torch.Tensor:
-    """(H * W, 2) float32 coordinates of the patch grid in the rope module's own units (row-major, as its table)."""
+    """(H * W, 2) float32 coordinates of the patch grid in the rope module's own units (row-major, as its table);
+    outside torch.compile made once per rope module, grid and device (treat it as read-only)."""
+    if torch.compiler.is_compiling():
+        return _grid_coords(rope, feat_shape, device)
+    cache = _GRIDS.setdefault(rope, {})
+    key = (tuple(feat_shape), torch.device(device))
+    if key not in cache:
+        with torch.inference_mode(False):  # a normal tensor, usable later with autograd too
+            cache[key] = _grid_coords(rope, feat_shape, device)
+    return cache[key]
+
+
+def _grid_coords(rope: nn.Module, feat_shape: Tuple[int, int], device: torch.device) -> torch.Tensor:
     if isinstance(rope, RotaryEmbeddingMixed):
         grid = _build_grid(list(feat_shape), grid_indexing=rope.grid_indexing, ndim=2)
     elif isinstance(rope, RotaryEmbeddingDinoV3):
