@@ -52,6 +52,27 @@ def thresholds(depth: int, merge: float, prune: float = 0.0):
     return params
 
 
+def positions_seen(model, images):
+    """Run model on images, returning (plan kind, coords before, coords after) of every rotary-position reduction."""
+    from timm_tokcomp.rope import TokenPositions
+
+    seen = []
+    original = TokenPositions.reduced
+
+    def spy(self, plan, size, num_prefix):
+        out = original(self, plan, size, num_prefix)
+        seen.append((type(plan).__name__, self.coords, out.coords))
+        return out
+
+    TokenPositions.reduced = spy
+    try:
+        with torch.no_grad():
+            model(images)
+    finally:
+        TokenPositions.reduced = original
+    return seen
+
+
 def make_model(variant: str, fused: bool = True, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = VARIANTS[variant]().eval()

@@ -14,7 +14,7 @@ from timm_tokcomp.matching import ClusterPlan
 from conftest import reducing_setting, thresholds
 from timm_tokcomp.methods import METHODS
 from timm_tokcomp.rope import TokenPositions, grid_coords, rope_rows
-from conftest import real_model_and_images
+from conftest import positions_seen, real_model_and_images
 
 SMALL = dict(img_size=32, patch_size=8, embed_dim=64, num_heads=2, depth=3, num_classes=10)
 # name -> a small version of a real timm architecture (its own config: rope type, head, registers, MLP, qkv)
@@ -191,23 +191,10 @@ def test_rope_rows_from_coordinates_are_timms_table(name):
 def test_merged_tokens_sit_at_their_destination_or_their_centroid(rope_merge, images):
     model = timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "tome", r=3, trace_source=True,
                                rope_merge=rope_merge)
-    seen = []
-    original = TokenPositions.reduced
-
-    def spy(self, plan, size, num_prefix):
-        out = original(self, plan, size, num_prefix)
-        seen.append((self.coords, out.coords))
-        return out
-
-    TokenPositions.reduced = spy
-    try:
-        with torch.no_grad():
-            model(images)
-    finally:
-        TokenPositions.reduced = original
+    seen = positions_seen(model, images)
     assert len(seen) == 3
-    grid = seen[0][0]
-    final = seen[-1][1]
+    grid = seen[0][1]
+    final = seen[-1][2]
     source = timm_tokcomp.last_stats(model).source[:, model.num_prefix_tokens:, model.num_prefix_tokens:]
     centroid = (source @ grid) / source.sum(-1, keepdim=True)  # (B, n', 2) centroid of each token's patches
     if rope_merge == "centroid":

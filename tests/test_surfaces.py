@@ -5,9 +5,8 @@ import pytest
 import torch
 
 import timm_tokcomp
-from conftest import DATA, SMALL, make_model, thresholds
+from conftest import DATA, SMALL, make_model, positions_seen, thresholds
 from test_families import family_model
-from timm_tokcomp.rope import TokenPositions
 
 DEPTH = SMALL["depth"]
 
@@ -39,24 +38,6 @@ def test_ltmp_pruning_every_patch_on_other_heads_stays_finite_and_per_image(name
     assert not torch.allclose(logits[0], logits[1])  # the images are still told apart
 
 
-def _positions_seen(model, images):
-    seen = []
-    original = TokenPositions.reduced
-
-    def spy(self, plan, size, num_prefix):
-        out = original(self, plan, size, num_prefix)
-        seen.append((type(plan).__name__, self.coords, out.coords))
-        return out
-
-    TokenPositions.reduced = spy
-    try:
-        with torch.no_grad():
-            model(images)
-    finally:
-        TokenPositions.reduced = original
-    return seen
-
-
 # one method per plan kind that has destinations (a kept token, a merge's destination, a keeper, a group's lead)
 DESTINATION_PLANS = {
     "MergePlan": ("tome", lambda depth: dict(r=3)),
@@ -77,7 +58,7 @@ def test_every_plan_kind_carries_positions_under_both_rope_merge_choices(kind, i
         model = family_model("eva02_cat_swiglu")
         model = timm_tokcomp.apply(model, method, trace_source=True, rope_merge=rope_merge,
                                    **params(len(model.blocks)))
-        seen = _positions_seen(model, images)
+        seen = positions_seen(model, images)
         assert seen and {k for k, _, _ in seen} == {kind}
         stats = timm_tokcomp.last_stats(model)
         assert stats.rope_merge == rope_merge
