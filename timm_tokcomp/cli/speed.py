@@ -42,15 +42,13 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..precision import describe_settings, device_description
-    from ..outputs import partial_path, refuse_existing
+    from ..outputs import partial_path
     from ..speed import format_speed, run_speed, write_speed_csv
 
     batches = numbers("--batches", args.batches, int)
     methods = args.methods or SPEED_METHODS + (SPEED_METHODS_CUDA if args.device.startswith("cuda") else "")
     device_name = device_description(args.device)
     settings = {"device": device_name, "dtype": args.dtype, "tf32": args.tf32}
-    if args.out:
-        refuse_existing(args.out, args.overwrite, "--out")  # before any work
 
     def save(rows) -> None:  # after each (mode, batch): a run stopped later keeps what it measured, beside --out
         write_speed_csv(rows, str(partial_path(args.out)), args.model, settings, overwrite=True)
@@ -59,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
                      device=args.device, dtype=args.dtype, tf32=args.tf32, rounds=args.rounds,
                      checkpoint=args.checkpoint, pretrained=args.pretrained, data=args.data,
                      show_progress=not args.no_progress, on_rows=save if args.out else None)
-    if args.out:  # the run ended: --out is replaced now, and the partial rows go
+    if args.out:  # the run ended: --out (checked before any work, cli.main) is replaced now, and the partial rows go
         write_speed_csv(rows, args.out, args.model, settings, overwrite=True)
         partial_path(args.out).unlink(missing_ok=True)
     print(f"{args.model} on {device_name}: {describe_settings(args.device, args.dtype, args.tf32)}, "
