@@ -81,7 +81,7 @@ def test_the_engine_holds_the_only_optimiser_step():
 
 # The floors, bottom up: a module imports only from its own floor or below. A new module must be given a floor here.
 FLOORS = (
-    ("tensors and files", ("state", "schedules", "tables", "extras", "userfiles", "outputs", "matching", "ops",
+    ("tensors and files", ("state", "schedules", "tables", "extras", "userfiles", "outputs", "plans", "matching", "ops",
                            "attention", "rope", "measure", "precision", "device_table", "graphs", "data", "identity",
                            "kernels")),
     ("methods", ("methods",)),
@@ -134,3 +134,29 @@ def test_the_floor_rules_catch_what_they_forbid():
     assert _floor("timm_tokcomp.kernels.selfcheck") > _floor("timm_tokcomp.models") > _floor("timm_tokcomp.kernels")
     assert _longest_prefix("timm_tokcomp.speed", COMMANDS) != _longest_prefix("timm_tokcomp.bench", COMMANDS)
     assert _longest_prefix("timm_tokcomp.analysis.report", COMMANDS) == "analysis"
+
+
+def test_a_plan_kinds_execution_lives_in_its_plan_file():
+    """Every plan kind is a Plan in timm_tokcomp/plans/ with its own apply; a subclass elsewhere (FPET's soft-match
+    plan) may add data, never its own execution."""
+    import inspect
+
+    from timm_tokcomp import plans
+    from timm_tokcomp.plans import Plan
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    import timm_tokcomp.methods  # noqa: F401  (every method module, and the plans they subclass)
+    kinds = list(subclasses(Plan))
+    assert {k.__name__ for k in kinds} >= {"MergePlan", "PrunePlan", "ClusterPlan", "GroupPlan", "KeepMergePlan",
+                                           "SoftPlan", "TruncatePlan", "ResamplePlan"}
+    plans_dir = Path(plans.__file__).parent
+    for kind in kinds:
+        home = Path(inspect.getfile(kind)).parent
+        if home == plans_dir:
+            assert "apply" in vars(kind), f"{kind.__name__} has no apply of its own"
+        else:
+            assert "apply" not in vars(kind), f"{kind.__name__} ({inspect.getfile(kind)}) executes a plan outside plans/"

@@ -6,6 +6,7 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp import ops
+from timm_tokcomp.plans.merge import group_index
 from timm_tokcomp.kernels import resolve_backend, triton_dense
 from timm_tokcomp.matching import bipartite_soft_matching
 from timm_tokcomp.measure import MacCounter
@@ -22,7 +23,7 @@ def _groups(batch, tokens, num_prefix, k, seed=0, one_destination=False):
         rest[:, a_start::2] = v + 0.01 * rest[:, a_start::2]
         rest[:, 1 - a_start] = v
     plan = bipartite_soft_matching(metric, k, num_prefix)
-    return ops.group_index(plan, tokens)
+    return group_index(plan, tokens)
 
 
 def _layer_norm(channels, dtype, seed=1):
@@ -109,7 +110,7 @@ def _dense_block_by_hand(blk, x, k, num_prefix):
     qkv = attn.qkv(h).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     keys = attn.k_norm(qkv[1])
     x = x + blk.ls1(blk.attn(h))
-    group, num_groups = ops.group_index(bipartite_soft_matching(keys.mean(dim=1), k, num_prefix), N)
+    group, num_groups = group_index(bipartite_soft_matching(keys.mean(dim=1), k, num_prefix), N)
     normed = blk.norm2(x)
     out = x.clone()
     for b in range(B):

@@ -11,12 +11,11 @@ import torch.nn.functional as F
 import timm_tokcomp
 from conftest import SMALL, make_model
 from timm_tokcomp.learned import load_learned, save_learned
-from timm_tokcomp.matching import KeepMergePlan
+from timm_tokcomp.plans import KeepMergePlan
 from timm_tokcomp.measure import count_macs
 from timm_tokcomp.methods import make_reducer
 from timm_tokcomp.methods.base import BlockSetting
 from timm_tokcomp.methods.diffrate import DiffRateParams, macs_share
-from timm_tokcomp.ops import apply_plan
 from timm_tokcomp.schedules import BlockCost
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
 
@@ -51,7 +50,7 @@ def test_eval_step_equals_the_loop_definition(prune, merge):
     setting = BlockSetting(1, 2, N_PATCH, p, BlockCost(1, 1, 1))
     plan = method.plan((importance, x), setting, p, size)
     assert isinstance(plan, KeepMergePlan) and plan.num_keepers == merge
-    got_x, got_size, _ = apply_plan(plan, x, size, None)
+    got_x, got_size, _ = plan.apply(x, size, None)
     for b in range(B):
         want_x, want_size = _reference_step(x[b], importance[b], size[b, :, 0], prune, merge, p)
         torch.testing.assert_close(got_x[b], want_x, atol=1e-6, rtol=1e-5)

@@ -10,7 +10,7 @@ from timm.models.eva import Eva
 from torch import nn
 
 import timm_tokcomp
-from timm_tokcomp.matching import ClusterPlan
+from timm_tokcomp.plans import ClusterPlan
 from conftest import reducing_setting, thresholds
 from timm_tokcomp.methods import METHODS
 from timm_tokcomp.rope import TokenPositions, grid_coords, rope_rows

@@ -10,7 +10,6 @@ import timm_tokcomp
 from conftest import SMALL, make_model
 from timm_tokcomp.methods import make_reducer
 from timm_tokcomp.methods.fpet import BinaryLinear, FPETParams, GridSetting, checkerboard
-from timm_tokcomp.ops import apply_plan
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
 
 SIDE = SMALL["img_size"] // SMALL["patch_size"]
@@ -35,7 +34,7 @@ def test_every_a_token_merges_into_its_most_similar_b_token_on_the_refined_keys(
     with torch.no_grad():
         method.adapter_params.up.weight.normal_()  # a refinement that changes the matches
         plan = method.plan(keys, GridSetting(6, 6), p, size)
-        got_x, got_size, _ = apply_plan(plan, x, size, None)
+        got_x, got_size, _ = plan.apply(x, size, None)
         refined = method.adapter_params(keys)
     a, b = checkerboard(6, 6, keys.device)
     assert got_x.shape == (B, p + len(b), 5)

@@ -14,9 +14,10 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp import ops
+from timm_tokcomp.plans.merge import group_index, merge_mean
 from timm_tokcomp.kernels import triton_dense, triton_evit, triton_tome
 from timm_tokcomp.matching import (attentive_pruning, batch_adaptive_r, best_matches, bipartite_soft_matching,
-                                   class_attention, count_above, merge_top_r, size_distinctive_split)
+    class_attention, count_above, merge_top_r, size_distinctive_split)
 from timm_tokcomp.measure import OpCounter, count_macs
 from conftest import make_model, real_model_and_images
 
@@ -45,7 +46,7 @@ def test_fused_step_matches_reference_fp32(batch, tokens, num_prefix, r, dim, ch
     metric, x, size = _inputs(batch, tokens, dim, channels)
     size = size if with_size else None
     plan = bipartite_soft_matching(metric, r, num_prefix)
-    want_x, want_size = ops.merge_mean(x, size, plan)
+    want_x, want_size = merge_mean(x, size, plan)
     got_x, got_size = triton_tome.tome_merge(metric, x, size, r, num_prefix)
     torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_size, want_size, rtol=0, atol=1e-5)
@@ -54,7 +55,7 @@ def test_fused_step_matches_reference_fp32(batch, tokens, num_prefix, r, dim, ch
 def test_fused_step_fp16_within_rounding():
     metric, x, size = _inputs(2, 197, 64, 48, dtype=torch.float16)
     plan = bipartite_soft_matching(metric.float(), 16, 1)
-    want_x, want_size = ops.merge_mean(x.float(), size.float(), plan)
+    want_x, want_size = merge_mean(x.float(), size.float(), plan)
     got_x, got_size = triton_tome.tome_merge(metric, x, size, 16, 1)
     assert got_x.dtype == got_size.dtype == torch.float16
     torch.testing.assert_close(got_x.float(), want_x, rtol=2e-3, atol=2e-3)  # one fp16 rounding of an fp32 sum
@@ -96,7 +97,7 @@ def test_plan_on_exact_ties_follows_the_reference_rules():
         assert torch.equal(dst, dst.sort(dim=1).values)
         assert torch.equal(offsets[:, 1:] - offsets[:, :-1],
                            torch.stack([torch.bincount(d, minlength=offsets.shape[1] - 1) for d in plan.dst_idx]))
-        want_x, want_size = ops.merge_mean(x, None, plan)
+        want_x, want_size = merge_mean(x, None, plan)
         got_x, got_size = triton_tome.tome_merge(metric, x, None, r, num_prefix)
         torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-6)
         assert torch.equal(got_size, want_size)
@@ -152,7 +153,7 @@ def test_fused_step_on_a_size_distinctive_split(batch, tokens, num_prefix, r, di
     split = size_distinctive_split(size, num_prefix)
     node_max, node_idx = best_matches(metric, num_prefix, split)
     plan = merge_top_r(node_max, node_idx, r, num_prefix, split)
-    want_x, want_size = ops.merge_mean(x, size, plan)
+    want_x, want_size = merge_mean(x, size, plan)
     got_x, got_size = triton_tome.tome_merge(metric, x, size, r, num_prefix, split)
     torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_size, want_size, rtol=0, atol=1e-5)
@@ -163,7 +164,7 @@ def test_dense_groups_match_group_index(batch, tokens, num_prefix, r, dim, chann
     """The dense variant's groups from the matching kernel: every token's group as ops.group_index gives it, and
     member lists that hold each group's tokens (its B token first) for the merge kernel."""
     metric, x, _ = _inputs(batch, tokens, dim, channels, seed=3)
-    want_group, num_groups = ops.group_index(bipartite_soft_matching(metric, r, num_prefix), tokens)
+    want_group, num_groups = group_index(bipartite_soft_matching(metric, r, num_prefix), tokens)
     group, order, starts = triton_tome.tome_groups(metric, r, num_prefix)
     assert torch.equal(group.long(), want_group) and starts.shape == (batch, num_groups + 1)
     assert torch.equal(starts[:, -1], torch.full((batch,), tokens, dtype=torch.int32))
@@ -204,7 +205,7 @@ def test_atm_step_matches_reference(threshold, split, tokens):
     if r == 0:
         assert got is None
         return
-    want_x, want_size = ops.merge_mean(x, size, merge_top_r(node_max, node_idx, r, 1, sp))
+    want_x, want_size = merge_mean(x, size, merge_top_r(node_max, node_idx, r, 1, sp))
     torch.testing.assert_close(got[0], want_x, rtol=0, atol=1e-5)
     torch.testing.assert_close(got[1], want_size, rtol=0, atol=1e-5)
 
@@ -261,7 +262,7 @@ def test_evit_fused_step_matches_reference_fp32(batch, heads, tokens, num_prefix
     bias = size.log().view(batch, 1, 1, tokens) if with_bias else None
     size = size if with_size else None
     plan = attentive_pruning(class_attention(q, k, bias, 0.3).mean(dim=1), r, num_prefix)
-    want_x, want_size, _ = ops.apply_plan(plan, x, size, None)
+    want_x, want_size, _ = plan.apply(x, size, None)
     got_x, got_size = triton_evit.evit_prune(q, k, bias, 0.3, x, size, r, num_prefix)
     torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_size, want_size, rtol=0, atol=1e-5)
@@ -408,7 +409,7 @@ def test_selfcheck_compares_every_step_and_fails_loudly(tmp_path, monkeypatch, c
     assert [r["step"].split(",")[0] for r in rows] == ["tome r16", "tome r256", "atm threshold 0.3", "evit r16",
                                                        "evit r64", "dense k256"]
     assert all(r["ok"] and r["max_diff"] <= 1e-5 for r in rows)
-    monkeypatch.setattr(triton_tome, "tome_merge", lambda metric, x, size, r, p: ops.merge_mean(
+    monkeypatch.setattr(triton_tome, "tome_merge", lambda metric, x, size, r, p: merge_mean(
         x * 1.001, size, bipartite_soft_matching(metric, r, p)))  # off by about 1e-3
     assert selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--batch", "1", "--no-timing"]) == 1
     flagged = [line.split(",")[0] for line in capsys.readouterr().out.splitlines() if line.endswith("OFF")]

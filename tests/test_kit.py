@@ -13,7 +13,7 @@ from timm_tokcomp.cli import main
 from timm_tokcomp.kit import modes
 from timm_tokcomp.kit.paths import FastPath, default_path, fast_paths
 from timm_tokcomp.kit.presets import versions, write_preset
-from timm_tokcomp.matching import TruncatePlan
+from timm_tokcomp.plans import TruncatePlan
 from timm_tokcomp.methods.base import ScheduledReducer
 from timm_tokcomp.precision import device_description
 from conftest import make_model
@@ -89,7 +89,7 @@ def test_deploy_refuses_what_it_cannot_run(tmp_path):
         with pytest.raises(ValueError, match=f"preset {path}: its recorded device cuda: CUDA is not available"):
             timm_tokcomp.deploy(copy.deepcopy(plain), path)
         with pytest.raises(ValueError, match="device='cuda:0': CUDA is not available"):
-            timm_tokcomp.deploy(copy.deepcopy(plain), _preset(tmp_path / "p.json"), device="cuda:0")
+            timm_tokcomp.deploy(copy.deepcopy(plain), _preset(tmp_path / "d.json"), device="cuda:0")
     assert not timm_tokcomp.is_reduced(plain)
 
 

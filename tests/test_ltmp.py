@@ -9,10 +9,9 @@ import torch.nn.functional as F
 import timm_tokcomp
 from conftest import SMALL, make_model, thresholds
 from timm_tokcomp.learned import load_learned, save_learned
-from timm_tokcomp.matching import GroupPlan
+from timm_tokcomp.plans import GroupPlan
 from timm_tokcomp.methods import make_reducer
 from timm_tokcomp.methods.base import BlockSetting
-from timm_tokcomp.ops import apply_plan
 from timm_tokcomp.schedules import BlockCost
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
 
@@ -59,7 +58,7 @@ def test_eval_step_equals_the_loop_definition(p, merge_at, prune_at):
     method = make_reducer("ltmp", threshold_params=thresholds(1, merge_at, prune_at * 1000))
     method.threshold_params.eval()
     plan = method.plan((keys, importance), BlockSetting(0, 1, n, p, BlockCost(1, 1, 1)), p, size)
-    got_x, got_size = (x, size) if plan is None else apply_plan(plan, x, size, None)[:2]
+    got_x, got_size = (x, size) if plan is None else plan.apply(x, size, None)[:2]
     assert plan is None or isinstance(plan, GroupPlan)
     for b in range(B):
         want_x, want_size = _reference_step(x[b], keys[b], importance[b], size[b, :, 0], merge_at, prune_at, p)

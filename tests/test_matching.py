@@ -2,7 +2,7 @@
 import torch
 
 from timm_tokcomp.matching import attentive_pruning, bipartite_soft_matching
-from timm_tokcomp.ops import apply_plan, merge_mean, merge_sum
+from timm_tokcomp.plans.merge import merge_mean, merge_sum
 
 
 def reference_tome(x, size, metric, r, p):
@@ -74,7 +74,7 @@ def test_source_and_size_follow_merges():
     x = torch.randn(1, 9, 3)
     source = torch.eye(9)[None]
     plan = bipartite_soft_matching(torch.randn(1, 9, 5), 3, 1)
-    _, size, src = apply_plan(plan, x, None, source)
+    _, size, src = plan.apply(x, None, source)
     assert torch.equal(src.sum(-1, keepdim=True), size)
     assert torch.equal(merge_sum(torch.ones(1, 9, 1), plan), size)
 
@@ -84,7 +84,7 @@ def test_attentive_pruning_fuses_least_attended():
     attn = torch.tensor([[0.5, 0.05, 0.2, 0.01, 0.14, 0.02, 0.08]])
     x = torch.randn(1, 7, 4)
     plan = attentive_pruning(attn, 2, 1)  # fuse 3 least attended of tokens 1..6: 3, 5, 1
-    new_x, size, _ = apply_plan(plan, x, None, None)
+    new_x, size, _ = plan.apply(x, None, None)
     assert plan.keep_idx.tolist() == [[1, 3, 5]]  # non-prefix indices of tokens 2, 4, 6 in order
     w = torch.tensor([0.01, 0.02, 0.05])
     fused = (w[:, None] * x[0, [3, 5, 1]]).sum(0) / w.sum()

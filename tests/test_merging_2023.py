@@ -13,10 +13,11 @@ import timm_tokcomp
 import math
 
 from timm_tokcomp.matching import (agglomerative_clusters, bipartite_soft_matching, dct_resample, energy_matching,
-                                   energy_scores, mctf_matching)
+    energy_scores, mctf_matching)
 from timm_tokcomp.measure import count_macs
 from timm_tokcomp.methods.tofu import MLERP, PRUNE, ToFu
-from timm_tokcomp.ops import cluster_attention, cluster_sum, merge_keep_destination, merge_mlerp, merge_sum
+from timm_tokcomp.plans.cluster import cluster_attention, cluster_sum
+from timm_tokcomp.plans.merge import merge_keep_destination, merge_mlerp, merge_sum
 from timm_tokcomp.schedules import BlockCost
 from conftest import real_model_and_images
 
@@ -113,14 +114,13 @@ def test_dct_tokens_hold_the_stretch_of_the_token_axis_they_resample():
     """Output t holds input j by the overlap of [t n / m, (t + 1) n / m) with [j, j + 1): 9 patch tokens -> 6, so
     output 0 holds input 0 and half of input 1; sizes and source maps follow those shares."""
     from timm_tokcomp.methods.dct import DCT
-    from timm_tokcomp.ops import apply_plan
     x, size = torch.randn(2, 10, 4), torch.rand(2, 10, 1) + 1
     plan = DCT(r=3).plan(x, 3, 1, size)
     shares = plan.shares
     assert shares.shape == (6, 9) and shares[0, :3].tolist() == [1.0, 0.5, 0.0]
     assert shares[1, 1:3].tolist() == [0.5, 1.0]
     torch.testing.assert_close(shares.sum(0), torch.ones(9))
-    out, new_size, source = apply_plan(plan, x, size, torch.eye(10).expand(2, -1, -1))
+    out, new_size, source = plan.apply(x, size, torch.eye(10).expand(2, -1, -1))
     assert out.shape == (2, 7, 4) and torch.equal(out[:, :1], x[:, :1])
     torch.testing.assert_close(out[:, 1:], plan.matrix @ x[:, 1:])
     torch.testing.assert_close(new_size[:, 1:], shares @ size[:, 1:])

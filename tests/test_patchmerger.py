@@ -6,9 +6,8 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp.learned import load_learned, save_learned
-from timm_tokcomp.matching import ClusterPlan, SoftPlan
+from timm_tokcomp.plans import ClusterPlan, SoftPlan
 from timm_tokcomp.methods.patchmerger import MergerLayer, PatchMergerParams
-from timm_tokcomp.ops import apply_plan
 from conftest import make_model
 
 
@@ -17,7 +16,7 @@ def test_the_merge_is_softmax_of_queries_over_normed_tokens_times_tokens():
     layer = MergerLayer(16, 5)
     x = torch.randn(2, 1 + 12, 16)
     plan = SoftPlan(1, layer.weights(x[:, 1:]))
-    out, size, source = apply_plan(plan, x, None, torch.eye(13).expand(2, -1, -1))
+    out, size, source = plan.apply(x, None, torch.eye(13).expand(2, -1, -1))
     for b in range(2):
         normed = torch.nn.functional.layer_norm(x[b, 1:], (16,), layer.norm.weight, layer.norm.bias)
         for m in range(5):
@@ -35,8 +34,8 @@ def test_one_hot_weights_give_the_hard_cluster_merge():
     assign = torch.randint(0, 4, (3, 10))
     assign[:, :4] = torch.arange(4)  # no empty cluster
     one_hot = torch.nn.functional.one_hot(assign, 4).transpose(1, 2).float()  # (B, 4, 10)
-    soft = apply_plan(SoftPlan(2, one_hot / one_hot.sum(-1, keepdim=True)), x, None, torch.eye(12).expand(3, -1, -1))
-    hard = apply_plan(ClusterPlan(2, assign, 4), x, None, torch.eye(12).expand(3, -1, -1))
+    soft = SoftPlan(2, one_hot / one_hot.sum(-1, keepdim=True)).apply(x, None, torch.eye(12).expand(3, -1, -1))
+    hard = ClusterPlan(2, assign, 4).apply(x, None, torch.eye(12).expand(3, -1, -1))
     for a, b in zip(soft, hard):
         torch.testing.assert_close(a, b)
 

@@ -5,11 +5,11 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.matching import ClusterPlan, adaptive_sampling, density_peaks, k_medoids, top_k_pruning
+from timm_tokcomp.matching import adaptive_sampling, density_peaks, k_medoids, top_k_pruning
+from timm_tokcomp.plans import ClusterPlan
 from timm_tokcomp.measure import count_macs
 from timm_tokcomp.methods import parse_method_tag
 from timm_tokcomp.methods.radial import centre_order
-from timm_tokcomp.ops import apply_plan
 from timm_tokcomp.patch import _block_cost
 from timm_tokcomp.schedules import stage_schedule
 from conftest import make_model, real_model_and_images
@@ -114,7 +114,7 @@ def test_cluster_plan_is_the_size_weighted_mean_of_each_cluster():
     x = torch.randn(1, 5, 3)
     size = torch.tensor([[[1.0], [1.0], [2.0], [3.0], [1.0]]])
     plan = ClusterPlan(num_prefix=1, assign=torch.tensor([[1, 0, 1, 0]]), num_clusters=2)
-    out, new_size, _ = apply_plan(plan, x, size, None)
+    out, new_size, _ = plan.apply(x, size, None)
     assert torch.equal(new_size, torch.tensor([[[1.0], [3.0], [4.0]]]))  # prefix, cluster 0, cluster 1
     torch.testing.assert_close(out[0, 0], x[0, 0])
     torch.testing.assert_close(out[0, 1], (x[0, 2] * 2 + x[0, 4]) / 3)
@@ -152,7 +152,7 @@ def test_adaptive_sampling_collapses_duplicates_and_pads_rows_that_keep_fewer():
     assert plan.keep_idx.shape == (2, 3)
     assert plan.valid[..., 0].tolist() == [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
     assert 0 in plan.keep_idx[1, :2].tolist()  # the dominant patch is kept
-    x, size, source = apply_plan(plan, torch.randn(2, 5, 4), None, torch.eye(5).expand(2, -1, -1))
+    x, size, source = plan.apply(torch.randn(2, 5, 4), None, torch.eye(5).expand(2, -1, -1))
     assert size[..., 0].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]] and source[1, 3].sum() == 0
 
 

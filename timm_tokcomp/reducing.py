@@ -15,7 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .device_table import measured
 from .rope import TokenPositions
-from .matching import gather_tokens
+from .plans import gather_tokens
 from .methods.base import TokenReducer
 from .schedules import BlockCost
 from .state import ReductionStats

@@ -15,8 +15,7 @@ from torch import nn
 from timm.layers.pos_embed_sincos import (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed,
                                           _build_grid, _rope_layout)
 
-from .matching import gather_tokens
-from .ops import apply_plan
+from .plans import Plan, gather_tokens
 
 ROPE_MERGES = ("dst", "centroid")  # how a merged token's rotary position is chosen (the rope_merge parameter)
 SERVED_ROPES = (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed)
@@ -122,7 +121,7 @@ class TokenPositions:
         attention-) weighted centroid of what it holds. A plan of a method's training step (which keeps the tokens
         in place and mixes them softly) is refused: its positions are not defined."""
         p = num_prefix
-        if not hasattr(plan, "destination"):
+        if not isinstance(plan, Plan):
             raise NotImplementedError(
                 "this method's training step keeps every token in place with soft sizes, which defines no rotary "
                 "position for a merged token: train it on a model without rotary embeddings; its eval model "
@@ -132,7 +131,7 @@ class TokenPositions:
             coords = gather_tokens(self.coords, destination)
         else:
             full = torch.cat([self.coords.new_zeros(self.coords.shape[0], p, 2), self.coords], dim=1)
-            coords = apply_plan(plan, full, size, None)[0][:, p:]
+            coords = plan.apply(full, size, None)[0][:, p:]
         return TokenPositions(self.rope, coords, None, self.merge)
 
     def prefix_only(self) -> "TokenPositions":

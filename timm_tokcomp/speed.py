@@ -23,7 +23,7 @@ from .kit import modes as modes_
 from .kit.grammar import BASELINE, method_spec, parse_methods
 from .kit.modes import check_batches, check_modes
 from .kit.stats import noise_notes, speedup_interval
-from .matching import TruncatePlan
+from .plans import TruncatePlan
 from .measure import no_silent_eager_fallback, time_runs
 from .precision import check_dtype, precision
 from .methods import method_class

@@ -11,7 +11,8 @@ from torch import nn
 from .. import attention, kernels
 from ..matching import max_merges
 from ..methods.base import TokenReducer
-from ..ops import group_index, unmerge
+from ..ops import unmerge
+from ..plans.merge import group_index
 from ..reducing import DenseModel, ReducingBlockMixin, ReducingModel, refuse_fx_tracing
 from .base import Family
 

@@ -1,5 +1,5 @@
 """Backends of ToMe's reduction step (matching + size-weighted merge) and of the dense variant's merge
-(LayerNorm + group mean) and unmerge (+ LayerScale + residual): the torch reference in `matching` / `ops`
+(LayerNorm + group mean) and unmerge (+ LayerScale + residual): the torch reference in `matching` / `plans` / `ops`
 and the fused Triton kernels in `triton_tome` / `triton_dense` (imported on first use).
 
 backend 'auto' picks, for CUDA tensors when no gradient is needed, what the measured table of the device class says
@@ -82,8 +82,8 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
 
 def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ToMe's matching of r merges on metric (B, N, D) as the dense variant's groups, in one Triton launch (three
-    above 128 A tokens): group (B, N) (as ops.group_index), and the members (order (B, N), starts (B, N - r + 1))
-    merge_normed takes."""
+    above 128 A tokens): group (B, N) (as plans.merge.group_index), and the members (order (B, N), starts
+    (B, N - r + 1)) merge_normed takes."""
     from . import triton_tome
 
     return triton_tome.tome_groups(metric, r, num_prefix)

@@ -22,11 +22,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
+from ..plans.merge import group_index, merge_mean
 from ..precision import DTYPES, check_device
 from ..outputs import new_output, refuse_existing
 from ..tables import text_table
 from ..matching import (attentive_pruning, batch_adaptive_r, best_matches, bipartite_soft_matching, class_attention,
-                        count_above, max_merges, merge_top_r)
+    count_above, max_merges, merge_top_r)
 
 # on |kernel - reference| / max(1, |reference|): a kernel that rounds an intermediate to the dtype (as the torch path
 # does) may be one unit in the last place off an output of magnitude 4 to 8, which is 2^-5 in bf16 and 2^-8 in fp16
@@ -93,16 +94,16 @@ def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) 
         return t.float()
 
     def tome(cast, metric, x, size, r):
-        return ops.merge_mean(cast(x), cast(size), bipartite_soft_matching(cast(metric), r, 1))
+        return merge_mean(cast(x), cast(size), bipartite_soft_matching(cast(metric), r, 1))
 
     def atm(cast, metric, x, size, threshold):
         node_max, node_idx = best_matches(cast(metric), 1)
         r = min(batch_adaptive_r(count_above(node_max, threshold)), max_merges(metric.shape[1], 1))
-        return ops.merge_mean(cast(x), cast(size), merge_top_r(node_max, node_idx, r, 1))
+        return merge_mean(cast(x), cast(size), merge_top_r(node_max, node_idx, r, 1))
 
     def evit(cast, q, k, x, size, bias, r):
         plan = attentive_pruning(class_attention(cast(q), cast(k), cast(bias), 0.125).mean(dim=1), r, 1)
-        return ops.apply_plan(plan, cast(x), cast(size), None)[:2]
+        return plan.apply(cast(x), cast(size), None)[:2]
 
     steps = {}  # each: (kernel, reference in fp32, torch path in the dtype), on the same inputs
     for tokens, r, label in ((197, 16, "tome r16, 197 tokens"), (1025, 256, "tome r256, 1025 tokens (tiled)")):
@@ -133,7 +134,7 @@ def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) 
 
     def dense(cast):
         x, y = cast(x_d), cast(y_d)
-        group, m = ops.group_index(bipartite_soft_matching(cast(metric_d), 256, 1), 1025)
+        group, m = group_index(bipartite_soft_matching(cast(metric_d), 256, 1), 1025)
         normed = torch.nn.functional.layer_norm(x, (768,), cast(weight), cast(norm_bias), 1e-6)
         return ops.group_mean(normed, group, m), ops.unmerge_add(x, y, group, None)
 

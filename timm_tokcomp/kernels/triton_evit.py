@@ -1,5 +1,5 @@
 """Fused Triton kernels of EViT's reduction step, implementing the contract of matching.class_attention (averaged
-over heads) + matching.attentive_pruning + ops.prune_fuse / prune_sum in two launches per block (five on
+over heads) + matching.attentive_pruning + plans.prune (prune_fuse / prune_sum) in two launches per block (five on
 larger images):
 
 1. `_class_attention_plan_kernel`: the class token's softmax attention row of every head (fp32, online max / sum

@@ -1,5 +1,5 @@
 """Fused Triton kernels of ToMe's reduction step (bipartite soft matching, then the size-weighted merge),
-implementing the contract of matching.best_matches + merge_top_r + ops.merge_mean in two launches per block
+implementing the contract of matching.best_matches + merge_top_r + plans.merge.merge_mean in two launches per block
 (four above MATCH_TILES_IN_ONE_PROGRAM tiles of A tokens) instead of about 16 kernels and 15 views:
 
 1. `_match_and_plan_kernel`: every A token's best cosine similarity to a B token (fp32, IEEE dot products; the
@@ -125,7 +125,7 @@ def _lists(node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_ptr, n_a, n_b, 
            HAS_SPLIT: tl.constexpr, GROUP_LISTS: tl.constexpr, BLOCK: tl.constexpr):
     """The merge plan of r merges from the ranks, as index lists (see the workspace layout), tiles p, p + step /
     BLOCK, ... of each list. With GROUP_LISTS, also every token's group and the groups' members, as
-    ops.group_index and the dense merge kernel take them: groups_row holds group [N] | members, grouped [N] |
+    plans.merge.group_index and the dense merge kernel take them: groups_row holds group [N] | members, grouped [N] |
     offsets [N - r + 1] (one row of GROUPS)."""
     num_tokens = num_prefix + n_a + n_b
     num_kept = n_a - r
@@ -335,7 +335,7 @@ def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor
 def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ToMe's matching of r merges on metric (B, N, D) (alternate split, 0 < r <= max_merges), as the groups the
     dense variant merges: group (B, N) int32, each token's group in merge_mean's output order (as
-    ops.group_index); order (B, N) int32, the tokens grouped, each group's B token first; starts (B, N - r + 1)
+    plans.merge.group_index); order (B, N) int32, the tokens grouped, each group's B token first; starts (B, N - r + 1)
     int32, where each group begins in order (the last entry N). One launch (three on larger images)."""
     B, N, _ = metric.shape
     lay = _layout(N, num_prefix)

@@ -7,7 +7,8 @@ from typing import Optional
 
 import torch
 
-from ..matching import ClusterPlan, agglomerative_clusters, check_linkage
+from ..matching import agglomerative_clusters, check_linkage
+from ..plans import ClusterPlan
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
 

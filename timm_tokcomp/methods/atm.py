@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..matching import MergePlan, batch_adaptive_r, best_matches, count_above, max_merges, merge_top_r, size_distinctive_split
+from ..matching import batch_adaptive_r, best_matches, count_above, max_merges, merge_top_r, size_distinctive_split
+from ..plans import MergePlan
 from ..schedules import BlockCost, is_real
 from .base import TokenReducer, warn_if_compiling
 from .params import COMMON, REQUIRED, Param, kernel_choice

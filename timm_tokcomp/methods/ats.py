@@ -8,7 +8,8 @@ from typing import List, Optional
 
 import torch
 
-from ..matching import PrunePlan, adaptive_sampling, class_attention
+from ..matching import adaptive_sampling, class_attention
+from ..plans import PrunePlan
 from ..schedules import BlockCost
 from .base import ScheduledReducer, warn_if_compiling
 

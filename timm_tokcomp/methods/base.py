@@ -15,13 +15,9 @@ from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..matching import ClusterPlan, GroupPlan, KeepMergePlan, MergePlan, PrunePlan, ResamplePlan, SoftPlan, TruncatePlan
-from ..ops import apply_plan
+from ..plans import ClusterPlan, Plan
 from ..schedules import NAMED_SCHEDULES, BlockCost, resolve_r, solve_flops_schedule, stage_schedule
 from .params import COMMON, SCHEDULE, Param, kernel_choice, signature
-
-Plan = Union[MergePlan, PrunePlan, ClusterPlan, SoftPlan, TruncatePlan, ResamplePlan, KeepMergePlan, GroupPlan]
-
 
 def parse_r_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
     """'<name>_r<k>' -> {'r': k}; None for any other tag."""
@@ -209,8 +205,8 @@ class TokenReducer(ABC):
     def reduce(self, plan: Plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
                setting: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Carry out one block's plan on x: (B, N, C), size: (B, N, 1) or None, source: (B, N, N0) or None
-        (ops.apply_plan; a learned merge such as PYRA's overrides it)."""
-        return apply_plan(plan, x, size, source)
+        (the plan's own apply; a learned merge such as PYRA's overrides it)."""
+        return plan.apply(x, size, source)
 
     def lookahead(self, x: torch.Tensor, probs: torch.Tensor, size: Optional[torch.Tensor],
                   source: Optional[torch.Tensor], setting: Any, num_prefix: int):

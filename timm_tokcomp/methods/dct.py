@@ -6,7 +6,8 @@ from typing import Optional
 
 import torch
 
-from ..matching import ResamplePlan, dct_resample
+from ..matching import dct_resample
+from ..plans import ResamplePlan
 from .base import ScheduledReducer
 from .params import COMMON, SCHEDULE, Param, flag
 

@@ -5,7 +5,7 @@ from typing import List, Optional
 
 import torch
 
-from ..matching import MergePlan
+from ..plans import MergePlan
 from ..schedules import BlockCost, check_int
 from .base import RTagged, TokenReducer
 from .params import Param, kernel_choice, optional

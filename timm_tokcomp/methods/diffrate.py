@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..matching import KeepMergePlan, class_attention, gather_tokens
+from ..matching import class_attention
+from ..plans import gather_tokens, KeepMergePlan
 from ..schedules import BlockCost, is_int
 from .base import BlockSetting, LearnedParams, MacsTargetTagged, TokenReducer
 from .params import COMMON, MACS_TARGET, Param, check_macs_weight, optional

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..matching import bipartite_soft_matching, gather_tokens, max_merges
+from ..matching import bipartite_soft_matching, max_merges
+from ..plans import gather_tokens
 from ..schedules import BlockCost, is_int
 from .base import LearnedParams, ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..matching import PrunePlan
+from ..plans import PrunePlan
 from .base import LearnedParams, Plan, ScheduledReducer
 from .params import COMMON, SCHEDULE, Param
 

@@ -5,7 +5,8 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .. import kernels
-from ..matching import PrunePlan, attentive_pruning, class_attention
+from ..matching import attentive_pruning, class_attention
+from ..plans import PrunePlan
 from .base import FusedScheduledReducer
 
 

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..matching import MergePlan, merge_top_r
+from ..matching import merge_top_r
+from ..plans import MergePlan
 from ..schedules import BlockCost, is_int
 from .base import LearnedParams, TokenReducer
 from .params import COMMON, Param, flag, optional

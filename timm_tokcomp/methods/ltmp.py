@@ -26,7 +26,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from ..matching import GroupPlan, keep_best
+from ..matching import keep_best
+from ..plans import GroupPlan
 from ..schedules import BlockCost, is_int, is_real
 from .base import BlockSetting, LearnedParams, MacsTargetTagged, TokenReducer, warn_if_compiling
 from .params import COMMON, MACS_TARGET, Param, check_macs_weight, optional

@@ -10,7 +10,7 @@ from typing import Any, List, Optional
 import torch
 
 from ..matching import mctf_matching
-from ..ops import cluster_attention, cluster_sum
+from ..plans.cluster import cluster_attention, cluster_sum
 from ..schedules import BlockCost, is_real
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from ..matching import SoftPlan
+from ..plans import SoftPlan
 from .base import LearnedParams, ScheduledReducer
 from .params import COMMON, SCHEDULE, Param
 

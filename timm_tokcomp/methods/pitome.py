@@ -6,7 +6,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..matching import MergePlan, energy_matching
+from ..matching import energy_matching
+from ..plans import MergePlan
 from ..schedules import BlockCost, is_real
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param

@@ -19,8 +19,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..matching import MergePlan, gather_tokens, split_tokens
-from ..ops import merge_sum
+from ..plans import gather_tokens, split_tokens, MergePlan
+from ..plans.merge import merge_sum
 from .base import LearnedParams, Plan
 from .params import COMMON, SCHEDULE, Param
 from .tome import ToMe, tome_plan
@@ -127,7 +127,7 @@ def check_fits(params: PyraParams, dim: int, settings: Sequence[Any]) -> None:
 def pyra_merge(x: torch.Tensor, size: Optional[torch.Tensor], plan: MergePlan, params: PyraParams,
                layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """ToMe's size-weighted merge with PYRA's modulated sources: x (B, N, C), size (B, N, 1) or None
-    -> x (B, N - r, C), size (B, N - r, 1). With t = 0 it computes exactly what ops.merge_mean does."""
+    -> x (B, N - r, C), size (B, N - r, 1). With t = 0 it computes exactly what plans.merge.merge_mean does."""
     if size is None:
         size = x.new_ones(x.shape[0], x.shape[1], 1)
     split = None if plan.a_idx is None else (plan.a_idx, plan.b_idx)

@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..matching import PrunePlan
+from ..plans import PrunePlan
 from ..schedules import BlockCost
 from .base import ScheduledReducer
 

@@ -6,8 +6,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..matching import MergePlan
-from ..ops import merge_keep_destination, merge_mlerp, merge_sum
+from ..plans import MergePlan
+from ..plans.merge import merge_keep_destination, merge_mlerp, merge_sum
 from ..schedules import BlockCost, check_int
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param, optional

@@ -4,7 +4,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .. import kernels
-from ..matching import MergePlan, bipartite_soft_matching, max_merges
+from ..matching import bipartite_soft_matching, max_merges
+from ..plans import MergePlan
 from .base import FusedScheduledReducer, parse_named_schedule_tag, prop_attn_unless_avg_pool
 
 

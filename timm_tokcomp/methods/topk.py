@@ -4,7 +4,8 @@ from typing import Optional
 
 import torch
 
-from ..matching import PrunePlan, class_attention, top_k_pruning
+from ..matching import class_attention, top_k_pruning
+from ..plans import PrunePlan
 from .base import ScheduledReducer
 
 
