@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 import timm_tokcomp
-from timm_tokcomp import kernels, ops
+from timm_tokcomp import kernels
 from timm_tokcomp.matching import bipartite_soft_matching
 from timm_tokcomp.measure import time_side_by_side
+from timm_tokcomp.plans.merge import group_index
 
 PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}  # SXM memory bandwidth, GB/s
 
@@ -154,7 +155,7 @@ def block_parts(base: nn.Module, x: torch.Tensor, rs: List[int], backends: List[
                     return group, num_tokens - k, tuple(members)
             else:
                 def groups():
-                    return (*ops.group_index(bipartite_soft_matching(metric, k, base.num_prefix_tokens), num_tokens),
+                    return (*group_index(bipartite_soft_matching(metric, k, base.num_prefix_tokens), num_tokens),
                             None)
             match_s = median_time(groups, device, rounds)
             group, m, members = groups()
