@@ -12,8 +12,11 @@ import torch.nn.functional as F
 import timm_tokcomp
 import math
 
-from timm_tokcomp.matching import (agglomerative_clusters, bipartite_soft_matching, dct_resample, energy_matching,
-    energy_scores, mctf_matching)
+from timm_tokcomp.matching import bipartite_soft_matching
+from timm_tokcomp.methods.atc import agglomerative_clusters
+from timm_tokcomp.methods.dct import dct_resample
+from timm_tokcomp.methods.mctf import mctf_matching
+from timm_tokcomp.methods.pitome import energy_matching, energy_scores
 from timm_tokcomp.measure import count_macs
 from timm_tokcomp.methods.tofu import MLERP, PRUNE, ToFu
 from timm_tokcomp.plans.cluster import cluster_attention, cluster_sum

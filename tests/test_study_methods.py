@@ -5,9 +5,12 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.matching import adaptive_sampling, density_peaks, k_medoids, top_k_pruning
-from timm_tokcomp.plans import ClusterPlan
 from timm_tokcomp.measure import count_macs
+from timm_tokcomp.methods.ats import adaptive_sampling
+from timm_tokcomp.methods.dpcknn import density_peaks
+from timm_tokcomp.methods.kmedoids import k_medoids
+from timm_tokcomp.methods.topk import top_k_pruning
+from timm_tokcomp.plans import ClusterPlan
 from timm_tokcomp.methods import parse_method_tag
 from timm_tokcomp.methods.radial import centre_order
 from timm_tokcomp.patch import _block_cost

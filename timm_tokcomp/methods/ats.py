@@ -8,10 +8,34 @@ from typing import List, Optional
 
 import torch
 
-from ..matching import adaptive_sampling, class_attention
+from ..matching import class_attention
 from ..plans import PrunePlan
 from ..schedules import BlockCost
 from .base import ScheduledReducer, warn_if_compiling
+
+
+def adaptive_sampling(scores: torch.Tensor, k: int, num_prefix: int) -> PrunePlan:
+    """ATS's inverse-transform sampling: k points (i + 0.5) / k on the cumulative distribution of the
+    significance scores pick tokens; a token picked more than once is kept once, so each image keeps at most k.
+
+    scores: (B, N) significance of every token (prefix entries ignored; zero for padding). Rows keep different
+    counts: the plan keeps the batch's largest count M, each row's kept tokens first (original order), then
+    padding marked in plan.valid. One host synchronisation (M)."""
+    n = scores.shape[1] - num_prefix
+    k = max(min(k, n), 1)
+    with torch.no_grad():
+        s = scores[:, num_prefix:].float()
+        order = s.argsort(dim=-1, stable=True)
+        cdf = s.gather(1, order).cumsum(dim=-1)
+        cdf = cdf / cdf[:, -1:].clamp_min(torch.finfo(cdf.dtype).tiny)
+        points = (torch.arange(k, device=s.device, dtype=cdf.dtype) + 0.5) / k
+        picked = torch.searchsorted(cdf, points.expand(s.shape[0], -1).contiguous()).clamp_max(n - 1)
+        kept = torch.zeros_like(s, dtype=torch.bool).scatter(1, order.gather(1, picked), True)  # (B, n)
+        m = int(kept.sum(dim=1).max().item())
+        index = torch.arange(n, device=s.device)
+        keep_idx = (index + n * (~kept)).argsort(dim=-1)[:, :m]  # kept tokens first, each part ascending
+        valid = kept.gather(1, keep_idx).unsqueeze(-1)
+    return PrunePlan(num_prefix, keep_idx, valid=valid.to(scores.dtype))
 
 
 class ATS(ScheduledReducer):

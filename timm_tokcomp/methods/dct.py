@@ -6,10 +6,27 @@ from typing import Optional
 
 import torch
 
-from ..matching import dct_resample
 from ..plans import ResamplePlan
 from .base import ScheduledReducer
 from .params import COMMON, SCHEDULE, Param, flag
+
+
+def dct_matrix(n: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The orthonormal DCT-II matrix (n, n), float32: row u is alpha_u cos(pi (2 t + 1) u / (2 n)) over t."""
+    t = torch.arange(n, device=device)
+    phase = ((2 * t + 1) * t.unsqueeze(1)) % (4 * n)  # exact in integers: the cosine's argument stays below 2 pi
+    phi = torch.cos(phase.float() * (torch.pi / (2 * n))) * (2 / n) ** 0.5
+    return torch.cat([phi[:1] / 2 ** 0.5, phi[1:]])
+
+
+def dct_resample(n: int, m: int, inflate: bool = False, device: Optional[torch.device] = None) -> torch.Tensor:
+    """(m, n) float32: the n-point DCT, its m lowest frequencies kept, the m-point inverse DCT. inflate=False
+    scales by sqrt(m / n), so a constant sequence stays that constant (each row sums to 1); inflate=True is the
+    plain transform pair (OpenToMe's form), which scales a constant by sqrt(n / m)."""
+    if not 1 <= m <= n:
+        raise ValueError(f"a DCT resample needs 1 <= m <= n, got m={m}, n={n}")
+    matrix = dct_matrix(m, device).T @ dct_matrix(n, device)[:m]
+    return matrix if inflate else matrix * (m / n) ** 0.5
 
 
 class DCT(ScheduledReducer):

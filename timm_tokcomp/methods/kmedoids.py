@@ -3,8 +3,25 @@ features) into as many clusters as tokens stay, with 3 K-Medoids iterations from
 each cluster becomes its size-weighted mean (sizes and source maps tracked as for ToMe)."""
 import torch
 
-from ..matching import k_medoids
+from ..matching import nearest_centre, pairwise_distances
 from .base import ClusterMerging
+
+
+def k_medoids(x: torch.Tensor, num_clusters: int, iterations: int = 3) -> torch.Tensor:
+    """K-Medoids on the tokens x: (B, n, C) -> assign (B, n) in [0, num_clusters).
+
+    Start: num_clusters medoids evenly spaced over the token order. Each iteration assigns every token to its
+    nearest medoid and moves each medoid to the member with the least summed distance to its cluster."""
+    B, n, _ = x.shape
+    with torch.no_grad():
+        dist = pairwise_distances(x)
+        medoids = torch.linspace(0, n - 1, num_clusters, device=x.device).round().long().expand(B, -1)
+        for _ in range(iterations):
+            # (B, n, K) one-hot membership by scatter: F.one_hot checks its range on the host (a device sync)
+            members = dist.new_zeros(B, n, num_clusters).scatter_(2, nearest_centre(dist, medoids).unsqueeze(-1), 1.0)
+            cost = torch.bmm(dist, members).masked_fill(members == 0, float("inf"))  # member's cost per cluster
+            medoids = cost.argmin(dim=1)
+        return nearest_centre(dist, medoids)
 
 
 class KMedoids(ClusterMerging):

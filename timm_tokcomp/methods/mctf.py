@@ -9,11 +9,55 @@ from typing import Any, List, Optional
 
 import torch
 
-from ..matching import mctf_matching
+from ..matching import max_merges
+from ..plans import ClusterPlan, split_tokens
 from ..plans.cluster import cluster_attention, cluster_sum
 from ..schedules import BlockCost, is_real
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
+
+
+def mctf_matching(x: torch.Tensor, received: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
+                  info_power: float = 1 / 20, size_power: float = 1 / 40) -> ClusterPlan:
+    """MCTF's bidirectional multi-criteria matching -> the groups as a ClusterPlan over the non-prefix tokens.
+
+    x: (B, N, C) the tokens entering the block (cosine similarity on x itself); received: (B, N) the mean attention
+    each token receives in this block (over heads and queries); size: (B, N, 1) or None. On the alternate split,
+    W[a, b] = (cos(x_a, x_b) + 1) / 2 * (i_a i_b) ** info_power * (s_a s_b) ** size_power, with i = min(received) /
+    received (less attended: higher) and s = min(size) / size (smaller: higher). Step 1: the r // 2 A tokens with
+    the highest best W merge into their best B. Step 2: on the same W, the r - r // 2 B tokens with the highest best
+    W towards the A tokens left merge into their best one (with what step 1 merged into them). Ties: lower index.
+    Groups: the A tokens left (ascending), then the B tokens left (ascending). r: clamped to max_merges, keeping at
+    least 10 non-prefix tokens (or all of them, if fewer)."""
+    B, N, _ = x.shape
+    p, n = num_prefix, N - num_prefix
+    r = max(min(r, max_merges(N, p), n - 10), 0)
+    r1, r2 = r // 2, r - r // 2
+    with torch.no_grad():
+        unit = x / x.norm(dim=-1, keepdim=True)
+        info = received.amin(dim=1, keepdim=True) / received
+        small = torch.ones_like(info) if size is None else size[..., 0].amin(dim=1, keepdim=True) / size[..., 0]
+        score = info.pow(info_power) * small.pow(size_power)  # (B, N)
+        (ua, ub), (sa, sb) = split_tokens(unit, p), split_tokens(score.unsqueeze(-1), p)
+        w = (torch.bmm(ua, ub.transpose(1, 2)) + 1) / 2 * sa * sb.transpose(1, 2)  # (B, na, nb)
+        na, nb = w.shape[1], w.shape[2]
+        best1, dst1 = w.max(dim=-1)
+        order1 = best1.argsort(dim=-1, descending=True, stable=True)
+        src1, kept_a = order1[:, :r1], order1[:, r1:].sort(dim=-1).values  # (B, r1), (B, na - r1) into A
+        best2, dst2 = w.gather(1, kept_a.unsqueeze(-1).expand(-1, -1, nb)).max(dim=1)  # (B, nb): into kept_a
+        order2 = best2.argsort(dim=-1, descending=True, stable=True)
+        src2, kept_b = order2[:, :r2], order2[:, r2:].sort(dim=-1).values
+        left = na - r1
+        group_b = torch.empty(B, nb, dtype=torch.long, device=x.device)
+        group_b.scatter_(1, kept_b, left + torch.arange(nb - r2, device=x.device).expand(B, -1))
+        group_b.scatter_(1, src2, dst2.gather(1, src2))
+        group_a = torch.empty(B, na, dtype=torch.long, device=x.device)
+        group_a.scatter_(1, kept_a, torch.arange(left, device=x.device).expand(B, -1))
+        group_a.scatter_(1, src1, group_b.gather(1, dst1.gather(1, src1)))
+        a_start = p % 2
+        assign = torch.empty(B, n, dtype=torch.long, device=x.device)
+        assign[:, a_start::2], assign[:, 1 - a_start::2] = group_a, group_b
+    return ClusterPlan(p, assign, n - r)
 
 
 def _positive(name: str):

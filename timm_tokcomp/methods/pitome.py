@@ -6,13 +6,45 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..matching import energy_matching
+from ..matching import best_matches, merge_top_r
 from ..plans import MergePlan
 from ..schedules import BlockCost, is_real
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
 
 Setting = Tuple[int, float, bool]  # (r, margin, protect)
+
+
+def energy_scores(metric: torch.Tensor, margin: float) -> torch.Tensor:
+    """PiToMe's energy of every token of metric (B, n, C): the mean over all tokens j (itself included) of
+    ELU(cos(i, j) - margin), alpha 1. High: the token sits among many similar ones (redundant); low: informative."""
+    m = metric / metric.norm(dim=-1, keepdim=True)
+    return torch.nn.functional.elu(torch.bmm(m, m.transpose(1, 2)) - margin).mean(dim=-1)
+
+
+def energy_matching(metric: torch.Tensor, r: int, num_prefix: int, margin: float, protect: bool) -> MergePlan:
+    """PiToMe's plan of r merges on metric (B, N, C), the non-prefix tokens ranked by energy (descending; ties: lower
+    position first). protect False: all of them split alternately by rank into A (even ranks) and B, and ToMe's
+    rule merges the r A tokens most similar to their best B. protect True: only the 2r highest-energy tokens are
+    candidates, split alternately by rank, and every candidate in A merges into its most similar B; the others are
+    protected (kept in A, never merged). r is clamped to half the non-prefix tokens."""
+    n = metric.shape[1] - num_prefix
+    r = max(min(r, n // 2), 0)
+    with torch.no_grad():
+        rest = metric[:, num_prefix:]
+        order = energy_scores(rest, margin).argsort(dim=-1, descending=True, stable=True)
+        if protect:
+            a_rank, b_rank = order[:, 0:2 * r:2], order[:, 1:2 * r:2]
+            guarded = order[:, 2 * r:]
+            a_idx = torch.cat([a_rank, guarded], dim=1).sort(dim=-1).values
+            b_idx = b_rank.sort(dim=-1).values
+        else:
+            a_idx, b_idx = order[:, 0::2].sort(dim=-1).values, order[:, 1::2].sort(dim=-1).values
+        node_max, node_idx = best_matches(metric, num_prefix, (a_idx, b_idx))
+        if protect:  # only the candidates may merge: the protected A tokens rank last
+            candidate = torch.zeros_like(order, dtype=torch.bool).scatter(1, a_rank, True).gather(1, a_idx)
+            node_max = torch.where(candidate, node_max, torch.full_like(node_max, -torch.inf))
+        return merge_top_r(node_max, node_idx, r, num_prefix, (a_idx, b_idx))
 
 
 def _check_margin(value: float) -> float:
@@ -25,7 +57,7 @@ class PiToMe(ScheduledReducer):
     """Metric: keys averaged over heads (cosine). Block l of L: energy with margin m_l = margin (1 - l / L); the first
     ceil(L / 2) blocks match all tokens in energy order (alternate ranks into A and B, ToMe's rule), the later ones
     protect all but the 2 r highest-energy tokens and merge every candidate of A into its best B
-    (matching.energy_matching). Merge: size-weighted mean. Proportional attention is on by default, as ToMe's (off
+    (energy_matching). Merge: size-weighted mean. Proportional attention is on by default, as ToMe's (off
     for avg-pooled models): the public code runs without it (prop_attn=False), which on real DeiT-Tiny at r = 16
     costs 5.5 (imagenet-val-1300) and 9.0 (nips17-1000) more points of top-1 (docs/study.md)."""
 

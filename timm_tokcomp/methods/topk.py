@@ -4,9 +4,19 @@ from typing import Optional
 
 import torch
 
-from ..matching import class_attention, top_k_pruning
+from ..matching import class_attention
 from ..plans import PrunePlan
 from .base import ScheduledReducer
+
+
+def top_k_pruning(cls_attn: torch.Tensor, r: int, num_prefix: int) -> PrunePlan:
+    """Top-K: keep the non-prefix tokens the class token attends to most, drop the r others (ties: the lower
+    index is kept). cls_attn: (B, N) as in attentive_pruning; r clamped so that one non-prefix token remains."""
+    n = cls_attn.shape[1] - num_prefix
+    r = max(min(r, n - 1), 0)
+    with torch.no_grad():
+        order = cls_attn[:, num_prefix:].argsort(dim=-1, descending=True, stable=True)
+        return PrunePlan(num_prefix, order[:, : n - r].sort(dim=-1).values)
 
 
 class TopK(ScheduledReducer):
