@@ -3,7 +3,7 @@
 Index conventions: prefix tokens (class / distillation / register) come first and are never reduced; a plan's
 indices index the non-prefix tokens (or ToMe's A / B sets of them), per batch row."""
 from abc import ABC, abstractmethod
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 

@@ -1,7 +1,7 @@
 """Clustering: every non-prefix token joins one cluster, each output the size-weighted mean of one (K-Medoids,
 DPC-KNN, ATC, MCTF's merged attention)."""
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 

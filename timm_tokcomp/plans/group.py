@@ -1,6 +1,6 @@
 """Groups with dropping, images keeping different counts (LTMP)."""
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 

@@ -1,6 +1,6 @@
 """Prune, then merge into kept tokens by unweighted means (DiffRate)."""
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 

@@ -1,6 +1,6 @@
 """Pruning: keep some tokens, fuse the others into one or drop them (EViT, Top-K, ATS, radial patterns)."""
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 

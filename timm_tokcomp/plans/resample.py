@@ -1,6 +1,6 @@
 """Resampling the token axis by a fixed linear map (the DCT pair)."""
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 

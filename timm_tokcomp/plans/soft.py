@@ -1,6 +1,6 @@
 """Soft merging: every output a convex combination of the non-prefix tokens (PatchMerger, Sinkhorn, SiT)."""
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 

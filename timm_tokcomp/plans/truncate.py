@@ -1,6 +1,6 @@
 """Truncation: the lower bound on any reduction's cost (the 'limit' rows of `tokcomp speed`)."""
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
