@@ -71,12 +71,12 @@ def _run(folder, out, **kwargs):
 
 
 def test_analyze_writes_the_report_and_resumes_from_its_recordings(image_folder, tmp_path, monkeypatch):
-    """A resume reuses the recordings made on the same weights and images (by content: a model with random weights
-    is another model every run, and is recorded again)."""
+    """A resume reuses the recordings made on the same weights and images (by content: other weights, here the
+    random ones of a run without --checkpoint, are recorded again)."""
     import timm
 
     out, weights = tmp_path / "report", tmp_path / "weights.pth"
-    torch.manual_seed(0)
+    torch.manual_seed(1)  # not build_base_model's seed for random weights
     torch.save(timm.create_model("deit_tiny_patch16_224").state_dict(), weights)
     rows = _run(image_folder, out, checkpoint=str(weights))
     names = sorted(p.name for p in out.iterdir())
@@ -99,7 +99,7 @@ def test_analyze_writes_the_report_and_resumes_from_its_recordings(image_folder,
     recorded = []
     monkeypatch.setattr("timm_tokcomp.analysis.report.record", lambda model, name, *a: recorded.append(name) or
                         real_record(model, name, *a))
-    _run(image_folder, out, resume=True, overlays=0)  # random weights: other ones
+    _run(image_folder, out, resume=True, overlays=0)  # random weights: other ones than the checkpoint's
     assert sorted(recorded) == ["evit_r8", "tome_r8", "topk_k70"]
 
 

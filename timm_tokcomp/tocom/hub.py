@@ -108,7 +108,7 @@ def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
     lora_b = torch.zeros(steps, L, 2, attn_dim, h)
     for i, name in enumerate(subfolders):
         path = root / name / ADAPTER_WEIGHTS
-        tensors = read_safetensors(path)
+        tensors = read_safetensors(path)  # NaN or inf refused there, naming the tensor
         extra = sorted(set(tensors) - expected_keys)
         if extra:
             raise ValueError(f"{path} holds tensors that {CONFIG_NAME} (depth {L}) does not describe: "
@@ -121,8 +121,6 @@ def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
             if a.shape != (2 * h, D) or b.shape != (3 * attn_dim, 2 * h):
                 raise ValueError(f"{path}: block {block} has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, "
                                  f"expected {(2 * h, D)} / {(3 * attn_dim, 2 * h)} from {CONFIG_NAME}")
-            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-                raise ValueError(f"{path}: block {block} holds non-finite values (NaN or inf)")
             if b[attn_dim:2 * attn_dim].any() or b[:attn_dim, h:].any() or b[2 * attn_dim:, :h].any():
                 raise ValueError(f"{path}: block {block} lora_B is not block-structured (key rows or "
                                  "cross terms are not zero)")
