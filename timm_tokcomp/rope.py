@@ -15,7 +15,7 @@ from torch import nn
 from timm.layers.pos_embed_sincos import (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed,
                                           _build_grid, _rope_layout)
 
-from .plans import Plan, gather_tokens
+from .plans import Plan
 
 ROPE_MERGES = ("dst", "centroid")  # how a merged token's rotary position is chosen (the rope_merge parameter)
 SERVED_ROPES = (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed)
@@ -115,7 +115,7 @@ class TokenPositions:
 
     def reduced(self, plan, size: Optional[torch.Tensor], num_prefix: int) -> "TokenPositions":
         """The positions after `plan` (size: (B, N, 1) the tokens' sizes before it, or None). Under 'dst' every
-        output of a plan with destinations (plan.destination: a merge's destination, DiffRate's keeper, LTMP's
+        output of a plan with destinations (plan.at_destinations: a merge's destination, DiffRate's keeper, LTMP's
         group lead, a kept token) keeps its destination's position; under 'centroid', and for an output that has no
         destination (a cluster, a soft mix, a resampled token, EViT's fused token), it sits at the size- (or
         attention-) weighted centroid of what it holds. A plan of a method's training step (which keeps the tokens
@@ -126,10 +126,8 @@ class TokenPositions:
                 "this method's training step keeps every token in place with soft sizes, which defines no rotary "
                 "position for a merged token: train it on a model without rotary embeddings; its eval model "
                 "(model.eval()) runs here")
-        destination = plan.destination(self.coords.shape[1]) if self.merge == "dst" else None
-        if destination is not None:
-            coords = gather_tokens(self.coords, destination)
-        else:
+        coords = plan.at_destinations(self.coords) if self.merge == "dst" else None
+        if coords is None:
             full = torch.cat([self.coords.new_zeros(self.coords.shape[0], p, 2), self.coords], dim=1)
             coords = plan.apply(full, size, None)[0][:, p:]
         return TokenPositions(self.rope, coords, None, self.merge)

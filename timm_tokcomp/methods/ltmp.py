@@ -192,9 +192,7 @@ class LTMP(MacsTargetTagged, LearnedParams, TokenReducer):
             count, unchanged = divmod(int((keep.sum(dim=1).max() * 2 + unchanged.long()).item()), 2)  # one host read
         if unchanged and count == n:
             return None
-        lead = index.new_zeros(index.shape[0], count + 1)  # column `count` takes the slots that do not stay
-        lead.scatter_(1, torch.where(keep, index, count), torch.arange(n, device=index.device).expand_as(index))
-        return GroupPlan(p, group, count, lead[:, :count])
+        return GroupPlan(p, group, count, leads=keep)  # a slot that stays is its group's lead
 
     def reduce(self, plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
                setting: BlockSetting):

@@ -1,6 +1,6 @@
 """Reduction plans: what one block's reduction does. Each kind lives in its own file with its execution
-(`plan.apply(x, size, source)`) and where its outputs' rotary positions come from (`plan.destination(n)`); a method
-(methods/) decides a plan, the plan carries itself out. A new kind of plan is a new file here."""
+(`plan.apply(x, size, source)`) and where its outputs' rotary positions come from (`plan.at_destinations(coords)`);
+a method (methods/) decides a plan, the plan carries itself out. A new kind of plan is a new file here."""
 from .base import Plan, Reduced, gather_tokens, split_tokens
 from .cluster import ClusterPlan
 from .group import GroupPlan

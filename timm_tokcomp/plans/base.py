@@ -18,10 +18,11 @@ class Plan(ABC):
         """x: (B, N, C), size: (B, N, 1) or None (all ones), source: (B, N, N0) or None -> the same after the
         reduction, N' tokens in the plan's output order."""
 
-    def destination(self, n: int) -> Optional[torch.Tensor]:
-        """(B, n') the non-prefix input (of n) whose position each non-prefix output keeps under rope_merge='dst'
-        (a merge's destination, a keeper, a group's lead, a kept token), or None where an output has no destination
-        (a cluster, a soft mix, a resampled or fused token: it sits at the centroid of what it holds)."""
+    def at_destinations(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """t: (B, n, C) rows of the non-prefix inputs (their rotary coordinates) -> (B, n', C) the row of each
+        non-prefix output's destination (a merge's destination, a keeper, a group's lead, a kept token), what
+        rope_merge='dst' keeps; None where an output has no destination (a cluster, a soft mix, a resampled or fused
+        token: it sits at the centroid of what it holds)."""
         return None
 
 

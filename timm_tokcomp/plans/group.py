@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from .base import Plan, Reduced, ones_like_size
+from .base import Plan, Reduced, gather_tokens, ones_like_size
 
 
 @dataclass
@@ -16,17 +16,24 @@ class GroupPlan(Plan):
     num_groups: K, the batch's largest count; a row with fewer groups is padded with empty ones (size 0, zero
     features), which the log-size attention bias keeps out of attention. Each group is the size-weighted mean of its
     members, sizes and source maps summed. Output order: prefix tokens, then the groups by index.
+    leads: (B, n) bool, True at each group's lead (the token the others merged into), or None (then a group has no
+    destination and sits at its members' centroid).
     """
 
     num_prefix: int
     group: torch.Tensor
     num_groups: int
-    lead: Optional[torch.Tensor] = None
+    leads: Optional[torch.Tensor] = None
 
-    def destination(self, n: int) -> Optional[torch.Tensor]:
-        """(B, num_groups) each group's lead: the token the others merged into (an empty group's: any); None
-        without leads (then a group sits at its members' centroid)."""
-        return self.lead
+    def at_destinations(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """t: (B, n, C) -> (B, num_groups, C) each group's lead's row (an empty group's: the first token's)."""
+        if self.leads is None:
+            return None
+        n = self.group.shape[1]
+        lead = self.group.new_zeros(self.group.shape[0], self.num_groups + 1)  # the last column takes the non-leads
+        slot = torch.where(self.leads, self.group, self.num_groups)
+        lead.scatter_(1, slot, torch.arange(n, device=slot.device).expand_as(slot))
+        return gather_tokens(t, lead[:, :self.num_groups])
 
     def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
         size = ones_like_size(x, size)

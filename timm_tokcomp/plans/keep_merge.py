@@ -26,9 +26,9 @@ class KeepMergePlan(Plan):
     size_weight: torch.Tensor
     num_keepers: int
 
-    def destination(self, n: int) -> torch.Tensor:
-        """(B, M) each output's keeper."""
-        return self.keep_idx[:, :self.num_keepers]
+    def at_destinations(self, t: torch.Tensor) -> torch.Tensor:
+        """t: (B, n, C) -> (B, M, C) each output's keeper's row."""
+        return gather_tokens(t, self.keep_idx[:, :self.num_keepers])
 
     def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
         ones = x.new_ones(x.shape[0], x.shape[1], 1)

@@ -33,16 +33,13 @@ class MergePlan(Plan):
     def r(self) -> int:
         return self.src_idx.shape[1]
 
-    def destination(self, n: int) -> torch.Tensor:
-        """(B, n - r) the non-prefix input (of n) whose position each non-prefix output keeps: a kept A token its
-        own, a B token (and what merged into it) the B token's."""
+    def at_destinations(self, t: torch.Tensor) -> torch.Tensor:
+        """t: (B, n, C) -> (B, n - r, C): a kept A token's own row, a B token's (what merged into it keeps it)."""
         if self.a_idx is not None:
-            a, b = self.a_idx, self.b_idx
+            a, b = gather_tokens(t, self.a_idx), gather_tokens(t, self.b_idx)
         else:
-            B, device = self.unm_idx.shape[0], self.unm_idx.device
-            a = torch.arange(self.a_start, n, 2, device=device).expand(B, -1)
-            b = torch.arange(1 - self.a_start, n, 2, device=device).expand(B, -1)
-        return torch.cat([a.gather(1, self.unm_idx), b], dim=1)
+            a, b = t[:, self.a_start::2], t[:, 1 - self.a_start::2]
+        return torch.cat([gather_tokens(a, self.unm_idx), b], dim=1)
 
     def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
         x, size = merge_mean(x, size, self)

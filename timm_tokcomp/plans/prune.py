@@ -25,10 +25,10 @@ class PrunePlan(Plan):
     fuse_weight: Optional[torch.Tensor] = None
     valid: Optional[torch.Tensor] = None
 
-    def destination(self, n: int) -> Optional[torch.Tensor]:
-        """(B, K) the kept tokens, each in its own place; None with a fused token (it has no destination: it sits
-        at the centroid of what it holds, and every kept token there too is its own centroid)."""
-        return self.keep_idx if self.fuse_idx is None else None
+    def at_destinations(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """t: (B, n, C) -> (B, K, C) the kept tokens' own rows; None with a fused token (it has no destination: it
+        sits at the centroid of what it holds, and every kept token there too is its own centroid)."""
+        return gather_tokens(t, self.keep_idx) if self.fuse_idx is None else None
 
     def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
         x, size = prune_fuse(x, self), prune_sum(ones_like_size(x, size), self)
