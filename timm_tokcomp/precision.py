@@ -52,12 +52,13 @@ def check_device(device: str, source: str = "--device") -> None:
     """Raise ValueError for a device string torch cannot parse or a device this machine does not have (a CUDA build
     of torch without a driver included), naming where the device came from (source: '--device', 'device=', 'preset
     <file>')."""
-    named = f"{source}{device!r}" if source.endswith("=") else f"{source} {device}"
+    keyword = source.endswith("=")  # device='cuda' reads as the call gave it; --device cuda as typed
+    named = f"{source}{device!r}" if keyword else f"{source} {device}"
     try:
         kind = torch.device(device).type
     except (RuntimeError, TypeError):
-        raise ValueError(f"{source}{'' if source.endswith('=') else ' '}{device!r} is not a torch device (cpu, cuda, "
-                         f"cuda:1, ...)") from None
+        raise ValueError(f"{source}{'' if keyword else ' '}{device!r} is not a torch device (cpu, cuda, cuda:1, "
+                         "...)") from None
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{named}: CUDA is not available on this machine (no CUDA device or driver, or a "
                          f"torch built without CUDA)")

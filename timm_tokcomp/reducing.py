@@ -252,18 +252,16 @@ class ReducingModel:
     def _reduce_blocks(self, x: torch.Tensor, positions: Optional[TokenPositions], for_intermediates: bool = False,
                        num_blocks: Optional[int] = None,
                        on_block: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None,
-                       final: bool = True, grid: Optional[Tuple[int, int]] = None
-                       ) -> Tuple[torch.Tensor, ReductionStats]:
+                       final: bool = True, *, grid: Tuple[int, int]) -> Tuple[torch.Tensor, ReductionStats]:
         """x: (B, N, C) -> (B, N', C) through the first num_blocks blocks (all: None), with this call's stats.
         positions: the patch tokens' rotary positions (None without rope). for_intermediates: trace the source map;
         on_block(i, x, source) sees each block's output, every token of it. final: the returned tokens are the final
         features, computed as forward_features computes them (a last block that keeps only the prefix tokens runs its
         MLP on those alone; for on_block it runs once more on every token); False: every block keeps its tokens to
-        the end. grid: (rows, cols) of the patch tokens (None: the model's default grid)."""
+        the end. grid: (rows, cols) of the patch tokens (patch_grid)."""
         refuse_fx_tracing()
         reducer, num_prefix = self._tokcomp_reducer, self.num_prefix_tokens
-        settings = block_settings(reducer, self._tokcomp_depth, x.shape[1], num_prefix, self._tokcomp_block_cost,
-                                  grid or patch_grid(self))
+        settings = block_settings(reducer, self._tokcomp_depth, x.shape[1], num_prefix, self._tokcomp_block_cost, grid)
         prefix_only_last_block = prefix_only_last(self, reducer) and final
         size = None
         source = None

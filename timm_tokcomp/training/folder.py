@@ -93,7 +93,7 @@ def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretr
     recipe = FinetuneConfig(**{**data["recipe"], "crop_scale": tuple(data["recipe"]["crop_scale"])})
     check_adapter_files(folder, recipe.lora_rank)
     with torch.random.fork_rng(devices=[]):  # leaves the caller's random stream as it was
-        torch.manual_seed(recipe.seed)  # the new head's and the method's initialisation, as finetune drew them
+        torch.manual_seed(recipe.seed)  # what reset_classifier and apply draw, from the recipe's seed (loaded over)
         model = build_base_model(data["base_model"], checkpoint, pretrained, "cpu", seed=recipe.seed)
         if not recipe.distill:  # a distilled model keeps the base model's head
             model.reset_classifier(data["num_classes"])
