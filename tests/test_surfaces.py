@@ -340,3 +340,14 @@ def test_rope_grid_coordinates_are_made_once_per_module_grid_and_device(images):
         grid = grid_coords(model.rope, tuple(model.patch_embed.grid_size), images.device)
         assert grid_coords(model.rope, tuple(model.patch_embed.grid_size), images.device) is grid
         torch.testing.assert_close(model(images), first, rtol=0, atol=0)
+
+
+def test_dynamicvit_trains_on_a_rope_model_its_masks_moving_no_position(images):
+    """DynamicViT's training step masks tokens in place (sizes, no merge): the positions travel unchanged, and it
+    trains on EVA02 (it crashed there before, on a plan without the fields a prune reads)."""
+    model = timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "dynamicvit", keep_rate=0.5, stages=(2, 3)).train()
+    seen = positions_seen(model, images)
+    assert seen and all(kind == "_MaskPlan" and after is before for kind, before, after in seen)
+    out = model(images)
+    out.sum().backward()
+    assert torch.isfinite(out).all()

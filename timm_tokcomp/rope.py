@@ -118,9 +118,12 @@ class TokenPositions:
         output of a plan with destinations (plan.at_destinations: a merge's destination, DiffRate's keeper, LTMP's
         group lead, a kept token) keeps its destination's position; under 'centroid', and for an output that has no
         destination (a cluster, a soft mix, a resampled token, EViT's fused token), it sits at the size- (or
-        attention-) weighted centroid of what it holds. A plan of a method's training step (which keeps the tokens
-        in place and mixes them softly) is refused: its positions are not defined."""
+        attention-) weighted centroid of what it holds. A training step that moves no token (keeps_positions:
+        DynamicViT's masks) leaves the positions as they are; one that keeps the tokens in place and mixes them softly
+        is refused: its positions are not defined."""
         p = num_prefix
+        if getattr(plan, "keeps_positions", False):
+            return self
         if not isinstance(plan, Plan):
             raise NotImplementedError(
                 "this method's training step keeps every token in place with soft sizes, which defines no rotary "

@@ -170,7 +170,8 @@ class DynamicViT(LearnedParams, ScheduledReducer):
 
 
 class _MaskPlan(NamedTuple):
-    """Training mode: decisions are sampled in reduce(); no token is removed."""
+    """Training mode: decisions are sampled in reduce(); no token is removed or moved (positions unchanged)."""
 
     num_prefix: int
     setting: StageSetting
+    keeps_positions = True  # every token stays where it is: rotary positions travel unchanged
