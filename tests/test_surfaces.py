@@ -351,3 +351,13 @@ def test_dynamicvit_trains_on_a_rope_model_its_masks_moving_no_position(images):
     out = model(images)
     out.sum().backward()
     assert torch.isfinite(out).all()
+
+
+def test_rope_grid_coordinates_follow_a_change_of_the_rope_modules_grid_settings(images):
+    from timm_tokcomp.rope import grid_coords
+
+    model = family_model("eva02_cat_swiglu")
+    shape = tuple(model.patch_embed.grid_size)
+    before = grid_coords(model.rope, shape, images.device)
+    model.rope.grid_offset = model.rope.grid_offset + 1.0
+    assert not torch.equal(grid_coords(model.rope, shape, images.device), before)

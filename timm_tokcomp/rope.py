@@ -46,11 +46,20 @@ def grid_coords(rope: nn.Module, feat_shape: Tuple[int, int], device: torch.devi
     if torch.compiler.is_compiling():
         return _grid_coords(rope, feat_shape, device)
     cache = _GRIDS.setdefault(rope, {})
-    key = (tuple(feat_shape), torch.device(device))
+    # the rope module's grid settings are part of the key: one changed after a forward never meets a stale grid
+    settings = tuple(_hashable(getattr(rope, name, None)) for name in _GRID_SETTINGS)
+    key = (tuple(feat_shape), torch.device(device), settings)
     if key not in cache:
         with torch.inference_mode(False):  # a normal tensor, usable later with autograd too
             cache[key] = _grid_coords(rope, feat_shape, device)
     return cache[key]
+
+
+_GRID_SETTINGS = ("grid_type", "ref_feat_shape", "grid_offset", "grid_indexing", "normalize_coords")
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _grid_coords(rope: nn.Module, feat_shape: Tuple[int, int], device: torch.device) -> torch.Tensor:
