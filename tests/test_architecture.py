@@ -85,7 +85,7 @@ FLOORS = (
                            "attention", "rope", "measure", "precision", "device_table", "graphs", "data", "identity",
                            "kernels")),
     ("methods", ("methods",)),
-    ("models", ("reducing", "families", "patch", "core", "registry", "models", "export", "learned", "tocom",
+    ("models", ("reducing", "compiling", "families", "patch", "core", "registry", "models", "export", "learned", "tocom",
                 "tocom.compensator", "tocom.hub", "tocom.plugins")),
     ("kit", ("kit",)),
     ("commands", ("bench", "speed", "tuning", "calibrate", "analysis", "training", "tocom.train", "tocom.heldout",

@@ -6,9 +6,11 @@ Vision Transformers.
     timm_tokcomp.apply(plain_model, method="tome", r=16)        # or patch a model you have
     timm_tokcomp.set_params(model, r=8)                         # change r on the live model
     timm_tokcomp.remove(model)                                  # back to the plain timm model
+    fast = timm_tokcomp.compile(model)                          # torch.compile, its block compiled once
 """
 from typing import Any
 
+from .compiling import compile
 from .kit.deploy import deploy
 from .kit.presets import load_preset
 from .core import (NO_REDUCTION, __version__, apply, get_reducer, is_reduced, last_stats, remove,
@@ -17,7 +19,7 @@ from .methods import METHODS
 from .registry import register_all as _register_all
 from .state import ReductionStats
 
-__all__ = ["apply", "remove", "set_params", "get_reducer", "last_stats", "is_reduced", "load_preset", "deploy", "tune", "METHODS",
+__all__ = ["apply", "remove", "set_params", "compile", "get_reducer", "last_stats", "is_reduced", "load_preset", "deploy", "tune", "METHODS",
            "ReductionStats", "NO_REDUCTION", "__version__"]
 
 

@@ -3,6 +3,7 @@ token sizes -> head, and the per-call state (sizes, source maps, rotary position
 A family (timm_tokcomp.families) gives what differs: how its model embeds (`_embed`), how its blocks' attention
 takes the log-size bias and the rotary rows (`_attn_branch`), its MLP branch (`_mlp_branch`), and whether its
 attention-pool head reads the prefix tokens."""
+import contextvars
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -85,6 +86,10 @@ def prefix_only_last(model: nn.Module, reducer: TokenReducer) -> bool:
         )
     return reducer.prefix_only_last_block
 
+
+# (model, its blocks' compiled forward_reduce(block, ...)) while a regionally compiled call of model runs in this
+# thread (timm_tokcomp.compiling); the model's other callers run their blocks eagerly
+COMPILED_BLOCKS: contextvars.ContextVar = contextvars.ContextVar("timm_tokcomp_compiled_blocks", default=None)
 
 Carried = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[TokenPositions]]
 
@@ -272,6 +277,8 @@ class ReducingModel:
         use_checkpoint = self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting()
         last = self._tokcomp_depth - 1
         blocks = self.blocks if num_blocks is None else self.blocks[:num_blocks]
+        compiled = COMPILED_BLOCKS.get()
+        compiled = compiled[1] if compiled is not None and compiled[0] is self and not use_checkpoint else None
         for i, (blk, setting) in enumerate(zip(blocks, settings)):
             stats.tokens_per_block.append(x.shape[1])
             if reducer.masks_by_size:
@@ -283,6 +290,8 @@ class ReducingModel:
             def run(prefix_only: bool) -> Carried:
                 if use_checkpoint:
                     return checkpoint(blk.forward_reduce, *args, prefix_only, use_reentrant=False)
+                if compiled is not None:
+                    return compiled(blk, *args, prefix_only)
                 return blk.forward_reduce(*args, prefix_only)
 
             prefix_only = prefix_only_last_block and i == last

@@ -1,13 +1,15 @@
 """Execution modes and the one runner that builds any of them: what runs a model's forwards in bench, speed, tune
-and deploy. eager: the module itself; compile: torch.compile(dynamic=False); cudagraph: torch.compile's CUDA graphs
-(mode='reduce-overhead'); graph: the eager forward captured in one CUDA graph (graphs.GraphedForward); onnx: the
-ONNX export in onnxruntime's CPU provider, fp32."""
+and deploy. eager: the module itself; compile: torch.compile, a reduced model by regions (its block compiled once,
+batch and token count dynamic: timm_tokcomp.compiling), a plain one whole with static shapes; cudagraph: the same
+with torch.compile's CUDA graphs (mode='reduce-overhead'); graph: the eager forward captured in one CUDA graph
+(graphs.GraphedForward); onnx: the ONNX export in onnxruntime's CPU provider, fp32."""
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
+from .. import compiling
 from ..graphs import GraphedForward
 from ..schedules import is_int
 
@@ -47,7 +49,7 @@ def runner(model: nn.Module, mode: str, example: torch.Tensor, workdir: Optional
     if mode == "graph":
         return GraphedForward(model, example)
     if mode in ("compile", "cudagraph"):
-        return torch.compile(model, dynamic=False, mode="reduce-overhead" if mode == "cudagraph" else None)
+        return compiling.compile(model, mode)
     if mode == "onnx":
         from ..export import export_onnx, onnx_runner
 

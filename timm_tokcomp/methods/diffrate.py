@@ -129,6 +129,8 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
     of a search aiming at `macs_target`. Proportional attention is always on (DiffRate adds log size in every block;
     the search's dropped tokens rely on it). Tags: 'diffrate', 'diffrate_m<pct>' (macs_target = pct / 100)."""
 
+    compiles_by_region = False  # each block's counts are read from a list by its block number
+
     name = "diffrate"
     export_refusal = None
     needs_class_token = True

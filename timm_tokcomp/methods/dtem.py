@@ -86,6 +86,8 @@ class DTEM(LearnedParams, ScheduledReducer):
     """See the module docstring. embed_params: trained embeddings (a learned folder), or None: untrained ones made at
     apply (a random projection). Tags: 'dtem_r<k>', 'dtem_k<pct>'."""
 
+    compiles_by_region = False  # each block's embedding is looked up by its block number
+
     name = "dtem"
     export_refusal = None
     metric_reads_input = True

@@ -92,6 +92,8 @@ class DynamicViT(LearnedParams, ScheduledReducer):
     given as `predictor_params`, and live on the model as model.tokcomp['dynamicvit']. Proportional attention
     is always on: it is what keeps the tokens dropped in training out of attention (kept tokens have size 1)."""
 
+    compiles_by_region = False  # each stage's predictor is looked up by its stage number
+
     name = "dynamicvit"
     export_refusal = None
     plan_on_tokens = True

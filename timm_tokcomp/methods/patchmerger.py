@@ -91,6 +91,8 @@ class PatchMerger(LearnedParams, ScheduledReducer):
     `merger_params`, and live on the model as model.tokcomp['patchmerger']. Proportional attention is off
     unless asked."""
 
+    compiles_by_region = False  # each block's merger is looked up by its layer number
+
     name = "patchmerger"
     export_refusal = None
     plan_on_tokens = True

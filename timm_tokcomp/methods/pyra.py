@@ -145,6 +145,8 @@ class PYRA(LearnedParams, ToMe):
     apply (untrained: equal to ToMe) or given as `pyra_params`, and live on the model as model.tokcomp['pyra'].
     form: 'paper' (fits its training schedule) or 'pooled' (any r); set_params keeps the parameters."""
 
+    compiles_by_region = False  # each block's PYRA layer is looked up by its layer number
+
     name = "pyra"
     export_refusal = None
     tocom_compatible = False  # not ToMe's: its compensators were trained without PYRA's layers

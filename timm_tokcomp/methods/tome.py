@@ -4,6 +4,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .. import kernels
+from ..kernels import library
 from ..matching import bipartite_soft_matching, max_merges
 from ..plans import MergePlan
 from .base import FusedScheduledReducer, parse_named_schedule_tag, prop_attn_unless_avg_pool
@@ -41,11 +42,16 @@ class ToMe(FusedScheduledReducer):
         return tome_plan(metric, r, num_prefix)
 
     def reduce_fused(self, metric, x, size, source, r, num_prefix):
-        if source is not None or not kernels.use_triton(self.kernel, x):
+        """The Triton kernels in eager inference where the backend is 'triton'; compiled, the step as one custom
+        operator (kernels.library) on the resolved backend."""
+        compiled = library.uses_library_op(x)
+        if source is not None or not (compiled or kernels.use_triton(self.kernel, x)):
             return None
         r = min(r, max_merges(x.shape[1], num_prefix))
         if r <= 0:
             return x, size, source
+        if compiled:
+            return (*library.tome_merge(metric, x, size, r, num_prefix, kernels.resolve_backend(self.kernel, x)), None)
         return (*kernels.tome_merge(metric, x, size, r, num_prefix), None)
 
 

@@ -1,0 +1,199 @@
+"""timm_tokcomp.compiling and kernels.library: a reduced model compiled by regions traces its block once for every
+block, batch size and r, counted with torch's own counters (graphs, graph breaks); the reduction step is one custom
+operator (checked by torch.library.opcheck) that runs the Triton kernels inside the compiled graph. The 'eager' and
+'aot_eager' backends check what is captured without Inductor's code generation (scripts/compile_counts.py times
+Inductor)."""
+import warnings
+
+import pytest
+import timm
+import torch
+from timm.models.vision_transformer import VisionTransformer
+from torch._dynamo.utils import counters
+
+import timm_tokcomp
+from conftest import SMALL, reducing_setting
+from timm_tokcomp import compiling
+from timm_tokcomp.kernels import library
+from timm_tokcomp.kit import modes
+from timm_tokcomp.methods import METHODS
+
+DEEP = dict(SMALL, depth=6)  # 65 tokens, six blocks: five that share the middle graph
+STUDY = {"keep_rate": 0.7, "stages": (2, 4, 5)}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def _breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def _model(method=None, seed=0, **params):
+    torch.manual_seed(seed)
+    model = VisionTransformer(**DEEP).eval()
+    return timm_tokcomp.apply(model, method, **params) if method else model
+
+
+def _images(batch, seed=1):
+    return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def test_tome_compiles_two_graphs_for_every_block_batch_and_r():
+    model = _model("tome", r=8)
+    fast = compiling.compile(model, backend="eager")
+    assert isinstance(fast, compiling.RegionallyCompiled)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(_images(2)), model(_images(2)), rtol=0, atol=0)
+        assert (_graphs(), _breaks()) == (2, 0)  # block 0 (its tokens have no sizes yet), blocks 1-5
+        for batch in (3, 7):
+            torch.testing.assert_close(fast(_images(batch)), model(_images(batch)), rtol=0, atol=0)
+        for params in ({"r": 4}, {"r": 12}, {"flops_ratio": 2.0}):
+            timm_tokcomp.set_params(model, **params)
+            torch.testing.assert_close(fast(_images(3)), model(_images(3)), rtol=0, atol=0)
+    assert (_graphs(), _breaks()) == (2, 0)
+
+
+def test_a_batch_of_one_compiles_its_graphs_once():
+    model = _model("tome", r=8)
+    fast = compiling.compile(model, backend="eager")
+    with torch.no_grad():
+        for batch in (1, 2, 1, 3):
+            fast(_images(batch))
+    assert _graphs() == 4  # torch specialises size-1 dimensions: batch 1 has its own two graphs
+
+
+REGIONAL = sorted(name for name, cls in METHODS.items() if cls.compiles_by_region and not cls.dense)
+
+
+@pytest.mark.parametrize("method", REGIONAL)
+def test_every_method_that_compiles_by_region_matches_eager_without_recompiling(method):
+    cls = METHODS[method]
+    model = _model(method, **reducing_setting(cls, 4, STUDY))
+    fast = compiling.compile(model, backend="eager")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # data-dependent methods say they reduce between graphs
+        for batch in (2, 3):
+            torch.testing.assert_close(fast(_images(batch)), model(_images(batch)), rtol=1e-5, atol=1e-5)
+            if batch == 2:
+                first = _graphs()
+    if cls.data_dependent:  # a host-side count per block: the graph breaks there
+        assert _breaks() > 0
+    else:
+        assert _breaks() == 0 and _graphs() <= 5
+        assert _graphs() == first  # a new batch size reuses every graph
+
+
+def test_methods_that_do_not_compile_by_region_compile_whole():
+    whole = sorted(name for name, cls in METHODS.items() if not cls.compiles_by_region)
+    assert {"diffrate", "dtem", "dynamicvit", "l1", "patchmerger", "pyra"} <= set(whole)
+    for name in whole:
+        cls = METHODS[name]
+        model = _model(name, **reducing_setting(cls, 4, STUDY))
+        assert not compiling.by_region(model)
+        assert not isinstance(compiling.compile(model, backend="eager"), compiling.RegionallyCompiled)
+    assert not compiling.by_region(_model())
+
+
+def test_rope_model_compiles_two_graphs_for_every_batch():
+    torch.manual_seed(0)
+    model = timm_tokcomp.apply(timm.create_model("eva02_small_patch14_224", img_size=56, depth=4).eval(), "tome", r=2)
+    fast = compiling.compile(model, backend="eager")
+    with torch.no_grad():
+        for batch in (2, 3):  # 2 is also the width of the rope coordinates: no duck sizing ties them
+            x = torch.randn(batch, 3, 56, 56)
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+    assert (_graphs(), _breaks()) == (2, 0)
+
+
+def test_many_models_compile_in_one_process_each_with_its_own_graphs():
+    limit = "fail_on_recompile_limit_hit" if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit") \
+        else "fail_on_cache_limit_hit"
+    with torch.no_grad(), torch._dynamo.config.patch(**{limit: True}):
+        for r in (2, 3, 4, 5, 6):  # ten graphs: more than one function's limit of eight
+            model = _model("tome", r=r)
+            torch.testing.assert_close(compiling.compile(model, backend="eager")(_images(2)), model(_images(2)))
+
+
+def test_the_model_stays_eager_for_its_other_callers():
+    model, other = _model("tome", r=8), _model("tome", seed=1, r=8)
+    fast = compiling.compile(model, backend="eager")
+    with torch.no_grad():
+        fast(_images(2))
+        captured = counters["stats"]["calls_captured"]
+        model(_images(3))
+        with fast.active():
+            other(_images(3))  # another model inside the compiled call's context
+    assert counters["stats"]["calls_captured"] == captured and _graphs() == 2
+
+
+def test_last_stats_and_features_of_a_compiled_call():
+    model = _model("tome", r=8)
+    fast = compiling.compile(model, backend="eager")
+    with torch.no_grad():
+        fast(_images(2))
+        compiled_stats = timm_tokcomp.last_stats(model)
+        model(_images(2))
+        assert compiled_stats.tokens_per_block == timm_tokcomp.last_stats(model).tokens_per_block == \
+            [65, 57, 49, 41, 33, 25]
+        with fast.active():
+            features = model.forward_features(_images(2))
+        torch.testing.assert_close(model.forward_head(features), model(_images(2)), rtol=0, atol=0)
+
+
+def test_compile_mode_of_the_runner_compiles_by_region():
+    x = _images(2)
+    assert isinstance(modes.runner(_model("tome", r=8), "compile", x), compiling.RegionallyCompiled)
+    assert not isinstance(modes.runner(_model(), "compile", x), compiling.RegionallyCompiled)
+    with pytest.raises(ValueError, match="mode must be one of compile, cudagraph, got 'graph'"):
+        compiling.compile(_model("tome", r=8), mode="graph")
+
+
+def _step_inputs(batch=2, tokens=41, channels=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    metric, x = torch.randn(batch, tokens, 16, generator=g), torch.randn(batch, tokens, channels, generator=g)
+    return metric, x, torch.rand(batch, tokens, 1, generator=g) + 0.5
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("with_size", [True, False])
+def test_tome_merge_operator_passes_opcheck(backend, with_size):
+    metric, x, size = _step_inputs()
+    torch.library.opcheck(torch.ops.timm_tokcomp.tome_merge, (metric, x, size if with_size else None, 8, 1, backend))
+
+
+def test_tome_merge_operator_backends_agree():
+    metric, x, size = _step_inputs(tokens=57)
+    got = torch.ops.timm_tokcomp.tome_merge(metric, x, size, 12, 1, "triton")
+    want = torch.ops.timm_tokcomp.tome_merge(metric, x, size, 12, 1, "torch")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_triton_kernels_run_inside_the_compiled_model(backend):
+    model = _model("tome", r=8, kernel="triton")
+    reference = _model("tome", r=8, kernel="torch")
+    fast = compiling.compile(model, backend=backend)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(_images(3)), reference(_images(3)), rtol=1e-5, atol=1e-5)
+    assert _breaks() == 0
+
+
+def test_a_compiled_forward_that_needs_gradients_traces_the_torch_plan():
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    assert not library.uses_library_op(x)  # not compiling
+    model = _model("tome", r=8)
+    fast = compiling.compile(model, backend="eager")
+    out = fast(_images(2))
+    out.sum().backward()
+    assert model.head.weight.grad is not None

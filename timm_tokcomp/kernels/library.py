@@ -1,0 +1,40 @@
+"""The reduction steps as torch custom operators (torch.library), for compiled models: torch.compile keeps each
+step as one opaque call with a fake implementation that gives its output shapes from its input shapes, so the
+compiler neither re-derives the matching for every block nor guards on each block's token count, and the fused
+Triton kernels run inside the compiled graph (and its CUDA graphs) where the backend says 'triton'.
+
+    x, size = torch.ops.timm_tokcomp.tome_merge(metric, x, size, r, num_prefix, "torch")
+
+Eager forwards call the same steps directly (kernels.tome_merge, or the method's plan): the operators add nothing
+there. No backward: a forward that needs gradients traces the torch plan instead (uses_library_op)."""
+from typing import Optional, Tuple
+
+import torch
+
+from ..matching import bipartite_soft_matching
+
+
+def uses_library_op(x: torch.Tensor) -> bool:
+    """Whether a method runs its step as the custom operator on x: while compiling, and with no gradient to carry."""
+    return torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
+
+
+@torch.library.custom_op("timm_tokcomp::tome_merge", mutates_args=())
+def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
+               backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """ToMe's step: bipartite matching of r merges on metric (B, N, D) (0 < r <= matching.max_merges(N, num_prefix))
+    and the size-weighted merge of x (B, N, C), size (B, N, 1) or None (all ones) -> x (B, N - r, C),
+    size (B, N - r, 1). backend: 'triton' (kernels.tome_merge's two launches) or 'torch' (the plan)."""
+    if backend == "triton":
+        from . import triton_tome
+
+        merged, merged_size = triton_tome.tome_merge(metric, x, size, r, num_prefix)
+    else:
+        merged, merged_size, _ = bipartite_soft_matching(metric, r, num_prefix).apply(x, size, None)
+    return merged.contiguous(), merged_size.contiguous()  # the strides the fake implementation states
+
+
+@tome_merge.register_fake
+def _(metric, x, size, r, num_prefix, backend):
+    B, N, C = x.shape
+    return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1)
