@@ -48,8 +48,9 @@ def _images(batch, seed=1):
     return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
 
 
-def test_tome_compiles_two_graphs_for_every_block_batch_and_r():
-    model = _model("tome", r=8)
+@pytest.mark.parametrize("method", ["tome", "evit"])
+def test_compiles_two_graphs_for_every_block_batch_and_r(method):
+    model = _model(method, r=8)
     fast = compiling.compile(model, backend="eager")
     assert isinstance(fast, compiling.RegionallyCompiled)
     with torch.no_grad():
@@ -57,7 +58,7 @@ def test_tome_compiles_two_graphs_for_every_block_batch_and_r():
         assert (_graphs(), _breaks()) == (2, 0)  # block 0 (its tokens have no sizes yet), blocks 1-5
         for batch in (3, 7):
             torch.testing.assert_close(fast(_images(batch)), model(_images(batch)), rtol=0, atol=0)
-        for params in ({"r": 4}, {"r": 12}, {"flops_ratio": 2.0}):
+        for params in ({"r": 4}, {"r": 6}) if method == "evit" else ({"r": 4}, {"r": 12}, {"flops_ratio": 2.0}):
             timm_tokcomp.set_params(model, **params)
             torch.testing.assert_close(fast(_images(3)), model(_images(3)), rtol=0, atol=0)
     assert (_graphs(), _breaks()) == (2, 0)
@@ -102,6 +103,17 @@ def test_methods_that_do_not_compile_by_region_compile_whole():
         assert not compiling.by_region(model)
         assert not isinstance(compiling.compile(model, backend="eager"), compiling.RegionallyCompiled)
     assert not compiling.by_region(_model())
+
+
+@pytest.mark.parametrize("method", sorted(name for name, cls in METHODS.items() if not cls.compiles_by_region))
+def test_methods_compiled_whole_match_eager_with_their_learned_parameters_perturbed(method):
+    model = _model(method, **reducing_setting(METHODS[method], 4, STUDY))
+    learned = getattr(model, "tokcomp", None)
+    with torch.no_grad():
+        for p in [] if learned is None else learned.parameters():  # untrained PYRA equals ToMe: make it differ
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
+        torch.testing.assert_close(compiling.compile(model, backend="eager")(_images(2)), model(_images(2)),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_rope_model_compiles_two_graphs_for_every_batch():
@@ -171,21 +183,42 @@ def test_tome_merge_operator_passes_opcheck(backend, with_size):
     torch.library.opcheck(torch.ops.timm_tokcomp.tome_merge, (metric, x, size if with_size else None, 8, 1, backend))
 
 
-def test_tome_merge_operator_backends_agree():
+def _evit_inputs(batch=2, tokens=41, heads=3, channels=24, seed=0, with_bias=True):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, batch, heads, tokens, 8, generator=g)
+    bias = torch.rand(batch, 1, 1, tokens, generator=g).log() if with_bias else None
+    x, size = torch.randn(batch, tokens, channels, generator=g), torch.rand(batch, tokens, 1, generator=g) + 0.5
+    return q, k, bias, 8 ** -0.5, x, size
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("with_size", [True, False])
+def test_evit_prune_operator_passes_opcheck(backend, with_size):
+    q, k, bias, scale, x, size = _evit_inputs(with_bias=with_size)
+    torch.library.opcheck(torch.ops.timm_tokcomp.evit_prune,
+                          (q, k, bias, scale, x, size if with_size else None, 6, 1, backend))
+
+
+def test_operator_backends_agree():
     metric, x, size = _step_inputs(tokens=57)
-    got = torch.ops.timm_tokcomp.tome_merge(metric, x, size, 12, 1, "triton")
-    want = torch.ops.timm_tokcomp.tome_merge(metric, x, size, 12, 1, "torch")
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    pairs = [(torch.ops.timm_tokcomp.tome_merge(metric, x, size, 12, 1, "triton"),
+              torch.ops.timm_tokcomp.tome_merge(metric, x, size, 12, 1, "torch")),
+             (torch.ops.timm_tokcomp.evit_prune(*_evit_inputs(), 9, 1, "triton"),
+              torch.ops.timm_tokcomp.evit_prune(*_evit_inputs(), 9, 1, "torch"))]
+    for got, want in pairs:
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_triton_kernels_run_inside_the_compiled_model(backend):
-    model = _model("tome", r=8, kernel="triton")
-    reference = _model("tome", r=8, kernel="torch")
+@pytest.mark.parametrize("method, backend", [("tome", "eager"), ("tome", "aot_eager"), ("evit", "eager")])
+def test_triton_kernels_run_inside_the_compiled_model(method, backend):
+    model = _model(method, r=8, kernel="triton")
+    reference = _model(method, r=8, kernel="torch")
     fast = compiling.compile(model, backend=backend)
     with torch.no_grad():
         torch.testing.assert_close(fast(_images(3)), reference(_images(3)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(compiling.compile(reference, backend=backend)(_images(3)), reference(_images(3)),
+                                   rtol=1e-5, atol=1e-5)
     assert _breaks() == 0
 
 

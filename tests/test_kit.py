@@ -131,6 +131,18 @@ def test_the_chooser_lists_the_paths_the_device_offers():
     assert FastPath("eager", "torch", "fold").params("tome", {"r": 2}) == {"r": 2, "kernel": "torch", "prop_attn": "fold"}
 
 
+def test_on_cuda_the_chooser_offers_triton_compiled_where_the_step_is_an_operator(monkeypatch):
+    import timm_tokcomp.kit.paths as paths_module
+
+    monkeypatch.setattr(paths_module, "check_device", lambda device: None)  # the paths of a CUDA machine, listed
+    model = make_model("cls")
+    for method in ("tome", "evit"):  # their steps are custom operators (kernels.library)
+        paths = fast_paths(model, method, {"r": 2, "prop_attn": "mask"}, "cuda", ("eager", "compile"))
+        assert {(p.mode, p.kernel) for p in paths} == {(m, k) for m in ("eager", "compile") for k in ("torch", "triton")}
+    dense = fast_paths(model, "dense_tome", {"r": 2}, "cuda", ("eager", "compile"))
+    assert {(p.mode, p.kernel) for p in dense} == {("eager", "torch"), ("eager", "triton"), ("compile", "torch")}
+
+
 def test_tune_asks_the_chooser():
     from timm_tokcomp.tuning import candidate_paths
 

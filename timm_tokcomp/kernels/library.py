@@ -4,6 +4,7 @@ compiler neither re-derives the matching for every block nor guards on each bloc
 Triton kernels run inside the compiled graph (and its CUDA graphs) where the backend says 'triton'.
 
     x, size = torch.ops.timm_tokcomp.tome_merge(metric, x, size, r, num_prefix, "torch")
+    x, size = torch.ops.timm_tokcomp.evit_prune(q, k, attn_bias, scale, x, size, r, num_prefix, "triton")
 
 Eager forwards call the same steps directly (kernels.tome_merge, or the method's plan): the operators add nothing
 there. No backward: a forward that needs gradients traces the torch plan instead (uses_library_op)."""
@@ -11,7 +12,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..matching import bipartite_soft_matching
+from ..matching import attentive_pruning, bipartite_soft_matching, class_attention
 
 
 def uses_library_op(x: torch.Tensor) -> bool:
@@ -36,5 +37,27 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
 
 @tome_merge.register_fake
 def _(metric, x, size, r, num_prefix, backend):
+    B, N, C = x.shape
+    return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1)
+
+
+@torch.library.custom_op("timm_tokcomp::evit_prune", mutates_args=())
+def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, x: torch.Tensor,
+               size: Optional[torch.Tensor], r: int, num_prefix: int, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """EViT's step: the class token's attention from q, k (B, H, N, d), attn_bias (B, 1, 1, N) or None, the r + 1
+    least attended patch tokens of x (B, N, C) fused into one (0 < r <= N - num_prefix - 1), size (B, N, 1) or None
+    -> x (B, N - r, C), size (B, N - r, 1). backend: 'triton' (kernels.evit_prune's two launches) or 'torch'."""
+    if backend == "triton":
+        from . import triton_evit
+
+        pruned, pruned_size = triton_evit.evit_prune(q, k, attn_bias, scale, x, size, r, num_prefix)
+    else:
+        plan = attentive_pruning(class_attention(q, k, attn_bias, scale).mean(dim=1), r, num_prefix)
+        pruned, pruned_size, _ = plan.apply(x, size, None)
+    return pruned.contiguous(), pruned_size.contiguous()
+
+
+@evit_prune.register_fake
+def _(q, k, attn_bias, scale, x, size, r, num_prefix, backend):
     B, N, C = x.shape
     return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1)

@@ -16,7 +16,7 @@ from ..precision import DTYPES, check_device, check_dtype
 from ..reducing import resolve_prop_attn
 from .modes import TORCH_MODES, check_mode
 
-COMPILED_MODES = ("compile", "cudagraph")  # torch.compile traces the torch path of every kernel choice
+COMPILED_MODES = ("compile", "cudagraph")  # torch.compile: the reduction steps run as custom operators
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ def _applied(model: nn.Module, method: str, params: Dict[str, Any]) -> Tuple[Any
 def fast_paths(model: nn.Module, method: str, params: Dict[str, Any], device: str,
                modes: Sequence[str] = ("eager",)) -> List[FastPath]:
     """Every path this device offers for the setting (method, params) on model (a plain timm model), mode by
-    mode: the Triton kernels on CUDA outside torch.compile, for methods with fused kernels; 'mask' and 'fold'
-    wherever the setting weighs token sizes, 'fold_qkv' where the attention allows it (patch.fold_qkv_refusal),
+    mode: the Triton kernels on CUDA for methods with fused kernels (compiled too, as custom operators:
+    kernels.library; the dense variant's merge kernels in eager mode only); 'mask' and 'fold' wherever the setting weighs token sizes, 'fold_qkv' where the attention allows it (patch.fold_qkv_refusal),
     'flex' compiled where FlexAttention exists; data-dependent methods in eager mode only."""
     check_device(device)
     for mode in modes:
@@ -66,7 +66,7 @@ def fast_paths(model: nn.Module, method: str, params: Dict[str, Any], device: st
         compiled = mode in COMPILED_MODES
         kernel_choices: List[Optional[str]] = [None]
         if cls.has_kernel_choice():
-            kernel_choices = ["torch"] + (["triton"] if cuda and not compiled else [])
+            kernel_choices = ["torch"] + (["triton"] if cuda and not (compiled and cls.dense) else [])
         impls: List[Union[bool, str]] = [False]
         if prop:
             impls = ["mask", "fold"] + (["fold_qkv"] if fold_qkv_refusal(model) is None else [])

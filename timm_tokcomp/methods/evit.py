@@ -5,6 +5,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .. import kernels
+from ..kernels import library
 from ..matching import attentive_pruning, class_attention
 from ..plans import PrunePlan
 from .base import FusedScheduledReducer
@@ -41,7 +42,8 @@ class EViT(FusedScheduledReducer):
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor],
                scale: float) -> Union[torch.Tensor, ClassAttentionInputs]:
         inputs = ClassAttentionInputs(q, k, attn_bias, scale)
-        return inputs if kernels.use_triton(self.kernel, q) else inputs.class_attention()
+        fused = kernels.use_triton(self.kernel, q) or library.uses_library_op(q)
+        return inputs if fused else inputs.class_attention()
 
     def plan(self, metric: Union[torch.Tensor, ClassAttentionInputs], r: int, num_prefix: int,
              size: Optional[torch.Tensor]) -> Optional[PrunePlan]:
@@ -52,10 +54,15 @@ class EViT(FusedScheduledReducer):
         return attentive_pruning(metric, r, num_prefix)
 
     def reduce_fused(self, metric, x, size, source, r, num_prefix):
+        """The Triton kernels in eager inference where the backend is 'triton'; compiled, the step as one custom
+        operator (kernels.library) on the resolved backend."""
         if not isinstance(metric, ClassAttentionInputs) or source is not None:
             return None
         n = x.shape[1] - num_prefix
         r = min(r, n - 1)
         if r <= 0:
             return x, size, source
+        if library.uses_library_op(x):
+            return (*library.evit_prune(*metric, x, size, r, num_prefix, kernels.resolve_backend(self.kernel, x)),
+                    None)
         return (*kernels.evit_prune(*metric, x, size, r, num_prefix), None)

@@ -178,6 +178,9 @@ class PYRA(LearnedParams, ToMe):
              size: Optional[torch.Tensor]) -> Optional[MergePlan]:
         return tome_plan(metric, setting.r, num_prefix)
 
+    def reduce_fused(self, metric, x, size, source, setting, num_prefix):
+        return None  # ToMe's fused step has no learned modulation: plan() and reduce() run, compiled or not
+
     def reduce(self, plan: Plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
                setting: PyraSetting):
         x_out, size_out = pyra_merge(x, size, plan, self.pyra_params, setting.layer)
