@@ -73,6 +73,23 @@ def test_modes_compare_through_the_plain_models_own_speed():
     assert choose([rows[0], rows[2]], 64, 1.0).row.candidate == "eager, slow chunk"  # 1.70x beats 1.60x
 
 
+def test_the_choice_is_judged_against_the_fastest_plain_model_measured():
+    """Plain compiled runs 1.4x plain eager: an eager candidate 1.3x its plain is slower than it; a compiled one 1.2x
+    its plain is the choice; without it, no reduction, and the reason names plain compiled."""
+    eager = _row("tome eager", ms=10.0 / 1.3, lo=1.25, hi=1.35, agree=99.5, plain=10.0)
+    compiled = _row("tome compiled", ms=7.14 / 1.2, lo=1.1, hi=1.3, agree=99.5, mode="compile", plain=7.14)
+    assert tuning.fastest_plain([eager, compiled], 64) == ("compile", 7.14)
+    assert tuning.against_fastest_plain([eager, compiled])[id(eager)][0] == pytest.approx(1.3 * 7.14 / 10.0)
+    choice = choose([eager, compiled], 64, 1.0)
+    assert choice.row is compiled and "1.20x plain in compile mode" in choice.reason
+    compiled_slow = _row("tome compiled", ms=7.5, lo=0.9, hi=1.0, agree=99.5, mode="compile", plain=7.14)
+    none = choose([eager, compiled_slow], 64, 1.0)
+    assert none.row is None and "surely faster than plain in compile mode, the fastest plain model (7.1 ms" in \
+        none.reason and "best: tome eager, 1.30x plain in eager mode, 0.93x plain in compile mode" in none.reason
+    plain_slow = _row("tome compiled", ms=12.0, lo=0.8, hi=0.9, agree=99.5, mode="compile", plain=11.0)
+    assert choose([eager, plain_slow], 64, 1.0).row is eager  # plain eager is the fastest plain there
+
+
 @pytest.mark.parametrize("rows,reason", [
     ([_row("a", ms=5.0, lo=1.9, hi=2.1, agree=97.0)], "within the budget of at most 1.0 % of the plain model's "
                                                       "predictions changed on the held-out images (closest: a, 3.00, "

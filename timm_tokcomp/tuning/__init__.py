@@ -5,11 +5,11 @@ from ..core import NO_REDUCTION
 from .report import OUT_FILES, TuneResult, format_table, plot_pareto, preset_paths, sample_notes, save_tuned_preset
 from .rows import BUDGET_MEASURES, Candidate, Choice, TuneRow, label
 from .run import tune
-from .select import choose, eager_speedups, pareto_front
+from .select import against_fastest_plain, choose, eager_speedups, fastest_plain, pareto_front
 from .space import applicable_candidates, candidate_paths, check_space, default_modes
 from .store import read_rows, write_rows
 
 __all__ = ["tune", "TuneResult", "TuneRow", "Choice", "Candidate", "label", "BUDGET_MEASURES", "OUT_FILES",
-           "NO_REDUCTION", "choose", "eager_speedups", "pareto_front", "candidate_paths", "applicable_candidates",
+           "NO_REDUCTION", "choose", "eager_speedups", "against_fastest_plain", "fastest_plain", "pareto_front", "candidate_paths", "applicable_candidates",
            "check_space", "default_modes", "read_rows", "write_rows", "format_table", "plot_pareto", "preset_paths",
            "sample_notes", "save_tuned_preset"]

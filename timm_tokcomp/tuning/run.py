@@ -12,8 +12,9 @@ Stages (each resumable from the CSV):
      implementation and mode the device offers) interleaved with the plain model in the same mode, in order of MAC
      ratio, until each one's 95 % speed-up interval excludes 1 or `max_rounds`; a candidate whose MAC ratio cannot
      beat the lower bound already measured for one within the budget is not timed;
-  4. choose, per batch size: the fastest candidate (speed-up against plain eager) whose speed-up's lower bound is
-     above 1 (and at least `min_speedup`), re-checked on its own path; otherwise 'no reduction', with the reason
+  4. choose, per batch size: the fastest candidate whose speed-up's lower bound against the fastest plain model
+     measured (plain in whichever mode ran fastest: compiled, say) is above 1 (and whose speed-up is at least
+     `min_speedup`), re-checked on its own path; otherwise 'no reduction', with the reason
      and the candidate that came closest.
 """
 import contextlib

@@ -6,16 +6,40 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from .rows import BUDGET_MEASURES, Choice, TuneRow
 
 
-def eager_speedups(rows: Sequence[TuneRow]) -> Dict[int, float]:
-    """id(row) -> its speed-up against the plain model in eager mode: its own ratio (measured interleaved with the
-    plain model in its mode) times how much faster the plain model runs in that mode than in eager mode (medians
-    of the plain times of all chunks, which side-steps drift between chunks). Without eager rows, modes are not
-    converted."""
+def _plain_ms(rows: Sequence[TuneRow]) -> Dict[Tuple[int, str], float]:
+    """(batch, mode) -> the plain model's median ms there: the median of the plain times of all chunks, which
+    side-steps drift between chunks."""
     plain: Dict[Tuple[int, str], float] = {}
     for key in {(r.batch, r.mode) for r in rows if r.ms_plain is not None}:
         plain[key] = statistics.median(r.ms_plain for r in rows if (r.batch, r.mode) == key and r.ms_plain is not None)
+    return plain
+
+
+def eager_speedups(rows: Sequence[TuneRow]) -> Dict[int, float]:
+    """id(row) -> its speed-up against the plain model in eager mode: its own ratio (measured interleaved with the
+    plain model in its mode) times how much faster the plain model runs in that mode than in eager mode. Without
+    eager rows, modes are not converted."""
+    plain = _plain_ms(rows)
     return {id(r): r.speedup * plain.get((r.batch, "eager"), plain[(r.batch, r.mode)]) / plain[(r.batch, r.mode)]
             for r in rows if r.speedup is not None and r.ms_plain is not None}
+
+
+def fastest_plain(rows: Sequence[TuneRow], batch: int) -> Optional[Tuple[str, float]]:
+    """(mode, ms) of the fastest plain model measured at this batch size (plain compiled, in a CUDA graph, ...)."""
+    plain = {mode: ms for (b, mode), ms in _plain_ms(rows).items() if b == batch}
+    return min(plain.items(), key=lambda item: (item[1], item[0])) if plain else None
+
+
+def against_fastest_plain(rows: Sequence[TuneRow]) -> Dict[int, Tuple[float, float]]:
+    """id(row) -> (speed-up, its lower bound) against the fastest plain model measured at its batch size: its own
+    ratio times how much faster that plain model runs than the plain model of its own mode."""
+    plain = _plain_ms(rows)
+    out = {}
+    for r in rows:
+        if r.speedup is not None and r.ms_plain is not None:
+            scale = fastest_plain(rows, r.batch)[1] / plain[(r.batch, r.mode)]
+            out[id(r)] = (r.speedup * scale, r.speedup_lo * scale)
+    return out
 
 
 def loss_text(loss: float, measure: str) -> str:
@@ -27,21 +51,24 @@ def loss_text(loss: float, measure: str) -> str:
 
 def choose(rows: Sequence[TuneRow], batch: int, budget: float, min_speedup: Optional[float] = None,
            measure: str = "agreement") -> Choice:
-    """The fastest timed row of this batch size (largest speed-up against plain eager, eager_speedups) whose
-    held-out loss in the budget's measure (TuneRow.loss: top-1 points lost, or % of predictions changed) is at most
-    `budget` and whose speed-up's lower bound is above 1 (and whose speed-up is at least min_speedup);
+    """The fastest timed row of this batch size whose held-out loss in the budget's measure (TuneRow.loss: top-1
+    points lost, or % of predictions changed) is at most `budget` and whose speed-up's lower bound against the
+    fastest plain model measured at that batch size (against_fastest_plain: plain compiled, say, where that beats
+    plain eager) is above 1 (and whose speed-up against plain in its mode is at least min_speedup);
     Choice(batch, None, reason) when none qualifies, naming the candidate that came closest (among the rows with a
     held-out figure: timed, or not timed because they were above the budget there)."""
     timed = [r for r in rows if r.batch == batch and r.status == "timed"]
     unit = BUDGET_MEASURES[measure]
     within = [r for r in timed if r.loss(measure) is not None and r.loss(measure) <= budget + 1e-9]
-    faster = [r for r in within if r.speedup_lo is not None and r.speedup_lo > 1.0]
+    score = against_fastest_plain(timed)
+    faster = [r for r in within if r.speedup_lo is not None and score[id(r)][1] > 1.0]
     enough = [r for r in faster if min_speedup is None or r.speedup >= min_speedup]
+    fastest = fastest_plain(timed, batch)
     if enough:
-        score = eager_speedups(timed)
-        best = max(enough, key=lambda r: (score[id(r)], r.speedup_lo, [-ord(ch) for ch in r.candidate]))
+        best = max(enough, key=lambda r: (score[id(r)][0], r.speedup_lo, [-ord(ch) for ch in r.candidate]))
+        other = "" if fastest[0] == best.mode else f", {score[id(best)][0]:.2f}x plain in {fastest[0]} mode"
         return Choice(batch, best, f"fastest within the budget: {best.speedup:.2f}x plain in {best.mode} mode "
-                                   f"(95 % interval {best.speedup_lo:.2f}-{best.speedup_hi:.2f}), "
+                                   f"(95 % interval {best.speedup_lo:.2f}-{best.speedup_hi:.2f}){other}, "
                                    f"{loss_text(best.loss(measure), measure)} (budget {budget})")
     if not within:
         measured = [r for r in rows if r.batch == batch and r.loss(measure) is not None]
@@ -52,6 +79,13 @@ def choose(rows: Sequence[TuneRow], batch: int, budget: float, min_speedup: Opti
         return Choice(batch, None, f"no candidate stays within the budget of at most {budget} {unit} on the "
                                    f"held-out images (closest: {best.candidate}, {best.loss(measure):.2f}{speed})")
     if not faster:
+        own = [r for r in within if r.speedup_lo > 1.0]  # faster than plain in their mode, not in the fastest mode
+        if own:
+            best = max(own, key=lambda r: (score[id(r)][1], r.candidate))
+            return Choice(batch, None, f"no candidate within the budget is surely faster than plain in {fastest[0]} "
+                                       f"mode, the fastest plain model ({fastest[1]:.1f} ms; best: {best.candidate}, "
+                                       f"{best.speedup:.2f}x plain in {best.mode} mode, {score[id(best)][0]:.2f}x "
+                                       f"plain in {fastest[0]} mode, lower bound {score[id(best)][1]:.2f})")
         best = max(within, key=lambda r: r.speedup_lo)
         return Choice(batch, None, f"no candidate within the budget is surely faster than plain (best: {best.candidate}, "
                                    f"{best.speedup:.2f}x, lower bound {best.speedup_lo:.2f})")
