@@ -118,6 +118,23 @@ def test_speed_compiled_mode_skips_data_dependent_methods_and_never_falls_back_s
                                         "evit_r8", "evit_r8 limit"]
 
 
+def test_speed_compares_every_mode_with_the_fastest_plain_model_and_states_first_calls(monkeypatch):
+    from timm_tokcomp import compiling
+
+    # the package's compiled mode (regions for the reduced models), traced by dynamo's 'eager' backend
+    monkeypatch.setattr(modes, "runner", lambda m, mode, x: m if mode == "eager" else compiling.compile(m, backend="eager"))
+    rows = speed.run_speed("deit_tiny_patch16_224", methods=["tome_r16"], batches=[2], modes=["eager", "compile"],
+                           rounds=2, show_progress=False)
+    plain = {r.mode: r for r in rows if r.method == "none"}
+    fastest = min(plain.values(), key=lambda r: r.ms)
+    assert fastest.vs_fastest_plain == 1.0 and max(r.vs_fastest_plain for r in plain.values()) == 1.0
+    for r in rows:
+        assert r.vs_fastest_plain == pytest.approx(fastest.ms / r.ms) and r.first_s > 0
+    printed = speed.format_speed(rows)
+    assert f"against the fastest plain model (batch 2: {fastest.mode}, {fastest.ms:.1f}ms)" in printed
+    assert "tome_r16 (compile)" in printed and "tome_r16 limit (compile)" not in printed
+
+
 def test_speed_errors_name_the_flag(capsys):
     assert main(["speed", "deit_tiny_patch16_224", "--modes", "cudagraph"] + FAST) == 2
     assert "--modes cudagraph needs --device cuda" in capsys.readouterr().err

@@ -8,8 +8,9 @@ import copy
 import csv
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import timm
 import torch
@@ -86,7 +87,10 @@ class SpeedRow:
     """One method at one batch size and mode. ms: median milliseconds per forward; vs_plain: the speed-up
     against the plain model (> 1: faster), the geometric mean of the interleaved rounds' ratios plain time / this
     time, with its 95 % interval (vs_plain_lo, vs_plain_hi; kit.stats.speedup_interval); vs_limit: limit time /
-    this time, the same statistic (<= 1; None for the plain model, the limit rows and methods without one)."""
+    this time, the same statistic (<= 1; None for the plain model, the limit rows and methods without one);
+    vs_fastest_plain: the median ms of the fastest plain model at this batch size, in any mode the run timed (plain
+    compiled, say) / this median (a ratio of medians from separate groups, so no interval); first_s: seconds from
+    building this mode's runner to the end of its first forward (compile or CUDA-graph capture included)."""
 
     mode: str
     batch: int
@@ -96,6 +100,8 @@ class SpeedRow:
     vs_limit: Optional[float]
     vs_plain_lo: Optional[float] = None
     vs_plain_hi: Optional[float] = None
+    vs_fastest_plain: Optional[float] = None
+    first_s: Optional[float] = None
 
 
 def run_speed(
@@ -137,9 +143,10 @@ def run_speed(
             models = _models(base, names, x, static=mode != "eager")
             torch._dynamo.reset()
             with no_silent_eager_fallback(len(models)):
-                runners = {name: modes_.runner(m, mode, x) for name, m in models.items()}
-                seconds = time_runs(runners, x, rounds=rounds, warmup=1 if mode == "eager" else 3)
-            rows += _rows(mode, batch, seconds)
+                runners, first = _first_calls(models, mode, x)
+                seconds = time_runs(runners, x, rounds=rounds, warmup=0 if mode == "eager" else 2)
+            rows += _rows(mode, batch, seconds, first)
+            _against_fastest_plain(rows, batch)
             if on_rows is not None:
                 on_rows(list(rows))
             bar.update(1)
@@ -172,16 +179,41 @@ def _models(base: nn.Module, names: Sequence[str], x: torch.Tensor, static: bool
     return models
 
 
-def _rows(mode: str, batch: int, seconds: Dict[str, List[float]]) -> List[SpeedRow]:
-    """One row per model from the seconds of its interleaved rounds."""
+@torch.inference_mode()  # as time_runs calls them
+def _first_calls(models: Dict[str, nn.Module], mode: str, x: torch.Tensor
+                 ) -> Tuple[Dict[str, Callable], Dict[str, float]]:
+    """(each model's runner in mode, the seconds from building it to the end of its first forward of x)."""
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    runners, first = {}, {}
+    for name, model in models.items():
+        sync()
+        start = time.perf_counter()
+        runners[name] = modes_.runner(model, mode, x)
+        runners[name](x)
+        sync()
+        first[name] = time.perf_counter() - start
+    return runners, first
+
+
+def _rows(mode: str, batch: int, seconds: Dict[str, List[float]], first: Dict[str, float]) -> List[SpeedRow]:
+    """One row per model from the seconds of its interleaved rounds and of its first call."""
     rows = []
     for name, t in seconds.items():
         point, lo, hi = speedup_interval(seconds[BASELINE], t)
         limit = seconds.get(name + LIMIT_SUFFIX)
         rows.append(SpeedRow(mode, batch, name, 1e3 * statistics.median(t), point,
                              None if limit is None else speedup_interval(limit, t)[0],
-                             None if name == BASELINE else lo, None if name == BASELINE else hi))
+                             None if name == BASELINE else lo, None if name == BASELINE else hi,
+                             first_s=first[name]))
     return rows
+
+
+def _against_fastest_plain(rows: List[SpeedRow], batch: int) -> None:
+    """Set vs_fastest_plain on every row of this batch size from the fastest plain row measured so far."""
+    fastest = min(r.ms for r in rows if r.batch == batch and r.method == BASELINE)
+    for r in rows:
+        if r.batch == batch:
+            r.vs_fastest_plain = fastest / r.ms
 
 
 def format_speed(rows: Sequence[SpeedRow]) -> str:
@@ -209,7 +241,26 @@ def format_speed(rows: Sequence[SpeedRow]) -> str:
                             for r in in_mode if r.method != BASELINE and not r.method.endswith(LIMIT_SUFFIX)],
                            "--rounds")
         out.append("")
+    if len({r.mode for r in rows}) > 1:
+        out += _fastest_plain_table(rows)
     return "\n".join(out).rstrip()
+
+
+def _fastest_plain_table(rows: Sequence[SpeedRow]) -> List[str]:
+    """Every mode's rows against the fastest plain model at each batch size, with their first calls' seconds."""
+    batches = list(dict.fromkeys(r.batch for r in rows))
+    fastest = {b: min((r for r in rows if r.batch == b and r.method == BASELINE), key=lambda r: r.ms) for b in batches}
+    cell: Dict = {(r.mode, r.method, r.batch): r for r in rows}
+    keys = list(dict.fromkeys((r.mode, r.method) for r in rows if not r.method.endswith(LIMIT_SUFFIX)))
+
+    def text(r: Optional[SpeedRow]) -> str:
+        return "-" if r is None else f"{r.vs_fastest_plain:.2f}x ({r.first_s:.1f} s)"
+
+    cells = [[f"{method} ({mode})"] + [text(cell.get((mode, method, b))) for b in batches] for mode, method in keys]
+    head = ", ".join(f"batch {b}: {fastest[b].mode}, {fastest[b].ms:.1f}ms" for b in batches)
+    return [f"against the fastest plain model ({head}): ratio of medians (x), seconds to the first output in "
+            "parentheses (compile or capture included)"] + \
+        text_table(["method (mode)"] + [f"batch {b}" for b in batches], cells)
 
 
 def write_speed_csv(rows: Sequence[SpeedRow], path: str, model_name: str, settings: Dict[str, Any],
