@@ -94,7 +94,7 @@ def test_deploy_refuses_what_it_cannot_run(tmp_path):
 
 
 def test_bench_times_a_preset_in_its_recorded_mode(tmp_path, monkeypatch):
-    from timm_tokcomp.bench import run_bench
+    from timm_tokcomp.bench import format_table, run_bench
 
     built = []
 
@@ -108,9 +108,18 @@ def test_bench_times_a_preset_in_its_recorded_mode(tmp_path, monkeypatch):
         warnings.simplefilter("ignore")  # the preset was 'tuned' on a small model at batch 3
         rows = run_bench("deit_tiny_patch16_224", ["none", "tome_r4", preset], batch_size=2, timing_rounds=1,
                          latency_runs=1, show_progress=False)
-    assert [r.backend for r in rows] == ["eager", "eager", "compile"]
-    assert sorted(built) == [("compile", 2), ("eager", 2), ("eager", 2)]
-    assert rows[2].gmacs == pytest.approx(rows[1].gmacs)
+    # the compiled preset is compared with plain compiled ('none@compile'), every row also with the fastest plain
+    assert [(r.method, r.backend, r.plain_row) for r in rows] == [
+        ("none", "eager", "none"), ("none@compile", "compile", "none@compile"), ("tome_r4", "eager", "none"),
+        (preset, "compile", "none@compile")]
+    assert sorted(built) == [("compile", 2), ("compile", 2), ("eager", 2), ("eager", 2)]
+    assert rows[3].gmacs == pytest.approx(rows[2].gmacs) and rows[1].gmacs == rows[0].gmacs
+    assert rows[0].speedup == rows[1].speedup == 1.0 and all(r.vs_fastest_plain is not None for r in rows)
+    fastest = max(rows[:2], key=lambda r: r.img_per_s)
+    assert fastest.vs_fastest_plain == 1.0
+    table = format_table(rows)
+    assert "x fastest plain [95%]" in table and "against plain in the row's mode (none, none@compile)" in table
+    assert "reduced nothing" not in table
 
 
 def test_the_chooser_lists_the_paths_the_device_offers():
@@ -176,7 +185,7 @@ def toy_method(monkeypatch):
 
 def test_a_new_method_is_its_class_and_its_line_in_methods(toy_method, monkeypatch, capsys):
     from timm_tokcomp import speed
-    from timm_tokcomp.bench import run_bench
+    from timm_tokcomp.bench import format_table, run_bench
     from timm_tokcomp.export import check_exportable
     from timm_tokcomp.tuning import candidate_paths
 

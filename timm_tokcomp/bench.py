@@ -43,7 +43,9 @@ class BenchRow:
     ran the timed forwards; img_per_s: throughput of the timing batch, speedup: the geometric mean of the
     interleaved rounds' ratios (the baseline's time / this one), speedup_lo / speedup_hi: its 95 % interval (None
     without timing); latency_ms / latency_p90_ms: median and 90th percentile of single-image forwards,
-    latency_speedup (lo, hi): the same ratio for them (None without latency runs)."""
+    latency_speedup (lo, hi): the same ratio for them (None without latency runs). The speed-ups are against
+    plain_row, the plain model in this row's mode ('none', or 'none@<mode>' where presets run in another mode);
+    vs_fastest_plain (lo, hi): against the fastest of those plain rows, interleaved with it too."""
 
     method: str
     gmacs: float
@@ -67,6 +69,10 @@ class BenchRow:
     speedup_hi: Optional[float] = None
     latency_speedup_lo: Optional[float] = None
     latency_speedup_hi: Optional[float] = None
+    plain_row: str = BASELINE
+    vs_fastest_plain: Optional[float] = None
+    vs_fastest_plain_lo: Optional[float] = None
+    vs_fastest_plain_hi: Optional[float] = None
 
 
 BACKENDS = ("eager", "compile", "onnx")
@@ -212,6 +218,11 @@ def run_bench(
         macs = {k: count_macs(m, batch[:1]) for k, m in models.items()}
 
     modes = {**row_modes(methods, backend), **{name: backend for name in models if name.endswith(TOCOM_SUFFIX)}}
+    plain = plain_rows(modes)  # mode -> the plain row timed in it: each row is compared with plain in its own mode
+    for mode, name in plain.items():
+        if name != BASELINE:
+            models, modes = {BASELINE: base, name: base, **models}, {**modes, name: mode}
+            macs[name] = macs[BASELINE]
     times, latency = _time(models, batch, modes, timing_rounds, latency_runs if timing_rounds else 0, device, dtype,
                            tf32, show_progress)
     num_tokens = base.patch_embed.num_patches + base.num_prefix_tokens
@@ -219,17 +230,20 @@ def run_bench(
     if evaluation is not None:
         paired = {name: paired_change(evaluation.agrees, name, name[:-len(TOCOM_SUFFIX)])
                   for name in models if name.endswith(TOCOM_SUFFIX)}
+    fastest = min(plain.values(), key=lambda name: statistics.median(times[name])) if times else BASELINE
+    source = {name: BASELINE if name in plain.values() else name for name in models}  # whose accuracy a row has
     rows = []
     for name, model in models.items():
-        speed, fast = _ratio(times, name), _ratio(latency, name)
+        own = plain[modes[name]]
+        speed, fast, overall = _ratio(times, name, own), _ratio(latency, name, own), _ratio(times, name, fastest)
         rows.append(BenchRow(
             method=name,
             gmacs=macs[name] / 1e9,
-            gmacs_std=None if evaluation is None else evaluation.macs_std[name] / 1e9,
+            gmacs_std=None if evaluation is None else evaluation.macs_std[source[name]] / 1e9,
             img_per_s=len(batch) / statistics.median(times[name]) if times else None,
             speedup=speed[0],
-            top1=evaluation.top1[name] if labelled else None,
-            agreement=None if evaluation is None else evaluation.agreement[name],
+            top1=evaluation.top1[source[name]] if labelled else None,
+            agreement=None if evaluation is None else evaluation.agreement[source[name]],
             tokens_last_block=_tokens_last_block(model, num_tokens),
             **paired.get(name, {}),
             dtype=dtype,
@@ -238,9 +252,17 @@ def run_bench(
             latency_ms=1e3 * statistics.median(latency[name]) if latency else None,
             latency_p90_ms=1e3 * p90(latency[name]) if latency else None,
             latency_speedup=fast[0], speedup_lo=speed[1], speedup_hi=speed[2], latency_speedup_lo=fast[1],
-            latency_speedup_hi=fast[2],
+            latency_speedup_hi=fast[2], plain_row=own, vs_fastest_plain=overall[0], vs_fastest_plain_lo=overall[1],
+            vs_fastest_plain_hi=overall[2],
         ))
     return rows
+
+
+def plain_rows(modes: Dict[str, str]) -> Dict[str, str]:
+    """mode -> the plain row timed in that mode: 'none' in the plain row's own mode, 'none@<mode>' in every other
+    mode a row runs in (a preset recorded compiled, say, is compared with plain compiled)."""
+    return {mode: BASELINE if mode == modes[BASELINE] else f"{BASELINE}@{mode}"
+            for mode in dict.fromkeys(modes.values())}
 
 
 def _time(models: Dict[str, nn.Module], batch: torch.Tensor, modes: Dict[str, str], rounds: int, latency_runs: int,
@@ -268,9 +290,11 @@ def _time(models: Dict[str, nn.Module], batch: torch.Tensor, modes: Dict[str, st
     return times, latency
 
 
-def _ratio(times: Dict[str, List[float]], name: str) -> Tuple[Optional[float], Optional[float], Optional[float]]:
-    """(the speed-up against the baseline, its 95 % interval: kit.stats.speedup_interval), or Nones without timing."""
-    return speedup_interval(times[BASELINE], times[name]) if times else (None, None, None)
+def _ratio(times: Dict[str, List[float]], name: str, plain: str
+           ) -> Tuple[Optional[float], Optional[float], Optional[float]]:
+    """(the speed-up against the plain row `plain`, its 95 % interval: kit.stats.speedup_interval), or Nones without
+    timing."""
+    return speedup_interval(times[plain], times[name]) if times else (None, None, None)
 
 
 def format_table(rows: Sequence[BenchRow]) -> str:
@@ -279,8 +303,11 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     a legend; a note on the ratios within timing noise; for rows compared with another row, the images whose
     agreement changed."""
     timed, with_latency = rows[0].speedup is not None, rows[0].latency_ms is not None
+    plain = {r.plain_row for r in rows}
+    modes = timed and len(plain) > 1  # rows in several modes: each against plain in its own, and the fastest plain
     header = ["method", "GMACs", "+-batch"]
     header += ["tput img/s", "tput x [95%]"] if timed else []
+    header += ["mode", "x fastest plain [95%]"] if modes else []
     header += ["lat ms", "lat p90", "lat x [95%]"] if with_latency else []
     header += ["top-1 %", "agree %", "tokens@last"]
     cells = []
@@ -288,6 +315,8 @@ def format_table(rows: Sequence[BenchRow]) -> str:
         row = [r.method, f"{r.gmacs:.4f}", "-" if r.gmacs_std is None else f"{r.gmacs_std:.4f}"]
         if timed:
             row += [f"{r.img_per_s:.1f}", _ratio_cell(r.speedup, r.speedup_lo, r.speedup_hi)]
+        if modes:
+            row += [r.backend, _ratio_cell(r.vs_fastest_plain, r.vs_fastest_plain_lo, r.vs_fastest_plain_hi)]
         if with_latency:
             row += [f"{r.latency_ms:.2f}", f"{r.latency_p90_ms:.2f}",
                     _ratio_cell(r.latency_speedup, r.latency_speedup_lo, r.latency_speedup_hi)]
@@ -299,11 +328,13 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     legend += ["lat: one image (median, 90th percentile)"] if with_latency else []
     legend += ["x: speed-up against the plain model, the geometric mean of the interleaved rounds' time ratios "
                "[its 95 % interval]"] if timed else []
+    legend += [f"rows run in several modes: x is against plain in the row's mode ({', '.join(sorted(plain))}), "
+               "'x fastest plain' against the fastest of those"] if modes else []
     lines += ["", "; ".join(legend + ["tokens@last: tokens entering the last block"])]
     lines += noise_notes([(r.method, {"tput x": (r.speedup_lo, r.speedup_hi),
                                       "lat x": (r.latency_speedup_lo, r.latency_speedup_hi)})
-                          for r in rows if r.method != BASELINE], "--timing-rounds, --latency-runs")
-    idle = [r.method for r in rows if r.method != BASELINE and r.tokens_last_block == rows[0].tokens_last_block
+                          for r in rows if r.method not in plain], "--timing-rounds, --latency-runs")
+    idle = [r.method for r in rows if r.method not in plain and r.tokens_last_block == rows[0].tokens_last_block
             and r.gmacs >= rows[0].gmacs]
     plain_presets = [name for name in idle if name.endswith(".json") and load_preset(name)[0] == BASELINE]
     if plain_presets:
