@@ -64,6 +64,15 @@ def test_compiles_two_graphs_for_every_block_batch_and_r(method):
     assert (_graphs(), _breaks()) == (2, 0)
 
 
+def test_flex_attention_compiles_by_region_and_matches_the_mask():
+    model, reference = _model("tome", r=8, prop_attn="flex"), _model("tome", r=8, prop_attn="mask")
+    fast = compiling.compile(model, backend="eager")
+    with torch.no_grad():
+        for batch in (2, 3):
+            torch.testing.assert_close(fast(_images(batch)), reference(_images(batch)), rtol=1e-5, atol=1e-5)
+    assert (_graphs(), _breaks()) == (2, 0)
+
+
 def test_a_batch_of_one_compiles_its_graphs_once():
     model = _model("tome", r=8)
     fast = compiling.compile(model, backend="eager")
