@@ -242,6 +242,22 @@ def test_the_table_names_its_columns_and_flags_ratios_within_noise():
     assert "note: reduced nothing on these inputs: atm (an adaptive method" in idle and "tome_r8 (" not in idle
 
 
+def test_a_plain_preset_whose_interval_excludes_one_is_called_drift(tmp_path):
+    from timm_tokcomp.bench import BenchRow, format_table
+    from timm_tokcomp.kit.presets import write_preset
+
+    preset = str(tmp_path / "none.json")
+    write_preset(preset, "none", {}, execution={"mode": "eager"})
+    plain = BenchRow("none", 1.25, None, 100.0, 1.0, None, None, 197, speedup_lo=1.0, speedup_hi=1.0)
+    drifted = format_table([plain, BenchRow(preset, 1.25, None, 104.0, 1.04, None, None, 197, speedup_lo=1.01,
+                                            speedup_hi=1.08)])
+    assert f"note: {preset} 1.04x [1.01, 1.08]: the plain model against itself, yet its interval excludes 1.00x: " \
+           "the machine drifted between rounds" in drifted
+    steady = format_table([plain, BenchRow(preset, 1.25, None, 101.0, 1.01, None, None, 197, speedup_lo=0.97,
+                                           speedup_hi=1.05)])
+    assert "drifted" not in steady and "a preset of method 'none'" in steady
+
+
 def test_the_evaluation_progress_counts_images(tmp_path, capsys):
     _write_images(tmp_path / "imgs", 5)
     assert main(["bench", "deit_tiny", "--data", str(tmp_path / "imgs"), "--methods", "none,tome_r8", "--no-timing",

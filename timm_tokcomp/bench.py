@@ -340,6 +340,13 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     if plain_presets:
         lines.append(f"note: {', '.join(plain_presets)}: a preset of method '{BASELINE}' (the tune that wrote it found "
                      f"nothing to gain within its budget): the plain model runs")
+    drifted = [r for r in rows if r.method in plain_presets and r.speedup_lo is not None
+               and not r.speedup_lo <= 1.0 <= r.speedup_hi]
+    if drifted:
+        lines.append("note: " + ", ".join(f"{r.method} {_ratio_cell(r.speedup, r.speedup_lo, r.speedup_hi)}"
+                                          for r in drifted) +
+                     ": the plain model against itself, yet its interval excludes 1.00x: the machine drifted between "
+                     "rounds, so read every ratio here with that margin (--timing-rounds, a quieter machine)")
     idle = [name for name in idle if name not in plain_presets]
     if idle:
         lines.append(f"note: reduced nothing on these inputs: {', '.join(idle)} (an adaptive method merges only tokens "
