@@ -169,10 +169,9 @@ class ReducingBlockMixin:
             metric = x if reducer.plan_differentiable else x.detach()
         elif reducer.plan_reads_tokens:
             metric = (metric, x.detach())
-        if positions is None:  # the fused kernels carry no positions: with rope the plan runs in torch
-            fused = reducer.reduce_fused(metric, x, size, source, setting, num_prefix)
-            if fused is not None:
-                return (*fused, None)
+        fused = reducer.reduce_fused(metric, x, size, source, setting, num_prefix, positions)
+        if fused is not None:
+            return fused
         plan = reducer.plan(metric, setting, num_prefix, size)
         if plan is None:
             return x, size, source, positions

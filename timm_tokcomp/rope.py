@@ -144,5 +144,9 @@ class TokenPositions:
             coords = plan.apply(full, size, None)[0][:, p:]
         return TokenPositions(self.rope, coords, None, self.merge)
 
+    def moved(self, coords: torch.Tensor) -> "TokenPositions":
+        """These positions after a fused reduction step that moved their coords (B, n', 2) itself."""
+        return TokenPositions(self.rope, coords, None, self.merge)
+
     def prefix_only(self) -> "TokenPositions":
         return TokenPositions(self.rope, self.coords[:, :0], None, self.merge)

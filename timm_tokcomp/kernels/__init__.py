@@ -70,14 +70,17 @@ def unmerge_add(x: torch.Tensor, y: torch.Tensor, group: torch.Tensor, gamma: Op
     return triton_dense.unmerge_add(x, y, group, gamma)
 
 
-def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int,
-               num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
+               coords: Optional[torch.Tensor] = None, coords_merge: str = "dst"):
     """ToMe's bipartite matching of r merges on metric (B, N, D) and the size-weighted merge of x (B, N, C),
     size (B, N, 1) or None, in two Triton launches (four above 128 A tokens):
-    -> x (B, N - r, C), size (B, N - r, 1)."""
+    -> x (B, N - r, C), size (B, N - r, 1); with coords (B, N - num_prefix, 2), the patch tokens' rotary
+    positions, also those moved by the same plan (triton_tome.tome_merge)."""
     from . import triton_tome
 
-    return triton_tome.tome_merge(metric, x, size, r, num_prefix)
+    if coords is None:
+        return triton_tome.tome_merge(metric, x, size, r, num_prefix)
+    return triton_tome.tome_merge_with_coords(metric, x, size, r, num_prefix, coords, coords_merge)
 
 
 def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -315,6 +315,28 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
     return _merge(ws, lay, x, size, r, num_prefix, split)
 
 
+def tome_merge_with_coords(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int,
+                           num_prefix: int, coords: torch.Tensor, coords_merge: str
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tome_merge, and the patch tokens' rotary coords (B, N - num_prefix, 2) moved by the same plan ->
+    (x, size, coords (B, N - r - num_prefix, 2)). coords_merge 'dst': each output keeps its destination's row (a
+    kept A token's own, a B token's: read from the plan's list of kept A tokens); 'centroid': the size-weighted
+    mean of what it holds, by the merge kernel in fp32 on the same plan (one more launch)."""
+    lay = _layout(x.shape[1], num_prefix)
+    ws = torch.empty(x.shape[0], lay.width, dtype=torch.int32, device=x.device)
+    _match_and_plan(metric, ws, lay, r, num_prefix, None, 0.0, True, True, "tome_match_and_plan")
+    merged, merged_size = _merge(ws, lay, x, size, r, num_prefix, None)
+    a_start = lay.a_first - num_prefix
+    if coords_merge == "dst":
+        kept = ws[:, 3 * lay.n_a:4 * lay.n_a - r].long().unsqueeze(-1).expand(-1, -1, 2)
+        moved = torch.cat([coords[:, a_start::2].gather(1, kept), coords[:, 1 - a_start::2]], dim=1)
+    else:
+        full = torch.cat([coords.new_zeros(coords.shape[0], num_prefix, 2), coords], dim=1)
+        weights = None if size is None else size.float()
+        moved = _merge(ws, lay, full.float(), weights, r, num_prefix, None)[0][:, num_prefix:]
+    return merged, merged_size, moved
+
+
 def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], threshold: float, num_prefix: int,
               split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
               ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:

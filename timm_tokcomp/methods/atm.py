@@ -224,11 +224,11 @@ class ATM(TokenReducer):
         r = min(batch_adaptive_r(count_above(node_max, step.threshold)), cap)
         return merge_top_r(node_max, node_idx, r, num_prefix, split) if r > 0 else None
 
-    def reduce_fused(self, metric, x, size, source, step, num_prefix):
-        if source is not None or x.shape[0] == 0 or not kernels.use_triton(self.kernel, x):
+    def reduce_fused(self, metric, x, size, source, step, num_prefix, positions=None):
+        if source is not None or positions is not None or x.shape[0] == 0 or not kernels.use_triton(self.kernel, x):
             return None
         if max_merges(x.shape[1], num_prefix) == 0:
-            return x, size, source
+            return x, size, source, None
         split = size_distinctive_split(size, num_prefix) if step.size_split and size is not None else None
         merged = kernels.atm_merge(metric, x, size, step.threshold, num_prefix, split)
-        return (x, size, source) if merged is None else (*merged, None)
+        return (x, size, source, None) if merged is None else (*merged, None, None)

@@ -218,10 +218,11 @@ class TokenReducer(ABC):
         raise NotImplementedError(f"{self.name} reduces between attention and MLP; it has no lookahead step")
 
     def reduce_fused(self, metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor],
-                     source: Optional[torch.Tensor], setting: Any, num_prefix: int
-                     ) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]:
-        """plan() and reduce() of one block in fused kernels, or None where the method has none for these
-        inputs (then plan() and reduce() run)."""
+                     source: Optional[torch.Tensor], setting: Any, num_prefix: int, positions: Optional[Any] = None
+                     ) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[Any]]]:
+        """plan() and reduce() of one block in fused kernels -> (x, size, source, positions moved as the plan moves
+        them; rope.TokenPositions or None), or None where the method has none for these inputs (then plan() and
+        reduce() run)."""
         return None
 
     def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:

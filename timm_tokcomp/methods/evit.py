@@ -53,16 +53,16 @@ class EViT(FusedScheduledReducer):
             return None
         return attentive_pruning(metric, r, num_prefix)
 
-    def reduce_fused(self, metric, x, size, source, r, num_prefix):
+    def reduce_fused(self, metric, x, size, source, r, num_prefix, positions=None):
         """The Triton kernels in eager inference where the backend is 'triton'; compiled, the step as one custom
-        operator (kernels.library) on the resolved backend."""
-        if not isinstance(metric, ClassAttentionInputs) or source is not None:
+        operator (kernels.library) on the resolved backend. Not with rotary positions (plan() and reduce() run)."""
+        if not isinstance(metric, ClassAttentionInputs) or source is not None or positions is not None:
             return None
         n = x.shape[1] - num_prefix
         r = min(r, n - 1)
         if r <= 0:
-            return x, size, source
+            return x, size, source, None
         if library.uses_library_op(x):
             return (*library.evit_prune(*metric, x, size, r, num_prefix, kernels.resolve_backend(self.kernel, x)),
-                    None)
-        return (*kernels.evit_prune(*metric, x, size, r, num_prefix), None)
+                    None, None)
+        return (*kernels.evit_prune(*metric, x, size, r, num_prefix), None, None)

@@ -178,7 +178,7 @@ class PYRA(LearnedParams, ToMe):
              size: Optional[torch.Tensor]) -> Optional[MergePlan]:
         return tome_plan(metric, setting.r, num_prefix)
 
-    def reduce_fused(self, metric, x, size, source, setting, num_prefix):
+    def reduce_fused(self, metric, x, size, source, setting, num_prefix, positions=None):
         return None  # ToMe's fused step has no learned modulation: plan() and reduce() run, compiled or not
 
     def reduce(self, plan: Plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],

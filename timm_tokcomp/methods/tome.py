@@ -41,18 +41,23 @@ class ToMe(FusedScheduledReducer):
     def plan(self, metric: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[MergePlan]:
         return tome_plan(metric, r, num_prefix)
 
-    def reduce_fused(self, metric, x, size, source, r, num_prefix):
-        """The Triton kernels in eager inference where the backend is 'triton'; compiled, the step as one custom
-        operator (kernels.library) on the resolved backend."""
-        compiled = library.uses_library_op(x)
+    def reduce_fused(self, metric, x, size, source, r, num_prefix, positions=None):
+        """The Triton kernels in eager inference where the backend is 'triton' (the rotary positions moved by the
+        same plan: kernels.tome_merge's coords); compiled, the step as one custom operator (kernels.library) on the
+        resolved backend (without rotary positions: there plan() and reduce() are traced)."""
+        compiled = library.uses_library_op(x) and positions is None
         if source is not None or not (compiled or kernels.use_triton(self.kernel, x)):
             return None
         r = min(r, max_merges(x.shape[1], num_prefix))
         if r <= 0:
-            return x, size, source
+            return x, size, source, positions
         if compiled:
-            return (*library.tome_merge(metric, x, size, r, num_prefix, kernels.resolve_backend(self.kernel, x)), None)
-        return (*kernels.tome_merge(metric, x, size, r, num_prefix), None)
+            merged = library.tome_merge(metric, x, size, r, num_prefix, kernels.resolve_backend(self.kernel, x))
+            return (*merged, None, None)
+        if positions is None:
+            return (*kernels.tome_merge(metric, x, size, r, num_prefix), None, None)
+        x, size, coords = kernels.tome_merge(metric, x, size, r, num_prefix, positions.coords, positions.merge)
+        return x, size, None, positions.moved(coords)
 
 
 def tome_plan(metric: torch.Tensor, r: int, num_prefix: int) -> Optional[MergePlan]:
