@@ -185,7 +185,7 @@ def toy_method(monkeypatch):
 
 def test_a_new_method_is_its_class_and_its_line_in_methods(toy_method, monkeypatch, capsys):
     from timm_tokcomp import speed
-    from timm_tokcomp.bench import format_table, run_bench
+    from timm_tokcomp.bench import run_bench
     from timm_tokcomp.export import check_exportable
     from timm_tokcomp.tuning import candidate_paths
 
