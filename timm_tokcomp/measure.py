@@ -272,6 +272,11 @@ def no_silent_eager_fallback(num_models: int):
     return config.patch(**{limit: max(8, 2 * num_models), fail: True})
 
 
+def synchronizer(x: torch.Tensor) -> Callable[[], None]:
+    """What waits for x's device to finish its queued work before a clock is read (nothing on the CPU)."""
+    return torch.cuda.synchronize if x.is_cuda else (lambda: None)
+
+
 @torch.inference_mode()
 def time_runs(models: Dict[str, Callable], x: torch.Tensor, rounds: int = 5, warmup: int = 1,
               progress: Callable[[int], None] = lambda n: None) -> Dict[str, List[float]]:
@@ -281,7 +286,7 @@ def time_runs(models: Dict[str, Callable], x: torch.Tensor, rounds: int = 5, war
         for _ in range(warmup):
             model(x)
             progress(1)
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    sync = synchronizer(x)
     times: Dict[str, List[float]] = {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():

@@ -25,7 +25,7 @@ from .kit.grammar import BASELINE, method_spec, parse_methods
 from .kit.modes import check_batches, check_modes
 from .kit.stats import noise_notes, speedup_interval
 from .plans import TruncatePlan
-from .measure import no_silent_eager_fallback, time_runs
+from .measure import no_silent_eager_fallback, synchronizer, time_runs
 from .precision import check_dtype, precision
 from .methods import method_class
 from .methods.base import TokenReducer
@@ -183,7 +183,7 @@ def _models(base: nn.Module, names: Sequence[str], x: torch.Tensor, static: bool
 def _first_calls(models: Dict[str, nn.Module], mode: str, x: torch.Tensor
                  ) -> Tuple[Dict[str, Callable], Dict[str, float]]:
     """(each model's runner in mode, the seconds from building it to the end of its first forward of x)."""
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    sync = synchronizer(x)
     runners, first = {}, {}
     for name, model in models.items():
         sync()

@@ -309,10 +309,17 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
     0 < r <= max_merges(N, num_prefix), split (a_idx, b_idx) from matching.size_distinctive_split or None (the
     alternate split) -> x (B, N - r, C), size (B, N - r, 1) in x's dtype, in merge_mean's order (prefix tokens,
     kept A tokens, B tokens)."""
-    lay = _layout(x.shape[1], num_prefix)
-    ws = torch.empty(x.shape[0], lay.width, dtype=torch.int32, device=x.device)
-    _match_and_plan(metric, ws, lay, r, num_prefix, split, 0.0, True, True, "tome_match_and_plan")
+    lay, ws = _planned(metric, r, num_prefix, split)
     return _merge(ws, lay, x, size, r, num_prefix, split)
+
+
+def _planned(metric: torch.Tensor, r: int, num_prefix: int, split: Optional[Tuple[torch.Tensor, torch.Tensor]]
+             ) -> Tuple[_Layout, torch.Tensor]:
+    """ToMe's matching and plan of r merges on metric (B, N, D) -> (its layout, the workspace holding the plan)."""
+    lay = _layout(metric.shape[1], num_prefix)
+    ws = torch.empty(metric.shape[0], lay.width, dtype=torch.int32, device=metric.device)
+    _match_and_plan(metric, ws, lay, r, num_prefix, split, 0.0, True, True, "tome_match_and_plan")
+    return lay, ws
 
 
 def tome_merge_with_coords(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int,
@@ -322,9 +329,7 @@ def tome_merge_with_coords(metric: torch.Tensor, x: torch.Tensor, size: Optional
     (x, size, coords (B, N - r - num_prefix, 2)). coords_merge 'dst': each output keeps its destination's row (a
     kept A token's own, a B token's: read from the plan's list of kept A tokens); 'centroid': the size-weighted
     mean of what it holds, by the merge kernel in fp32 on the same plan (one more launch)."""
-    lay = _layout(x.shape[1], num_prefix)
-    ws = torch.empty(x.shape[0], lay.width, dtype=torch.int32, device=x.device)
-    _match_and_plan(metric, ws, lay, r, num_prefix, None, 0.0, True, True, "tome_match_and_plan")
+    lay, ws = _planned(metric, r, num_prefix, None)
     merged, merged_size = _merge(ws, lay, x, size, r, num_prefix, None)
     a_start = lay.a_first - num_prefix
     if coords_merge == "dst":

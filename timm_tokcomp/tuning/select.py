@@ -34,10 +34,13 @@ def against_fastest_plain(rows: Sequence[TuneRow]) -> Dict[int, Tuple[float, flo
     """id(row) -> (speed-up, its lower bound) against the fastest plain model measured at its batch size: its own
     ratio times how much faster that plain model runs than the plain model of its own mode."""
     plain = _plain_ms(rows)
+    fastest = {}
+    for (batch, _), ms in plain.items():
+        fastest[batch] = min(ms, fastest.get(batch, ms))
     out = {}
     for r in rows:
         if r.speedup is not None and r.ms_plain is not None:
-            scale = fastest_plain(rows, r.batch)[1] / plain[(r.batch, r.mode)]
+            scale = fastest[r.batch] / plain[(r.batch, r.mode)]
             out[id(r)] = (r.speedup * scale, r.speedup_lo * scale)
     return out
 
