@@ -22,7 +22,7 @@ FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 NEEDS = re.compile(r"^# needs: (.+)$", re.M)
 COMMAND_LANGUAGES = ("bash", "sh", "shell", "console")
 # What a block marked "# needs: ..." may need, and why the tests cannot give it.
-KNOWN_NEEDS = ("data", "gpu", "network", "hours")
+KNOWN_NEEDS = ("data", "gpu", "network", "minutes")  # minutes: longer than a test may run
 
 
 def blocks(language: Tuple[str, ...]) -> List[Tuple[str, int, str]]:
@@ -81,7 +81,7 @@ def test_python_snippet_runs(page, line, code, reader_folder):
 
 @pytest.mark.parametrize("page,line,code", COMMANDS, ids=_ids(COMMANDS))
 def test_command_block_runs_or_says_what_it_needs(page, line, code, reader_folder):
-    """A command block marked '# needs: data / gpu / network / hours' names what it needs; every other block runs
+    """A command block marked '# needs: data / gpu / network / minutes' names what it needs; every other block runs
     here, in a fresh folder, and succeeds."""
     needs = NEEDS.findall(code)
     if needs:
@@ -148,3 +148,43 @@ def test_docs_tools_are_in_the_test_extra():
 def test_shutil_which_finds_the_cli():
     """The command blocks run `tokcomp` from the environment the tests run in."""
     assert shutil.which("tokcomp", path=str(Path(sys.executable).parent)), "the tokcomp script is not installed"
+
+
+def test_the_api_list_is_what_the_docstrings_say():
+    """docs/api.md reads in the repository: its list of the public API (one row per `:::` directive, the first
+    sentence of each docstring) is what scripts/api_list.py writes now."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import api_list
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    text = (ROOT / "docs" / "api.md").read_text()
+    assert api_list.render(text) == text, "docs/api.md's list is stale: run python scripts/api_list.py"
+    assert text.count("\n| `timm_tokcomp.") == text.count("\n::: timm_tokcomp.") > 30
+
+
+# sentences about the project's past rather than to the reader (issue "first hour"): each page says what was
+# measured, on what, by which command
+HISTORY = ("until this version", "the check now", "after the counting fix", "which was the default then",
+           "checked outside this repository", "what runs before this option did", "with an older commit",
+           "since the floor moved", "so we made one", "until this one is timed", "the floor before",
+           "/etc/xdg/pip", "the only measure before", "in an earlier", "an earlier h100 run")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_pages_speak_to_the_reader_not_about_the_projects_past(page):
+    text = " ".join(page.read_text().lower().split())
+    found = [phrase for phrase in HISTORY if phrase in text]
+    assert not found, f"{page.name}: {found}"
+
+
+def test_the_onnx_export_list_names_every_method_and_only_those_that_export():
+    from timm_tokcomp.methods import METHODS, method_class
+
+    text = " ".join((ROOT / "docs" / "deployment.md").read_text().split())
+    exports = text.split("- Exports: ")[1].split(" Not `atm`")[0]
+    refused = text.split(" Not `atm`")[1].split("These are refused")[0]
+    named = set(re.findall(r"`(\w+)`", exports)) & set(METHODS)
+    assert named == {m for m in METHODS if method_class(m).exportable()}
+    assert {"atm"} | (set(re.findall(r"`(\w+)`", refused)) & set(METHODS)) == \
+        {m for m in METHODS if not method_class(m).exportable()}

@@ -155,3 +155,11 @@ def test_newer_families_take_method_tags_and_are_listed(name, family):
 def test_a_method_tag_on_an_unserved_class_says_which_classes_are_served(name, why):
     with pytest.raises(TypeError, match=rf"does not take method tags .*{why}.*VisionTransformer .*Eva"):
         timm.create_model(name)
+
+
+def test_a_naflex_name_with_a_method_tag_names_the_served_name_for_the_same_weights():
+    with pytest.raises(TypeError, match="NaFlexVit") as refused:
+        timm.create_model("naflexvit_base_patch16_siglip.v2_webli.tome_r16")
+    served = "vit_base_patch16_siglip_224.v2_webli.tome_r16"
+    assert f"Served for the same weights: {served}" in str(refused.value)
+    assert served in timm.list_models(pretrained=True)

@@ -8,21 +8,32 @@ the extra to install:
   all            every one of them
 """
 import importlib
+from pathlib import Path
 from types import ModuleType
+
+CHECKOUT = Path(__file__).resolve().parents[1]  # the source tree, when the package runs from one (pip install -e)
 
 
 class MissingExtra(ImportError):
     """An optional dependency is not installed; the message names the pip extra that installs it."""
 
 
+def install_hint(package: str, extra: str) -> str:
+    """What installs `package` for the install at hand: the package itself, and the extra that brings it with its
+    companions, from the checkout this package runs from (an editable install) or by its name."""
+    if (CHECKOUT / "pyproject.toml").is_file():
+        return f"pip install -e '{CHECKOUT}[{extra}]' (this checkout's {extra} extra), or pip install {package}"
+    return f"pip install {package} (or the {extra} extra of timm-tokcomp, from where you installed it)"
+
+
 def require(module: str, extra: str, purpose: str) -> ModuleType:
-    """import `module`, or raise MissingExtra: '<purpose> needs <package>: pip install "timm-tokcomp[<extra>]"'."""
+    """import `module`, or raise MissingExtra: '<purpose> needs <package>, ...: <install_hint>'."""
     try:
         return importlib.import_module(module)
     except ImportError:
         package = {"sklearn": "scikit-learn"}.get(module.split(".")[0], module.split(".")[0])
         raise MissingExtra(f"{purpose} needs {package}, which the core install leaves out: "
-                           f"pip install 'timm-tokcomp[{extra}]'") from None
+                           f"{install_hint(package, extra)}") from None
 
 
 def available(module: str) -> bool:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from timm.models import _factory
 from timm.models import _registry as treg
+from timm.models._registry import list_pretrained as timm_list_pretrained
 from timm.models._features import FeatureGetterNet
 from timm.models._pretrained import DefaultCfg
 
@@ -146,7 +147,8 @@ def _wrap_entrypoint(arch: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             error = pretrained_unreachable(e, arch)
             if error is e:
                 raise
-            raise error from e
+            # alone: huggingface_hub's own message would tell the user to unset HF_HUB_OFFLINE, which hub_access set
+            raise error from None
         if method_tag:
             from .core import apply
 
@@ -175,7 +177,7 @@ def _refusing_entrypoint(arch: str, why: str, fn: Callable[..., Any]) -> Callabl
             method_tag = pretrained_cfg.rpartition(".")[2]
         if method_tag:
             raise TypeError(f"{arch} does not take method tags ({method_tag!r}): it is built from {why}. "
-                            f"timm_tokcomp reduces tokens in timm's {served_classes()}")
+                            f"timm_tokcomp reduces tokens in timm's {served_classes()}.{_served_twins(arch, method_tag)}")
         return fn(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
 
     entrypoint._tokcomp_original = fn
@@ -322,6 +324,20 @@ def _unserved_archs() -> Dict[str, str]:
     for module, why in UNSERVED_MODULES.items():
         unserved.update({arch: why for arch in treg._module_to_models.get(module, set()) - deprecated})
     return unserved
+
+
+def _served_twins(arch: str, method_tag: str) -> str:
+    """' Served for the same weights: vit_base_patch16_siglip_224.v2_webli.tome_r16, ...': the names of a NaFlex
+    architecture's weights in timm's VisionTransformer (same size, patch and head; with its pretrained tags where
+    timm lists them there) with the method tag, or ''."""
+    if not arch.startswith("naflexvit"):
+        return ""
+    stem = arch.replace("naflexvit", "vit", 1)
+    twins = sorted(a for a in _supported() if a.startswith(stem))
+    tags = {name.split(".", 1)[1] for name in timm_list_pretrained(arch) if "." in name}
+    tagged = [f"{a}.{t}" for a in twins for t in sorted(tags) if f"{a}.{t}" in set(timm_list_pretrained(a))]
+    shown = [f"{name}.{method_tag}" for name in (tagged or twins)[:4]]
+    return f" Served for the same weights: {', '.join(shown)}." if shown else ""
 
 
 def register_all() -> None:

@@ -31,7 +31,7 @@ def check_rope_merge(value) -> None:
 def check_rope(rope: Optional[nn.Module]) -> None:
     """Raise TypeError for a rope module whose positions cannot travel with tokens."""
     if rope is not None and type(rope) not in SERVED_ROPES:
-        raise TypeError(f"the model's rotary embedding is a {type(rope).__name__}; timm_tokcomp serves the 2-D types "
+        raise TypeError(f"the model's rotary embedding is of class {type(rope).__name__}; timm_tokcomp serves the 2-D types "
                         f"{', '.join(c.__name__ for c in SERVED_ROPES)} (rope_type 'cat', 'dinov3', 'mixed')")
 
 

@@ -24,7 +24,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--latency-runs", type=int, default=30,
                        help="single-image forwards timed per method for latency (median, p90; 0: none; "
                             "default: %(default)s)")
-    bench.add_argument("--timing-rounds", type=int, default=5, help="timed forwards per method (median)")
+    bench.add_argument("--timing-rounds", type=int, default=5,
+                       help="timed rounds, each one forward of every method, interleaved: img/s from the median "
+                            "round, the speed-up the geometric mean of the rounds' ratios (default: %(default)s)")
     bench.add_argument("--no-timing", action="store_true", help="GMACs and accuracy only: no throughput or latency")
     bench.add_argument("--limit", type=int, help="evaluate only the first N images")
     bench.add_argument("--num-workers", type=int, default=2, help="data loading workers")

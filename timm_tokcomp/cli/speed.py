@@ -28,7 +28,9 @@ def add(sub: argparse._SubParsersAction) -> None:
                                                      "eager forward in a CUDA graph, CUDA only); default: %(default)s")
     device_flag(sp)
     precision_flags(sp)
-    sp.add_argument("--rounds", type=int, default=20, help="timed forwards per model (median; default: %(default)s)")
+    sp.add_argument("--rounds", type=int, default=20,
+                    help="timed rounds, each one forward of every model, interleaved: ms from the median, speed-ups "
+                         "the geometric mean of the rounds' ratios (default: %(default)s)")
     weights_flags(sp)
     sp.add_argument("--data", help="folder of images whose first batch is timed (random inputs without it; "
                                    "adaptive methods such as ATM need real images)")

@@ -28,11 +28,17 @@ def add(sub: argparse._SubParsersAction) -> None:
                                     "the CPU, all four on CUDA")
     tu.add_argument("--methods", help="candidate settings instead of the default space: method tags or presets, "
                                       "comma separated (each still tried on every path and mode)")
-    tu.add_argument("--limit", type=int, default=512, help="images read from --data (default: %(default)s)")
+    tu.add_argument("--limit", type=int, default=1500, help="images read from --data at most (default: %(default)s; the "
+                                                           "held-out ones decide how small a loss can be promised)")
     tu.add_argument("--prune-images", type=int, default=128, help="the first images, used to screen candidates; "
                                                                   "the rest decide (default: %(default)s)")
-    tu.add_argument("--max-rounds", type=int, default=30, help="timed forwards per candidate at most (default: "
+    tu.add_argument("--max-rounds", type=int, default=30, help="timed rounds per candidate at most (a round: one "
+                                                               "forward of it and one of the plain model; default: "
                                                                "%(default)s)")
+    tu.add_argument("--time-budget", type=float, default=15.0, metavar="MINUTES",
+                    help="wall-clock minutes for the whole run, loading included; every stage ends by its share, and "
+                         "when the budget ends tune chooses from what it measured and says what it did not reach "
+                         "(--resume with more minutes continues; default: %(default)s)")
     tu.add_argument("--resume", action="store_true", help="continue a killed run in --out from its tune.csv")
     tu.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
     progress_flag(tu)
@@ -51,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
                   min_speedup=args.min_speedup,
                   modes=args.modes.split(",") if args.modes else None, space=space, checkpoint=args.checkpoint,
                   pretrained=args.pretrained, limit=args.limit, prune_images=args.prune_images,
-                  max_rounds=args.max_rounds, out=args.out, resume=args.resume, overwrite=args.overwrite,
+                  max_rounds=args.max_rounds, time_budget=args.time_budget, out=args.out, resume=args.resume,
+                  overwrite=args.overwrite,
                   show_progress=not args.no_progress)
     s = result.settings
     print(f"{s['model']} on {s['device_name']}: {s['dtype']}{', TF32' if s['tf32'] else ''}, modes "

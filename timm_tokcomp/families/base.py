@@ -62,11 +62,11 @@ class Family:
         for i, blk in enumerate(model.blocks):
             if self.plain_block(type(blk)) is None:
                 served = ", ".join(c.__name__ for c in self.blocks)
-                raise TypeError(f"blocks[{i}] is a {type(blk).__name__}; in timm's {self.name} timm_tokcomp serves "
+                raise TypeError(f"blocks[{i}] is of class {type(blk).__name__}; in timm's {self.name} timm_tokcomp serves "
                                 f"{served}")
             if self.plain_attention(type(blk.attn)) is None:
                 served = ", ".join(c.__name__ for c in self.attentions)
-                raise TypeError(f"blocks[{i}].attn is a {type(blk.attn).__name__}; in timm's {self.name} "
+                raise TypeError(f"blocks[{i}].attn is of class {type(blk.attn).__name__}; in timm's {self.name} "
                                 f"timm_tokcomp serves {served}")
         check_pool_head(getattr(model, "attn_pool", None))
 
@@ -84,7 +84,7 @@ def check_pool_head(pool: Optional[nn.Module]) -> None:
     if pool is None:
         return
     if type(pool) is not AttentionPoolLatent:
-        raise TypeError(f"the attention-pool head is a {type(pool).__name__}; timm_tokcomp serves timm's "
+        raise TypeError(f"the attention-pool head is of class {type(pool).__name__}; timm_tokcomp serves timm's "
                         f"AttentionPoolLatent ('map') heads, whose attention takes the token sizes")
     if pool.pos_embed is not None:
         raise TypeError("the attention-pool head adds a position embedding per input token (pos_embed='abs'), which "

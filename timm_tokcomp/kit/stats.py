@@ -1,5 +1,6 @@
 """Statistics the measuring commands report: exact McNemar and Clopper-Pearson tests on paired image counts,
 speed-up intervals on interleaved timing rounds, percentiles. Pure Python."""
+import functools
 import math
 import statistics
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -33,14 +34,64 @@ def disagreement_lower_bound(changed: int, n: int, confidence: float = 0.95) -> 
         return 0.0
     alpha = 1 - confidence
 
-    def upper_tail(p: float) -> float:  # P(X >= changed | p)
-        return sum(math.exp(_log_binom_pmf(k, n, p)) for k in range(changed, n + 1))
+    def upper_tail(p: float) -> float:  # P(X >= changed | p), summed over the shorter side
+        if changed > n // 2:
+            return sum(math.exp(_log_binom_pmf(k, n, p)) for k in range(changed, n + 1))
+        return 1.0 - sum(math.exp(_log_binom_pmf(k, n, p)) for k in range(changed))
 
     lo, hi = 0.0, changed / n
     for _ in range(50):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if upper_tail(mid) < alpha else (lo, mid)
     return lo
+
+
+def rate_upper_bound(k: int, n: int, confidence: float = 0.95) -> float:
+    """One-sided exact (Clopper-Pearson) upper bound of the rate behind k of n, as a fraction (1 for n = 0)."""
+    return 1.0 - disagreement_lower_bound(n - k, n, confidence)
+
+
+@functools.lru_cache(maxsize=4096)
+def loss_bounds(measure: str, n: int, changed: int, gained: int = 0, lost: int = 0,
+                confidence: float = 0.95) -> Tuple[float, float, float]:
+    """(loss, one-sided lower bound, one-sided upper bound) in percentage points on n paired images.
+    'agreement': the % of images whose top-1 class changed, Clopper-Pearson on changed / n. 'top1': points of
+    top-1 lost, (lost - gained) / n; of the d = gained + lost images whose correctness changed, `lost` turned
+    wrong, and each bound is d (2 p - 1) / n with p the Clopper-Pearson bound of lost / d (the paired split, as
+    McNemar's test reads it; 0 when d = 0)."""
+    if measure == "agreement":
+        return (100.0 * changed / n, 100.0 * disagreement_lower_bound(changed, n, confidence),
+                100.0 * rate_upper_bound(changed, n, confidence))
+    d = gained + lost
+    if d == 0:
+        return 0.0, 0.0, 0.0
+    return (100.0 * (lost - gained) / n, 100.0 * d * (2 * disagreement_lower_bound(lost, d, confidence) - 1) / n,
+            100.0 * d * (2 * rate_upper_bound(lost, d, confidence) - 1) / n)
+
+
+def images_needed(measure: str, n: int, changed: int, gained: int, lost: int, budget: float,
+                  most: int = 10 ** 6) -> Optional[int]:
+    """How many paired images would put loss_bounds' upper bound within budget if the counts kept their rates
+    (scaled from n images); None where no number would (the loss itself is at or above the budget, or it needs
+    more than `most`)."""
+    if loss_bounds(measure, n, changed, gained, lost)[0] >= budget:
+        return None
+
+    def fits(m: int) -> bool:
+        scale = m / n
+        return loss_bounds(measure, m, round(changed * scale), round(gained * scale), round(lost * scale))[2] <= budget
+
+    if fits(n):
+        return n
+    lo, hi = n, 2 * n
+    while not fits(hi):
+        if hi > most:
+            return None
+        lo, hi = hi, 2 * hi
+    while hi - lo > max(1, lo // 100):  # within 1 %: the counts' rates are estimates too
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,

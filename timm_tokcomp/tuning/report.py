@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Sequence, Union
 
 from ..core import NO_REDUCTION
 from ..kit.presets import device_type_of, versions, write_preset
-from ..extras import available, pyplot
+from ..extras import available, install_hint, pyplot
 from ..outputs import replacing, write_text
 from .rows import BUDGET_MEASURES, Choice, TuneRow
 from .select import pareto_front
@@ -24,7 +24,7 @@ class TuneResult:
     settings: Dict[str, Any] = field(default_factory=dict)
 
     def table(self) -> str:
-        return format_table(self.rows, self.choices)
+        return format_table(self.rows, self.choices, self.settings.get("budget_measure", "agreement"))
 
     def budget_text(self) -> str:
         """'at most 1.0 points of top-1 lost on 384 held-out images (labelled)': what the choice was held to."""
@@ -59,28 +59,32 @@ def save_tuned_preset(path: Union[str, Path], choice: "Choice", settings: Dict[s
              "budget": settings["budget"], "budget_measure": settings.get("budget_measure", "agreement"),
              "reason": choice.reason, "versions": versions()}
     if row is not None:
+        measure = tuned["budget_measure"]
         tuned.update(speedup=row.speedup, speedup_95=[row.speedup_lo, row.speedup_hi], agreement=row.agree,
                      images=row.agree_n, changed=row.changed, top1=row.top1, top1_plain=row.top1_plain,
-                     ms=row.ms, ms_plain=row.ms_plain)
+                     loss=row.loss(measure), loss_upper_95=row.loss_upper(measure), ms=row.ms, ms_plain=row.ms_plain)
     write_preset(path, NO_REDUCTION if row is None else row.method, {} if row is None else json.loads(row.params),
                  overwrite, execution={"mode": "eager" if row is None else row.mode}, tuned=tuned)
 
 
-def format_table(rows: Sequence[TuneRow], choices: Sequence[Choice]) -> str:
-    """Markdown: per batch size the timed candidates, fastest first, then what was not timed and why, then the
+def format_table(rows: Sequence[TuneRow], choices: Sequence[Choice], measure: str = "agreement") -> str:
+    """Markdown: per batch size the timed candidates, fastest first (with the held-out loss in the budget's measure
+    and its one-sided 95 % upper bound, which the budget is judged on), then what was not timed and why, then the
     choice."""
     out: List[str] = []
     for choice in choices:
         timed = sorted((r for r in rows if r.batch == choice.batch and r.status == "timed"), key=lambda r: r.ms)
         out += [f"### batch {choice.batch}", "",
-                "| candidate | GMACs | ms (plain) | speed-up [95 %] | held-out agreement (changed / n) | top-1 (plain), McNemar p |",
-                "| --- | --- | --- | --- | --- | --- |"]
+                "| candidate | GMACs | ms (plain) | speed-up [95 %] | held-out agreement (changed / n) | top-1 (plain), McNemar p "
+                "| loss [95 % upper] |",
+                "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in timed:
             agree = "-" if r.agree is None else f"{r.agree:.2f} % ({r.changed} / {r.agree_n})"
             top1 = "-" if r.top1 is None else f"{r.top1:.2f} ({r.top1_plain:.2f}), p = {r.top1_p:.2g}"
             mark = " **chosen**" if r.chosen else ""
+            loss = "-" if r.agree_n is None else f"{r.loss(measure):.2f} [{r.loss_upper(measure):.2f}]"
             out.append(f"| {r.candidate}{mark} | {r.gmacs:.3f} | {r.ms:.2f} ({r.ms_plain:.2f}) | {r.speedup:.2f}x "
-                       f"[{r.speedup_lo:.2f}, {r.speedup_hi:.2f}] | {agree} | {top1} |")
+                       f"[{r.speedup_lo:.2f}, {r.speedup_hi:.2f}] | {agree} | {top1} | {loss} |")
         skipped = [r for r in rows if r.batch == choice.batch and r.status != "timed"]
         if skipped:
             counts: Dict[str, int] = {}
@@ -105,12 +109,13 @@ def write_outputs(result: TuneResult, out: str) -> None:
     s = result.settings
     write_text(Path(out) / "table.md", f"# tokcomp tune: {s['model']} on {s['device_name']}, {s['dtype']}"
                                        f"{', TF32' if s['tf32'] else ''}\n\n{result.budget_text()}\n\n"
-                                       + result.table())
+                                       + result.table() + "\n## Stages\n\n"
+                                       + "".join(f"- {line}\n" for line in s.get("stages", [])))
     if available("matplotlib"):  # the one output the core install leaves out (the plot extra)
         plot_pareto(result, Path(out) / "pareto.png")
     else:
-        s["notes"].append("pareto.png not drawn: it needs matplotlib, which the core install leaves out: "
-                          "pip install 'timm-tokcomp[plot]'")
+        s["notes"].append(f"pareto.png not drawn: it needs matplotlib, which the core install leaves out: "
+                          f"{install_hint('matplotlib', 'plot')}")
     for batch, path in preset_paths(out, s["batches"]).items():
         choice = next(c for c in result.choices if c.batch == batch)
         save_tuned_preset(path, choice, s, overwrite=True)  # inside the run folder tune holds

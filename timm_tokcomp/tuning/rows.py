@@ -3,8 +3,12 @@ candidate at one batch size, and the choice for a batch size."""
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-HELD_OUT_FIELDS = ("agree", "agree_n", "changed", "top1_plain", "top1", "top1_p")  # TuneRow's held-out figures
+from ..kit.stats import loss_bounds
 
+HELD_OUT_FIELDS = ("agree", "agree_n", "changed", "gained", "lost", "top1_plain", "top1", "top1_p")  # TuneRow's held-out figures
+
+
+NOT_REACHED = "not reached: time budget"  # a row's status, with the stage in parentheses; a resume measures it
 
 # what the budget limits, in the units of --budget: top-1 when the images have labels, agreement without them
 BUDGET_MEASURES = {"top1": "points of top-1 lost", "agreement": "% of the plain model's predictions changed"}
@@ -52,13 +56,16 @@ def label(method: str, params: Dict[str, Any]) -> str:
 
 @dataclass
 class TuneRow:
-    """One candidate at one batch size. status: 'pruned: ...' (not timed: budget broken on the screening images,
-    or MACs that cannot beat the best speed-up), 'timed', 'failed: ...'. gmacs: per image; mac_ratio: plain / this;
+    """One candidate at one batch size. status: 'screened' (waiting for the held-out check or timing),
+    'pruned: ...' (not timed: budget broken on the screening or held-out images, MACs that cannot beat the best
+    speed-up, another path whose default is no contender), 'timed', 'failed: ...', NOT_REACHED (the time budget
+    ended first). gmacs: per image; mac_ratio: plain / this;
     screen_agree: % agreement on the screening images (screen_n of them), screen_loss: the loss there in the
     budget's measure (BUDGET_MEASURES); ms: median per forward, ms_plain the plain model's in the same mode;
     speedup (the geometric mean of the rounds' ratios) with its 95 % interval; agree: % held-out agreement
-    (agree_n images, changed: images whose top-1 class differs from the plain model's); top1 / top1_plain on
-    labelled data with the exact McNemar p of the paired split; chosen: this batch size's choice."""
+    (agree_n images, changed: images whose top-1 class differs from the plain model's; gained / lost: images it
+    gets right where the plain model did not and the reverse); top1 / top1_plain on labelled data with the exact
+    McNemar p of the paired split; chosen: this batch size's choice."""
 
     batch: int
     mode: str
@@ -82,6 +89,8 @@ class TuneRow:
     agree: Optional[float] = None
     agree_n: Optional[int] = None
     changed: Optional[int] = None
+    gained: Optional[int] = None
+    lost: Optional[int] = None
     top1_plain: Optional[float] = None
     top1: Optional[float] = None
     top1_p: Optional[float] = None
@@ -93,6 +102,13 @@ class TuneRow:
         if measure == "top1":
             return None if self.top1 is None else self.top1_plain - self.top1
         return None if self.agree is None else 100.0 - self.agree
+
+    def loss_upper(self, measure: str) -> Optional[float]:
+        """The held-out loss's one-sided 95 % upper bound in the budget's measure (kit.stats.loss_bounds): what the
+        budget is judged on; None where not measured."""
+        if self.agree_n is None:
+            return None
+        return loss_bounds(measure, self.agree_n, self.changed, self.gained or 0, self.lost or 0)[2]
 
 
 @dataclass

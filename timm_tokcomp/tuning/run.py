@@ -1,21 +1,25 @@
 """`tokcomp tune` / `timm_tokcomp.tune`: measure the training-free candidates on this device and choose the fastest
 one that keeps accuracy within a budget (points of top-1 lost with labels, % of predictions changed without), or
-none.
+none, within a time budget.
 
-Stages (each resumable from the CSV):
-  1. screen: per accuracy setting (method and parameters, proportional attention on or off), the MACs per image of
-     one forward and the loss on the first `prune_images` images; a setting whose loss is above the budget even at
-     its exact 95 % lower bound goes no further;
+Stages (each written to the CSV as it is measured, so --resume continues from any point; each ends by its share of
+--time-budget, budget.STAGE_ENDS, and says in one line what it kept and stopped):
+  1. screen: per accuracy setting (method and parameters, proportional attention on or off), those that could save
+     most first (MAC ratio), the loss on the first `prune_images` images; a setting whose loss is above the budget
+     even at its exact 95 % lower bound goes no further;
   2. hold out: the loss of every other setting on the images after the first `prune_images`, with paired counts
-     (and top-1 with exact McNemar p when the folder is labelled); a setting above the budget there is not timed;
-  3. time: per batch size and execution mode, the settings within the budget (every kernel, proportional-attention
-     implementation and mode the device offers) interleaved with the plain model in the same mode, in order of MAC
-     ratio, until each one's 95 % speed-up interval excludes 1 or `max_rounds`; a candidate whose MAC ratio cannot
-     beat the lower bound already measured for one within the budget is not timed;
+     (and top-1 with exact McNemar p when the folder is labelled); a setting whose loss's one-sided 95 % upper
+     bound is above the budget is not timed (the budget is a promise, not a point estimate). Both stages stop a
+     setting before its last image once it is surely above the budget;
+  3. time: per batch size and execution mode, the candidates within the budget (every kernel, proportional-attention
+     implementation and mode the device offers) interleaved with the plain model in the same mode: the default
+     path of each setting first, in order of MAC ratio, its other paths only where the default is a contender;
+     each until its 95 % speed-up interval excludes 1 or lies below the best lower bound measured (surely not the
+     winner), or `max_rounds`; a candidate whose MAC ratio cannot beat that lower bound is not timed;
   4. choose, per batch size: the fastest candidate whose speed-up's lower bound against the fastest plain model
      measured (plain in whichever mode ran fastest: compiled, say) is above 1 (and whose speed-up is at least
-     `min_speedup`), re-checked on its own path; otherwise 'no reduction', with the reason
-     and the candidate that came closest.
+     `min_speedup`), re-checked on its own path; otherwise 'no reduction', with the reason, the candidate that came
+     closest and, where the held-out images were too few for a promise, how many would do.
 """
 import contextlib
 import copy
@@ -35,7 +39,8 @@ from ..core import NO_REDUCTION, apply
 from ..kit import modes as modes_
 from ..kit.modes import check_batches, check_modes
 from ..kit.agreement import Paired, chunks, compare, predict
-from ..kit.stats import disagreement_lower_bound, speedup_interval
+from ..kit.paths import FastPath, default_path
+from ..kit.stats import loss_bounds, speedup_interval
 from ..models import build_base_model
 from ..precision import check_device, check_dtype, device_description, precision
 from ..identity import data_digest, weights_digest
@@ -44,9 +49,10 @@ from ..measure import forward_counting, no_silent_eager_fallback, time_runs
 from ..methods import default_tune_space
 from ..outputs import run_folder, write_text
 from ..schedules import is_int, is_real
+from .budget import StageBar, TimeBudget, count, estimate_text, monotonic, plan_text
 from .report import OUT_FILES, TuneResult, sample_notes, write_outputs
-from .rows import BUDGET_MEASURES, Candidate, Choice, HELD_OUT_FIELDS, TuneRow
-from .select import choose, loss_text
+from .rows import BUDGET_MEASURES, NOT_REACHED, Candidate, Choice, TuneRow
+from .select import bound_text, choose
 from .space import accuracy_twin, applicable_candidates, check_space, default_modes
 from .store import resume_rows, write_rows
 
@@ -97,9 +103,10 @@ def tune(
     space: Optional[Sequence[Tuple[str, Dict[str, Any]]]] = None,
     checkpoint: Optional[str] = None,
     pretrained: bool = False,
-    limit: int = 512,
+    limit: int = 1500,
     prune_images: int = 128,
     max_rounds: int = 30,
+    time_budget: Optional[float] = 15.0,
     out: Optional[str] = None,
     resume: bool = False,
     overwrite: bool = False,
@@ -113,7 +120,9 @@ def tune(
     ImageNet, ToMe r8 changes 3.5 % of DeiT-Tiny's predictions for 0.39 points of top-1); 'auto', top1 when the
     images are labelled. out: a folder for `tune.csv`, `table.md`, `pareto.png` (with the plot extra's matplotlib)
     and the preset(s) (`preset.json` for one batch size, `preset_b<B>.json` for several); with resume, a killed
-    run continues from its CSV."""
+    run continues from its CSV. time_budget: minutes of wall time for the whole run, loading included (None: no
+    limit); when it ends, tune chooses from what it measured and says what it did not reach."""
+    clock = TimeBudget(time_budget)  # checks it; the run's minutes count from here
     check_device(device)  # before anything reads the device
     if not isinstance(data, (str, Path)):
         raise TypeError(f"data must be the path of a folder of images (--data), got {data!r}")
@@ -139,7 +148,8 @@ def tune(
     settings = {"model": name, "device": device, "device_name": device_description(device), "dtype": dtype, "tf32": tf32,
                 "batches": list(batches), "budget": budget, "budget_on": budget_on, "min_speedup": min_speedup,
                 "modes": list(modes),
-                "limit": limit, "prune_images": prune_images, "max_rounds": max_rounds, "data": str(data),
+                "limit": limit, "prune_images": prune_images, "max_rounds": max_rounds, "time_budget": time_budget,
+                "data": str(data),
                 "space": [[m, p] for m, p in space],
                 # what the rows were measured on, by content (a resume needs the same; the path is only shown)
                 "weights_sha256": weights_digest(base), "data_sha256": data_digest(data),
@@ -147,7 +157,7 @@ def tune(
     # an earlier run in out is set aside (--overwrite) and comes back if this one fails before writing
     with run_folder(out, resume, overwrite, OUT_FILES) if out else contextlib.nullcontext():
         previous = resume_rows(out, settings) if out and resume else {}  # before any image is read
-        tuner = _Tuner(base, data, settings, candidates, notes, out, show_progress)  # opens and checks the images
+        tuner = _Tuner(base, data, settings, candidates, notes, out, show_progress, clock)  # opens and checks the images
         tuner.previous = previous
         result = tuner.run()
         if out:
@@ -157,8 +167,8 @@ def tune(
 
 class _Tuner:
     def __init__(self, base: nn.Module, data: str, settings: Dict[str, Any], candidates: List[Candidate],
-                 notes: List[str], out, show_progress):
-        self.base, self.s, self.out, self.show = base, settings, out, show_progress
+                 notes: List[str], out, show_progress, budget: TimeBudget):
+        self.base, self.s, self.out, self.show, self.budget = base, settings, out, show_progress, budget
         self.previous: Dict[Tuple[int, str], TuneRow] = {}  # a killed run's rows (resume)
         self.device, self.dtype, self.tf32 = settings["device"], settings["dtype"], settings["tf32"]
         self.cfg = timm.data.resolve_model_data_config(base)
@@ -177,6 +187,7 @@ class _Tuner:
         self.notes += sample_notes(len(self.images) - settings["prune_images"], settings["prune_images"],
                                    settings["budget"], self.measure)
         self.rows: Dict[Tuple[int, str], TuneRow] = {}
+        self.default_paths: Dict[str, FastPath] = {}
 
     def _write(self) -> None:
         if self.out:
@@ -185,203 +196,346 @@ class _Tuner:
     def _model(self, kwargs: Dict[str, Any], method: str) -> nn.Module:
         return apply(copy.deepcopy(self.base), method, **kwargs)
 
+    def _of(self, setting: str) -> List[TuneRow]:
+        return [r for r in self.rows.values() if r.setting == setting]
+
     def run(self) -> TuneResult:
         if self.out:
             write_text(Path(self.out) / "tune_config.json", json.dumps(self.s, indent=2) + "\n")
-        first = self.s["prune_images"]
-        eval_batch = max(self.s["batches"])
+        # a killed run's rows carry on; what its time budget did not reach is measured now
+        self.rows = {k: r for k, r in self.previous.items() if r.status != f"{NOT_REACHED} (screening)"}
+        for r in self.rows.values():
+            if r.status.startswith(NOT_REACHED):
+                r.status = "screened"
+        first, batches, modes, most = self.s["prune_images"], self.s["batches"], self.s["modes"], self.s["max_rounds"]
+        eval_batch = max(batches)
+        settings = list(dict.fromkeys(c.setting for c in self.candidates))
+        total = 2 * len(settings) + len(self.candidates) * len(batches) * most + len(batches)
+        bar = self.bar = StageBar(total, self.budget, self.show)
+        bar.say(plan_text(len(settings), len(self.candidates), modes, len(self.images), first, batches, most,
+                          self.budget))
         with precision(self.device, self.dtype, self.tf32):
             screen_x, held_x = self.images[:first], self.images[first:]
-            settings = list(dict.fromkeys(c.setting for c in self.candidates))
-            # one tick per screened setting, timed round (the timing phases add their rounds when they start and
-            # give back what they did not need), held-out setting and checked choice
-            total = 2 * len(settings) + len(self.s["batches"])
-            with tqdm(total=total, desc="tune: screening", unit="step", disable=not self.show,
-                      file=sys.stderr) as bar:
-                self.bar = bar
-                plain_screen = self._plain_predictions(screen_x, eval_batch)
-                screened = self._screen(settings, screen_x, plain_screen, eval_batch, bar)
-                bar.set_description("tune: held-out check")
-                plain_held = self._plain_predictions(held_x, eval_batch)
-                held = self._hold_out(screened, held_x, plain_held, eval_batch, bar)
-                for batch in self.s["batches"]:
-                    for mode in self.s["modes"]:
-                        bar.set_description(f"tune: timing batch {batch}, {mode}")
-                        self._time(batch, mode, screened, held)
-                bar.set_description("tune: checking the choice")
-                choices = []
-                for b in self.s["batches"]:
-                    choices.append(self._choose(b, held_x, plain_held, eval_batch))
-                    bar.update(1)
+            bar.stage("screening")
+            start = monotonic()
+            plain_screen = self._plain_predictions(screen_x, eval_batch)
+            per_image = (monotonic() - start) / len(screen_x)
+            gmacs = self._gmacs(settings, screen_x[:1])
+            ratios = {k: self.plain_gmacs / v for k, v in gmacs.items()}
+            bar.say(estimate_text(per_image, ratios, first, len(held_x), sum(
+                2 * b * most for b in batches for c in self.candidates), self.budget))
+            settings.sort(key=lambda k: (-ratios[k], k))  # the ones that could save most first
+            self._screen(settings, gmacs, screen_x, plain_screen, eval_batch)
+            bar.stage("held-out check")
+            plain_held = self._plain_predictions(held_x, eval_batch)
+            self._hold_out(settings, held_x, plain_held, eval_batch)
+            for batch in batches:
+                for mode in modes:
+                    bar.stage(f"timing batch {batch}, {mode}")
+                    self._time(batch, mode)
+            bar.stage("checking the choice")
+            choices = []
+            for b in batches:
+                choices.append(self._choose(b, held_x, plain_held, eval_batch))
+                bar.update(1)
+        self._close_unreached(settings)
         self._write()
-        return TuneResult(list(self.rows.values()), choices, dict(self.s, notes=self.notes))
+        bar.close()
+        return TuneResult(list(self.rows.values()), choices, dict(self.s, notes=self.notes, stages=bar.lines))
 
     def _plain_predictions(self, images: torch.Tensor, batch: int) -> torch.Tensor:
         return _predictions(self.base, images.to(self.device), batch)
 
-    def _screen(self, settings: List[str], x: torch.Tensor, plain: torch.Tensor, batch: int, bar
-                ) -> Dict[str, Tuple[float, float, int, Optional[str]]]:
-        """setting -> (GMACs per image, agreement %, images, loss in the budget's measure, pruning reason or None)."""
-        by_setting = {c.setting: c for c in self.candidates}
-        _, plain_macs = forward_counting(self.base, x[:1].to(self.device))
+    def _gmacs(self, settings: List[str], x: torch.Tensor) -> Dict[str, float]:
+        """setting -> GMACs per image of one forward (on its reference path; an earlier run's figure reused)."""
+        _, plain_macs = forward_counting(self.base, x.to(self.device))
         self.plain_gmacs = plain_macs / 1e9
-        result = {}
+        out = {}
         for setting in settings:
-            known = next((r for r in self.previous.values() if r.setting == setting and r.screen_n is not None), None)
-            if known is not None:
-                reason = known.status if known.status.startswith("pruned: budget") else None
-                result[setting] = (known.gmacs, known.screen_agree, known.screen_n, known.screen_loss, reason)
-                bar.update(1)
+            known = next((r.gmacs for r in self._of(setting) if r.gmacs is not None), None)
+            if known is None:
+                c = next(c for c in self.candidates if c.setting == setting)
+                with torch.inference_mode():
+                    known = forward_counting(self._model(accuracy_twin(c), c.method), x.to(self.device))[1] / 1e9
+            out[setting] = known
+        return out
+
+    def _paired(self, model: nn.Module, x: torch.Tensor, plain: torch.Tensor, labels: Optional[torch.Tensor],
+                batch: int) -> Tuple[Paired, bool]:
+        """(model's predictions against plain's on x, batch by batch, stopped early once its loss is above the
+        budget even at a 99 % lower bound (stricter than the 95 % the decision uses, for the repeated looks);
+        whether it stopped early)."""
+        preds = []
+        for i in range(0, len(x), batch):
+            preds.append(_predictions(model, x[i:i + batch].to(self.device), batch))
+            done = sum(len(p) for p in preds)
+            paired = compare(torch.cat(preds), plain[:done], None if labels is None else labels[:done])
+            if done < len(x) and self._bounds(paired, 0.99)[1] > self.s["budget"]:
+                return paired, True
+        return paired, False
+
+    def _bounds(self, paired: Paired, confidence: float = 0.95) -> Tuple[float, float, float]:
+        return loss_bounds(self.measure, paired.n, paired.changed, paired.gained, paired.lost, confidence)
+
+    def _screen(self, settings: List[str], gmacs: Dict[str, float], x: torch.Tensor, plain: torch.Tensor,
+                batch: int) -> None:
+        """Per setting, the loss on the screening images; a setting above the budget even at the exact 95 % lower
+        bound (kit.stats.loss_bounds) goes no further. Its rows (one per batch size and path) are written at once."""
+        labels = None if self.labels is None else self.labels[:len(plain)]
+        counts = {"kept": 0, "stopped": 0, "early": 0, "reused": 0, "not reached": 0}
+        for setting in settings:
+            self.bar.update(1)
+            if any(r.screen_n is not None for r in self._of(setting)):
+                counts["reused"] += 1
+                counts["stopped" if self._of(setting)[0].status.startswith("pruned: budget") else "kept"] += 1
                 continue
-            c = by_setting[setting]
-            model = self._model(accuracy_twin(c), c.method)
-            with torch.inference_mode():
-                _, macs = forward_counting(model, x[:1].to(self.device))
-            paired = compare(_predictions(model, x.to(self.device), batch), plain,
-                             None if self.labels is None else self.labels[:len(plain)])
-            n = paired.n
-            loss, bound, counts = self._screen_loss(paired)
-            reason = None
-            if bound > self.s["budget"]:
-                reason = (f"pruned: budget (screening {counts}; even the 95 % lower bound, {bound:.2f} "
+            if self.budget.over("screening"):
+                counts["not reached"] += 1
+                continue
+            c = next(c for c in self.candidates if c.setting == setting)
+            paired, early = self._paired(self._model(accuracy_twin(c), c.method), x, plain, labels, batch)
+            loss, lo, _ = self._bounds(paired)
+            status = "screened"
+            if lo > self.s["budget"]:
+                counts["early"] += early
+                what = (f"changed {paired.changed} of {paired.n} images' top-1" if self.measure == "agreement" else
+                        f"lost {paired.lost} and gained {paired.gained} correct of {paired.n} images")
+                status = (f"pruned: budget (screening {what}; even the 95 % lower bound, {lo:.2f} "
                           f"{BUDGET_MEASURES[self.measure]}, is above the budget of {self.s['budget']})")
-            result[setting] = (macs / 1e9, paired.agreement, n, loss, reason)
-            bar.update(1)
-        return result
+            counts["stopped" if status != "screened" else "kept"] += 1
+            for b in self.s["batches"]:
+                for cand in (c for c in self.candidates if c.setting == setting):
+                    self.rows[(b, cand.name)] = TuneRow(
+                        b, cand.mode, cand.name, setting, cand.path, cand.method,
+                        json.dumps(cand.kwargs, sort_keys=True), status=status, gmacs=gmacs[setting],
+                        mac_ratio=self.plain_gmacs / gmacs[setting], screen_agree=paired.agreement,
+                        screen_n=paired.n, screen_loss=loss)
+            self._write()
+        self.bar.say(f"screening on {len(x)} images: {counts['kept']} of {count(len(settings), 'setting')} kept; "
+                     f"{counts['stopped']} stopped, above the budget even at the 95 % lower bound ({counts['early']} "
+                     f"of them before their last image); {counts['not reached']} not reached (time budget)"
+                     + (f"; {counts['reused']} from the earlier run" if counts["reused"] else ""))
 
-    def _screen_loss(self, paired: Paired) -> Tuple[float, float, str]:
-        """(loss on the screening images, its one-sided exact 95 % lower bound, both in the budget's measure, and
-        the counts they rest on). top1: of the d images whose correctness differs, `lost` turned wrong; the drop's
-        bound is d (2 p_lo - 1) / n with p_lo the Clopper-Pearson bound of lost / d."""
-        n, changed, gained, lost = paired.n, paired.changed, paired.gained, paired.lost
-        if self.measure == "agreement":
-            return (100.0 * changed / n, 100.0 * disagreement_lower_bound(changed, n),
-                    f"changed {changed} of {n} images' top-1")
-        d = gained + lost
-        bound = 0.0 if d == 0 else max(0.0, 100.0 * d * (2 * disagreement_lower_bound(lost, d) - 1) / n)
-        return 100.0 * (lost - gained) / n, bound, f"lost {lost} and gained {gained} correct of {n} images"
+    def _hold_out(self, settings: List[str], x: torch.Tensor, plain: torch.Tensor, batch: int) -> None:
+        """Per setting the screening kept, its held-out figures (_agreement, on its reference path); a setting whose
+        loss's one-sided 95 % upper bound is above the budget is not timed (a promise: kit.stats.loss_bounds)."""
+        counts = {"within": 0, "over": 0, "early": 0, "not reached": 0}
+        for setting in settings:
+            self.bar.update(1)
+            rows = self._of(setting)
+            if not rows or rows[0].status.startswith("pruned: budget"):  # not screened, or stopped there
+                continue
+            if rows[0].agree_n is None:
+                if self.budget.over("held-out check"):
+                    counts["not reached"] += 1
+                    for r in rows:  # never timed without its held-out figure; a resume checks it
+                        r.status = f"{NOT_REACHED} (held-out check)"
+                    continue
+                c = next(c for c in self.candidates if c.setting == setting)
+                figures, early = self._agreement(self._model(accuracy_twin(c), c.method), x, plain, batch, early=True)
+                for r in rows:
+                    for k, v in figures.items():
+                        setattr(r, k, v)
+                counts["early"] += early
+            upper = rows[0].loss_upper(self.measure)
+            if upper > self.s["budget"] + 1e-9:
+                counts["over"] += 1
+                for r in rows:
+                    if r.status == "screened":
+                        r.status = f"pruned: held-out ({bound_text(r, self.measure, self.s['budget'])}; " \
+                                   f"{r.agree_n} images)"
+            else:
+                counts["within"] += 1
+            self._write()
+        self.bar.say(f"held-out check on {len(x)} images: {count(counts['within'], 'setting')} within the budget at the "
+                     f"one-sided 95 % upper bound; {counts['over']} above it ({counts['early']} stopped before "
+                     f"their last image, surely above); {counts['not reached']} not reached (time budget)")
 
-    def _row(self, batch: int, c: Candidate, screened, held: Dict[str, Dict[str, Any]]) -> TuneRow:
-        gmacs, agree, n, loss, reason = screened[c.setting]
-        row = TuneRow(batch, c.mode, c.name, c.setting, c.path, c.method, json.dumps(c.kwargs, sort_keys=True),
-                      status=reason or "screened", gmacs=gmacs, mac_ratio=self.plain_gmacs / gmacs,
-                      screen_agree=agree, screen_n=n, screen_loss=loss, **held.get(c.setting, {}))
-        if reason is None and row.loss(self.measure) > self.s["budget"] + 1e-9:
-            row.status = (f"pruned: held-out ({loss_text(row.loss(self.measure), self.measure)} on "
-                          f"{row.agree_n} images; budget {self.s['budget']})")
-        return row
+    def _agreement(self, model: nn.Module, x: torch.Tensor, plain: torch.Tensor, batch: int,
+                   early: bool = False) -> Tuple[Dict[str, Any], bool]:
+        """(the held-out figures of model: TuneRow's HELD_OUT_FIELDS, whether it stopped early (only if early))."""
+        labels = None if self.labels is None else self.labels[self.s["prune_images"]:]
+        if early:
+            paired, stopped = self._paired(model, x, plain, labels, batch)
+        else:
+            paired, stopped = compare(_predictions(model, x.to(self.device), batch), plain, labels), False
+        figures: Dict[str, Any] = {"agree": paired.agreement, "agree_n": paired.n, "changed": paired.changed}
+        if self.labels is not None:
+            figures.update(gained=paired.gained, lost=paired.lost, top1_plain=paired.top1_reference, top1=paired.top1,
+                           top1_p=paired.top1_p)
+        return figures, stopped
 
-    def _time(self, batch: int, mode: str, screened, held: Dict[str, Dict[str, Any]]) -> None:
-        in_mode = [c for c in self.candidates if c.mode == mode]
-        for c in in_mode:
-            done = self.previous.get((batch, c.name))
-            self.rows[(batch, c.name)] = done if done is not None and done.status != "screened" else \
-                self._row(batch, c, screened, held)
-        todo = sorted((c for c in in_mode if self.rows[(batch, c.name)].status == "screened"),
-                      key=lambda c: (-self.rows[(batch, c.name)].mac_ratio, c.name))
+    def _time(self, batch: int, mode: str) -> None:
+        """Time the candidates of this batch size and mode that kept the budget (_time_chunk): the default path of
+        each setting first, in order of MAC ratio, then its other paths only where the default is a contender;
+        a candidate whose MAC ratio cannot beat a lower bound measured here is not timed; what the time budget
+        does not reach is left for a resume."""
+        rows = {c.name: self.rows.get((batch, c.name)) for c in self.candidates if c.mode == mode}
+        reserved, used = len(rows) * self.s["max_rounds"], 0
+        defaults = {c.name for c in self.candidates if c.mode == mode and self._is_default(c)}
+        todo = [c for c in self.candidates if c.mode == mode and rows[c.name] is not None
+                and rows[c.name].status == "screened"]
+        todo.sort(key=lambda c: (c.name not in defaults, -rows[c.name].mac_ratio, c.name))
         x = self.images[torch.arange(batch) % len(self.images)].to(self.device)
-        group, most = 6, self.s["max_rounds"]
-        reserved = math.ceil(len(todo) / group)  # chunks whose rounds the progress bar counts on
-        self.bar.total += reserved * most
+        counts = {"not a contender": 0, "not reached": 0}
         while todo:
-            timed = [r for r in self.rows.values() if r.batch == batch and r.mode == mode and r.status == "timed"]
-            for c in list(todo):
-                row = self.rows[(batch, c.name)]
-                # beaten for sure: a timed candidate (within the budget on the held-out images, as every timed one is)
-                # is surely faster than row's MACs allow
-                better = [t for t in timed if t.speedup_lo >= row.mac_ratio]
-                if better:
-                    best = max(better, key=lambda t: t.speedup_lo)
+            timed = [r for r in rows.values() if r is not None and r.status == "timed"]
+            best = max(timed, key=lambda t: t.speedup_lo, default=None)
+            best_lo = 0.0 if best is None else best.speedup_lo
+            chunk = []
+            for c in todo:
+                row = rows[c.name]
+                default = next((rows[d.name] for d in self.candidates if d.mode == mode and d.setting == c.setting
+                                and d.name in defaults), None)
+                if row.mac_ratio <= best_lo:  # cannot beat one surely this fast (every timed one kept the budget)
                     row.status = (f"pruned: MACs (at most {row.mac_ratio:.2f}x fewer; {best.candidate}, within the "
-                                  f"budget, is at least {best.speedup_lo:.2f}x faster)")
-                    todo.remove(c)
-            chunk, todo = todo[:group], todo[group:]
-            if chunk:
-                rounds = self._time_chunk(batch, mode, chunk, x)
-                self.bar.total -= most - rounds  # the rounds this chunk did not need
-                reserved -= 1
-                self._write()
-            needed = math.ceil(len(todo) / group)
-            self.bar.total -= (reserved - needed) * most  # chunks the pruning made unnecessary
-            reserved = needed
-            self.bar.refresh()
+                                  f"budget, is at least {best_lo:.2f}x faster)")
+                elif c.name not in defaults and default is not None and default.status == "timed" and \
+                        default.speedup_hi < max(1.0, best_lo):
+                    row.status = (f"pruned: its default path [{default.path}] is not a contender "
+                                  f"({default.speedup:.2f}x, upper bound {default.speedup_hi:.2f})")
+                    counts["not a contender"] += 1
+                elif c.name in defaults or default is None or default.status != "screened":
+                    chunk.append(c)  # other paths wait for their default's figures
+                if len(chunk) == 6:
+                    break
+            todo = [c for c in todo if rows[c.name].status == "screened" and c not in chunk]
+            if not chunk:
+                break
+            if self.budget.over("timing"):
+                counts["not reached"] += len(chunk) + len(todo)
+                break
+            used += self._time_chunk(batch, mode, chunk, x, (best_lo, None if best is None else best.candidate))
+            self._write()
+        self.bar.update(reserved - used)
+        timed = [r for r in rows.values() if r is not None and r.status == "timed"]
+        best_lo = max((t.speedup_lo for t in timed), default=0.0)
+        slower = sum(r.speedup_hi < 1.0 for r in timed)
+        beaten = sum(1.0 <= r.speedup_hi < best_lo for r in timed)
+        failed = sum(r is not None and r.status.startswith("failed") for r in rows.values())
+        macs = sum(r is not None and r.status.startswith("pruned: MACs") for r in rows.values())
+        self.bar.say(f"timing batch {batch}, {mode}: {count(len(timed), 'candidate')} timed ({slower} surely slower than "
+                     f"plain, {beaten} surely slower than the best), {macs} not timed (their MACs cannot "
+                     f"beat the best), {counts['not a contender']} other paths skipped (their default path is no "
+                     f"contender), {failed} failed, {counts['not reached']} not reached (time budget)")
 
-    def _time_chunk(self, batch: int, mode: str, chunk: List[Candidate], x: torch.Tensor) -> int:
-        """Time the chunk interleaved with the plain model in this mode, a few rounds at a time, until every
-        interval excludes 1 or max_rounds; the rows get the figures or the failure. Returns the rounds timed."""
-        rounds = 0
+    def _is_default(self, c: Candidate) -> bool:
+        """Whether c runs the path its setting's defaults pick on this device and precision (kit.paths.default_path,
+        once per setting)."""
+        if c.setting not in self.default_paths:
+            params = {k: v for k, v in c.kwargs.items() if k not in ("kernel", "prop_attn")}
+            if "prop_attn" in c.kwargs:
+                params["prop_attn"] = c.kwargs["prop_attn"] is not False  # on or off, its implementation left open
+            self.default_paths[c.setting] = default_path(self.base, c.method, params, self.device, self.dtype)
+        path, kw = self.default_paths[c.setting], c.kwargs
+        return kw.get("kernel") == path.kernel and kw.get("prop_attn", False) == path.prop_attn
+
+    def _time_chunk(self, batch: int, mode: str, chunk: List[Candidate], x: torch.Tensor,
+                    best: Tuple[float, str]) -> int:
+        """Time the chunk interleaved with the plain model in this mode, a few rounds at a time. A candidate stops
+        once its 95 % interval excludes 1 (surely faster, or surely slower) or lies below the best lower bound
+        measured in this batch size and mode (best: that bound and its candidate; surely not the winner), its MAC
+        ratio is at most that bound ('pruned: MACs'), at max_rounds, or when the time budget's timing stage ends;
+        rows get the figures or the failure. Returns the progress units used (rounds timed per candidate)."""
+        used, most = 0, self.s["max_rounds"]
+        best_lo, best_name = best
+        beaten: Dict[str, str] = {}
+        times: Dict[str, List[float]] = {c.name: [] for c in chunk}
+        plain_times: Dict[str, List[float]] = {c.name: [] for c in chunk}  # the plain rounds paired with each
         try:
             with no_silent_eager_fallback(len(chunk) + 1):
                 torch._dynamo.reset()
-                models: Dict[str, Callable] = {NO_REDUCTION: modes_.runner(self.base, mode, x)}
+                plain = modes_.runner(self.base, mode, x)
+                active: Dict[str, Callable] = {}
                 for c in chunk:
                     try:
                         runner = modes_.runner(self._model(c.kwargs, c.method), mode, x)
                         with torch.inference_mode():  # as timed: compile / capture now, so a failure is this path's
                             runner(x)
-                        models[c.name] = runner
+                        active[c.name] = runner
                     except Exception as e:  # a path this device or torch cannot run: recorded, not fatal
                         self.rows[(batch, c.name)].status = f"failed: {type(e).__name__}: {str(e)[:200]}"
-                times: Dict[str, List[float]] = {k: [] for k in models}
-                warmup = 1 if mode == "eager" else 2
-                while rounds < self.s["max_rounds"]:
-                    step = min(5 if rounds == 0 else 3, self.s["max_rounds"] - rounds)
-                    new = time_runs(models, x, rounds=step, warmup=warmup if rounds == 0 else 0)
-                    for k, v in new.items():
-                        times[k] += v
+                rounds, warmup = 0, 1 if mode == "eager" else 2
+                while active and rounds < most and not self.budget.over("timing"):
+                    step = min(5 if rounds == 0 else 3, most - rounds)
+                    new = time_runs({NO_REDUCTION: plain, **active}, x, rounds=step, warmup=warmup if rounds == 0 else 0)
                     rounds += step
-                    self.bar.update(step)
-                    intervals = {k: speedup_interval(times[NO_REDUCTION], t) for k, t in times.items()
-                                 if k != NO_REDUCTION}
-                    if all(lo > 1.0 or hi < 1.0 for _, lo, hi in intervals.values()):
-                        break
+                    for name in active:
+                        times[name] += new[name]
+                        plain_times[name] += new[NO_REDUCTION]
+                    self.bar.update(step * len(active))
+                    used += step * len(active)
+                    intervals = {k: speedup_interval(plain_times[k], times[k]) for k in active}
+                    top = max(intervals, key=lambda k: intervals[k][1])
+                    if intervals[top][1] > best_lo:
+                        best_lo, best_name = intervals[top][1], top
+                    for name, (_, lo, hi) in intervals.items():
+                        if name != best_name and self.rows[(batch, name)].mac_ratio <= best_lo:
+                            beaten[name] = f"{best_name}, within the budget, is at least {best_lo:.2f}x faster"
+                        if lo > 1.0 or hi < 1.0 or hi < best_lo or name in beaten:
+                            del active[name]
         except Exception as e:
             for c in chunk:
                 if self.rows[(batch, c.name)].status == "screened":
                     self.rows[(batch, c.name)].status = f"failed: {type(e).__name__}: {str(e)[:200]}"
-            return rounds
-        for name, (point, lo, hi) in intervals.items():
+            return used
+        for name, t in times.items():
             row = self.rows[(batch, name)]
-            row.status, row.ms_plain = "timed", 1e3 * statistics.median(times[NO_REDUCTION])
-            row.ms, row.speedup, row.speedup_lo, row.speedup_hi = 1e3 * statistics.median(times[name]), point, lo, hi
-            row.rounds = len(times[name])
-        return rounds
+            if row.status != "screened":
+                continue
+            if len(t) < 2:  # the budget ended before its first rounds
+                row.status = f"{NOT_REACHED} (timing)"
+                continue
+            if name in beaten:
+                row.status = f"pruned: MACs (at most {row.mac_ratio:.2f}x fewer; {beaten[name]})"
+                continue
+            row.speedup, row.speedup_lo, row.speedup_hi = speedup_interval(plain_times[name], t)
+            row.status, row.ms_plain, row.ms = "timed", 1e3 * statistics.median(plain_times[name]), 1e3 * statistics.median(t)
+            row.rounds = len(t)
+        return used
 
-    def _hold_out(self, screened, x: torch.Tensor, plain: torch.Tensor, batch: int, bar) -> Dict[str, Dict[str, Any]]:
-        """setting -> its held-out figures (_agreement, on its reference path), for every setting the screening
-        kept; a resumed run's figures are reused."""
-        held = {}
-        for setting, (*_, reason) in screened.items():
-            known = next((r for r in self.previous.values() if r.setting == setting and r.agree is not None), None)
-            if known is not None:
-                held[setting] = {k: getattr(known, k) for k in HELD_OUT_FIELDS}
-            elif reason is None:
-                c = next(c for c in self.candidates if c.setting == setting)
-                held[setting] = self._agreement(self._model(accuracy_twin(c), c.method), x, plain, batch)
-            bar.update(1)
-        return held
-
-    def _agreement(self, model: nn.Module, x: torch.Tensor, plain: torch.Tensor, batch: int) -> Dict[str, Any]:
-        paired = compare(_predictions(model, x.to(self.device), batch), plain,
-                         None if self.labels is None else self.labels[self.s["prune_images"]:])
-        figures: Dict[str, Any] = {"agree": paired.agreement, "agree_n": paired.n, "changed": paired.changed}
-        if self.labels is not None:
-            figures.update(top1_plain=paired.top1_reference, top1=paired.top1, top1_p=paired.top1_p)
-        return figures
+    def _close_unreached(self, settings: List[str]) -> None:
+        """Rows for what the time budget did not reach (a resume measures them), and a note saying what."""
+        for setting in settings:
+            if not self._of(setting):
+                for b in self.s["batches"]:
+                    for c in (c for c in self.candidates if c.setting == setting):
+                        self.rows[(b, c.name)] = TuneRow(b, c.mode, c.name, setting, c.path, c.method,
+                                                         json.dumps(c.kwargs, sort_keys=True),
+                                                         status=f"{NOT_REACHED} (screening)")
+        for r in self.rows.values():
+            if r.status == "screened":
+                stage = "held-out check" if r.agree_n is None else "timing"
+                r.status = f"{NOT_REACHED} ({stage})"
+        said = []
+        for stage, what in (("screening", "setting"), ("held-out check", "setting"), ("timing", "candidate")):
+            left = {(r.batch, r.candidate) if stage == "timing" else r.setting for r in self.rows.values()
+                    if r.status == f"{NOT_REACHED} ({stage})"}
+            if left:
+                said.append(f"{count(len(left), what)} without {'its' if len(left) == 1 else 'their'} {stage}")
+        if said:
+            self.notes.append(f"the time budget ({self.budget.text()}) ended with {', '.join(said)}; tune chose "
+                              f"from what it measured (--resume with a larger --time-budget continues the run)")
 
     def _choose(self, batch: int, x: torch.Tensor, plain: torch.Tensor, eval_batch: int) -> Choice:
-        """choose(), with the chosen candidate's agreement re-measured on its own path (kernel, implementation);
-        a candidate that fails there is set aside and the next one is tried."""
+        """choose(), with the chosen candidate's held-out figures re-measured on its own path (kernel,
+        implementation) where that differs from the reference path screening ran; a candidate that breaks the
+        budget there is set aside and the next one is tried."""
         rows = list(self.rows.values())
         while True:
-            choice = choose(rows, batch, self.s["budget"], self.s["min_speedup"], self.measure)
+            choice = choose(rows, batch, self.s["budget"], self.s["min_speedup"], self.measure,
+                            prune_images=self.s["prune_images"])
             if choice.row is None:
                 return choice
-            own = self._agreement(self._model(json.loads(choice.row.params), choice.row.method), x, plain, eval_batch)
+            params = json.loads(choice.row.params)
+            if params == accuracy_twin(next(k for k in self.candidates if k.name == choice.row.candidate)):
+                choice.row.chosen = True  # the path screening and the held-out check ran
+                return choice
+            own, _ = self._agreement(self._model(params, choice.row.method), x, plain, eval_batch)
             checked = copy.copy(choice.row)
             for k, v in own.items():
                 setattr(checked, k, v)
-            if checked.loss(self.measure) <= self.s["budget"] + 1e-9:
+            if checked.loss_upper(self.measure) <= self.s["budget"] + 1e-9:
                 for k, v in own.items():
                     setattr(choice.row, k, v)
                 choice.row.chosen = True

@@ -3,6 +3,7 @@
 import statistics
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ..kit.stats import images_needed
 from .rows import BUDGET_MEASURES, Choice, TuneRow
 
 
@@ -52,17 +53,23 @@ def loss_text(loss: float, measure: str) -> str:
     return f"{loss:.2f} {BUDGET_MEASURES[measure]}"
 
 
+def bound_text(row: TuneRow, measure: str, budget: float) -> str:
+    """'0.40 points of top-1 lost, 95 % upper bound 0.95 (budget 1.0)'."""
+    return f"{loss_text(row.loss(measure), measure)}, 95 % upper bound {row.loss_upper(measure):.2f} (budget {budget})"
+
+
 def choose(rows: Sequence[TuneRow], batch: int, budget: float, min_speedup: Optional[float] = None,
-           measure: str = "agreement") -> Choice:
-    """The fastest timed row of this batch size whose held-out loss in the budget's measure (TuneRow.loss: top-1
-    points lost, or % of predictions changed) is at most `budget` and whose speed-up's lower bound against the
-    fastest plain model measured at that batch size (against_fastest_plain: plain compiled, say, where that beats
-    plain eager) is above 1 (and whose speed-up against plain in its mode is at least min_speedup);
-    Choice(batch, None, reason) when none qualifies, naming the candidate that came closest (among the rows with a
-    held-out figure: timed, or not timed because they were above the budget there)."""
+           measure: str = "agreement", prune_images: Optional[int] = None) -> Choice:
+    """The fastest timed row of this batch size whose held-out loss in the budget's measure (top-1 points lost, or %
+    of predictions changed) is within `budget` at its one-sided 95 % upper bound (TuneRow.loss_upper) and whose
+    speed-up's lower bound against the fastest plain model measured at that batch size (against_fastest_plain:
+    plain compiled, say, where that beats plain eager) is above 1 (and whose speed-up against plain in its mode is
+    at least min_speedup); Choice(batch, None, reason) when none qualifies, naming the candidate that came closest
+    (among the rows with a held-out figure) and, where the held-out images are too few for its bound to fit, how
+    many would be needed (with the --limit that gives them when prune_images is given)."""
     timed = [r for r in rows if r.batch == batch and r.status == "timed"]
     unit = BUDGET_MEASURES[measure]
-    within = [r for r in timed if r.loss(measure) is not None and r.loss(measure) <= budget + 1e-9]
+    within = [r for r in timed if r.loss_upper(measure) is not None and r.loss_upper(measure) <= budget + 1e-9]
     score = against_fastest_plain(timed)
     faster = [r for r in within if r.speedup_lo is not None and score[id(r)][1] > 1.0]
     enough = [r for r in faster if min_speedup is None or r.speedup >= min_speedup]
@@ -72,15 +79,22 @@ def choose(rows: Sequence[TuneRow], batch: int, budget: float, min_speedup: Opti
         other = "" if fastest[0] == best.mode else f", {score[id(best)][0]:.2f}x plain in {fastest[0]} mode"
         return Choice(batch, best, f"fastest within the budget: {best.speedup:.2f}x plain in {best.mode} mode "
                                    f"(95 % interval {best.speedup_lo:.2f}-{best.speedup_hi:.2f}){other}, "
-                                   f"{loss_text(best.loss(measure), measure)} (budget {budget})")
+                                   f"{bound_text(best, measure, budget)}")
     if not within:
-        measured = [r for r in rows if r.batch == batch and r.loss(measure) is not None]
+        measured = [r for r in rows if r.batch == batch and r.loss_upper(measure) is not None]
         if not measured:
-            return Choice(batch, None, "no candidate was timed (all were pruned or failed)")
-        best = min(measured, key=lambda r: (r.loss(measure), -(r.speedup or 0.0), r.candidate))
+            return Choice(batch, None, "no candidate was timed (all were pruned, failed or not reached)")
+        best = min(measured, key=lambda r: (r.loss_upper(measure), -(r.speedup or 0.0), r.candidate))
         speed = "" if best.speedup is None else f", at {best.speedup:.2f}x"
-        return Choice(batch, None, f"no candidate stays within the budget of at most {budget} {unit} on the "
-                                   f"held-out images (closest: {best.candidate}, {best.loss(measure):.2f}{speed})")
+        reason = (f"no candidate stays within the budget of at most {budget} {unit} at its one-sided 95 % upper "
+                  f"bound on the held-out images (closest: {best.candidate}, {bound_text(best, measure, budget)}"
+                  f"{speed})")
+        need = images_needed(measure, best.agree_n, best.changed, best.gained or 0, best.lost or 0, budget)
+        if need is not None and need > best.agree_n:
+            limit = "" if prune_images is None else f" (--limit {need + prune_images})"
+            reason += (f"; its {best.agree_n} held-out images are too few for a promise: about {need} at the same "
+                       f"rates would bring its bound within the budget{limit}")
+        return Choice(batch, None, reason)
     if not faster:
         own = [r for r in within if r.speedup_lo > 1.0]  # faster than plain in their mode, not in the fastest mode
         if own:

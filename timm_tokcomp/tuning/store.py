@@ -10,8 +10,8 @@ from ..userfiles import fail, read_json
 from .rows import TuneRow
 
 
-SHOWN_ONLY = ("data", "random_weights")  # recorded for the reader; a resume compares data_sha256 (not how the path
-# was spelled) and weights_sha256
+SHOWN_ONLY = ("data", "random_weights", "time_budget")  # recorded for the reader; a resume compares data_sha256
+# (not how the path was spelled) and weights_sha256, and may be given more time
 _RESUME_NAMES = {"weights_sha256": "other weights (--checkpoint / --pretrained, or another module)",
                  "data_sha256": "other images in --data"}
 

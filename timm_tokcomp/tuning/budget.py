@@ -1,0 +1,106 @@
+"""tune's time budget: one wall-clock allowance split into stage deadlines, the plan and estimate printed before
+any work, and the progress bar whose total is fixed from the start."""
+import math
+import sys
+import time
+from typing import Dict, List, Optional
+
+from tqdm import tqdm
+
+# when each stage must end, as a fraction of the budget; time a stage does not use passes to the next one, and the
+# last 5 % are for checking the choice on its own path and writing the outputs
+STAGE_ENDS = {"screening": 0.35, "held-out check": 0.65, "timing": 0.95}
+
+
+def monotonic() -> float:
+    """The clock the budget reads (seconds); a test replaces it with recorded time."""
+    return time.monotonic()
+
+
+def count(n: int, noun: str) -> str:
+    """'1 setting', '3 settings'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def check_time_budget(minutes: Optional[float]) -> None:
+    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float))
+                                or not math.isfinite(minutes) or minutes <= 0):
+        raise ValueError(f"--time-budget must be a number of minutes > 0 (or None for no limit), got {minutes!r}")
+
+
+class TimeBudget:
+    """minutes of wall time from now (None: no limit); stage s must end by STAGE_ENDS[s] of it."""
+
+    def __init__(self, minutes: Optional[float]):
+        check_time_budget(minutes)
+        self.minutes, self.start = minutes, monotonic()
+
+    @property
+    def seconds(self) -> float:
+        return math.inf if self.minutes is None else 60.0 * self.minutes
+
+    def elapsed(self) -> float:
+        return monotonic() - self.start
+
+    def over(self, stage: str) -> bool:
+        """True once stage's deadline has passed."""
+        return self.elapsed() >= STAGE_ENDS[stage] * self.seconds
+
+    def text(self) -> str:
+        """'3.2 of 15 min' (elapsed of the budget)."""
+        limit = "no limit" if self.minutes is None else f"{self.minutes:g} min"
+        return f"{self.elapsed() / 60:.1f} min of {limit}"
+
+
+def plan_text(settings: int, candidates: int, modes: List[str], images: int, screen: int, batches: List[int],
+              rounds: int, budget: TimeBudget) -> str:
+    """The plan, printed before any work: what tune will measure at most."""
+    return (f"tune plan: {count(settings, 'setting')} on {count(candidates, 'path')} and modes ({', '.join(modes)}); "
+            f"{images} images "
+            f"({screen} to screen, {images - screen} held out); batches {', '.join(map(str, batches))}, up to "
+            f"{rounds} timed rounds per candidate; time budget "
+            f"{'none' if budget.minutes is None else f'{budget.minutes:g} min'}")
+
+
+def estimate_text(seconds_per_image: float, mac_ratios: Dict[str, float], screen: int, held_out: int,
+                  timing_images: int, budget: TimeBudget) -> str:
+    """From the plain model's first timed forward: how long each stage would take without stopping early (a
+    setting's forward costs the plain one's divided by its MAC ratio), and whether the budget bounds it."""
+    reduced = sum(1.0 / max(r, 1e-6) for r in mac_ratios.values())
+    stages = {"screening": screen * seconds_per_image * reduced,
+              "held-out check": held_out * seconds_per_image * reduced,
+              "timing": timing_images * seconds_per_image}
+    shown = ", ".join(f"{k} {v / 60:.1f} min" for k, v in stages.items())
+    total = sum(stages.values())
+    verdict = ("within the budget" if total <= budget.seconds else
+               "the budget ends it earlier: what is not reached is said at the end")
+    return (f"tune estimate (the plain model's first forward: {1e3 * seconds_per_image:.2f} ms per image): {shown} "
+            f"without stopping early; {verdict}")
+
+
+class StageBar:
+    """A progress bar whose total is fixed from the start: one unit per screened setting, per held-out setting,
+    per timing round a candidate may take and per checked choice; work that stopping early or the budget makes
+    unnecessary is credited at once, so the bar always ends full. Stage lines go to stderr above it."""
+
+    def __init__(self, total: int, budget: TimeBudget, show: bool):
+        self.budget, self.lines = budget, []
+        # no remaining-time guess from the steps: most timing steps end early, and the budget is the limit shown
+        self.bar = tqdm(total=total, desc="tune", unit="step", disable=not show, file=sys.stderr,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{postfix}]")
+
+    def stage(self, name: str) -> None:
+        self.bar.set_description(f"tune: {name}")
+
+    def update(self, n: int = 1) -> None:
+        self.bar.set_postfix_str(self.budget.text(), refresh=False)
+        self.bar.update(n)
+
+    def say(self, line: str) -> None:
+        """A stage line: printed above the bar (always, on stderr) and kept for table.md."""
+        self.lines.append(line)
+        tqdm.write(line, file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.update(self.bar.total - self.bar.n)
+        self.bar.close()
