@@ -163,3 +163,20 @@ def test_a_naflex_name_with_a_method_tag_names_the_served_name_for_the_same_weig
     served = "vit_base_patch16_siglip_224.v2_webli.tome_r16"
     assert f"Served for the same weights: {served}" in str(refused.value)
     assert served in timm.list_models(pretrained=True)
+
+
+def test_an_unreachable_hub_under_a_tagged_name_is_one_error_without_huggingface_hubs_advice(monkeypatch):
+    """The error stands alone: huggingface_hub's own message under it would tell the user to unset HF_HUB_OFFLINE,
+    which they never set (the package sets it for an unreachable Hub)."""
+    from huggingface_hub.errors import OfflineModeIsEnabled
+    from timm.models import _builder
+
+    def offline(*args, **kwargs):
+        raise OfflineModeIsEnabled("Cannot reach the Hub: offline mode is enabled. To disable it, please unset the "
+                                   "`HF_HUB_OFFLINE` environment variable.")
+
+    monkeypatch.setattr(_builder, "load_pretrained", offline)
+    with pytest.raises(OSError, match="not in the local cache") as refused:
+        timm.create_model("deit_tiny_patch16_224.tome_r8", pretrained=True)
+    assert refused.value.__cause__ is None and refused.value.__suppress_context__
+    assert "unset" not in str(refused.value)

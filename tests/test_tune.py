@@ -10,6 +10,7 @@ import torch
 import timm_tokcomp
 from timm_tokcomp import tuning
 from timm_tokcomp.tuning import run as tuning_run
+from timm_tokcomp.tuning import timing as tuning_timing
 from timm_tokcomp.kit import modes, stats
 from timm_tokcomp.bench import run_bench
 from timm_tokcomp.cli import main
@@ -202,7 +203,7 @@ def test_resume_measures_nothing_again_and_refuses_other_settings(tuned, image_f
     def no_timing(*args, **kwargs):
         raise AssertionError("a resumed run timed again")
 
-    monkeypatch.setattr(tuning_run, "time_runs", no_timing)
+    monkeypatch.setattr(tuning_timing, "time_runs", no_timing)
     again = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[1, 8], budget=100.0,
                               space=[("tome", {"r": 4}), ("evit", {"r": 3})], limit=20, prune_images=8, max_rounds=6,
                               out=str(out), resume=True, show_progress=False)
@@ -227,7 +228,7 @@ def test_resume_knows_inputs_by_content_not_by_spelling(tuned, image_folder, tmp
     """The same folder by a relative path resumes; another module of the same architecture, or other images behind
     the same relative path, are refused, and before any image is read."""
     _, out = tuned
-    monkeypatch.setattr(tuning_run, "time_runs", lambda *a, **k: pytest.fail("a resumed run timed again"))
+    monkeypatch.setattr(tuning_timing, "time_runs", lambda *a, **k: pytest.fail("a resumed run timed again"))
     monkeypatch.chdir(image_folder.parent)
     _resume_tuned(_small_model(), image_folder.name, out)  # relative now, absolute when the run was made
 
@@ -322,7 +323,7 @@ def test_a_path_that_fails_is_recorded_and_the_rest_go_on(image_folder, monkeypa
         return real(model, mode, x)
 
     monkeypatch.setattr(modes, "runner", runner)
-    monkeypatch.setattr(tuning_run, "time_runs", _even_times)
+    monkeypatch.setattr(tuning_timing, "time_runs", _even_times)
     result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget=100.0,
                                space=[("tome", {"r": 2})], limit=20, prune_images=8, max_rounds=3, show_progress=False)
     statuses = {r.path: r.status for r in result.rows}
@@ -345,7 +346,7 @@ def test_candidates_run_in_inference_mode_from_their_first_call(image_folder, mo
         return checked
 
     monkeypatch.setattr(modes, "runner", runner)
-    monkeypatch.setattr(tuning_run, "time_runs", _even_times)
+    monkeypatch.setattr(tuning_timing, "time_runs", _even_times)
     result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget=100.0,
                                space=[("tome", {"r": 2})], limit=20, prune_images=8, max_rounds=3, show_progress=False)
     assert {r.status for r in result.rows} == {"timed"}
@@ -375,7 +376,7 @@ def test_mac_pruning_skips_only_candidates_beaten_by_one_within_the_budget(image
         return preds
 
     monkeypatch.setattr(tuning_run._Tuner, "_hold_out", hold_out)
-    monkeypatch.setattr(tuning_run, "time_runs", fake_times)
+    monkeypatch.setattr(tuning_timing, "time_runs", fake_times)
     monkeypatch.setattr(tuning_run, "_predictions", predictions)
     result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[4], budget=50.0,
                                space=[("tome", {"r": 3}), ("tome", {"r": 2}), ("tome", {"r": 1})], limit=20,
@@ -502,7 +503,7 @@ def test_max_rounds_is_an_upper_bound_and_progress_shows_each_phase(image_folder
         return {name: [1.0 if name == tuning.NO_REDUCTION else 1.0 + (-0.5) ** i for i in range(rounds)]
                 for name in models}
 
-    monkeypatch.setattr(tuning_run, "time_runs", noisy)
+    monkeypatch.setattr(tuning_timing, "time_runs", noisy)
     result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget=100.0, space=[("tome", {"r": 1})],
                                limit=12, prune_images=6, max_rounds=10, show_progress=True)
     # the default path's chunk, then (its default a contender) the other paths' chunk: 10 rounds each

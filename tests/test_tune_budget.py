@@ -12,6 +12,7 @@ from timm_tokcomp import tuning
 from timm_tokcomp.kit import stats
 from timm_tokcomp.tuning import TuneRow, choose, read_rows
 from timm_tokcomp.tuning import run as tuning_run
+from timm_tokcomp.tuning import timing as tuning_timing
 from timm_tokcomp.cli import main
 from test_tune import _small_model
 
@@ -58,7 +59,7 @@ def test_the_time_budget_ends_timing_and_the_choice_comes_from_what_was_measured
     clock = Clock()
     monkeypatch.setattr(tuning.budget, "monotonic", clock)
     time_runs, seen = _recorded(clock, seconds_per_forward=10.0)
-    monkeypatch.setattr(tuning_run, "time_runs", time_runs)
+    monkeypatch.setattr(tuning_timing, "time_runs", time_runs)
     out = tmp_path / "run"
     result = _tune(image_folder, time_budget=1.0, out=str(out))
     timed = [r for r in result.rows if r.status == "timed"]
@@ -95,7 +96,7 @@ def test_screening_ends_by_its_share_and_says_how_many_it_did_not_reach(image_fo
         return real(self, *args)
 
     monkeypatch.setattr(tuning_run._Tuner, "_paired", paired)
-    monkeypatch.setattr(tuning_run, "time_runs", _recorded(clock, 0.0)[0])
+    monkeypatch.setattr(tuning_timing, "time_runs", _recorded(clock, 0.0)[0])
     result = _tune(image_folder, time_budget=2.0)
     screened = {r.setting.split()[-1] for r in result.rows if r.screen_n is not None}
     assert screened == {"r=3", "r=2"}
@@ -117,7 +118,7 @@ def test_a_setting_the_held_out_check_did_not_reach_is_never_timed(image_folder,
 
     monkeypatch.setattr(tuning_run._Tuner, "_agreement", agreement)
     time_runs, seen = _recorded(clock, 0.0)
-    monkeypatch.setattr(tuning_run, "time_runs", time_runs)
+    monkeypatch.setattr(tuning_timing, "time_runs", time_runs)
     result = _tune(image_folder, time_budget=2.0)
     assert {r.status for r in result.rows if r.setting.endswith("r=1")} == {"not reached: time budget (held-out check)"}
     assert not any("r=1" in name for call in seen for name in call)
@@ -166,7 +167,7 @@ def test_the_bar_total_is_known_from_the_start_and_every_unit_is_accounted(image
 
     monkeypatch.setattr(tuning_run, "StageBar", Bar)
     clock = Clock()
-    monkeypatch.setattr(tuning_run, "time_runs", _recorded(clock, 0.0, candidate_times=(2.0, 2.1))[0])
+    monkeypatch.setattr(tuning_timing, "time_runs", _recorded(clock, 0.0, candidate_times=(2.0, 2.1))[0])
     _tune(image_folder, show_progress=True)
     (n, total), = ends
     assert n == total == 2 * 3 + 9 * 6 + 1
@@ -176,7 +177,7 @@ def test_other_paths_wait_for_their_default_and_are_skipped_when_it_is_no_conten
     """Every candidate at half plain's speed, surely: the default paths stop after their first rounds and the other
     paths (fold, fold_qkv) are never timed."""
     time_runs, seen = _recorded(Clock(), 0.0, candidate_times=(2.0, 2.1))
-    monkeypatch.setattr(tuning_run, "time_runs", time_runs)
+    monkeypatch.setattr(tuning_timing, "time_runs", time_runs)
     result = _tune(image_folder)
     assert len(seen) == 1 and len(seen[0]) == 4  # plain and the three default paths, once
     for r in result.rows:
@@ -221,7 +222,7 @@ def test_too_few_held_out_images_decline_and_say_how_many_would_do():
 
 
 def test_the_preset_and_table_state_the_bound(image_folder, tmp_path, monkeypatch):
-    monkeypatch.setattr(tuning_run, "time_runs", _recorded(Clock(), 0.0, candidate_times=(0.5, 0.52))[0])
+    monkeypatch.setattr(tuning_timing, "time_runs", _recorded(Clock(), 0.0, candidate_times=(0.5, 0.52))[0])
     result = _tune(image_folder, out=str(tmp_path / "t"), space=[("tome", {"r": 1})])
     assert result.choices[0].row is not None, result.choices[0].reason
     tuned = json.loads((tmp_path / "t" / "preset.json").read_text())["tuned"]

@@ -324,7 +324,8 @@ def format_table(rows: Sequence[BenchRow]) -> str:
                 str(r.tokens_last_block)]
         cells.append(row)
     lines = text_table(header, cells, rule=True)
-    legend = ["tput: throughput of the timing batch"] if timed else []
+    legend = ["+-batch: the standard deviation of the GMACs across batches (adaptive methods vary)"]
+    legend += ["tput: throughput of the timing batch"] if timed else []
     legend += ["lat: one image (median, 90th percentile)"] if with_latency else []
     legend += ["x: speed-up against the plain model, the geometric mean of the interleaved rounds' time ratios "
                "[its 95 % interval]"] if timed else []

@@ -84,16 +84,18 @@ class StageBar:
     unnecessary is credited at once, so the bar always ends full. Stage lines go to stderr above it."""
 
     def __init__(self, total: int, budget: TimeBudget, show: bool):
-        self.budget, self.lines = budget, []
+        self.budget, self.lines, self.name = budget, [], "starting"
         # no remaining-time guess from the steps: most timing steps end early, and the budget is the limit shown
-        self.bar = tqdm(total=total, desc="tune", unit="step", disable=not show, file=sys.stderr,
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{postfix}]")
+        # (set_description appends ": " to the text it gets; the constructor takes it as given)
+        self.bar = tqdm(total=total, desc=f"tune: starting ({budget.text()}): ", disable=not show, file=sys.stderr,
+                        bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps")
 
     def stage(self, name: str) -> None:
-        self.bar.set_description(f"tune: {name}")
+        self.name = name
+        self.bar.set_description(f"tune: {name} ({self.budget.text()})")
 
     def update(self, n: int = 1) -> None:
-        self.bar.set_postfix_str(self.budget.text(), refresh=False)
+        self.bar.set_description(f"tune: {self.name} ({self.budget.text()})", refresh=False)
         self.bar.update(n)
 
     def say(self, line: str) -> None:

@@ -25,27 +25,25 @@ import contextlib
 import copy
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import timm
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..core import NO_REDUCTION, apply
-from ..kit import modes as modes_
+from ..core import apply
 from ..kit.modes import check_batches, check_modes
 from ..kit.agreement import Paired, chunks, compare, predict
-from ..kit.paths import FastPath, default_path
-from ..kit.stats import loss_bounds, speedup_interval
+from ..kit.paths import FastPath
+from ..kit.stats import loss_bounds
 from ..models import build_base_model
 from ..precision import check_device, check_dtype, device_description, precision
 from ..identity import data_digest, weights_digest
 from ..data import UnlabeledImages, check_num_classes, open_images
-from ..measure import forward_counting, no_silent_eager_fallback, time_runs
+from ..measure import forward_counting
 from ..methods import default_tune_space
 from ..outputs import run_folder, write_text
 from ..schedules import is_int, is_real
@@ -55,6 +53,7 @@ from .rows import BUDGET_MEASURES, NOT_REACHED, Candidate, Choice, TuneRow
 from .select import bound_text, choose
 from .space import accuracy_twin, applicable_candidates, check_space, default_modes
 from .store import resume_rows, write_rows
+from .timing import TimingStage
 
 
 def _predictions(model: nn.Module, images: torch.Tensor, batch: int) -> torch.Tensor:
@@ -165,7 +164,7 @@ def tune(
     return result
 
 
-class _Tuner:
+class _Tuner(TimingStage):
     def __init__(self, base: nn.Module, data: str, settings: Dict[str, Any], candidates: List[Candidate],
                  notes: List[str], out, show_progress, budget: TimeBudget):
         self.base, self.s, self.out, self.show, self.budget = base, settings, out, show_progress, budget
@@ -222,8 +221,8 @@ class _Tuner:
             per_image = (monotonic() - start) / len(screen_x)
             gmacs = self._gmacs(settings, screen_x[:1])
             ratios = {k: self.plain_gmacs / v for k, v in gmacs.items()}
-            bar.say(estimate_text(per_image, ratios, first, len(held_x), sum(
-                2 * b * most for b in batches for c in self.candidates), self.budget))
+            timing_images = 2 * most * sum(batches) * len(self.candidates)  # each round: plain and the candidate
+            bar.say(estimate_text(per_image, ratios, first, len(held_x), timing_images, self.budget))
             settings.sort(key=lambda k: (-ratios[k], k))  # the ones that could save most first
             self._screen(settings, gmacs, screen_x, plain_screen, eval_batch)
             bar.stage("held-out check")
@@ -364,135 +363,6 @@ class _Tuner:
             figures.update(gained=paired.gained, lost=paired.lost, top1_plain=paired.top1_reference, top1=paired.top1,
                            top1_p=paired.top1_p)
         return figures, stopped
-
-    def _time(self, batch: int, mode: str) -> None:
-        """Time the candidates of this batch size and mode that kept the budget (_time_chunk): the default path of
-        each setting first, in order of MAC ratio, then its other paths only where the default is a contender;
-        a candidate whose MAC ratio cannot beat a lower bound measured here is not timed; what the time budget
-        does not reach is left for a resume."""
-        rows = {c.name: self.rows.get((batch, c.name)) for c in self.candidates if c.mode == mode}
-        reserved, used = len(rows) * self.s["max_rounds"], 0
-        defaults = {c.name for c in self.candidates if c.mode == mode and self._is_default(c)}
-        todo = [c for c in self.candidates if c.mode == mode and rows[c.name] is not None
-                and rows[c.name].status == "screened"]
-        todo.sort(key=lambda c: (c.name not in defaults, -rows[c.name].mac_ratio, c.name))
-        x = self.images[torch.arange(batch) % len(self.images)].to(self.device)
-        counts = {"not a contender": 0, "not reached": 0}
-        while todo:
-            timed = [r for r in rows.values() if r is not None and r.status == "timed"]
-            best = max(timed, key=lambda t: t.speedup_lo, default=None)
-            best_lo = 0.0 if best is None else best.speedup_lo
-            chunk = []
-            for c in todo:
-                row = rows[c.name]
-                default = next((rows[d.name] for d in self.candidates if d.mode == mode and d.setting == c.setting
-                                and d.name in defaults), None)
-                if row.mac_ratio <= best_lo:  # cannot beat one surely this fast (every timed one kept the budget)
-                    row.status = (f"pruned: MACs (at most {row.mac_ratio:.2f}x fewer; {best.candidate}, within the "
-                                  f"budget, is at least {best_lo:.2f}x faster)")
-                elif c.name not in defaults and default is not None and default.status == "timed" and \
-                        default.speedup_hi < max(1.0, best_lo):
-                    row.status = (f"pruned: its default path [{default.path}] is not a contender "
-                                  f"({default.speedup:.2f}x, upper bound {default.speedup_hi:.2f})")
-                    counts["not a contender"] += 1
-                elif c.name in defaults or default is None or default.status != "screened":
-                    chunk.append(c)  # other paths wait for their default's figures
-                if len(chunk) == 6:
-                    break
-            todo = [c for c in todo if rows[c.name].status == "screened" and c not in chunk]
-            if not chunk:
-                break
-            if self.budget.over("timing"):
-                counts["not reached"] += len(chunk) + len(todo)
-                break
-            used += self._time_chunk(batch, mode, chunk, x, (best_lo, None if best is None else best.candidate))
-            self._write()
-        self.bar.update(reserved - used)
-        timed = [r for r in rows.values() if r is not None and r.status == "timed"]
-        best_lo = max((t.speedup_lo for t in timed), default=0.0)
-        slower = sum(r.speedup_hi < 1.0 for r in timed)
-        beaten = sum(1.0 <= r.speedup_hi < best_lo for r in timed)
-        failed = sum(r is not None and r.status.startswith("failed") for r in rows.values())
-        macs = sum(r is not None and r.status.startswith("pruned: MACs") for r in rows.values())
-        self.bar.say(f"timing batch {batch}, {mode}: {count(len(timed), 'candidate')} timed ({slower} surely slower than "
-                     f"plain, {beaten} surely slower than the best), {macs} not timed (their MACs cannot "
-                     f"beat the best), {counts['not a contender']} other paths skipped (their default path is no "
-                     f"contender), {failed} failed, {counts['not reached']} not reached (time budget)")
-
-    def _is_default(self, c: Candidate) -> bool:
-        """Whether c runs the path its setting's defaults pick on this device and precision (kit.paths.default_path,
-        once per setting)."""
-        if c.setting not in self.default_paths:
-            params = {k: v for k, v in c.kwargs.items() if k not in ("kernel", "prop_attn")}
-            if "prop_attn" in c.kwargs:
-                params["prop_attn"] = c.kwargs["prop_attn"] is not False  # on or off, its implementation left open
-            self.default_paths[c.setting] = default_path(self.base, c.method, params, self.device, self.dtype)
-        path, kw = self.default_paths[c.setting], c.kwargs
-        return kw.get("kernel") == path.kernel and kw.get("prop_attn", False) == path.prop_attn
-
-    def _time_chunk(self, batch: int, mode: str, chunk: List[Candidate], x: torch.Tensor,
-                    best: Tuple[float, str]) -> int:
-        """Time the chunk interleaved with the plain model in this mode, a few rounds at a time. A candidate stops
-        once its 95 % interval excludes 1 (surely faster, or surely slower) or lies below the best lower bound
-        measured in this batch size and mode (best: that bound and its candidate; surely not the winner), its MAC
-        ratio is at most that bound ('pruned: MACs'), at max_rounds, or when the time budget's timing stage ends;
-        rows get the figures or the failure. Returns the progress units used (rounds timed per candidate)."""
-        used, most = 0, self.s["max_rounds"]
-        best_lo, best_name = best
-        beaten: Dict[str, str] = {}
-        times: Dict[str, List[float]] = {c.name: [] for c in chunk}
-        plain_times: Dict[str, List[float]] = {c.name: [] for c in chunk}  # the plain rounds paired with each
-        try:
-            with no_silent_eager_fallback(len(chunk) + 1):
-                torch._dynamo.reset()
-                plain = modes_.runner(self.base, mode, x)
-                active: Dict[str, Callable] = {}
-                for c in chunk:
-                    try:
-                        runner = modes_.runner(self._model(c.kwargs, c.method), mode, x)
-                        with torch.inference_mode():  # as timed: compile / capture now, so a failure is this path's
-                            runner(x)
-                        active[c.name] = runner
-                    except Exception as e:  # a path this device or torch cannot run: recorded, not fatal
-                        self.rows[(batch, c.name)].status = f"failed: {type(e).__name__}: {str(e)[:200]}"
-                rounds, warmup = 0, 1 if mode == "eager" else 2
-                while active and rounds < most and not self.budget.over("timing"):
-                    step = min(5 if rounds == 0 else 3, most - rounds)
-                    new = time_runs({NO_REDUCTION: plain, **active}, x, rounds=step, warmup=warmup if rounds == 0 else 0)
-                    rounds += step
-                    for name in active:
-                        times[name] += new[name]
-                        plain_times[name] += new[NO_REDUCTION]
-                    self.bar.update(step * len(active))
-                    used += step * len(active)
-                    intervals = {k: speedup_interval(plain_times[k], times[k]) for k in active}
-                    top = max(intervals, key=lambda k: intervals[k][1])
-                    if intervals[top][1] > best_lo:
-                        best_lo, best_name = intervals[top][1], top
-                    for name, (_, lo, hi) in intervals.items():
-                        if name != best_name and self.rows[(batch, name)].mac_ratio <= best_lo:
-                            beaten[name] = f"{best_name}, within the budget, is at least {best_lo:.2f}x faster"
-                        if lo > 1.0 or hi < 1.0 or hi < best_lo or name in beaten:
-                            del active[name]
-        except Exception as e:
-            for c in chunk:
-                if self.rows[(batch, c.name)].status == "screened":
-                    self.rows[(batch, c.name)].status = f"failed: {type(e).__name__}: {str(e)[:200]}"
-            return used
-        for name, t in times.items():
-            row = self.rows[(batch, name)]
-            if row.status != "screened":
-                continue
-            if len(t) < 2:  # the budget ended before its first rounds
-                row.status = f"{NOT_REACHED} (timing)"
-                continue
-            if name in beaten:
-                row.status = f"pruned: MACs (at most {row.mac_ratio:.2f}x fewer; {beaten[name]})"
-                continue
-            row.speedup, row.speedup_lo, row.speedup_hi = speedup_interval(plain_times[name], t)
-            row.status, row.ms_plain, row.ms = "timed", 1e3 * statistics.median(plain_times[name]), 1e3 * statistics.median(t)
-            row.rounds = len(t)
-        return used
 
     def _close_unreached(self, settings: List[str]) -> None:
         """Rows for what the time budget did not reach (a resume measures them), and a note saying what."""
