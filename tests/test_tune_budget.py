@@ -227,7 +227,8 @@ def test_the_preset_and_table_state_the_bound(image_folder, tmp_path, monkeypatc
     assert result.choices[0].row is not None, result.choices[0].reason
     tuned = json.loads((tmp_path / "t" / "preset.json").read_text())["tuned"]
     row = result.choices[0].row
-    assert tuned["loss_upper_95"] == pytest.approx(row.loss_upper("agreement")) and tuned["loss"] == row.loss("agreement")
+    assert tuned["loss_upper_95"] == pytest.approx(row.loss_upper("agreement"))
+    assert tuned["loss"] == row.loss("agreement")
     table = (tmp_path / "t" / "table.md").read_text()
     assert "| loss [95 % upper] |" in table and "## Stages" in table and "- held-out check on 12 images" in table
 

@@ -177,7 +177,8 @@ def _refusing_entrypoint(arch: str, why: str, fn: Callable[..., Any]) -> Callabl
             method_tag = pretrained_cfg.rpartition(".")[2]
         if method_tag:
             raise TypeError(f"{arch} does not take method tags ({method_tag!r}): it is built from {why}. "
-                            f"timm_tokcomp reduces tokens in timm's {served_classes()}.{_served_twins(arch, method_tag)}")
+                            f"timm_tokcomp reduces tokens in timm's {served_classes()}."
+                            f"{_served_twins(arch, method_tag)}")
         return fn(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
 
     entrypoint._tokcomp_original = fn

@@ -75,8 +75,8 @@ def format_table(rows: Sequence[TuneRow], choices: Sequence[Choice], measure: st
     for choice in choices:
         timed = sorted((r for r in rows if r.batch == choice.batch and r.status == "timed"), key=lambda r: r.ms)
         out += [f"### batch {choice.batch}", "",
-                "| candidate | GMACs | ms (plain) | speed-up [95 %] | held-out agreement (changed / n) | top-1 (plain), McNemar p "
-                "| loss [95 % upper] |",
+                "| candidate | GMACs | ms (plain) | speed-up [95 %] | held-out agreement (changed / n) "
+                "| top-1 (plain), McNemar p | loss [95 % upper] |",
                 "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in timed:
             agree = "-" if r.agree is None else f"{r.agree:.2f} % ({r.changed} / {r.agree_n})"

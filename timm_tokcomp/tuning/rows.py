@@ -5,9 +5,6 @@ from typing import Any, Dict, Optional, Tuple
 
 from ..kit.stats import loss_bounds
 
-HELD_OUT_FIELDS = ("agree", "agree_n", "changed", "gained", "lost", "top1_plain", "top1", "top1_p")  # TuneRow's held-out figures
-
-
 NOT_REACHED = "not reached: time budget"  # a row's status, with the stage in parentheses; a resume measures it
 
 # what the budget limits, in the units of --budget: top-1 when the images have labels, agreement without them

@@ -346,13 +346,14 @@ class _Tuner(TimingStage):
             else:
                 counts["within"] += 1
             self._write()
-        self.bar.say(f"held-out check on {len(x)} images: {count(counts['within'], 'setting')} within the budget at the "
-                     f"one-sided 95 % upper bound; {counts['over']} above it ({counts['early']} stopped before "
+        self.bar.say(f"held-out check on {len(x)} images: {count(counts['within'], 'setting')} within the budget at "
+                     f"the one-sided 95 % upper bound; {counts['over']} above it ({counts['early']} stopped before "
                      f"their last image, surely above); {counts['not reached']} not reached (time budget)")
 
     def _agreement(self, model: nn.Module, x: torch.Tensor, plain: torch.Tensor, batch: int,
                    early: bool = False) -> Tuple[Dict[str, Any], bool]:
-        """(the held-out figures of model: TuneRow's HELD_OUT_FIELDS, whether it stopped early (only if early))."""
+        """(the held-out figures of model, as TuneRow names them (agree, agree_n, changed; with labels gained, lost,
+        top1_plain, top1, top1_p), whether it stopped early (only if early))."""
         labels = None if self.labels is None else self.labels[self.s["prune_images"]:]
         if early:
             paired, stopped = self._paired(model, x, plain, labels, batch)

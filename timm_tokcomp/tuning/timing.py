@@ -17,6 +17,9 @@ from .rows import NOT_REACHED, Candidate
 
 
 class TimingStage:
+    """The timing stage of run._Tuner (it reads the tuner's rows, candidates, settings s, images, base model,
+    device, bar, budget and default_paths)."""
+
     def _time(self, batch: int, mode: str) -> None:
         """Time the candidates of this batch size and mode that kept the budget (_time_chunk): the default path of
         each setting first, in order of MAC ratio, then its other paths only where the default is a contender;
@@ -66,9 +69,9 @@ class TimingStage:
         beaten = sum(1.0 <= r.speedup_hi < best_lo for r in timed)
         failed = sum(r is not None and r.status.startswith("failed") for r in rows.values())
         macs = sum(r is not None and r.status.startswith("pruned: MACs") for r in rows.values())
-        self.bar.say(f"timing batch {batch}, {mode}: {count(len(timed), 'candidate')} timed ({slower} surely slower than "
-                     f"plain, {beaten} surely slower than the best), {macs} not timed (their MACs cannot "
-                     f"beat the best), {counts['not a contender']} other paths skipped (their default path is no "
+        self.bar.say(f"timing batch {batch}, {mode}: {count(len(timed), 'candidate')} timed ({slower} surely slower "
+                     f"than plain, {beaten} surely slower than the best), {macs} not timed (their MACs cannot beat "
+                     f"the best), {counts['not a contender']} other paths skipped (their default path is no "
                      f"contender), {failed} failed, {counts['not reached']} not reached (time budget)")
 
     def _is_default(self, c: Candidate) -> bool:
@@ -110,7 +113,8 @@ class TimingStage:
                 rounds, warmup = 0, 1 if mode == "eager" else 2
                 while active and rounds < most and not self.budget.over("timing"):
                     step = min(5 if rounds == 0 else 3, most - rounds)
-                    new = time_runs({NO_REDUCTION: plain, **active}, x, rounds=step, warmup=warmup if rounds == 0 else 0)
+                    new = time_runs({NO_REDUCTION: plain, **active}, x, rounds=step,
+                                    warmup=warmup if rounds == 0 else 0)
                     rounds += step
                     for name in active:
                         times[name] += new[name]
@@ -142,6 +146,6 @@ class TimingStage:
                 row.status = f"pruned: MACs (at most {row.mac_ratio:.2f}x fewer; {beaten[name]})"
                 continue
             row.speedup, row.speedup_lo, row.speedup_hi = speedup_interval(plain_times[name], t)
-            row.status, row.ms_plain, row.ms = "timed", 1e3 * statistics.median(plain_times[name]), 1e3 * statistics.median(t)
-            row.rounds = len(t)
+            row.status, row.rounds = "timed", len(t)
+            row.ms_plain, row.ms = 1e3 * statistics.median(plain_times[name]), 1e3 * statistics.median(t)
         return used
