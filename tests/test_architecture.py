@@ -160,3 +160,10 @@ def test_a_plan_kinds_execution_lives_in_its_plan_file():
             assert "apply" in vars(kind), f"{kind.__name__} has no apply of its own"
         else:
             assert "apply" not in vars(kind), f"{kind.__name__} ({inspect.getfile(kind)}) executes a plan outside plans/"
+
+
+def test_no_module_is_over_450_lines():
+    """One job per module: a module that outgrows 450 lines holds more than one (split it as tuning/ and plans/
+    are split)."""
+    long = {name: n for name, path in _modules().items() if (n := path.read_text().count("\n")) > 450}
+    assert not long, f"modules over 450 lines: {long}"

@@ -145,7 +145,8 @@ def test_outputs_and_presets(tuned):
     rows = read_rows(out / "tune.csv")
     assert len(rows) == 2 * 4  # tome: 3 paths, evit: 1; per batch
     for r in rows:  # a default path is timed; another path too unless its default is surely slower
-        default = next(d for d in rows if d.batch == r.batch and d.setting == r.setting and d.path in ("torch", "torch, mask"))
+        default = next(d for d in rows if d.batch == r.batch and d.setting == r.setting
+                       and d.path in ("torch", "torch, mask"))
         assert r.status == "timed" or (r.status.startswith("pruned: its default path [torch, mask] is not a contender")
                                        and default.status == "timed" and default.speedup_hi < 1.0)
     assert all(r.agree_n == 12 and r.screen_n == 8 for r in rows)

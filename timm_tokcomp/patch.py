@@ -108,8 +108,8 @@ def lookahead_refusal(model: nn.Module) -> Optional[str]:
         plain = family.plain_block(type(blk))
         patched = family.blocks.get(plain)
         if patched is None or patched._lookahead_branch is ReducingBlockMixin._lookahead_branch:
-            return (f"blocks[{i}] is of class {type(blk).__name__}: the methods that reduce before attention (mctf) serve "
-                    f"timm's VisionTransformer blocks, not those of its {family.name} family")
+            return (f"blocks[{i}] is of class {type(blk).__name__}: the methods that reduce before attention (mctf) "
+                    f"serve timm's VisionTransformer blocks, not those of its {family.name} family")
         if family.plain_attention(type(blk.attn)) is not Attention:
             return (f"blocks[{i}].attn is of class {type(blk.attn).__name__}: the methods that reduce before attention "
                     f"(mctf) need timm's fused qkv Attention")

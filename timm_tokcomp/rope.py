@@ -31,8 +31,8 @@ def check_rope_merge(value) -> None:
 def check_rope(rope: Optional[nn.Module]) -> None:
     """Raise TypeError for a rope module whose positions cannot travel with tokens."""
     if rope is not None and type(rope) not in SERVED_ROPES:
-        raise TypeError(f"the model's rotary embedding is of class {type(rope).__name__}; timm_tokcomp serves the 2-D types "
-                        f"{', '.join(c.__name__ for c in SERVED_ROPES)} (rope_type 'cat', 'dinov3', 'mixed')")
+        raise TypeError(f"the model's rotary embedding is of class {type(rope).__name__}; timm_tokcomp serves the 2-D "
+                        f"types {', '.join(c.__name__ for c in SERVED_ROPES)} (rope_type 'cat', 'dinov3', 'mixed')")
 
 
 # rope module -> {(feat_shape, device): its grid coordinates on that device}: made once, so an eager forward copies

@@ -46,5 +46,6 @@ def _traits(cls) -> str:
     traits.append("exports to ONNX" if cls.exportable() else f"no ONNX export ({cls.export_refusal})")
     traits += ["fused Triton kernels (kernel=)"] if cls.has_kernel_choice() else []
     traits += ["ToCom compensators"] if cls.tocom_compatible else []
-    traits += [f"in tune's default space ({len(cls.tune_space)} setting{'' if len(cls.tune_space) == 1 else 's'})"] if cls.tune_space else []
+    n = len(cls.tune_space)
+    traits += [f"in tune's default space ({n} setting{'' if n == 1 else 's'})"] if n else []
     return "; ".join(traits)

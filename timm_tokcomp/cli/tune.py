@@ -28,8 +28,9 @@ def add(sub: argparse._SubParsersAction) -> None:
                                     "the CPU, all four on CUDA")
     tu.add_argument("--methods", help="candidate settings instead of the default space: method tags or presets, "
                                       "comma separated (each still tried on every path and mode)")
-    tu.add_argument("--limit", type=int, default=1500, help="images read from --data at most (default: %(default)s; the "
-                                                           "held-out ones decide how small a loss can be promised)")
+    tu.add_argument("--limit", type=int, default=1500,
+                    help="images read from --data at most (default: %(default)s; the held-out ones decide how small "
+                         "a loss can be promised)")
     tu.add_argument("--prune-images", type=int, default=128, help="the first images, used to screen candidates; "
                                                                   "the rest decide (default: %(default)s)")
     tu.add_argument("--max-rounds", type=int, default=30, help="timed rounds per candidate at most (a round: one "

@@ -62,8 +62,8 @@ class Family:
         for i, blk in enumerate(model.blocks):
             if self.plain_block(type(blk)) is None:
                 served = ", ".join(c.__name__ for c in self.blocks)
-                raise TypeError(f"blocks[{i}] is of class {type(blk).__name__}; in timm's {self.name} timm_tokcomp serves "
-                                f"{served}")
+                raise TypeError(f"blocks[{i}] is of class {type(blk).__name__}; in timm's {self.name} "
+                                f"timm_tokcomp serves {served}")
             if self.plain_attention(type(blk.attn)) is None:
                 served = ", ".join(c.__name__ for c in self.attentions)
                 raise TypeError(f"blocks[{i}].attn is of class {type(blk.attn).__name__}; in timm's {self.name} "
