@@ -180,3 +180,19 @@ def test_an_unreachable_hub_under_a_tagged_name_is_one_error_without_huggingface
         timm.create_model("deit_tiny_patch16_224.tome_r8", pretrained=True)
     assert refused.value.__cause__ is None and refused.value.__suppress_context__
     assert "unset" not in str(refused.value)
+
+
+@pytest.mark.parametrize("name", ["deit_tiny_patch16_224.tome_r8", "deit_tiny_patch16_224.fb_in1k.tome_r8"])
+def test_a_tagged_name_parses_its_method_tag_once(name, monkeypatch):
+    """create_model of a tagged name reads its method tag once and carries the result to apply."""
+    from timm_tokcomp.methods.tome import ToMe
+
+    real, seen = ToMe.parse_tag.__func__, []
+
+    def counting(cls, tag):
+        seen.append(tag)
+        return real(cls, tag)
+
+    monkeypatch.setattr(ToMe, "parse_tag", classmethod(counting))
+    model = timm.create_model(name)
+    assert seen.count("tome_r8") == 1 and timm_tokcomp.get_reducer(model).params["r"] == 8

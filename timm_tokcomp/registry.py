@@ -10,7 +10,7 @@ import contextvars
 import functools
 from collections import deque
 from dataclasses import replace
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 from timm.models import _factory
 from timm.models import _registry as treg
@@ -19,7 +19,7 @@ from timm.models._features import FeatureGetterNet
 from timm.models._pretrained import DefaultCfg
 
 from .families import FAMILIES, served_classes
-from .methods import TAG_SUMMARY, is_method_tag, listed_tags, method_class, parse_method_tag
+from .methods import TAG_SUMMARY, is_method_tag, listed_tags, match_method_tag, method_class, parse_method_tag
 from .userfiles import hub_access, pretrained_unreachable
 
 # timm < 1.0.31 resolves the name inside create_model and drops its tag when pretrained_cfg is also given; the method
@@ -92,24 +92,34 @@ NO_CLASS_TOKEN_ARCHS = frozenset({
 })
 
 
+_LISTED = set()  # the '<arch>[.<pretrained tag>].<method tag>' names _list_method_names added to timm's lists
+
+
 def _pretrained_tags(arch: str) -> Tuple[str, ...]:
-    """The plain pretrained tags registered for an architecture ('' for the untagged default)."""
-    tags = []
-    for name in treg._model_with_tags.get(arch, ()):
-        tag = treg.split_model_name_tag(name)[1]
-        if not any(is_method_tag(part) for part in tag.split(".")):
-            tags.append(tag)
-    return tuple(tags)
+    """The plain pretrained tags registered for an architecture ('' for the untagged default): timm's, not the
+    method-tagged names this package lists beside them."""
+    return tuple(treg.split_model_name_tag(name)[1] for name in treg._model_with_tags.get(arch, ())
+                 if name not in _LISTED)
 
 
-def split_method_tag(arch: str, tag: str) -> Tuple[str, Optional[str]]:
-    """'fb_in1k.tome_r8' -> ('fb_in1k', 'tome_r8'); 'tome_r8' -> ('', 'tome_r8'); 'fb_in1k' -> ('fb_in1k', None).
+class MethodTag(NamedTuple):
+    """A name's method tag, parsed once: 'tome_r8' -> MethodTag('tome_r8', 'tome', {'r': 8})."""
+
+    tag: str
+    method: str
+    params: Dict[str, Any]
+
+
+def split_method_tag(arch: str, tag: str) -> Tuple[str, Optional[MethodTag]]:
+    """'fb_in1k.tome_r8' -> ('fb_in1k', MethodTag('tome_r8', 'tome', {'r': 8})); 'tome_r8' -> ('', MethodTag(...));
+    'fb_in1k' -> ('fb_in1k', None).
 
     Raises ValueError listing the valid forms for a tag that is neither a pretrained tag of `arch`
     nor ends in a method tag."""
     base, _, last = tag.rpartition(".")
-    if is_method_tag(last):
-        method_tag = last
+    found = match_method_tag(last)
+    if found is not None:
+        method_tag = MethodTag(last, *found)
     elif not base and last in _pretrained_tags(arch):
         return last, None
     else:
@@ -137,7 +147,7 @@ def _wrap_entrypoint(arch: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             base, method_tag = split_method_tag(arch, pretrained_cfg)
             pretrained_cfg = base or None
         if method_tag and kwargs.get("features_only") and kwargs.get("feature_cls", "getter") != "getter":
-            raise ValueError(f"features_only with a method tag ({method_tag}) needs feature_cls='getter' (the "
+            raise ValueError(f"features_only with a method tag ({method_tag.tag}) needs feature_cls='getter' (the "
                              f"default): the reduced blocks run only inside the model's forward_intermediates, "
                              f"not one by one as the hook-based feature classes call them")
         try:
@@ -152,13 +162,12 @@ def _wrap_entrypoint(arch: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         if method_tag:
             from .core import apply
 
-            method, params = parse_method_tag(method_tag)
             if isinstance(model, FeatureGetterNet):
                 # timm pruned the blocks after the last out_index; the schedule stays the full model's
                 model.model._tokcomp_depth = len(model.model.feature_info)
-                apply(model.model, method, **params)
+                apply(model.model, method_tag.method, **method_tag.params)
             else:
-                apply(model, method, **params)
+                apply(model, method_tag.method, **method_tag.params)
         return model
 
     entrypoint._tokcomp_original = fn
@@ -264,6 +273,7 @@ def _list_method_names(arch: str) -> None:
             treg._model_pretrained_cfgs[name] = replace(cfg)
             treg._model_has_pretrained.add(name)
             treg._model_with_tags[arch].append(name)
+            _LISTED.add(name)
 
 
 def base_name(name: Any) -> Optional[str]:

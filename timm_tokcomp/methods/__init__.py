@@ -1,7 +1,7 @@
 """Token-reduction methods by name, and their name tags (`tome_r16`, `evit_r8`, `topk_k70`, `atm`,
 `atm_<preset>`, `dense_tome_r8`, `patchmerger_k70`, `dynamicvit_k70`, ...)."""
 import re
-from typing import Any, Dict, List, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 from .ats import ATS
 from .atc import ATC
@@ -120,15 +120,23 @@ def make_reducer(method: str, **params: Any) -> TokenReducer:
         raise TypeError(f"method {method!r}: {e}") from None
 
 
-def parse_method_tag(tag: str) -> Tuple[str, Dict[str, Any]]:
-    """'tome_r16' -> ('tome', {'r': 16}); 'atm_lossless' -> ('atm', {'preset': 'lossless'}).
-    Raises ValueError listing the valid forms."""
+def match_method_tag(tag: str) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """'tome_r16' -> ('tome', {'r': 16}); 'atm_lossless' -> ('atm', {'preset': 'lossless'}); None for a tag that is
+    no method's."""
     for name, cls in METHODS.items():
         params = cls.parse_tag(tag)
         if params is not None:
             return name, params
-    raise ValueError(f"unknown token-reduction tag {tag!r}; valid forms: {TAG_SUMMARY} (k >= 0)")
+    return None
+
+
+def parse_method_tag(tag: str) -> Tuple[str, Dict[str, Any]]:
+    """match_method_tag, raising ValueError listing the valid forms for a tag that is no method's."""
+    found = match_method_tag(tag)
+    if found is None:
+        raise ValueError(f"unknown token-reduction tag {tag!r}; valid forms: {TAG_SUMMARY} (k >= 0)")
+    return found
 
 
 def is_method_tag(tag: str) -> bool:
-    return any(cls.parse_tag(tag) is not None for cls in METHODS.values())
+    return match_method_tag(tag) is not None
