@@ -66,3 +66,24 @@ def test_flops_targets_are_reachable_whenever_a_stronger_one_is(num_patch):
         accepted.append(True)
         assert schedule_macs(schedule, num_patch + 1, 1, cost) <= full / ratio
     assert accepted[:20] == [True] * 20 and accepted == sorted(accepted, reverse=True)
+
+
+def test_apply_checks_r_once_and_a_forward_does_not_check_it_again(monkeypatch):
+    """r is checked where it is given (the method's Param), not again when each forward resolves the schedule."""
+    import torch
+
+    import timm_tokcomp
+    from conftest import make_model
+    from timm_tokcomp import schedules
+
+    real, names = schedules.check_int, []
+
+    def counting(name, value, *args, **kwargs):
+        names.append(name)
+        return real(name, value, *args, **kwargs)
+
+    monkeypatch.setattr(schedules, "check_int", counting)
+    model = timm_tokcomp.apply(make_model("cls"), "tome", r=[1, 2, 1, 0])
+    model(torch.randn(2, 3, 32, 32))
+    model(torch.randn(2, 3, 32, 32))
+    assert names == ["r[0]", "r[1]", "r[2]", "r[3]"]

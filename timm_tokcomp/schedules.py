@@ -154,14 +154,15 @@ def stage_schedule(keep_rate: float, stages: Sequence[int], num_blocks: int, num
 
 
 def resolve_r(r: RSpec, num_blocks: int) -> List[int]:
-    """Turn an r spec (int, per-block list, or (r, inflection) tuple) into a per-block list."""
+    """Turn an r spec (int, per-block list, or (r, inflection) tuple), as validate_r checked it, into a per-block
+    list; only the list's length, which needs the model, is checked here."""
     if isinstance(r, tuple):
         return inflection_schedule(r[0], float(r[1]), num_blocks)
     if isinstance(r, list):
         if len(r) != num_blocks:
             raise ValueError(f"r as a per-block list needs one entry per block ({num_blocks}), got {len(r)}")
-        return [check_int(f"r[{i}]", v) for i, v in enumerate(r)]
-    return constant_schedule(check_int("r", r), num_blocks)
+        return list(r)
+    return constant_schedule(r, num_blocks)
 
 
 def validate_r(r: RSpec) -> RSpec:

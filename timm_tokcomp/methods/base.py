@@ -115,7 +115,14 @@ class TokenReducer(ABC):
         cls.__signature__ = signature(cls.PARAMS)  # what help() and inspect.signature show
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        bound = type(self).__signature__.bind(*args, **kwargs)  # TypeError for an unknown or a missing parameter
+        unknown = sorted(set(kwargs) - set(self.param_names()))
+        if unknown:
+            raise TypeError(f"unknown parameter(s) {unknown} for method {self.name!r}; valid: "
+                            f"{list(self.param_names())}")
+        try:
+            bound = type(self).__signature__.bind(*args, **kwargs)
+        except TypeError as e:  # a required parameter missing, or too many positional ones
+            raise TypeError(f"method {self.name!r}: {e}") from None
         bound.apply_defaults()
         for param in self.PARAMS:  # None means the parameter's default, for every parameter
             value = bound.arguments[param.name]
