@@ -11,7 +11,7 @@ import timm_tokcomp
 from timm_tokcomp import attention, device_table
 from conftest import make_model
 
-IMPLS = [i for i in attention.PROP_ATTN_IMPLS if i != "flex" or attention.flex_available()]
+IMPLS = list(attention.PROP_ATTN_IMPLS)
 FOLDED = [i for i in IMPLS if i != "mask"]
 
 
@@ -32,8 +32,7 @@ def test_fold_equals_the_float_mask(d):
     q2, k2, v2 = attention.fold_qk(q, k, v, log_size, d ** -0.5)
     assert q2.shape[-1] % 8 == 0 and q2.shape[-1] > d
     torch.testing.assert_close(attention.padded_attention(q2, k2, v2, d, 0.0), reference, atol=1e-5, rtol=0)
-    if attention.flex_available():
-        torch.testing.assert_close(attention.flex_attention(q, k, v, log_size, d ** -0.5), reference, atol=1e-5, rtol=0)
+    torch.testing.assert_close(attention.flex_attention(q, k, v, log_size, d ** -0.5), reference, atol=1e-5, rtol=0)
 
 
 def _logits(model, x):

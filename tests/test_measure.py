@@ -121,7 +121,6 @@ def test_inference_mode_counts_the_same(fused):
     assert counter.total == count_macs(model, x)
 
 
-@pytest.mark.skipif(not timm_tokcomp.attention.flex_available(), reason="this torch has no FlexAttention")
 def test_op_counter_counts_flex_attention_as_one_call(monkeypatch):
     """Eager FlexAttention runs through torch.compile, which refuses a dispatch mode; with torch's debug switch it
     calls its higher-order operator directly, and the counter counts that as one call."""

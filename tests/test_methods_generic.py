@@ -171,7 +171,7 @@ def test_a_new_method_declares_only_its_own_parameters():
         METHODS["atm"](0.9)
 
 
-PROP_IMPLS = [i for i in ("fold", "fold_qkv", "flex") if i != "flex" or timm_tokcomp.attention.flex_available()]
+PROP_IMPLS = ["fold", "fold_qkv", "flex"]
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

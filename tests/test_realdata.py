@@ -107,7 +107,7 @@ def test_study_methods_give_one_result_on_every_prop_attn_implementation(method)
     import copy
 
     plain, x = real_model_and_images("deit_tiny_patch16_224", 8)
-    impls = ["mask", "fold", "fold_qkv"] + (["flex"] if timm_tokcomp.attention.flex_available() else [])
+    impls = ["mask", "fold", "fold_qkv", "flex"]
     logits = {}
     for impl in impls:
         model = timm_tokcomp.apply(copy.deepcopy(plain), method, keep_rate=0.7, prop_attn=impl)

@@ -9,7 +9,7 @@ same result, so that the fastest one for a device can be chosen (`tokcomp tune`)
 - 'fold_qkv': the same, in one copy: the qkv projection's output (the module called as timm calls it) padded once
   per head, q' = [q, 1, 0...], k' = [k, log s / scale, 0...], and SDPA called with the attention's own scale; no
   concatenation copies q and k apart, and nothing is cached. Needs an attention without q / k norm.
-- 'flex': FlexAttention with a score_mod adding log s (torch >= 2.5); fast only under torch.compile.
+- 'flex': FlexAttention with a score_mod adding log s; fast only under torch.compile.
 
 'auto' resolves per device class and dtype from the measured table (timm_tokcomp.device_table), 'mask' where it
 has no entry. The pure tensor math lives here, and `attend` dispatches the implementation for every model family."""
@@ -22,25 +22,13 @@ from torch import nn
 PROP_ATTN_IMPLS = ("mask", "fold", "fold_qkv", "flex")
 
 
-def flex_available() -> bool:
-    """Whether the installed torch has FlexAttention."""
-    try:
-        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def check_prop_attn(value) -> None:
-    """Raise ValueError unless value is None, True, False, 'auto' or one of PROP_ATTN_IMPLS ('flex' only where the
-    installed torch has FlexAttention)."""
+    """Raise ValueError unless value is None, True, False, 'auto' or one of PROP_ATTN_IMPLS."""
     if value is None or isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
         return
     if not isinstance(value, str) or value not in PROP_ATTN_IMPLS:
         raise ValueError(f"prop_attn must be True, False, None (the method's default) or one of 'auto', "
                          f"{', '.join(repr(v) for v in PROP_ATTN_IMPLS)} (an implementation of it), got {value!r}")
-    if value == "flex" and not flex_available():
-        raise ValueError(f"prop_attn='flex' needs FlexAttention (torch >= 2.5); this torch is {torch.__version__}")
 
 
 def padded_head_dim(d: int) -> int:

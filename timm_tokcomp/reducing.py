@@ -32,19 +32,8 @@ _NOT_FX_TRACEABLE = (
     "features_only=True (feature_cls='getter') or forward_intermediates")
 
 
-def _fx_symbolic_tracing_check():
-    """The torch function telling whether torch.fx.symbolic_trace is running (not torch.export / compile)."""
-    fx = torch.fx._symbolic_trace
-    if hasattr(fx, "is_fx_symbolic_tracing"):  # torch >= 2.9
-        return fx.is_fx_symbolic_tracing
-    return lambda: fx.is_fx_tracing() and not torch.compiler.is_compiling()
-
-
-_is_fx_symbolic_tracing = _fx_symbolic_tracing_check()
-
-
 def refuse_fx_tracing() -> None:
-    if _is_fx_symbolic_tracing():
+    if torch.fx._symbolic_trace.is_fx_symbolic_tracing():  # torch.fx.symbolic_trace, not torch.export / compile
         raise RuntimeError(_NOT_FX_TRACEABLE)
 
 

@@ -18,8 +18,8 @@ def linear_macs(module: nn.Module) -> int:
 class Family:
     """One timm model family, served in timm's model modules timm_modules. Each table maps a plain timm class to its patched subclass (same parameters and
     buffers, so state_dict keys never change). dense_blocks may miss a block class the dense variant cannot serve.
-    check(model) raises TypeError naming what else the family cannot serve; attn_dim(attention) gives heads *
-    head_dim."""
+    check(model), where a family has one, raises TypeError naming what else it cannot serve; attn_dim(attention)
+    gives heads * head_dim."""
 
     name: str
     timm_modules: Tuple[str, ...]  # timm's model modules whose architectures take method tags (timm_tokcomp.registry)
@@ -28,8 +28,8 @@ class Family:
     blocks: Dict[type, type]
     dense_blocks: Dict[type, type]
     attentions: Dict[type, type]
-    check: Callable[[nn.Module], None]
     attn_dim: Callable[[nn.Module], int]
+    check: Callable[[nn.Module], None] = lambda model: None
     plain_skips_qkv_module: Callable[[nn.Module], bool] = lambda model: False  # timm's own forward reads the qkv
     # weight directly (an adapter wrapped around qkv, such as peft's LoRA, would be skipped while nothing is reduced)
 

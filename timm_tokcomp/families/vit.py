@@ -179,10 +179,6 @@ class DenseVisionTransformerDistilled(DenseModel, VisionTransformerDistilled):
     pass
 
 
-def _check(model: nn.Module) -> None:
-    return None
-
-
 VIT = Family(
     name="VisionTransformer",
     timm_modules=("vision_transformer", "deit"),
@@ -193,6 +189,5 @@ VIT = Family(
     blocks={Block: ReducingBlock},
     dense_blocks={Block: DenseBlock},
     attentions={Attention: ReducingAttention},
-    check=_check,
     attn_dim=lambda attn: attn.qkv.out_features // 3,
 )

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .. import attention, kernels
+from .. import kernels
 from ..core import apply, get_reducer
 from ..methods import method_class
 from ..patch import fold_qkv_refusal
@@ -70,7 +70,7 @@ def fast_paths(model: nn.Module, method: str, params: Dict[str, Any], device: st
         impls: List[Union[bool, str]] = [False]
         if prop:
             impls = ["mask", "fold"] + (["fold_qkv"] if fold_qkv_refusal(model) is None else [])
-            impls += ["flex"] if compiled and attention.flex_available() else []
+            impls += ["flex"] if compiled else []
         out += [FastPath(mode, kernel, impl) for kernel in kernel_choices for impl in impls]
     return out
 
