@@ -293,7 +293,8 @@ def test_screening_prunes_what_breaks_the_budget(image_folder, monkeypatch):
     assert "1 stopped, above the budget even at the 95 % lower bound (1 of them before their last image)" in \
         result.settings["stages"][2]
     kept = [r for r in result.rows if r.setting == "tome prop_attn=True r=0"]
-    assert all(r.status == "timed" or r.status.startswith("pruned: its default path") for r in kept)
+    # (the others may be stopped by timing: r = 0 is plain, so its paths race each other within noise)
+    assert all(r.status == "timed" or r.status.startswith(("pruned: its default path", "pruned: MACs")) for r in kept)
     assert any(r.status == "timed" for r in kept)
 
 
