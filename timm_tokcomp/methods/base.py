@@ -17,7 +17,7 @@ from torch import nn
 
 from ..plans import ClusterPlan, Plan
 from ..schedules import NAMED_SCHEDULES, BlockCost, resolve_r, solve_flops_schedule, stage_schedule
-from .params import COMMON, SCHEDULE, Param, kernel_choice, signature
+from .params import COMMON, SCHEDULE, Param, bind, kernel_choice, signature
 
 def parse_r_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
     """'<name>_r<k>' -> {'r': k}; None for any other tag."""
@@ -115,18 +115,8 @@ class TokenReducer(ABC):
         cls.__signature__ = signature(cls.PARAMS)  # what help() and inspect.signature show
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        unknown = sorted(set(kwargs) - set(self.param_names()))
-        if unknown:
-            raise TypeError(f"unknown parameter(s) {unknown} for method {self.name!r}; valid: "
-                            f"{list(self.param_names())}")
-        try:
-            bound = type(self).__signature__.bind(*args, **kwargs)
-        except TypeError as e:  # a required parameter missing, or too many positional ones
-            raise TypeError(f"method {self.name!r}: {e}") from None
-        bound.apply_defaults()
-        for param in self.PARAMS:  # None means the parameter's default, for every parameter
-            value = bound.arguments[param.name]
-            setattr(self, param.name, param.check(param.default if value is None else value))
+        for name, value in bind(self.name, self.PARAMS, args, kwargs).items():
+            setattr(self, name, value)
         self.validate()
         # block_settings' results per model shape. Made here, not lazily inside a forward: on torch 2.8 a cache made
         # while dynamo traces turns a second model's settings into symbolic ints, and compiling it never ends.

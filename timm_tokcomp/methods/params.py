@@ -5,7 +5,7 @@ A new method adds only its own parameters: PARAMS = (*SCHEDULE, Param("mine", 1,
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, Tuple
+from typing import Any, Callable, Dict, Sequence, Tuple
 
 from ..attention import check_prop_attn
 from ..kernels import check_kernel
@@ -34,6 +34,21 @@ def signature(params: Sequence[Param]) -> inspect.Signature:
     """The keyword-or-positional signature of a method constructor taking `params`, in order."""
     return inspect.Signature([inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=p.default)
                               for p in params])
+
+
+def bind(method: str, params: Sequence[Param], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """A method constructor's arguments, each checked once by its Param (None: the parameter's default):
+    {name: value} for every one of params. TypeError naming the method for an unknown, missing or extra one."""
+    unknown = sorted(set(kwargs) - {p.name for p in params})
+    if unknown:
+        raise TypeError(f"unknown parameter(s) {unknown} for method {method!r}; valid: {[p.name for p in params]}")
+    try:
+        bound = signature(params).bind(*args, **kwargs)
+    except TypeError as e:  # a required parameter missing, or too many positional ones
+        raise TypeError(f"method {method!r}: {e}") from None
+    bound.apply_defaults()
+    return {p.name: p.check(p.default if bound.arguments[p.name] is None else bound.arguments[p.name])
+            for p in params}
 
 
 def checked_by(check: Callable[[Any], None]) -> Callable[[Any], Any]:
