@@ -14,7 +14,6 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 from timm.models import _factory
 from timm.models import _registry as treg
-from timm.models._registry import list_pretrained as timm_list_pretrained
 from timm.models._features import FeatureGetterNet
 from timm.models._pretrained import DefaultCfg
 
@@ -345,8 +344,8 @@ def _served_twins(arch: str, method_tag: str) -> str:
         return ""
     stem = arch.replace("naflexvit", "vit", 1)
     twins = sorted(a for a in _supported() if a.startswith(stem))
-    tags = {name.split(".", 1)[1] for name in timm_list_pretrained(arch) if "." in name}
-    tagged = [f"{a}.{t}" for a in twins for t in sorted(tags) if f"{a}.{t}" in set(timm_list_pretrained(a))]
+    tags = sorted(t for t in _pretrained_tags(arch) if t)
+    tagged = [f"{a}.{t}" for a, known in ((a, set(_pretrained_tags(a))) for a in twins) for t in tags if t in known]
     shown = [f"{name}.{method_tag}" for name in (tagged or twins)[:4]]
     return f" Served for the same weights: {', '.join(shown)}." if shown else ""
 

@@ -198,6 +198,13 @@ class _Tuner(TimingStage):
     def _of(self, setting: str) -> List[TuneRow]:
         return [r for r in self.rows.values() if r.setting == setting]
 
+    def _add_rows(self, setting: str, **fields: Any) -> None:
+        """The setting's rows, one per batch size and candidate (path and mode), with these fields."""
+        for b in self.s["batches"]:
+            for c in (c for c in self.candidates if c.setting == setting):
+                self.rows[(b, c.name)] = TuneRow(b, c.mode, c.name, setting, c.path, c.method,
+                                                 json.dumps(c.kwargs, sort_keys=True), **fields)
+
     def run(self) -> TuneResult:
         if self.out:
             write_text(Path(self.out) / "tune_config.json", json.dumps(self.s, indent=2) + "\n")
@@ -302,13 +309,8 @@ class _Tuner(TimingStage):
                 status = (f"pruned: budget (screening {what}; even the 95 % lower bound, {lo:.2f} "
                           f"{BUDGET_MEASURES[self.measure]}, is above the budget of {self.s['budget']})")
             counts["stopped" if status != "screened" else "kept"] += 1
-            for b in self.s["batches"]:
-                for cand in (c for c in self.candidates if c.setting == setting):
-                    self.rows[(b, cand.name)] = TuneRow(
-                        b, cand.mode, cand.name, setting, cand.path, cand.method,
-                        json.dumps(cand.kwargs, sort_keys=True), status=status, gmacs=gmacs[setting],
-                        mac_ratio=self.plain_gmacs / gmacs[setting], screen_agree=paired.agreement,
-                        screen_n=paired.n, screen_loss=loss)
+            self._add_rows(setting, status=status, gmacs=gmacs[setting], mac_ratio=self.plain_gmacs / gmacs[setting],
+                           screen_agree=paired.agreement, screen_n=paired.n, screen_loss=loss)
             self._write()
         self.bar.say(f"screening on {len(x)} images: {counts['kept']} of {count(len(settings), 'setting')} kept; "
                      f"{counts['stopped']} stopped, above the budget even at the 95 % lower bound ({counts['early']} "
@@ -369,11 +371,7 @@ class _Tuner(TimingStage):
         """Rows for what the time budget did not reach (a resume measures them), and a note saying what."""
         for setting in settings:
             if not self._of(setting):
-                for b in self.s["batches"]:
-                    for c in (c for c in self.candidates if c.setting == setting):
-                        self.rows[(b, c.name)] = TuneRow(b, c.mode, c.name, setting, c.path, c.method,
-                                                         json.dumps(c.kwargs, sort_keys=True),
-                                                         status=f"{NOT_REACHED} (screening)")
+                self._add_rows(setting, status=f"{NOT_REACHED} (screening)")
         for r in self.rows.values():
             if r.status == "screened":
                 stage = "held-out check" if r.agree_n is None else "timing"
