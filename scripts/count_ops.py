@@ -3,7 +3,8 @@ kernel) and host syncs, on the first forward of a fresh model and on a later one
 proportional-attention implementation (timm_tokcomp.measure.OpCounter; random weights and inputs, fp32).
 
     python scripts/count_ops.py                                   # DeiT-Tiny, tome_r16, batch 8
-    python scripts/count_ops.py --model deit_small_patch16_224 --method tome_r8 --batch-size 2
+    python scripts/count_ops.py --model deit_small_patch16_224 --methods tome_r8 --batch-size 2
+    python scripts/count_ops.py --methods tome_r16,evit_r8,atm,dense_tome_r8 --prop-attn default
 
 Eager FlexAttention runs through torch.compile, which refuses a dispatch mode; this script switches on torch's
 debug path for it (the higher-order operator called directly), so its row counts the operator as one call and the
@@ -15,7 +16,7 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.attention import PROP_ATTN_IMPLS, flex_available
+from timm_tokcomp.attention import PROP_ATTN_IMPLS
 from timm_tokcomp.measure import OpCounter
 from timm_tokcomp.methods import parse_method_tag
 
@@ -35,25 +36,32 @@ def count(model: torch.nn.Module, x: torch.Tensor) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="deit_tiny_patch16_224")
-    parser.add_argument("--method", default="tome_r16", help="a method tag, as tokcomp bench --methods takes it")
+    parser.add_argument("--methods", default="tome_r16",
+                        help="comma-separated method tags, as tokcomp bench --methods takes them")
+    parser.add_argument("--prop-attn", default="all",
+                        help="'all': a row per proportional-attention implementation; 'default': the method's own "
+                             "setting (for methods without proportional attention, e.g. dense_tome_r8, atm)")
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-    if flex_available():
-        import torch.nn.attention.flex_attention as flex
+    import torch.nn.attention.flex_attention as flex
 
-        flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
-    method, params = parse_method_tag(args.method)
+    flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
     torch.manual_seed(0)
     x = torch.randn(args.batch_size, 3, 224, 224)
-    print(f"{args.model}, {args.method}, batch {args.batch_size}, fp32, torch {torch.__version__}: "
+    print(f"{args.model}, batch {args.batch_size}, fp32, torch {torch.__version__}: "
           f"ops per forward (non-view ops that launch kernels) | host syncs")
-    print("| prop_attn | first forward | | later forward | |\n| --- | --- | --- | --- | --- |")
+    print("| method | prop_attn | first forward | syncs | later forward | syncs |\n"
+          "| --- | --- | --- | --- | --- | --- |")
     plain = timm.create_model(args.model).eval()
-    print(f"| (plain model) | {count(plain, x)} | {count(plain, x)} |")
-    for impl in [i for i in PROP_ATTN_IMPLS if i != "flex" or flex_available()]:
-        model = timm_tokcomp.apply(timm.create_model(args.model).eval(), method, **{**params, "prop_attn": impl})
-        print(f"| `{impl}` | {count(model, x)} | {count(model, x)} |")
+    print(f"| (plain model) | | {count(plain, x)} | {count(plain, x)} |")
+    impls = PROP_ATTN_IMPLS if args.prop_attn == "all" else ("default",)
+    for tag in args.methods.split(","):
+        method, params = parse_method_tag(tag)
+        for impl in impls:
+            kwargs = params if impl == "default" else {**params, "prop_attn": impl}
+            model = timm_tokcomp.apply(timm.create_model(args.model).eval(), method, **kwargs)
+            print(f"| {tag} | `{impl}` | {count(model, x)} | {count(model, x)} |")
 
 
 if __name__ == "__main__":
