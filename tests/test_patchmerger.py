@@ -71,7 +71,7 @@ def test_saved_parameters_reload_to_the_same_model_and_refuse_another_schedule(t
 
 
 def test_gradients_reach_the_queries_and_the_blocks_before_the_merge(images):
-    """The assignment keeps its gradient (plan_differentiable): earlier blocks learn through the weights too."""
+    """The assignment keeps its gradient (its plan_input keeps it): earlier blocks learn through the weights too."""
     model = timm_tokcomp.apply(make_model("cls"), "patchmerger", keep_rate=0.6, stages=(2, 3)).train()
     model(images).sum().backward()
     assert model.tokcomp["patchmerger"].layers["0"].queries.grad.abs().sum() > 0

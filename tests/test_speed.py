@@ -157,4 +157,4 @@ def test_limit_of_a_study_method_reduces_where_the_method_does():
     with torch.no_grad():
         limit(x)
     assert timm_tokcomp.last_stats(limit).tokens_per_block == timm_tokcomp.last_stats(model).tokens_per_block
-    assert timm_tokcomp.get_reducer(limit).reduce_after_mlp
+    assert timm_tokcomp.get_reducer(limit).reduces_at == "after_mlp"

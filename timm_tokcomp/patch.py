@@ -13,8 +13,7 @@ from .families.eva import ReducingEva
 from .families.vit import (DenseBlock, ReducingAttention, ReducingBlock, ReducingVisionTransformer,
                            ReducingVisionTransformerDistilled)
 from .methods.base import TokenReducer
-from .reducing import (ReducingBlockMixin, block_settings, feature_stats, forget_last, last_of, patch_grid,
-                       prefix_only_last)
+from .reducing import ReducingBlockMixin, feature_stats, forget_last, last_of, patch_grid, prefix_only_last
 from .schedules import BlockCost
 from .state import ReductionStats
 
@@ -72,15 +71,15 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
         return
     if reducer.needs_class_token and getattr(model, "cls_token", None) is None:
         raise ValueError(f"{reducer.name} ranks tokens by class-token attention and needs a model with a class token")
-    if reducer.reduces_before_attention:
+    if reducer.reduces_at == "before_attention":
         refusal = lookahead_refusal(model)
         if refusal is not None:
             raise ValueError(refusal)
     prefix_only_last(model, reducer)  # raises if asked for where it is not exact
     block_cost = _block_cost(model.blocks[0])
     # settings for the model's default input: a budget out of reach (flops_ratio) fails here, not in a forward
-    settings = block_settings(reducer, depth, model.patch_embed.num_patches + model.num_prefix_tokens,
-                              model.num_prefix_tokens, block_cost, patch_grid(model))
+    settings = reducer.settings_for(depth, model.patch_embed.num_patches + model.num_prefix_tokens,
+                                    model.num_prefix_tokens, block_cost, patch_grid(model))
     # a learned method's parameters are made or checked here
     reducer.bind(model.embed_dim, settings, model.blocks[0].attn.head_dim)
     if hasattr(reducer, "mark_made"):
@@ -176,8 +175,8 @@ def _patch_dense(model: nn.Module, reducer: TokenReducer, family: Family) -> Non
         raise TypeError(refusal)
     # a dense method's settings may not depend on the token count: any input size runs the same blocks
     num_prefix = model.num_prefix_tokens
-    settings = block_settings(reducer, len(model.blocks), model.patch_embed.num_patches + num_prefix, num_prefix,
-                              _block_cost(model.blocks[0]), patch_grid(model))
+    settings = reducer.settings_for(len(model.blocks), model.patch_embed.num_patches + num_prefix, num_prefix,
+                                    _block_cost(model.blocks[0]), patch_grid(model))
     _swap_classes(model, family, dense=True)
     for blk, setting in zip(model.blocks, settings):
         blk._tokcomp_reducer = reducer

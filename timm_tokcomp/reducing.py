@@ -45,14 +45,6 @@ def resolve_prop_attn(prop_attn: Union[bool, str], x: torch.Tensor) -> Union[boo
     return measured("prop_attn", x) or "mask"
 
 
-def block_settings(reducer: TokenReducer, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost,
-                   grid: Tuple[int, int]) -> List[Any]:
-    """The reducer's per-block settings; grid (rows, cols) of the patch tokens goes to a reducer that reads_grid."""
-    if reducer.reads_grid:
-        return reducer.block_settings(num_blocks, num_tokens, num_prefix, cost, grid=grid)
-    return reducer.block_settings(num_blocks, num_tokens, num_prefix, cost)
-
-
 def patch_grid(model: nn.Module, image_size: Optional[Tuple[int, int]] = None) -> Tuple[int, int]:
     """(rows, cols) of the patch tokens for an input of image_size (H, W) (None: the model's default size)."""
     embed = model.patch_embed
@@ -62,18 +54,11 @@ def patch_grid(model: nn.Module, image_size: Optional[Tuple[int, int]] = None) -
 
 
 def prefix_only_last(model: nn.Module, reducer: TokenReducer) -> bool:
-    """Whether the last block keeps only the prefix tokens (see TokenReducer.prefix_only_last_block).
-    Checked at every forward: the head may have been reset since the method was applied."""
+    """Whether the last block keeps only the prefix tokens (TokenReducer.keeps_prefix_only_last). Checked at every
+    forward: the head may have been reset since the method was applied."""
     exact = model.global_pool == "token" and model.num_prefix_tokens > 0
-    if reducer.prefix_only_last_block is None:
-        return exact and reducer.default_prefix_only_last_block
-    if reducer.prefix_only_last_block and not exact:
-        raise ValueError(
-            "prefix_only_last_block=True needs a head that reads only the class token (global_pool='token' "
-            f"and a class token); this model has global_pool={model.global_pool!r} and "
-            f"{model.num_prefix_tokens} prefix tokens"
-        )
-    return reducer.prefix_only_last_block
+    return reducer.keeps_prefix_only_last(
+        exact, f"this model has global_pool={model.global_pool!r} and {model.num_prefix_tokens} prefix tokens")
 
 
 # (model, its blocks' compiled forward_reduce(block, ...)) while a regionally compiled call of model runs in this
@@ -104,7 +89,7 @@ class ReducingBlockMixin:
 
     def _lookahead_branch(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
                           attn_bias: Optional[torch.Tensor], setting: Any, reducer: TokenReducer, num_prefix: int):
-        """For a reducer that reduces_before_attention: x (B, N, C) -> (x reduced (B, M, C), what attention adds to
+        """For a reducer that reduces_at "before_attention": x (B, N, C) -> (x reduced (B, M, C), what attention adds to
         it (B, M, C), size, source), the attention's probabilities computed at N and reduced by reducer.lookahead."""
         raise NotImplementedError(f"{type(self).__name__} has no lookahead attention")
 
@@ -127,13 +112,14 @@ class ReducingBlockMixin:
         setting: the reducer's setting for this block (None: no reduction); prop_attn: False, or how the log-size
         bias enters attention (attention.PROP_ATTN_IMPLS, resolved); block: this block's index; prefix_only: keep
         only the num_prefix leading tokens after attention (the last block of a class-token head). The reduction
-        runs between attention and MLP, or after the MLP when reducer.reduce_after_mlp (the study protocol's
-        'before the next block'); the metric is this block's either way."""
+        runs where reducer.reduces_at says: between attention and MLP, after the MLP (the study protocol's 'before
+        the next block'; the metric is this block's either way), or before attention (lookahead)."""
         attn_bias = size.log().view(x.shape[0], 1, 1, x.shape[1]) if prop_attn and size is not None else None
         # one guard for every method: an empty batch, or fewer than two patch tokens, has nothing to reduce
         active = setting is not None and not prefix_only and x.shape[0] > 0 and x.shape[1] - num_prefix >= 2
         rope = None if positions is None else positions.rows(block)
-        if active and reducer.reduces_before_attention:  # no rope here: patch refuses such models
+        where = reducer.reduces_at
+        if active and where == "before_attention":  # no rope here: patch refuses such models
             x, h, size, source = self._lookahead_branch(x, size, source, attn_bias, setting, reducer, num_prefix)
             x = x + h
             return x + self._mlp_branch(x), size, source, positions
@@ -144,20 +130,17 @@ class ReducingBlockMixin:
             size = None if size is None else size[:, :num_prefix]
             source = None if source is None else source[:, :num_prefix]
             positions = None if positions is None else positions.prefix_only()
-        elif metric is not None and not reducer.reduce_after_mlp:
+        elif metric is not None and where == "after_attention":
             x, size, source, positions = self._reduce(x, size, source, positions, metric, setting, reducer, num_prefix)
         x = x + self._mlp_branch(x)
-        if metric is not None and reducer.reduce_after_mlp:
+        if metric is not None and where == "after_mlp":
             x, size, source, positions = self._reduce(x, size, source, positions, metric, setting, reducer, num_prefix)
         return x, size, source, positions
 
     @staticmethod
     def _reduce(x, size, source, positions: Optional[TokenPositions], metric, setting, reducer: TokenReducer,
                 num_prefix: int) -> Carried:
-        if reducer.plan_on_tokens:  # the block's tokens, detached unless the plan learns through them
-            metric = x if reducer.plan_differentiable else x.detach()
-        elif reducer.plan_reads_tokens:
-            metric = (metric, x.detach())
+        metric = reducer.plan_input(metric, x)
         fused = reducer.reduce_fused(metric, x, size, source, setting, num_prefix, positions)
         if fused is not None:
             return fused
@@ -254,7 +237,7 @@ class ReducingModel:
         the end. grid: (rows, cols) of the patch tokens (patch_grid)."""
         refuse_fx_tracing()
         reducer, num_prefix = self._tokcomp_reducer, self.num_prefix_tokens
-        settings = block_settings(reducer, self._tokcomp_depth, x.shape[1], num_prefix, self._tokcomp_block_cost, grid)
+        settings = reducer.settings_for(self._tokcomp_depth, x.shape[1], num_prefix, self._tokcomp_block_cost, grid)
         prefix_only_last_block = prefix_only_last(self, reducer) and final
         size = None
         source = None
@@ -269,10 +252,7 @@ class ReducingModel:
         compiled = compiled[1] if compiled is not None and compiled[0] is self and not use_checkpoint else None
         for i, (blk, setting) in enumerate(zip(blocks, settings)):
             stats.tokens_per_block.append(x.shape[1])
-            if reducer.masks_by_size:
-                # size-0 padding (ATS) and tokens dropped in training (DynamicViT, size 1e-6) hold no patch
-                real = x.shape[1] if size is None else (size[..., 0] >= 0.5).sum(dim=1)
-                stats.real_tokens_per_block.append(real if torch.is_tensor(real) else torch.full((x.shape[0],), real))
+            reducer.record_block(stats, x, size)
             args = (x, size, source, positions, setting, reducer, prop_attn, num_prefix, i)
 
             def run(prefix_only: bool) -> Carried:

@@ -56,8 +56,8 @@ class LimitReducer(TokenReducer):
     prefix_only_last_block = False
 
     @property
-    def reduce_after_mlp(self) -> bool:  # type: ignore[override]
-        return self.after_mlp
+    def reduces_at(self) -> str:  # type: ignore[override]
+        return "after_mlp" if self.after_mlp else "after_attention"
 
     def check_depth(self, num_blocks: int) -> None:
         if len(self.kept) != num_blocks:
@@ -174,7 +174,7 @@ def _models(base: nn.Module, names: Sequence[str], x: torch.Tensor, static: bool
         models[name] = model
         if not get_reducer(model).dense:
             limit = copy.deepcopy(base)
-            patch(limit, LimitReducer(limit_schedule(model, x), after_mlp=get_reducer(model).reduce_after_mlp))
+            patch(limit, LimitReducer(limit_schedule(model, x), after_mlp=get_reducer(model).reduces_at == "after_mlp"))
             models[name + LIMIT_SUFFIX] = limit
     return models
 

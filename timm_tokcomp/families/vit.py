@@ -60,12 +60,7 @@ def reducer_metric(reducer: Optional[TokenReducer], q, k, v, attn_bias, scale: f
                    ) -> Optional[torch.Tensor]:
     """The reducer's metric from q, k, v: (B, H, N, d) as attention uses them (and the attention's input (B, N, C)),
     or None without a reducer."""
-    if reducer is None:
-        return None
-    extra = {"v": v} if reducer.metric_reads_values else {}
-    if reducer.metric_reads_input:
-        extra["inputs"] = inputs
-    return reducer.metric(q, k, attn_bias, scale, **extra)
+    return None if reducer is None else reducer.attention_metric(q, k, v, attn_bias, scale, inputs)
 
 
 class ReducingBlock(ReducingBlockMixin, Block):

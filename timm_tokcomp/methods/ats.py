@@ -47,14 +47,13 @@ class ATS(ScheduledReducer):
     export_refusal = "the number of tokens it keeps is counted from the data in every forward"
     tune_space = ({"keep_rate": 0.9},)
     needs_class_token = True
-    metric_reads_values = True
     masks_by_size = True
 
     def default_prop_attn(self, global_pool: str) -> bool:
         return True
 
-    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float,
-               v: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def attention_metric(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: Optional[torch.Tensor],
+                         scale: float, inputs: torch.Tensor) -> torch.Tensor:
         """(B, N): sum over heads of softmax(q_cls k^T * scale + bias) * ||v||, normalised to sum 1."""
         significance = (class_attention(q, k, attn_bias, scale) * v.norm(dim=-1)).sum(dim=1)
         return significance / significance.sum(dim=-1, keepdim=True)

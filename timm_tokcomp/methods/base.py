@@ -1,12 +1,15 @@
-"""Base classes of the token-reduction methods: common parameters, the per-block settings, and the
-two hooks a method implements (what metric it reads inside attention, and how it turns it into a plan).
+"""Base classes of the token-reduction methods: common parameters, the per-block settings, and the hooks the
+reducing loop (timm_tokcomp.reducing) calls, the same for every method:
 
-A method is driven by the patched model in three steps per forward:
-  settings = reducer.block_settings(L, N, num_prefix, cost)   # once: what each block does (None: nothing)
-  metric = reducer.metric(q, k, ...)                           # inside attention of an active block
-  plan = reducer.plan(metric, settings[l], num_prefix, size)   # after attention; None: no reduction
-and then reducer.reduce(plan, x, size, source, setting) carries the plan out. A method with fused kernels
-(ToMe, EViT, ATM with kernel='triton') does plan and reduce in one reducer.reduce_fused call where it can.
+  settings = reducer.settings_for(L, N, num_prefix, cost, grid)    # once per shape: per-block settings (None: nothing)
+  reducer.record_block(stats, x, size)                              # each block: what the stats keep
+  metric = reducer.attention_metric(q, k, v, bias, scale, inputs)  # inside attention of an active block (metric())
+  plan = reducer.plan(reducer.plan_input(metric, x), settings[l], num_prefix, size)  # None: no reduction
+  x, size, source = reducer.reduce(plan, x, size, source, setting)  # the plan's own apply by default
+
+at the place in the block reducer.reduces_at names. A method with fused kernels (ToMe, EViT, ATM with
+kernel='triton') does plan and reduce in one reducer.reduce_fused call where it can; one that reduces before
+attention (MCTF) does both in lookahead().
 """
 import warnings
 from abc import ABC, abstractmethod
@@ -16,30 +19,9 @@ import torch
 from torch import nn
 
 from ..plans import ClusterPlan, Plan
-from ..schedules import NAMED_SCHEDULES, BlockCost, resolve_r, solve_flops_schedule, stage_schedule
+from ..schedules import BlockCost, resolve_r, solve_flops_schedule, stage_schedule
 from .params import COMMON, SCHEDULE, Param, bind, kernel_choice, signature
-
-def parse_r_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
-    """'<name>_r<k>' -> {'r': k}; None for any other tag."""
-    digits = tag[len(name) + 2:]
-    if tag.startswith(f"{name}_r") and digits.isdigit() and digits.isascii():
-        return {"r": int(digits)}
-    return None
-
-
-def parse_keep_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
-    """'<name>_k<pct>' -> {'keep_rate': pct / 100} for pct in 1..100; None for any other tag."""
-    digits = tag[len(name) + 2:]
-    if tag.startswith(f"{name}_k") and digits.isdigit() and digits.isascii() and 1 <= int(digits) <= 100:
-        return {"keep_rate": int(digits) / 100}
-    return None
-
-
-def parse_named_schedule_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
-    """'<name>_low' / '<name>_high' -> {'r': that NAMED_SCHEDULES list}; None for any other tag."""
-    schedule = tag[len(name) + 1:] if tag.startswith(f"{name}_") else None
-    return {"r": list(NAMED_SCHEDULES[schedule])} if schedule in NAMED_SCHEDULES else None
-
+from .tags import RTagged, parse_keep_tag, parse_r_tag
 
 def warn_if_compiling(method: str) -> None:
     """Say, under torch.compile, that a data-dependent method breaks the graph at its host-side count."""
@@ -80,19 +62,9 @@ class TokenReducer(ABC):
     default_prefix_only_last_block: ClassVar[bool] = False
     dense: ClassVar[bool] = False  # True: keeps every token (merge before the MLP, unmerge after)
     needs_class_token: ClassVar[bool] = False  # ranks tokens by the class token's attention
-    plan_on_tokens: ClassVar[bool] = False  # plan() gets the block's tokens (B, N, C), not the metric
-    plan_differentiable: ClassVar[bool] = False  # with plan_on_tokens: the tokens keep their gradient (a learned
-    # soft assignment such as PatchMerger's); otherwise plan() sees them detached
-    plan_reads_tokens: ClassVar[bool] = False  # plan() gets (metric, the block's tokens detached): it ranks by the
-    # metric and matches on the tokens (DiffRate)
-    reduce_after_mlp: bool = False  # reduce at the end of the block (after its MLP), not between attention and MLP
-    reduces_before_attention: ClassVar[bool] = False  # reduce at the start of the block with lookahead(), from this
-    # block's attention probabilities at the unreduced count, which are then merged and reused (MCTF)
-    metric_reads_values: ClassVar[bool] = False  # metric() also gets v: (B, H, N, d)
-    metric_reads_input: ClassVar[bool] = False  # metric() also gets inputs: the attention's input (B, N, C)
+    # where in its block a reducing block reduces (see reduces_at)
+    reduces_at: str = "after_attention"
     masks_by_size: ClassVar[bool] = False  # pads images to one count with size-0 tokens (needs prop_attn)
-    reads_grid: ClassVar[bool] = False  # block_settings also gets grid=(rows, cols): the patch tokens' grid, read
-    # from the model and the input (FPET's checkerboard, the radial patterns)
     PARAMS: ClassVar[Tuple[Param, ...]] = COMMON
     # traits the commands read (bench, speed, tune, export, the registry, ToCom), declared beside the method
     data_dependent: ClassVar[bool] = False  # token counts read from the data (a host-side count per block):
@@ -180,6 +152,45 @@ class TokenReducer(ABC):
         shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None)
         return f"{type(self).__name__}({shown})"
 
+    # The hooks the reducing loop (timm_tokcomp.reducing) calls; a method overrides those where it differs.
+    #   reduces_at: 'after_attention' (between attention and MLP), 'after_mlp' (at the end of the block, the study
+    #   protocol's place), or 'before_attention' (at its start, with lookahead(), from this block's attention
+    #   probabilities at the unreduced count, which are then merged and reused: MCTF).
+
+    def settings_for(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost,
+                     grid: Tuple[int, int]) -> List[Any]:
+        """block_settings for a forward whose patch tokens lie on grid (rows, cols) (GridSettings reads it)."""
+        return self.block_settings(num_blocks, num_tokens, num_prefix, cost)
+
+    def attention_metric(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: Optional[torch.Tensor],
+                         scale: float, inputs: torch.Tensor) -> torch.Tensor:
+        """What the plan reads from a reducing block's attention: q, k, v (B, H, N, d) as attention uses them,
+        attn_bias (B, 1, 1, N) or None, inputs: the attention's input (B, N, C). metric() of q and k by default."""
+        return self.metric(q, k, attn_bias, scale)
+
+    def plan_input(self, metric: Any, x: torch.Tensor) -> Any:
+        """What plan() gets: the block's metric, by default; a method that plans on the block's tokens x (B, N, C)
+        returns them (detached unless it learns through them)."""
+        return metric
+
+    def record_block(self, stats: Any, x: torch.Tensor, size: Optional[torch.Tensor]) -> None:
+        """Note in stats (state.ReductionStats) what a block receives, x (B, N, C) with sizes (B, N, 1) or None:
+        for a method that masks_by_size, the real tokens per image (size-0 padding (ATS) and tokens dropped in
+        training (DynamicViT, size 1e-6) hold no patch)."""
+        if self.masks_by_size:
+            real = x.shape[1] if size is None else (size[..., 0] >= 0.5).sum(dim=1)
+            stats.real_tokens_per_block.append(real if torch.is_tensor(real) else torch.full((x.shape[0],), real))
+
+    def keeps_prefix_only_last(self, exact: bool, why_not: str) -> bool:
+        """Whether the last block keeps only the prefix tokens (prefix_only_last_block; None: the method's default
+        where exact, i.e. the head reads only the class token). Asked for where not exact: ValueError with why_not."""
+        if self.prefix_only_last_block is None:
+            return exact and self.default_prefix_only_last_block
+        if self.prefix_only_last_block and not exact:
+            raise ValueError(f"prefix_only_last_block=True needs a head that reads only the class token "
+                             f"(global_pool='token' and a class token); {why_not}")
+        return self.prefix_only_last_block
+
     def default_prop_attn(self, global_pool: str) -> bool:
         """Proportional attention default for a model with this global pool."""
         return False
@@ -192,10 +203,10 @@ class TokenReducer(ABC):
         """What each block does, one entry per block, passed to plan(); None: the block reduces nothing
         (and its metric is not computed)."""
 
-    @abstractmethod
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-        """What the method reads inside attention. q, k: (B, H, N, d) after q/k norm;
-        attn_bias: (B, 1, 1, N) or None."""
+        """What the method reads inside attention. q, k: (B, H, N, d) after q/k norm; attn_bias: (B, 1, 1, N) or
+        None. A method whose metric reads more (v, the attention's input) overrides attention_metric instead."""
+        raise NotImplementedError(f"{self.name} defines neither metric nor attention_metric")
 
     @abstractmethod
     def plan(self, metric: torch.Tensor, setting: Any, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[Plan]:
@@ -210,7 +221,7 @@ class TokenReducer(ABC):
 
     def lookahead(self, x: torch.Tensor, probs: torch.Tensor, size: Optional[torch.Tensor],
                   source: Optional[torch.Tensor], setting: Any, num_prefix: int):
-        """For reduces_before_attention: the tokens x (B, N, C) entering the block and this block's attention
+        """For reduces_at 'before_attention': the tokens x (B, N, C) entering the block and this block's attention
         probabilities probs (B, H, N, N) -> (x, probs (B, H, M, M), size, source) reduced, or None for no reduction."""
         raise NotImplementedError(f"{self.name} reduces between attention and MLP; it has no lookahead step")
 
@@ -295,20 +306,6 @@ class LearnedParams:
         return f"{type(self).__name__}({shown}, parameters={count})"
 
 
-class RTagged:
-    """Mixin for methods named by '<name>_r<k>' tags (r = k)."""
-
-    name: ClassVar[str]
-
-    @classmethod
-    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        return parse_r_tag(cls.name, tag)
-
-    @classmethod
-    def tag_forms(cls) -> Tuple[str, ...]:
-        return (f"{cls.name}_r<k>",)
-
-
 class BlockSetting(NamedTuple):
     """A block a learned method may reduce, with the model's shape its MACs penalty needs (DiffRate, LTMP)."""
 
@@ -317,26 +314,6 @@ class BlockSetting(NamedTuple):
     num_patches: int
     num_prefix: int
     cost: BlockCost
-
-
-class MacsTargetTagged:
-    """Mixin for learned methods trained against a MACs target (DiffRate, LTMP), named '<name>' (its defaults) and
-    '<name>_m<pct>' (macs_target = pct / 100, pct in 1..100)."""
-
-    name: ClassVar[str]
-
-    @classmethod
-    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        if tag == cls.name:
-            return {}
-        digits = tag[len(cls.name) + 2:]
-        if tag.startswith(f"{cls.name}_m") and digits.isdigit() and digits.isascii() and 1 <= int(digits) <= 100:
-            return {"macs_target": int(digits) / 100}
-        return None
-
-    @classmethod
-    def tag_forms(cls) -> Tuple[str, ...]:
-        return (cls.name, f"{cls.name}_m<pct>")
 
 
 class ScheduledReducer(RTagged, TokenReducer):
@@ -361,9 +338,9 @@ class ScheduledReducer(RTagged, TokenReducer):
                              f"{1 - self.min_keep_rate:.0%} of a block's tokens), got {self.keep_rate}")
 
     @property
-    def reduce_after_mlp(self) -> bool:  # type: ignore[override]
+    def reduces_at(self) -> str:  # type: ignore[override]
         """The study (keep_rate) reduces at the end of the block before each stage."""
-        return self.keep_rate is not None
+        return "after_attention" if self.keep_rate is None else "after_mlp"
 
     @classmethod
     def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
@@ -424,11 +401,26 @@ class FusedScheduledReducer(ScheduledReducer):
     PARAMS = (*SCHEDULE, *COMMON, kernel_choice("auto"))
 
 
-class ClusterMerging(ScheduledReducer):
+class GridSettings:
+    """Mixin for a method whose block settings read the patch grid (rows, cols) of the forward's input (FPET's
+    checkerboard, the radial patterns): its block_settings takes grid=."""
+
+    def settings_for(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost,
+                     grid: Tuple[int, int]) -> List[Any]:
+        return self.block_settings(num_blocks, num_tokens, num_prefix, cost, grid=grid)
+
+
+class PlansOnTokens:
+    """Mixin for a method whose plan() reads the block's tokens (B, N, C), detached, not a metric."""
+
+    def plan_input(self, metric: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+
+class ClusterMerging(PlansOnTokens, ScheduledReducer):
     """A method that merges each reducing block's patch tokens (the block's features, not a metric) into as
     many clusters as tokens stay; every cluster becomes its size-weighted mean. Subclasses give cluster()."""
 
-    plan_on_tokens = True
     default_prop_attn = prop_attn_unless_avg_pool
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ..plans import ResamplePlan
-from .base import ScheduledReducer
+from .base import PlansOnTokens, ScheduledReducer
 from .params import COMMON, SCHEDULE, Param, flag
 
 
@@ -29,7 +29,7 @@ def dct_resample(n: int, m: int, inflate: bool = False, device: Optional[torch.d
     return matrix if inflate else matrix * (m / n) ** 0.5
 
 
-class DCT(ScheduledReducer):
+class DCT(PlansOnTokens, ScheduledReducer):
     """inflate False (default): the transform pair scaled by sqrt(m / n), so a constant sequence of tokens stays
     that constant and token norms do not grow. True: OpenToMe's plain pair, which scales every token by about
     sqrt(n / m) at each reduction (1.0435 for 196 -> 180). r <= n // 2 per block. Sizes and source maps: each output
@@ -41,16 +41,11 @@ class DCT(ScheduledReducer):
     export_refusal = None
     tune_space = ()  # not in tune's default space: far below ToMe at matched GMACs (docs/study.md)
     min_keep_rate = 0.5
-    plan_on_tokens = True
+    reduces_at = "after_mlp"  # always at the end of the block, after its MLP (OpenToMe's place for it; the study's)
     PARAMS = (*SCHEDULE,
               Param("inflate", False, lambda v: bool(flag("inflate")(v)),
                     "DCT: keep OpenToMe's amplitude inflation, sqrt(n / m) per reduction (default: mean-preserving)"),
               *COMMON)
-
-    @property
-    def reduce_after_mlp(self) -> bool:  # type: ignore[override]
-        """Always at the end of the block, after its MLP (OpenToMe's place for it; the study's too)."""
-        return True
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k  # unused: the plan reads only the token count

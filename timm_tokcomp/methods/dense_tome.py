@@ -7,7 +7,8 @@ import torch
 
 from ..plans import MergePlan
 from ..schedules import BlockCost, check_int
-from .base import RTagged, TokenReducer
+from .base import TokenReducer
+from .tags import RTagged
 from .params import Param, kernel_choice, optional
 from .tome import ToMe, tome_plan
 

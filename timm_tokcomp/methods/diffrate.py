@@ -24,7 +24,8 @@ from torch import nn
 from ..matching import class_attention
 from ..plans import gather_tokens, KeepMergePlan
 from ..schedules import BlockCost, is_int
-from .base import BlockSetting, LearnedParams, MacsTargetTagged, TokenReducer
+from .base import BlockSetting, LearnedParams, TokenReducer
+from .tags import MacsTargetTagged
 from .params import COMMON, MACS_TARGET, Param, check_macs_weight, optional
 from .straight_through import ceil_through, hard_through
 
@@ -134,7 +135,6 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
     name = "diffrate"
     export_refusal = None
     needs_class_token = True
-    plan_reads_tokens = True
     masks_by_size = True
     learned_class = DiffRateParams
     learned_param = "rate_params"
@@ -204,6 +204,10 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         """(B, N) the class token's attention, averaged over heads."""
         return class_attention(q, k, attn_bias, scale).mean(dim=1)
+
+    def plan_input(self, metric: torch.Tensor, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(the metric (B, N), the block's tokens (B, N, C) detached): it ranks by the metric, matches on the tokens."""
+        return metric, x.detach()
 
     def _counts(self, block: int) -> Tuple[int, int]:
         if self.schedule is not None:

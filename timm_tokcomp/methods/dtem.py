@@ -90,7 +90,6 @@ class DTEM(LearnedParams, ScheduledReducer):
 
     name = "dtem"
     export_refusal = None
-    metric_reads_input = True
     min_keep_rate = 0.5
     learned_class = DTEMParams
     learned_param = "embed_params"
@@ -120,8 +119,8 @@ class DTEM(LearnedParams, ScheduledReducer):
                              f"{self.embed_params.blocks}; the model has width {dim} and the schedule reduces in blocks "
                              f"{blocks}")
 
-    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float,
-               inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def attention_metric(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: Optional[torch.Tensor],
+                         scale: float, inputs: torch.Tensor) -> torch.Tensor:
         """The attention's input (B, N, C), detached: the embedding reads it."""
         return inputs.detach()
 

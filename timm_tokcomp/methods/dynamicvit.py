@@ -96,8 +96,6 @@ class DynamicViT(LearnedParams, ScheduledReducer):
 
     name = "dynamicvit"
     export_refusal = None
-    plan_on_tokens = True
-    plan_differentiable = True
     masks_by_size = True
     learned_class = DynamicViTParams
     learned_param = "predictor_params"
@@ -122,6 +120,10 @@ class DynamicViT(LearnedParams, ScheduledReducer):
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k  # unused: the predictor reads the tokens
+
+    def plan_input(self, metric: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The block's tokens (B, N, C), with their gradient: earlier blocks learn through the keep mask."""
+        return x
 
     def plan(self, tokens: torch.Tensor, setting: StageSetting, num_prefix: int,
              size: Optional[torch.Tensor]) -> Optional[PrunePlan]:

@@ -24,7 +24,7 @@ from torch import nn
 from ..matching import merge_top_r
 from ..plans import MergePlan
 from ..schedules import BlockCost, is_int
-from .base import LearnedParams, TokenReducer
+from .base import GridSettings, LearnedParams, TokenReducer
 from .params import COMMON, Param, flag, optional
 
 DROPOUT = 0.1
@@ -96,7 +96,7 @@ def checkerboard(rows: int, cols: int, device: torch.device) -> Tuple[torch.Tens
     return order[:(rows * cols + 1) // 2], order[(rows * cols + 1) // 2:]
 
 
-class FPET(LearnedParams, TokenReducer):
+class FPET(GridSettings, LearnedParams, TokenReducer):
     """See the module docstring. layer: the reducing block (None: num_blocks // 2); refine: learn the adapter
     (adapter_params: a trained one, from a learned folder; None: made untrained at apply)."""
 
@@ -104,7 +104,6 @@ class FPET(LearnedParams, TokenReducer):
     export_refusal = None
     learned_class = FPETParams
     learned_param = "adapter_params"
-    reads_grid = True
     PARAMS = (Param("layer", None, optional(check_layer), "FPET: the block that merges half the patches (None: the "
                                                            "middle block, num_blocks // 2)"),
               Param("refine", True, flag("refine"), "FPET: learn the 1-bit adapter that refines the matching metric"),

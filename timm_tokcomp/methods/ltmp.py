@@ -29,7 +29,8 @@ from torch import nn
 from ..matching import keep_best
 from ..plans import GroupPlan
 from ..schedules import BlockCost, is_int, is_real
-from .base import BlockSetting, LearnedParams, MacsTargetTagged, TokenReducer, warn_if_compiling
+from .base import BlockSetting, LearnedParams, TokenReducer, warn_if_compiling
+from .tags import MacsTargetTagged
 from .params import COMMON, MACS_TARGET, Param, check_macs_weight, optional
 from .straight_through import clamp_through, hard_through
 

@@ -82,7 +82,7 @@ class MCTF(ScheduledReducer):
     name = "mctf"
     export_refusal = None
     tune_space = ({"r": 8}, {"r": 12})
-    reduces_before_attention = True
+    reduces_at = "before_attention"
     min_keep_rate = 0.5
     PARAMS = (*SCHEDULE,
               Param("info_power", 1 / 20, _positive("info_power"),
@@ -95,10 +95,6 @@ class MCTF(ScheduledReducer):
         if self.flops_ratio is not None:
             raise ValueError("flops_ratio is not available for mctf (its solver places the reduction between "
                              "attention and MLP); give r or keep_rate")
-
-    @property
-    def reduce_after_mlp(self) -> bool:  # type: ignore[override]
-        return False
 
     default_prop_attn = prop_attn_unless_avg_pool
 

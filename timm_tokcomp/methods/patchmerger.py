@@ -95,8 +95,6 @@ class PatchMerger(LearnedParams, ScheduledReducer):
 
     name = "patchmerger"
     export_refusal = None
-    plan_on_tokens = True
-    plan_differentiable = True
     learned_class = PatchMergerParams
     learned_param = "merger_params"
 
@@ -114,6 +112,10 @@ class PatchMerger(LearnedParams, ScheduledReducer):
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k  # unused: the plan reads the tokens
+
+    def plan_input(self, metric: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The block's tokens (B, N, C), with their gradient: earlier blocks learn through the assignment."""
+        return x
 
     def plan(self, tokens: torch.Tensor, setting: MergerSetting, num_prefix: int,
              size: Optional[torch.Tensor]) -> Optional[SoftPlan]:

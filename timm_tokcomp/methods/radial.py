@@ -8,7 +8,7 @@ import torch
 
 from ..plans import PrunePlan
 from ..schedules import BlockCost
-from .base import ScheduledReducer
+from .base import GridSettings, ScheduledReducer
 
 
 @functools.lru_cache(maxsize=64)
@@ -53,7 +53,7 @@ def _cached_index(keep: Tuple[int, ...], device: torch.device) -> torch.Tensor:
         return torch.tensor(keep, device=device)
 
 
-class Radial(ScheduledReducer):
+class Radial(GridSettings, ScheduledReducer):
     """Keeps the tokens nearest the centre of the model's patch grid (no metric is read). Needs a model whose every
     reduction is radial (the tokens present are always the n patches nearest the centre)."""
 
@@ -61,7 +61,6 @@ class Radial(ScheduledReducer):
 
     ord: float
     export_refusal = None
-    reads_grid = True
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k  # unused: the pattern depends on the token count only

@@ -7,7 +7,8 @@ from .. import kernels
 from ..kernels import library
 from ..matching import bipartite_soft_matching, max_merges
 from ..plans import MergePlan
-from .base import FusedScheduledReducer, parse_named_schedule_tag, prop_attn_unless_avg_pool
+from .base import FusedScheduledReducer, prop_attn_unless_avg_pool
+from .tags import parse_named_schedule_tag
 
 
 class ToMe(FusedScheduledReducer):
