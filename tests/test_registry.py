@@ -82,7 +82,9 @@ def test_every_listed_architecture_is_supported():
         except TypeError as e:
             refused.append((arch, str(e)))
     assert refused == []
-    assert no_class_token == registry.NO_CLASS_TOKEN_ARCHS
+    # read from the arguments timm builds each with, nothing built: the same answer as the built model's
+    assert no_class_token == {a for a in registry.supported_archs() if not registry.arch_facts(a).class_token}
+    assert len(no_class_token) == 81  # timm 1.0.31: the gap, SigLIP, AIMv2 and PE models among them
     # list_models(pretrained=True) advertises no name that cannot be built: no EViT without a class token
     listed = timm.list_models(pretrained=True)
     assert not [n for n in listed if ".evit" in n and n.split(".")[0] in no_class_token]
@@ -92,13 +94,18 @@ def test_every_listed_architecture_is_supported():
     assert type(timm.create_model("deit_tiny.tome_r1")) is ReducingVisionTransformer
 
 
-def test_unsupported_list_is_really_unsupported():
-    for arch in sorted(registry.UNSUPPORTED_ARCHS):
+def test_refused_architectures_are_really_refused():
+    """Each architecture the registry refuses from its build arguments (parallel, post-norm and differential blocks
+    in timm 1.0.31) is refused by the engine once built, with the same class named."""
+    refused = {arch: why for arch, why in registry._unserved_archs().items() if not arch.startswith("naflexvit")}
+    assert len(refused) == 10
+    for arch, why in sorted(refused.items()):
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = timm.create_model(arch)
-        with pytest.raises(TypeError):
+        with pytest.raises(TypeError) as refusal:
             timm_tokcomp.apply(model, "tome", r=1)
+        assert why.split(",")[0].split()[-1] in str(refusal.value), (arch, why)  # the block / attention class
 
 
 @pytest.mark.parametrize("name", ["deit_tiny_patch16_224.tome_r8", "deit_tiny.atm", "deit_small.atm",
@@ -151,7 +158,7 @@ def test_newer_families_take_method_tags_and_are_listed(name, family):
 
 
 @pytest.mark.parametrize("name, why", [("naflexvit_base_patch16_gap.tome_r8", "NaFlexVit"),
-                                       ("vit_base_patch16_xp_224.evit_r8", "parallel blocks")])
+                                       ("vit_base_patch16_xp_224.evit_r8", "ParallelScalingBlock")])
 def test_a_method_tag_on_an_unserved_class_says_which_classes_are_served(name, why):
     with pytest.raises(TypeError, match=rf"does not take method tags .*{why}.*VisionTransformer .*Eva"):
         timm.create_model(name)
@@ -196,3 +203,27 @@ def test_a_tagged_name_parses_its_method_tag_once(name, monkeypatch):
     monkeypatch.setattr(ToMe, "parse_tag", classmethod(counting))
     model = timm.create_model(name)
     assert seen.count("tome_r8") == 1 and timm_tokcomp.get_reducer(model).params["r"] == 8
+
+
+def test_build_args_reads_what_an_entrypoint_builds_without_building_it():
+    """Family.build_args stops at the model's constructor: the class and its arguments (defaults filled), nothing
+    built, and the constructor works as before afterwards, in this thread and in others meanwhile."""
+    import threading
+
+    from timm.models.vision_transformer import VisionTransformer
+
+    from timm_tokcomp.families import VIT
+
+    entry = timm.models._registry._model_entrypoints["deit_tiny_patch16_224"]
+    args = VIT.build_args(getattr(entry, "_tokcomp_original", entry))
+    assert args.model_class is VisionTransformer
+    assert (args.arg("embed_dim"), args.arg("depth"), args.arg("class_token")) == (192, 12, True)
+    assert VIT.builds_class_token(args)
+    built = []
+    other = threading.Thread(target=lambda: built.append(timm.create_model("test_vit", pretrained=False)))
+    other.start()
+    for _ in range(20):  # another thread builds while this one reads
+        VIT.build_args(lambda: timm.create_model("test_vit", pretrained=False))
+    other.join()
+    assert type(built[0]) is VisionTransformer
+    assert type(timm.create_model("test_vit")) is VisionTransformer

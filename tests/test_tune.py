@@ -427,8 +427,26 @@ def test_cli_errors_name_the_flag(args, match, image_folder, tmp_path, capsys):
 
 
 @pytest.mark.realdata
+@pytest.fixture(scope="module")
+def real_split_bench(tmp_path_factory):
+    """bench's none / tome_r8 rows on tune's held-out images (128-383 of imagenet-val-1300) and on images 384-1151,
+    which tune never sees: {'heldout.csv' | 'unseen.csv': {method: row}}, one run for both measures."""
+    data = require_data()
+    folder = tmp_path_factory.mktemp("split")
+    (folder / "images").symlink_to(data / "imagenet-val-1300" / "images")
+    labels = (data / "imagenet-val-1300" / "labels.csv").read_text().splitlines()
+    for name, first, last in (("heldout.csv", 128, 384), ("unseen.csv", 384, 1152)):
+        (folder / name).write_text("\n".join([labels[0]] + labels[1 + first:1 + last]) + "\n")
+    weights = str(DATA / "deit_tiny_patch16_224.safetensors")
+    return {name: {r.method: r for r in run_bench("deit_tiny_patch16_224", ["none", "tome_r8"], checkpoint=weights,
+                                                   data=str(folder / name), batch_size=64, timing_rounds=0,
+                                                   num_workers=0, show_progress=False, latency_runs=0)}
+            for name in ("heldout.csv", "unseen.csv")}
+
+
 @pytest.mark.parametrize("measure, budget", [("agreement", 5.0), ("top1", 1.0)])
-def test_real_deit_tiny_choice_follows_its_table_and_holds_on_unseen_images(tmp_path, measure, budget):
+def test_real_deit_tiny_choice_follows_its_table_and_holds_on_unseen_images(tmp_path, measure, budget,
+                                                                          real_split_bench):
     """The issue's check at batch 64, with nothing resting on a timing: tune on the first 384 images of
     imagenet-val-1300; its choice is what its recorded table gives; ToMe r = 8's held-out figure in the budget's
     measure is what a separate bench run measures on the same 256 images; and on images 384-1151 (never seen by
@@ -453,14 +471,7 @@ def test_real_deit_tiny_choice_follows_its_table_and_holds_on_unseen_images(tmp_
     assert tome.status.startswith("pruned: held-out") and tome.loss_upper(measure) > budget
     assert doc["method"] == "none" and "too few for a promise: about" in doc["tuned"]["reason"]
 
-    (tmp_path / "images").symlink_to(data / "imagenet-val-1300" / "images")
-    labels = (data / "imagenet-val-1300" / "labels.csv").read_text().splitlines()
-    for name, first, last in (("heldout.csv", 128, 384), ("unseen.csv", 384, 1152)):
-        (tmp_path / name).write_text("\n".join([labels[0]] + labels[1 + first:1 + last]) + "\n")
-    bench = {name: {r.method: r for r in run_bench("deit_tiny_patch16_224", ["none", "tome_r8"], checkpoint=weights,
-                                                    data=str(tmp_path / name), batch_size=64, timing_rounds=0,
-                                                    num_workers=0, show_progress=False, latency_runs=0)}
-             for name in ("heldout.csv", "unseen.csv")}
+    bench = real_split_bench
 
     def loss(rows):
         return (rows["none"].top1 - rows["tome_r8"].top1 if measure == "top1" else 100.0 - rows["tome_r8"].agreement)

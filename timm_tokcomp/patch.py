@@ -4,16 +4,14 @@ state_dict keys and weights stay exactly those of the timm model. Refuses, namin
 from typing import Callable, Optional
 
 import torch
-from timm.layers import Attention
 from torch import nn
 
-from . import attention
 from .families import FAMILIES, Family, family_of, served_classes
 from .families.eva import ReducingEva
 from .families.vit import (DenseBlock, ReducingAttention, ReducingBlock, ReducingVisionTransformer,
                            ReducingVisionTransformerDistilled)
 from .methods.base import TokenReducer
-from .reducing import ReducingBlockMixin, feature_stats, forget_last, last_of, patch_grid, prefix_only_last
+from .reducing import feature_stats, forget_last, last_of, patch_grid, prefix_only_last
 from .schedules import BlockCost
 from .state import ReductionStats
 
@@ -69,10 +67,10 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     if reducer.dense:
         _patch_dense(model, reducer, family)
         return
-    if reducer.needs_class_token and getattr(model, "cls_token", None) is None:
+    if reducer.needs_class_token and not family.has_class_token(model):
         raise ValueError(f"{reducer.name} ranks tokens by class-token attention and needs a model with a class token")
     if reducer.reduces_at == "before_attention":
-        refusal = lookahead_refusal(model)
+        refusal = family.lookahead_refusal(model)
         if refusal is not None:
             raise ValueError(refusal)
     prefix_only_last(model, reducer)  # raises if asked for where it is not exact
@@ -100,33 +98,11 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     _attach_learned(model, reducer.learned_module(), reducer.name)
 
 
-def lookahead_refusal(model: nn.Module) -> Optional[str]:
-    """Why a method that reduces before attention (reusing its probabilities) cannot serve this model, or None."""
-    family = family_of(type(model))
-    for i, blk in enumerate(model.blocks):
-        plain = family.plain_block(type(blk))
-        patched = family.blocks.get(plain)
-        if patched is None or patched._lookahead_branch is ReducingBlockMixin._lookahead_branch:
-            return (f"blocks[{i}] is of class {type(blk).__name__}: the methods that reduce before attention (mctf) "
-                    f"serve timm's VisionTransformer blocks, not those of its {family.name} family")
-        if family.plain_attention(type(blk.attn)) is not Attention:
-            return (f"blocks[{i}].attn is of class {type(blk.attn).__name__}: the methods that reduce before attention "
-                    f"(mctf) need timm's fused qkv Attention")
-    return None
-
-
 def fold_qkv_refusal(model: nn.Module) -> Optional[str]:
-    """Why prop_attn='fold_qkv' cannot serve this model's attention, or None where it can."""
+    """Why prop_attn='fold_qkv' cannot serve this model's attention, or None where it can (Family.fold_qkv_refusal)."""
     family = family_of(type(model))
-    for i, blk in enumerate(model.blocks):
-        if family is None or family.plain_attention(type(blk.attn)) is not Attention:
-            return (f"prop_attn='fold_qkv' pads timm's fused qkv Attention; blocks[{i}].attn is a "
-                    f"{type(blk.attn).__name__}: use prop_attn='fold'")
-        try:
-            attention.check_fold_qkv(blk.attn, f"blocks[{i}].attn")
-        except ValueError as e:
-            return str(e)
-    return None
+    return "prop_attn='fold_qkv' serves timm_tokcomp's families only" if family is None else \
+        family.fold_qkv_refusal(model)
 
 
 def adapter_skip(model: nn.Module) -> Optional[str]:

@@ -68,15 +68,8 @@ COMPILED_BLOCKS: contextvars.ContextVar = contextvars.ContextVar("timm_tokcomp_c
 Carried = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[TokenPositions]]
 
 
-class ReducingBlockMixin:
-    """A block that reduces tokens between attention and MLP (or after the MLP). Its family's class gives
-    _attn_branch (the residual branch of attention, with its metric) and _mlp_branch."""
-
-    def forward(self, *args: Any, **kwargs: Any):
-        raise RuntimeError(
-            "this block is patched by timm_tokcomp and changes the token count; run it through the model's "
-            "forward / forward_features, or call timm_tokcomp.remove(model) first"
-        )
+class BlockBranches:
+    """The residual branches of a family's block, which its reducing and dense blocks both run."""
 
     def _attn_branch(self, x: torch.Tensor, attn_bias: Optional[torch.Tensor], rope: Optional[torch.Tensor],
                      reducer: Optional[TokenReducer], prop_impl: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -86,6 +79,25 @@ class ReducingBlockMixin:
     def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, N, C) -> what the block's MLP adds to x (B, N, C)."""
         raise NotImplementedError
+
+    def _mlp_scale(self) -> Tuple[bool, Optional[torch.Tensor]]:
+        """(whether a fused kernel may apply the MLP's layer scale, that scale (C,) or None for none)."""
+        raise NotImplementedError
+
+    def _mlp_out(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP's output h (B, N, C) -> what the block adds to x: its layer scale and drop path."""
+        raise NotImplementedError
+
+
+class ReducingBlockMixin:
+    """A block that reduces tokens between attention and MLP (or after the MLP). Its family's class gives the
+    branches (BlockBranches: _attn_branch with its metric, _mlp_branch)."""
+
+    def forward(self, *args: Any, **kwargs: Any):
+        raise RuntimeError(
+            "this block is patched by timm_tokcomp and changes the token count; run it through the model's "
+            "forward / forward_features, or call timm_tokcomp.remove(model) first"
+        )
 
     def _lookahead_branch(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
                           attn_bias: Optional[torch.Tensor], setting: Any, reducer: TokenReducer, num_prefix: int):
@@ -376,16 +388,6 @@ class ReducingModel:
         """Remember the stats of the call that made x: (B, N', C), so that pool / forward_head on x use its sizes."""
         feature_stats(self)[x] = stats
         return x
-
-    def __prepare_scriptable__(self):
-        raise RuntimeError(NOT_SCRIPTABLE)
-
-
-class DenseModel:
-    """Marks a model whose blocks are dense blocks; the timm forward (features, intermediates, any
-    input size) is unchanged."""
-
-    _tokcomp_reducer: TokenReducer
 
     def __prepare_scriptable__(self):
         raise RuntimeError(NOT_SCRIPTABLE)

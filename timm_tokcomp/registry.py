@@ -40,18 +40,6 @@ def architecture_of(name: str) -> str:
     return SHORT_NAMES.get(arch, arch)
 
 
-# Architectures of those modules whose blocks / attention the engine refuses, and why (checked by
-# tests/test_registry.py against timm by building each on the meta device).
-_PARALLEL = "parallel blocks (ParallelThingsBlock / ParallelScalingBlock), which timm_tokcomp does not serve"
-_DIFF = "differential attention (DiffAttention), which timm_tokcomp does not serve"
-UNSUPPORTED_ARCHS = {
-    "vit_base_patch16_18x2_224": _PARALLEL, "vit_small_patch16_18x2_224": _PARALLEL,
-    "vit_base_patch16_xp_224": _PARALLEL, "vit_large_patch14_xp_224": _PARALLEL,
-    "vit_huge_patch14_xp_224": _PARALLEL, "vit_pwee_patch16_reg1_gap_256": _PARALLEL,
-    "vit_base_patch16_rpn_224": "post-norm blocks (ResPostBlock), which timm_tokcomp does not serve",
-    "vit_dlittle_patch16_reg1_gap_256": _DIFF, "vit_dwee_patch16_reg1_gap_256": _DIFF,
-    "vit_dpwee_patch16_reg1_gap_256": _DIFF,
-}
 # Modules none of whose architectures is served, and why: a method tag on their names says so, not timm's
 # "Invalid pretrained tag".
 UNSERVED_MODULES = {
@@ -59,36 +47,29 @@ UNSERVED_MODULES = {
                  "timm_tokcomp does not serve yet; the same weights in timm's VisionTransformer or Eva class are served",
 }
 
-# Architectures without a class token: the methods that rank by class attention (EViT) are not listed for them
-# (checked against timm by tests/test_registry.py).
-NO_CLASS_TOKEN_ARCHS = frozenset({
-    "aimv2_1b_patch14_224", "aimv2_1b_patch14_336", "aimv2_1b_patch14_448", "aimv2_3b_patch14_224",
-    "aimv2_3b_patch14_336", "aimv2_3b_patch14_448", "aimv2_huge_patch14_224", "aimv2_huge_patch14_336",
-    "aimv2_huge_patch14_448", "aimv2_large_patch14_224", "aimv2_large_patch14_336", "aimv2_large_patch14_448",
-    "test_vit2", "test_vit3", "test_vit4", "vit_base_patch16_gap_224", "vit_base_patch16_reg4_gap_256",
-    "vit_base_patch16_rope_reg1_gap_256", "vit_base_patch16_siglip_224", "vit_base_patch16_siglip_256",
-    "vit_base_patch16_siglip_384", "vit_base_patch16_siglip_512", "vit_base_patch16_siglip_gap_224",
-    "vit_base_patch16_siglip_gap_256", "vit_base_patch16_siglip_gap_384", "vit_base_patch16_siglip_gap_512",
-    "vit_base_patch32_siglip_256", "vit_base_patch32_siglip_gap_256", "vit_betwixt_patch16_gap_256",
-    "vit_betwixt_patch16_reg1_gap_256", "vit_betwixt_patch16_reg4_gap_256", "vit_betwixt_patch16_reg4_gap_384",
-    "vit_betwixt_patch16_rope_reg4_gap_256", "vit_giant_patch16_gap_224", "vit_giantopt_patch16_siglip_256",
-    "vit_giantopt_patch16_siglip_384", "vit_giantopt_patch16_siglip_gap_256", "vit_giantopt_patch16_siglip_gap_384",
-    "vit_huge_patch14_gap_224", "vit_huge_patch16_gap_448", "vit_large_patch16_siglip_256",
-    "vit_large_patch16_siglip_384", "vit_large_patch16_siglip_512", "vit_large_patch16_siglip_gap_256",
-    "vit_large_patch16_siglip_gap_384", "vit_large_patch16_siglip_gap_512", "vit_little_patch16_reg1_gap_256",
-    "vit_little_patch16_reg4_gap_256", "vit_medium_patch16_gap_240", "vit_medium_patch16_gap_256",
-    "vit_medium_patch16_gap_384", "vit_medium_patch16_reg1_gap_256", "vit_medium_patch16_reg4_gap_256",
-    "vit_medium_patch16_rope_reg1_gap_256", "vit_mediumd_patch16_reg4_gap_256", "vit_mediumd_patch16_reg4_gap_384",
-    "vit_mediumd_patch16_rope_reg1_gap_256", "vit_pe_core_gigantic_patch14_448", "vit_pe_lang_gigantic_patch14_448",
-    "vit_pe_spatial_gigantic_patch14_448", "vit_so150m2_patch16_reg1_gap_256", "vit_so150m2_patch16_reg1_gap_384",
-    "vit_so150m2_patch16_reg1_gap_448", "vit_so150m_patch16_reg4_gap_256", "vit_so150m_patch16_reg4_gap_384",
-    "vit_so150m_patch16_reg4_map_256", "vit_so400m_patch14_siglip_224", "vit_so400m_patch14_siglip_378",
-    "vit_so400m_patch14_siglip_384", "vit_so400m_patch14_siglip_gap_224", "vit_so400m_patch14_siglip_gap_378",
-    "vit_so400m_patch14_siglip_gap_384", "vit_so400m_patch14_siglip_gap_448", "vit_so400m_patch14_siglip_gap_896",
-    "vit_so400m_patch16_siglip_256", "vit_so400m_patch16_siglip_384", "vit_so400m_patch16_siglip_512",
-    "vit_so400m_patch16_siglip_gap_256", "vit_so400m_patch16_siglip_gap_384", "vit_so400m_patch16_siglip_gap_512",
-    "vit_wee_patch16_reg1_gap_256",
-})
+class ArchFacts(NamedTuple):
+    """What the registry needs of an architecture, read from the arguments timm builds it with (Family.build_args,
+    nothing built): why its family refuses it (None: served), and whether it has a class token (the methods that
+    rank by class attention, such as EViT, are not listed without one)."""
+
+    refusal: Optional[str]
+    class_token: bool
+
+
+_FACTS: Dict[str, Optional[ArchFacts]] = {}
+
+
+def arch_facts(arch: str) -> Optional[ArchFacts]:
+    """The facts of a registered architecture of a served family's modules (or a short name's); None for any
+    other name."""
+    arch = SHORT_NAMES.get(arch, arch)
+    if arch not in _FACTS:
+        module = treg._model_to_module.get(arch)
+        family = next((f for f in FAMILIES if module in f.timm_modules), None)
+        fn = treg._model_entrypoints.get(arch)
+        args = None if family is None or fn is None else family.build_args(getattr(fn, "_tokcomp_original", fn))
+        _FACTS[arch] = None if args is None else ArchFacts(family.arch_refusal(args), family.builds_class_token(args))
+    return _FACTS[arch]
 
 
 _LISTED = set()  # the '<arch>[.<pretrained tag>].<method tag>' names _list_method_names added to timm's lists
@@ -264,7 +245,7 @@ def _list_method_names(arch: str) -> None:
             continue
         cfg = treg._model_pretrained_cfgs[base_name]
         for method_tag in listed_tags():
-            if arch in NO_CLASS_TOKEN_ARCHS and method_class(parse_method_tag(method_tag)[0]).needs_class_token:
+            if not arch_facts(arch).class_token and method_class(parse_method_tag(method_tag)[0]).needs_class_token:
                 continue  # a name that could not be built
             name = f"{base_name}.{method_tag}"
             if name in treg._model_pretrained_cfgs:
@@ -323,14 +304,19 @@ def supported_archs() -> Tuple[str, ...]:
     archs = set()
     for module in (module for family in FAMILIES for module in family.timm_modules):
         archs |= treg._module_to_models.get(module, set())
-    archs = sorted(a for a in archs - deprecated if a not in UNSUPPORTED_ARCHS)
+    archs = sorted(a for a in archs - deprecated if (facts := arch_facts(a)) is not None and facts.refusal is None)
     return tuple(archs) + tuple(SHORT_NAMES)
 
 
 def _unserved_archs() -> Dict[str, str]:
     """Architectures refused, with why (their names take no method tag)."""
     deprecated = set(treg._deprecated_models)
-    unserved = {arch: why for arch, why in UNSUPPORTED_ARCHS.items() if arch in treg._model_entrypoints}
+    unserved = {}
+    for arch in (arch for family in FAMILIES for module in family.timm_modules
+                 for arch in treg._module_to_models.get(module, set()) - deprecated):
+        facts = arch_facts(arch)
+        if facts is not None and facts.refusal is not None:
+            unserved[arch] = facts.refusal
     for module, why in UNSERVED_MODULES.items():
         unserved.update({arch: why for arch in treg._module_to_models.get(module, set()) - deprecated})
     return unserved

@@ -1,13 +1,88 @@
 """What a model family adapter declares: the timm classes it serves and their reducing and dense counterparts,
-the checks of what it cannot serve, and the MACs of one block. The reducing loop itself is shared
+the checks of what it cannot serve (of a built model, and of an architecture from the arguments timm would build it
+with), and the MACs of one block; and the attention helpers the adapters share. The reducing loop itself is shared
 (timm_tokcomp.reducing); patch.py swaps classes by these tables."""
+import inspect
+import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
+import torch
 from timm.layers import AttentionPoolLatent
 from torch import nn
 
+from ..attention import check_fold_qkv
+from ..methods.base import TokenReducer
+from ..reducing import ReducingBlockMixin
 from ..schedules import BlockCost
+
+
+class BuildArgs(NamedTuple):
+    """What a timm entrypoint builds: the model class and every keyword argument of its constructor (the class's
+    defaults where the entrypoint gives none)."""
+
+    model_class: type
+    kwargs: Dict[str, Any]
+
+    def arg(self, name: str, default: Any = None) -> Any:
+        return self.kwargs.get(name, default)
+
+
+class _Built(Exception):
+    def __init__(self, args: BuildArgs):
+        super().__init__(args.model_class.__name__)
+        self.built = args  # not .args: an exception keeps that as a plain tuple
+
+
+_BUILD_ARGS_LOCK = threading.Lock()
+
+
+def build_args(entrypoint: Callable[[], nn.Module], classes: Tuple[type, ...]) -> Optional[BuildArgs]:
+    """What entrypoint() would construct, read without building it: the first constructor of `classes` it reaches
+    stops it (in this thread only; other threads build as usual) and reports its class and arguments. None where the
+    entrypoint builds none of them. A few microseconds, where building on the meta device takes tens of ms."""
+    me = threading.get_ident()
+    originals = {cls: cls.__dict__["__init__"] for cls in classes}
+
+    def stopping(original: Callable) -> Callable:
+        def init(self, *args: Any, **kwargs: Any) -> None:
+            if threading.get_ident() != me:
+                return original(self, *args, **kwargs)
+            bound = inspect.signature(original).bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            given = {k: v for k, v in bound.arguments.items() if k != "self"}
+            given.update(given.pop("kwargs", {}))
+            raise _Built(BuildArgs(type(self), given))
+        return init
+
+    with _BUILD_ARGS_LOCK:
+        try:
+            for cls, original in originals.items():
+                cls.__init__ = stopping(original)
+            entrypoint()
+        except _Built as built:
+            return built.built
+        finally:
+            for cls, original in originals.items():
+                cls.__init__ = original
+    return None
+
+
+def project_heads(attn: nn.Module, x: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+    """The attention's output side, as timm's: heads x (B, H, N, d) -> (B, N, H * d), its norm, the gate
+    (B, N, H * d) or None, proj and proj_drop -> (B, N, C)."""
+    B, H, N, d = x.shape
+    x = attn.norm(x.transpose(1, 2).reshape(B, N, H * d))  # explicit width: an empty batch has no -1 to infer
+    if gate is not None:
+        x = x * gate
+    return attn.proj_drop(attn.proj(x))
+
+
+def reducer_metric(reducer: Optional[TokenReducer], q, k, v, attn_bias, scale: float, inputs: torch.Tensor
+                   ) -> Optional[torch.Tensor]:
+    """The reducer's metric from q, k, v: (B, H, N, d) as attention uses them (and the attention's input (B, N, C)),
+    or None without a reducer."""
+    return None if reducer is None else reducer.attention_metric(q, k, v, attn_bias, scale, inputs)
 
 
 def linear_macs(module: nn.Module) -> int:
@@ -16,10 +91,11 @@ def linear_macs(module: nn.Module) -> int:
 
 @dataclass(frozen=True)
 class Family:
-    """One timm model family, served in timm's model modules timm_modules. Each table maps a plain timm class to its patched subclass (same parameters and
-    buffers, so state_dict keys never change). dense_blocks may miss a block class the dense variant cannot serve.
-    check(model), where a family has one, raises TypeError naming what else it cannot serve; attn_dim(attention)
-    gives heads * head_dim."""
+    """One timm model family, served in timm's model modules timm_modules. Each table maps a plain timm class to its
+    patched subclass (same parameters and buffers, so state_dict keys never change). dense_blocks may miss a block
+    class the dense variant cannot serve. check(model), where a family has one, raises TypeError naming what else it
+    cannot serve; arch_refusal(args) says the same of an architecture from the arguments timm builds it with
+    (BuildArgs), so the registry lists no name it would refuse; attn_dim(attention) gives heads * head_dim."""
 
     name: str
     timm_modules: Tuple[str, ...]  # timm's model modules whose architectures take method tags (timm_tokcomp.registry)
@@ -30,6 +106,9 @@ class Family:
     attentions: Dict[type, type]
     attn_dim: Callable[[nn.Module], int]
     check: Callable[[nn.Module], None] = lambda model: None
+    arch_refusal: Callable[[BuildArgs], Optional[str]] = lambda args: None
+    fused_qkv_attentions: Tuple[type, ...] = ()  # timm attention classes with one qkv Linear, heads of equal width:
+    # what the lookahead methods (MCTF) and prop_attn='fold_qkv' need
     plain_skips_qkv_module: Callable[[nn.Module], bool] = lambda model: False  # timm's own forward reads the qkv
     # weight directly (an adapter wrapped around qkv, such as peft's LoRA, would be skipped while nothing is reduced)
 
@@ -51,6 +130,44 @@ class Family:
         for plain, patched in self.attentions.items():
             if attn_class in (plain, patched):
                 return plain
+        return None
+
+    @staticmethod
+    def has_class_token(model: nn.Module) -> bool:
+        return getattr(model, "cls_token", None) is not None
+
+    @staticmethod
+    def builds_class_token(args: BuildArgs) -> bool:
+        """Whether a model built with args has a class token (a class without the argument always has one)."""
+        return bool(args.arg("class_token", True))
+
+    def build_args(self, entrypoint: Callable[[], nn.Module]) -> Optional[BuildArgs]:
+        """What entrypoint() builds, if it is one of this family's model classes (build_args)."""
+        return build_args(entrypoint, tuple(self.models))
+
+    def lookahead_refusal(self, model: nn.Module) -> Optional[str]:
+        """Why a method that reduces before attention (reusing its probabilities: MCTF) cannot serve model, or None:
+        its reducing blocks need a _lookahead_branch and an attention of fused_qkv_attentions."""
+        for i, blk in enumerate(model.blocks):
+            patched = self.blocks.get(self.plain_block(type(blk)))
+            if patched is None or patched._lookahead_branch is ReducingBlockMixin._lookahead_branch:
+                return (f"blocks[{i}] is of class {type(blk).__name__}: the methods that reduce before attention "
+                        f"(mctf) serve timm's VisionTransformer blocks, not those of its {self.name} family")
+            if self.plain_attention(type(blk.attn)) not in self.fused_qkv_attentions:
+                return (f"blocks[{i}].attn is of class {type(blk.attn).__name__}: the methods that reduce before "
+                        f"attention (mctf) need timm's fused qkv Attention")
+        return None
+
+    def fold_qkv_refusal(self, model: nn.Module) -> Optional[str]:
+        """Why prop_attn='fold_qkv' (attention.check_fold_qkv) cannot serve model's attention, or None where it can."""
+        for i, blk in enumerate(model.blocks):
+            if self.plain_attention(type(blk.attn)) not in self.fused_qkv_attentions:
+                return (f"prop_attn='fold_qkv' pads timm's fused qkv Attention; blocks[{i}].attn is a "
+                        f"{type(blk.attn).__name__}: use prop_attn='fold'")
+            try:
+                check_fold_qkv(blk.attn, f"blocks[{i}].attn")
+            except ValueError as e:
+                return str(e)
         return None
 
     def block_cost(self, block: nn.Module) -> BlockCost:

@@ -11,13 +11,12 @@ from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 from timm.models.eva import Eva, EvaAttention, EvaBlock, EvaBlockPostNorm
 from torch import nn
 
-from .. import attention, kernels
+from .. import attention
+from ..dense import DenseBlockMixin, DenseModel
 from ..methods.base import TokenReducer
-from ..ops import unmerge
-from ..reducing import DenseModel, ReducingBlockMixin, ReducingModel, refuse_fx_tracing
+from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel
 from ..rope import TokenPositions, check_rope, grid_coords
-from .base import Family
-from .vit import dense_groups, merged_mlp, project_heads, reducer_metric
+from .base import Family, project_heads, reducer_metric
 
 
 def _qkv(attn: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,8 +77,8 @@ class ReducingAttentionRope(AttentionRope):
     forward_reduce = _forward_reduce
 
 
-class ReducingEvaBlock(ReducingBlockMixin, EvaBlock):
-    """EvaBlock (pre-norm, optional LayerScale gammas) that reduces tokens. Run only by the patched model."""
+class BlockBranchesEva(BlockBranches):
+    """EvaBlock's branches: pre-norm, optional LayerScale gammas (tensors), drop path."""
 
     def _attn_branch(self, x, attn_bias, rope, reducer, prop_impl):
         h, metric = self.attn.forward_reduce(self.norm1(x), attn_bias, reducer, prop_impl, rope)
@@ -88,10 +87,17 @@ class ReducingEvaBlock(ReducingBlockMixin, EvaBlock):
         return self.drop_path1(h), metric
 
     def _mlp_branch(self, x):
-        h = self.mlp(self.norm2(x))
-        if self.gamma_2 is not None:
-            h = self.gamma_2 * h
-        return self.drop_path2(h)
+        return self._mlp_out(self.mlp(self.norm2(x)))
+
+    def _mlp_scale(self):
+        return True, self.gamma_2
+
+    def _mlp_out(self, h):
+        return self.drop_path2(h if self.gamma_2 is None else self.gamma_2 * h)
+
+
+class ReducingEvaBlock(ReducingBlockMixin, BlockBranchesEva, EvaBlock):
+    """EvaBlock that reduces tokens. Run only by the patched model."""
 
 
 class ReducingEvaBlockPostNorm(ReducingBlockMixin, EvaBlockPostNorm):
@@ -105,35 +111,8 @@ class ReducingEvaBlockPostNorm(ReducingBlockMixin, EvaBlockPostNorm):
         return self.drop_path2(self.norm2(self.mlp(x)))
 
 
-class DenseEvaBlock(EvaBlock):
-    """EvaBlock for dense prediction: attention on all tokens (timm's rope unchanged), then k tokens merged before
-    the MLP and unmerged after it, so the output has the input's shape."""
-
-    _tokcomp_reducer: TokenReducer
-    _tokcomp_setting: object  # this block's reducer setting (None: plain block)
-    _tokcomp_num_prefix: int
-
-    def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = None, attn_mask=None,
-                is_causal: bool = False) -> torch.Tensor:
-        """x: (B, N, C) -> (B, N, C)."""
-        refuse_fx_tracing()
-        if attn_mask is not None or is_causal:
-            raise ValueError("attn_mask / is_causal are not supported by the dense token-merging blocks")
-        reducer, setting, num_prefix = self._tokcomp_reducer, self._tokcomp_setting, self._tokcomp_num_prefix
-        h, metric = self.attn.forward_reduce(self.norm1(x), None, reducer if setting is not None else None, "mask",
-                                             rope)
-        if self.gamma_1 is not None:
-            h = self.gamma_1 * h
-        x = x + self.drop_path1(h)
-        groups = None if metric is None else dense_groups(x, metric, reducer, setting, num_prefix)
-        if groups is None:
-            h = self.mlp(self.norm2(x))
-            return x + self.drop_path2(h if self.gamma_2 is None else self.gamma_2 * h)
-        y, backend = merged_mlp(x, self.norm2, self.mlp, groups, reducer)
-        if isinstance(self.drop_path2, nn.Identity) or not self.training:
-            return kernels.unmerge_add(x, y, groups[0], self.gamma_2, backend)
-        h = unmerge(y, groups[0])
-        return x + self.drop_path2(h if self.gamma_2 is None else self.gamma_2 * h)
+class DenseEvaBlock(DenseBlockMixin, BlockBranchesEva, EvaBlock):
+    """EvaBlock for dense prediction (dense.DenseBlockMixin; timm's rope unchanged)."""
 
 
 class ReducingEva(ReducingModel, Eva):

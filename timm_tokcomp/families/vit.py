@@ -1,20 +1,18 @@
 """timm's VisionTransformer (DeiT, augreg, CLIP, DINOv2, SigLIP with its 'map' head, register models) and
 VisionTransformerDistilled: the reducing and dense subclasses of their Attention, Block and model classes."""
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from timm.layers import Attention, LayerScale
 from timm.models.deit import VisionTransformerDistilled
-from timm.models.vision_transformer import Block, VisionTransformer
+from timm.models.vision_transformer import ATTN_LAYERS, Block, VisionTransformer
 from torch import nn
 
-from .. import attention, kernels
-from ..matching import max_merges
+from .. import attention
+from ..dense import DenseBlockMixin, DenseModel
 from ..methods.base import TokenReducer
-from ..ops import unmerge
-from ..plans.merge import group_index
-from ..reducing import DenseModel, ReducingBlockMixin, ReducingModel, refuse_fx_tracing
-from .base import Family
+from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel
+from .base import BuildArgs, Family, project_heads, reducer_metric
 
 
 class ReducingAttention(Attention):
@@ -46,25 +44,8 @@ class ReducingAttention(Attention):
         return project_heads(self, x, gate), metric
 
 
-def project_heads(attn: nn.Module, x: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
-    """The attention's output side, as timm's: heads x (B, H, N, d) -> (B, N, H * d), its norm, the gate
-    (B, N, H * d) or None, proj and proj_drop -> (B, N, C)."""
-    B, H, N, d = x.shape
-    x = attn.norm(x.transpose(1, 2).reshape(B, N, H * d))  # explicit width: an empty batch has no -1 to infer
-    if gate is not None:
-        x = x * gate
-    return attn.proj_drop(attn.proj(x))
-
-
-def reducer_metric(reducer: Optional[TokenReducer], q, k, v, attn_bias, scale: float, inputs: torch.Tensor
-                   ) -> Optional[torch.Tensor]:
-    """The reducer's metric from q, k, v: (B, H, N, d) as attention uses them (and the attention's input (B, N, C)),
-    or None without a reducer."""
-    return None if reducer is None else reducer.attention_metric(q, k, v, attn_bias, scale, inputs)
-
-
-class ReducingBlock(ReducingBlockMixin, Block):
-    """timm Block that reduces tokens between attention and MLP. Run only by the patched model."""
+class BlockBranchesVit(BlockBranches):
+    """timm Block's branches: pre-norm, LayerScale modules ls1 / ls2, drop path."""
 
     def _attn_branch(self, x, attn_bias, rope, reducer, prop_impl):
         h, metric = self.attn.forward_reduce(self.norm1(x), attn_bias, reducer, prop_impl)
@@ -72,6 +53,19 @@ class ReducingBlock(ReducingBlockMixin, Block):
 
     def _mlp_branch(self, x):
         return self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+    def _mlp_scale(self):
+        """An in-place LayerScale (a module applied to its input) is not fused."""
+        if isinstance(self.ls2, LayerScale):
+            return not self.ls2.inplace, self.ls2.gamma
+        return isinstance(self.ls2, nn.Identity), None
+
+    def _mlp_out(self, h):
+        return self.drop_path2(self.ls2(h))
+
+
+class ReducingBlock(ReducingBlockMixin, BlockBranchesVit, Block):
+    """timm Block that reduces tokens between attention and MLP. Run only by the patched model."""
 
     def _lookahead_branch(self, x, size, source, attn_bias, setting, reducer, num_prefix):
         """This block's attention probabilities (B, H, N, N), softmax in fp32, on the tokens entering it; the
@@ -106,56 +100,6 @@ def value_heads(attn: Attention, x: torch.Tensor) -> torch.Tensor:
     return v.reshape(B, M, attn.num_heads, attn.head_dim).transpose(1, 2)
 
 
-def dense_groups(x: torch.Tensor, metric: torch.Tensor, reducer: TokenReducer, setting: Any, num_prefix: int):
-    """(group (B, N), number of groups, members for the merge kernel or None), or None when nothing merges.
-    kernel='triton' matches and lists the groups in one launch (three on large images); otherwise torch plans,
-    then indexes ('auto' too: its matching in fp32 CUDA-core dots is not yet timed against torch's)."""
-    if reducer.kernel == "triton" and kernels.use_triton(reducer.kernel, x):
-        r = min(setting, max_merges(x.shape[1], num_prefix))
-        if r <= 0:
-            return None
-        group, *members = kernels.tome_groups(metric, r, num_prefix)
-        return group, x.shape[1] - r, tuple(members)
-    plan = reducer.plan(metric, setting, num_prefix, None)
-    return None if plan is None else (*group_index(plan, x.shape[1]), None)
-
-
-def merged_mlp(x: torch.Tensor, norm: nn.Module, mlp: nn.Module, groups, reducer: TokenReducer
-               ) -> Tuple[torch.Tensor, str]:
-    """mlp(norm(x)) on the group means: x (B, N, C) -> (y (B, M, C), the kernel backend that merged).
-    groups: dense_groups' answer (not None)."""
-    group, num_groups, members = groups
-    backend = kernels.resolve_backend(reducer.kernel, x)
-    return mlp(kernels.merge_normed(x, norm, group, num_groups, backend, members)), backend
-
-
-class DenseBlock(Block):
-    """timm Block for dense prediction: attention on all tokens, then k tokens merged before the MLP and
-    unmerged after it, so the output has the input's shape (runs inside the unmodified model forward)."""
-
-    _tokcomp_reducer: TokenReducer
-    _tokcomp_setting: Any  # this block's reducer setting (None: plain block)
-    _tokcomp_num_prefix: int
-
-    def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
-        """x: (B, N, C) -> (B, N, C)."""
-        refuse_fx_tracing()
-        if attn_mask is not None or is_causal:
-            raise ValueError("attn_mask / is_causal are not supported by the dense token-merging blocks")
-        reducer, setting, num_prefix = self._tokcomp_reducer, self._tokcomp_setting, self._tokcomp_num_prefix
-        h, metric = self.attn.forward_reduce(self.norm1(x), None, reducer if setting is not None else None)
-        x = x + self.drop_path1(self.ls1(h))
-        groups = None if metric is None else dense_groups(x, metric, reducer, setting, num_prefix)
-        if groups is None:
-            return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        y, backend = merged_mlp(x, self.norm2, self.mlp, groups, reducer)
-        fusable_scale = isinstance(self.ls2, nn.Identity) or (isinstance(self.ls2, LayerScale) and not self.ls2.inplace)
-        if fusable_scale and (isinstance(self.drop_path2, nn.Identity) or not self.training):
-            gamma = self.ls2.gamma if isinstance(self.ls2, LayerScale) else None
-            return kernels.unmerge_add(x, y, groups[0], gamma, backend)
-        return x + self.drop_path2(self.ls2(unmerge(y, groups[0])))
-
-
 class ReducingVisionTransformer(ReducingModel, VisionTransformer):
     def _embed(self, x):
         return self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x)))), None
@@ -166,12 +110,30 @@ class ReducingVisionTransformerDistilled(ReducingModel, VisionTransformerDistill
         return self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x)))), None
 
 
+class DenseBlock(DenseBlockMixin, BlockBranchesVit, Block):
+    """timm Block for dense prediction (dense.DenseBlockMixin)."""
+
+
 class DenseVisionTransformer(DenseModel, VisionTransformer):
     pass
 
 
 class DenseVisionTransformerDistilled(DenseModel, VisionTransformerDistilled):
     pass
+
+
+def _arch_refusal(args: BuildArgs) -> Optional[str]:
+    """Blocks or attention of a class the family does not serve (parallel, post-norm or differential ones)."""
+    block = args.arg("block_fn", Block)
+    if block is not Block:
+        return (f"blocks of class {block.__name__}, which timm_tokcomp does not serve (in timm's VisionTransformer: "
+                f"Block)")
+    attn = args.arg("attn_layer", Attention)
+    attn = ATTN_LAYERS.get(attn, attn) if isinstance(attn, str) else attn
+    if attn is not Attention:
+        name = getattr(attn, "__name__", repr(attn))
+        return f"attention of class {name}, which timm_tokcomp does not serve (in timm's VisionTransformer: Attention)"
+    return None
 
 
 VIT = Family(
@@ -184,5 +146,7 @@ VIT = Family(
     blocks={Block: ReducingBlock},
     dense_blocks={Block: DenseBlock},
     attentions={Attention: ReducingAttention},
+    fused_qkv_attentions=(Attention,),
     attn_dim=lambda attn: attn.qkv.out_features // 3,
+    arch_refusal=_arch_refusal,
 )
