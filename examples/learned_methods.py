@@ -26,7 +26,7 @@ from timm_tokcomp.models import build_base_model
 from timm_tokcomp.data import open_dataset, open_images
 from timm_tokcomp.measure import count_macs
 from timm_tokcomp.methods import parse_method_tag
-from timm_tokcomp.tocom.mosaic import heldout_indices
+from timm_tokcomp.training.mosaic import heldout_indices
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
 from timm_tokcomp.training.finetune import predict
 from timm_tokcomp.training.folder import FINETUNE_CONFIG

@@ -32,7 +32,7 @@ import timm_tokcomp
 from timm_tokcomp.kit.stats import mcnemar_exact_p
 from timm_tokcomp.data import open_dataset, open_images
 from timm_tokcomp.tocom import attach, detach, load, set_compression
-from timm_tokcomp.tocom.mosaic import heldout_indices
+from timm_tokcomp.training.mosaic import heldout_indices
 from timm_tokcomp.training.engine import distill_loss
 
 MODEL = "deit_tiny_patch16_224"

@@ -154,7 +154,7 @@ def test_presets_by_model_width_and_explicit_parameters_win():
     (dict(beta=-0.1), "beta must be >= 0"),
     (dict(alpha=float("nan")), "alpha must be a finite number"),
     (dict(split_layer=5), r"split_layer must be in \[0, 4\]"),
-    (dict(split_layer=-1), "split_layer must be None or an int"),
+    (dict(split_layer=-1), "split_layer must be an integer >= 0 or None"),
 ])
 def test_bad_atm_parameters_are_named(params, match):
     model = make_model("cls")

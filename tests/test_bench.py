@@ -122,7 +122,9 @@ def test_bench_errors_are_clear(tmp_path, capsys):
 
 
 def test_parse_methods_puts_baseline_first():
-    assert parse_methods("tome_r8, none,evit_r2,tome_r8,atm_lossless") == ["none", "tome_r8", "evit_r2", "atm_lossless"]
+    items = parse_methods("tome_r8, none,evit_r2,tome_r8,atm_lossless")
+    assert [item.name for item in items] == ["none", "tome_r8", "evit_r2", "atm_lossless"]
+    assert items[0] == ("none", "none", {}, "eager") and items[1] == ("tome_r8", "tome", {"r": 8}, "eager")
     with pytest.raises(ValueError, match="--methods"):
         parse_methods("tome")
     with pytest.raises(FileNotFoundError, match="missing.json"):
@@ -132,7 +134,7 @@ def test_parse_methods_puts_baseline_first():
 def test_method_items_choose_a_kernel():
     assert method_spec("tome_r16@triton") == ("tome", {"r": 16, "kernel": "triton"})
     assert method_spec("dense_tome_r1@torch") == ("dense_tome", {"r": 1, "kernel": "torch"})
-    assert parse_methods("tome_r8,tome_r8@triton") == ["none", "tome_r8", "tome_r8@triton"]
+    assert [item.name for item in parse_methods("tome_r8,tome_r8@triton")] == ["none", "tome_r8", "tome_r8@triton"]
     assert method_spec("evit_r8@auto") == ("evit", {"r": 8, "kernel": "auto"})
     with pytest.raises(ValueError, match=r"topk has no kernel choice \(kernels are for tome, evit, atm, dense_tome\)"):
         method_spec("topk_k70@triton")
@@ -263,3 +265,21 @@ def test_the_evaluation_progress_counts_images(tmp_path, capsys):
     assert main(["bench", "deit_tiny", "--data", str(tmp_path / "imgs"), "--methods", "none,tome_r8", "--no-timing",
                  "--batch-size", "2", "--num-workers", "0"]) == 0
     assert "5/5" in capsys.readouterr().err  # images, not the 3 batches
+
+
+def test_a_preset_is_read_once_per_bench_run(tmp_path, monkeypatch):
+    """--methods reads each preset file at the door, once: the run uses what it read (the preset's method and
+    params, its recorded mode), and the file is not opened again."""
+    import json
+
+    from timm_tokcomp.bench import run_bench
+    from timm_tokcomp.kit import presets
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"format": 1, "method": "tome", "params": {"r": 2}, "execution": {"mode": "eager"}}))
+    real, reads = presets.read_json, []
+    monkeypatch.setattr(presets, "read_json", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
+    rows = run_bench("deit_tiny_patch16_224", ["none", str(path)], batch_size=2, timing_rounds=1, latency_runs=0,
+                     show_progress=False)
+    assert reads == [str(path)]
+    assert rows[1].method == str(path) and rows[1].gmacs < rows[0].gmacs

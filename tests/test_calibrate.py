@@ -54,7 +54,7 @@ def test_out_of_reach_target_names_the_reachable_range(batches):
     (dict(target_ratio=0.5, tolerance="0.1"), "--tolerance"),
     (dict(target_ratio=0.5, alpha=None), "--alpha must be a finite number"),
     (dict(target_ratio=0.5, betas="0.1"), "betas must be a non-empty list"),
-    (dict(target_ratio=0.5, max_bisections=0), "max_bisections must be an int >= 1"),
+    (dict(target_ratio=0.5, max_bisections=0), "max_bisections must be an integer >= 1"),
 ])
 def test_bad_calibration_arguments(batches, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -164,7 +164,7 @@ def test_backend_choice_and_errors(monkeypatch):
         resolve_backend("triton", torch.randn(2))
     with pytest.raises(ValueError, match="kernel must be one of"):
         timm_tokcomp.apply(make_model("cls"), "dense_tome", r=1, kernel="cuda")
-    with pytest.raises(ValueError, match="r must be an int >= 0"):
+    with pytest.raises(ValueError, match="r must be an integer >= 0"):
         timm_tokcomp.apply(make_model("cls"), "dense_tome", r=-1)
 
 

@@ -197,7 +197,7 @@ def test_unsupported_models_refused_and_left_untouched(images):
 @pytest.mark.parametrize(
     "params, match",
     [
-        (dict(r=-1), "r must be an int >= 0"),
+        (dict(r=-1), "r must be an integer >= 0"),
         (dict(r="8"), "r must be an int"),
         (dict(r=[1, 2]), r"per-block list needs one entry per block \(4\)"),
         (dict(r=(8, 2.0)), r"inflection must be in \[-1, 1\]"),

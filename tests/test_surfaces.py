@@ -231,14 +231,14 @@ def _preset(tmp_path, doc, name="preset.json"):
     (dict(method="none", params={"r": 2}), r"key 'params' must be empty for method 'none'"),
 ])
 def test_the_preset_schema_is_checked_once_at_the_door_naming_the_file_and_the_key(doc, match, tmp_path):
-    from timm_tokcomp.bench import build_method_models
+    from timm_tokcomp.kit.grammar import parse_methods
     from timm_tokcomp.kit.presets import read_preset
 
     path = _preset(tmp_path, doc)
     with pytest.raises(ValueError, match=f"preset file {path}.*{match}"):
         read_preset(path)
-    with pytest.raises(ValueError, match=match):  # through bench --methods too
-        build_method_models(make_model("cls"), ["none", path])
+    with pytest.raises(ValueError, match=match):  # through bench's / speed's --methods too
+        parse_methods(f"none,{path}")
     with pytest.raises(ValueError, match=match):
         timm_tokcomp.deploy(make_model("cls"), path)
 
@@ -255,10 +255,11 @@ def test_deploy_leaves_the_model_as_it_was_when_the_preset_does_not_apply(tmp_pa
 
 def test_bench_names_the_methods_item_whose_preset_fails_to_apply(tmp_path):
     from timm_tokcomp.bench import build_method_models
+    from timm_tokcomp.kit.grammar import parse_methods
 
     path = _preset(tmp_path, dict(params={"r": -3}))
     with pytest.raises(ValueError, match=f"--methods {path}: "):
-        build_method_models(make_model("cls"), ["none", "tome_r2", path])
+        build_method_models(make_model("cls"), parse_methods(f"none,tome_r2,{path}"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")

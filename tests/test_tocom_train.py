@@ -15,9 +15,9 @@ from PIL import Image
 
 import timm_tokcomp
 from timm_tokcomp.tocom import attach, compensate, load
-from timm_tokcomp.tocom.mosaic import Mosaic, heldout_indices, split_images
+from timm_tokcomp.training.mosaic import Mosaic, heldout_indices, split_images
 from timm_tokcomp.tocom.plugins import Plugins
-from timm_tokcomp.tocom.train import TrainConfig, draw_pair, train_tocom, warmup_steps
+from timm_tokcomp.training.tocom import TrainConfig, draw_pair, train_tocom, warmup_steps
 from timm_tokcomp.training.engine import SeededAugment, distill_loss, epoch_batches, warmup_cosine_lr
 from conftest import make_model
 from test_tocom import _random_compensator
@@ -161,7 +161,7 @@ def test_a_second_process_on_the_same_folder_is_refused(image_folder, tmp_path):
 def test_heldout_batches_are_shared_out_between_ranks(image_folder):
     """10 held-out images in batches of 4: rank 0 of 2 takes batches 0 and 2 (6 images), rank 1 batch 1;
     without an initialised process group nothing is summed, so each report counts its own share."""
-    from timm_tokcomp.tocom.heldout import choose_scale
+    from timm_tokcomp.training.tocom_heldout import choose_scale
 
     model = timm_tokcomp.apply(_test_vit().eval(), "tome", r=0)
     config = TrainConfig(**{**TINY, "holdout": 10})

@@ -426,7 +426,6 @@ def test_cli_errors_name_the_flag(args, match, image_folder, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.realdata
 @pytest.fixture(scope="module")
 def real_split_bench(tmp_path_factory):
     """bench's none / tome_r8 rows on tune's held-out images (128-383 of imagenet-val-1300) and on images 384-1151,
@@ -444,6 +443,7 @@ def real_split_bench(tmp_path_factory):
             for name in ("heldout.csv", "unseen.csv")}
 
 
+@pytest.mark.realdata
 @pytest.mark.parametrize("measure, budget", [("agreement", 5.0), ("top1", 1.0)])
 def test_real_deit_tiny_choice_follows_its_table_and_holds_on_unseen_images(tmp_path, measure, budget,
                                                                           real_split_bench):

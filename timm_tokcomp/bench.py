@@ -16,11 +16,11 @@ from tqdm import tqdm
 from .core import apply, is_reduced, last_stats
 from .data import UnlabeledImages, check_num_classes, open_images
 from .extras import pyplot
-from .kit.grammar import BASELINE, method_spec, parse_methods
+from .kit.grammar import BASELINE, MethodItem, parse_methods
 from .kit import modes as modes_
 from .kit.agreement import evaluate, paired_flags
 from .kit.modes import check_mode, warmup_calls
-from .kit.presets import load_preset, read_preset
+from .kit.presets import load_preset
 from .kit.stats import noise_notes, p90, speedup_interval
 from .measure import count_macs, no_silent_eager_fallback, time_runs
 from .methods import exportable_methods, method_class, tocom_methods
@@ -78,43 +78,42 @@ class BenchRow:
 BACKENDS = ("eager", "compile", "onnx")
 
 
-def row_modes(methods: Sequence[str], backend: str) -> Dict[str, str]:
+def row_modes(items: Sequence[MethodItem], backend: str) -> Dict[str, str]:
     """The execution mode each row is timed in: a preset's recorded mode where it is not eager (the compiled or
     CUDA-graph mode `tokcomp tune` chose, as timm_tokcomp.deploy runs it), else the backend."""
-    recorded = {name: read_preset(name, warn=False).mode for name in methods if name.endswith(".json")}
-    return {name: recorded[name] if recorded.get(name, "eager") != "eager" else backend for name in methods}
+    return {item.name: item.mode if item.mode != "eager" else backend for item in items}
 
 
-def check_backend(backend: str, device: str, dtype: str, methods: Sequence[str]) -> None:
+def check_backend(backend: str, device: str, dtype: str, items: Sequence[MethodItem]) -> None:
     """Raise ValueError naming the flag when the backend cannot run this device, dtype or a method, or a preset's
     recorded mode cannot run here."""
     check_mode(backend, device, dtype, flag="--backend", allowed=BACKENDS)
-    for name, mode in row_modes(methods, backend).items():
+    for name, mode in row_modes(items, backend).items():
         if mode != backend:
             check_mode(mode, device, dtype, flag=f"--methods {name}: its recorded execution mode")
     if backend == "onnx":
-        for name in methods:
-            method = method_spec(name)[0] if name != BASELINE else BASELINE
-            if method != BASELINE and not method_class(method).exportable():
-                raise ValueError(f"--backend onnx: {name} cannot be exported to ONNX: "
-                                 f"{method_class(method).export_refusal}; exportable: {', '.join(exportable_methods())}")
+        for item in items:
+            if item.method != BASELINE and not method_class(item.method).exportable():
+                raise ValueError(f"--backend onnx: {item.name} cannot be exported to ONNX: "
+                                 f"{method_class(item.method).export_refusal}; exportable: "
+                                 f"{', '.join(exportable_methods())}")
 
 
-def build_method_models(base: nn.Module, methods: Sequence[str]) -> Dict[str, nn.Module]:
+def build_method_models(base: nn.Module, items: Sequence[MethodItem]) -> Dict[str, nn.Module]:
+    """{item name: base (the plain item) or a copy of it with the item's method applied}."""
     models = {}
-    for name in methods:
-        if name == BASELINE:
-            models[name] = base
-        else:
-            method, params = method_spec(name)
-            try:
-                models[name] = apply(copy.deepcopy(base), method, **params)
-            except (ValueError, TypeError) as e:  # which --methods item failed: a preset's params look like a tag's
-                raise type(e)(f"--methods {name}: {e}") from None
+    for item in items:
+        if item.name == BASELINE:
+            models[item.name] = base
+            continue
+        try:
+            models[item.name] = apply(copy.deepcopy(base), item.method, **item.params)
+        except (ValueError, TypeError) as e:  # which --methods item failed: a preset's params look like a tag's
+            raise type(e)(f"--methods {item.name}: {e}") from None
     return models
 
 
-def add_tocom_models(models: Dict[str, nn.Module], tocom: str, source_r: int,
+def add_tocom_models(models: Dict[str, nn.Module], items: Sequence[MethodItem], tocom: str, source_r: int,
                      scale: Optional[float]) -> Dict[str, nn.Module]:
     """After every ToMe / EViT row with an integer r, a '<tag>+ToCom' row: the model with the
     compensator for (source_r -> r) from `tocom` (local folder or Hub repo). Other rows get none."""
@@ -124,12 +123,12 @@ def add_tocom_models(models: Dict[str, nn.Module], tocom: str, source_r: int,
     compensator.check_degree("--source-r", source_r)
     trained_with = config.get("method")
     out: Dict[str, nn.Module] = {}
+    specs = {item.name: item for item in items}
     for name, model in models.items():
         out[name] = model
         if name == BASELINE or name.endswith(".json"):
             continue
-        method, params = method_spec(name)
-        r = params.get("r")
+        method, r = specs[name].method, specs[name].params.get("r")
         if not method_class(method).tocom_compatible or not isinstance(r, int) or r > compensator.steps:
             print(f"note: no +ToCom row for {name} (compensators serve {' / '.join(tocom_methods())} with one r in "
                   f"[0, {compensator.steps}])", file=sys.stderr)
@@ -193,12 +192,12 @@ def run_bench(
         raise ValueError("give --checkpoint or --pretrained, not both")
     if latency_runs < 0:
         raise ValueError(f"--latency-runs must be >= 0, got {latency_runs}")
-    methods = parse_methods(",".join(methods), device=device, dtype=dtype, batch_size=batch_size)
-    check_backend(backend, device, dtype, methods)
+    items = parse_methods(",".join(methods), device=device, dtype=dtype, batch_size=batch_size)
+    check_backend(backend, device, dtype, items)
     base = build_base_model(model_name, checkpoint, pretrained, device)
-    models = build_method_models(base, methods)
+    models = build_method_models(base, items)
     if tocom:
-        models = add_tocom_models(models, tocom, source_r, tocom_scale)
+        models = add_tocom_models(models, items, tocom, source_r, tocom_scale)
     cfg = timm.data.resolve_model_data_config(base)
 
     evaluation = None
@@ -217,7 +216,7 @@ def run_bench(
         batch = torch.randn(batch_size, *cfg["input_size"], device=device)
         macs = {k: count_macs(m, batch[:1]) for k, m in models.items()}
 
-    modes = {**row_modes(methods, backend), **{name: backend for name in models if name.endswith(TOCOM_SUFFIX)}}
+    modes = {**row_modes(items, backend), **{name: backend for name in models if name.endswith(TOCOM_SUFFIX)}}
     plain = plain_rows(modes)  # mode -> the plain row timed in it: each row is compared with plain in its own mode
     for mode, name in plain.items():
         if name != BASELINE:

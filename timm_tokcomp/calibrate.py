@@ -18,7 +18,7 @@ from torch import nn
 from .core import apply, get_reducer, is_reduced, set_params
 from .kit.presets import write_preset
 from .kit.agreement import compare, predict
-from .schedules import check_int, is_real
+from .checks import check_int, is_real
 from .methods.atm import threshold_schedule
 
 DEFAULT_BETAS = (0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15)

@@ -9,7 +9,7 @@ from typing import Callable, List, Optional, Tuple, Union
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from .schedules import is_int
+from .checks import check_int
 from .userfiles import fail
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".bmp", ".webp", ".tif", ".tiff")
@@ -157,9 +157,7 @@ def open_dataset(path: PathLike, transform: Callable, flag: str = "--data", limi
 
 
 def _check_limit(limit: Optional[int]) -> Optional[int]:
-    if limit is not None and (not is_int(limit) or limit < 1):
-        raise ValueError(f"--limit must be an integer >= 1, got {limit!r}")
-    return None if limit is None else int(limit)
+    return None if limit is None else check_int("--limit", limit, 1)
 
 
 def _rooted(dataset: Dataset, root: Optional[Path]) -> Dataset:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .measure import OpCounter
-from .schedules import is_int
+from .checks import check_int
 
 
 def host_syncs(model: nn.Module, example: torch.Tensor) -> Dict[str, int]:
@@ -51,8 +51,7 @@ class GraphedForward:
     compile there)."""
 
     def __init__(self, model: nn.Module, example: torch.Tensor, warmup: int = 3) -> None:
-        if not is_int(warmup) or warmup < 1:
-            raise ValueError(f"warmup must be an integer >= 1, got {warmup!r}")
+        check_int("warmup", warmup, 1)
         if not example.is_cuda:
             raise ValueError(f"example must be a CUDA tensor (CUDA graphs replay GPU work), got {example.device}")
         check_capturable(model, example)

@@ -4,9 +4,10 @@ A schedule is resolved once per forward from the block count and the patch-token
 block clamps its budget to what its tokens allow (never an error at run time).
 """
 import math
-import numbers
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
+
+from .checks import check_int, is_real
 
 RSpec = Union[int, List[int], Tuple[int, float]]
 
@@ -15,23 +16,6 @@ NAMED_SCHEDULES = {
     "low": [16] * 11 + [10],
     "high": [40, 34, 30, 24, 18, 14, 10, 8, 4, 4, 3, 3],
 }
-
-
-def check_int(name: str, value, low: int = 0) -> int:
-    """value as a Python int >= low: any integer type (numpy's too), never a bool."""
-    if not is_int(value) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
-
-
-def is_int(value) -> bool:
-    """An integer of any type (numpy's too), not a bool."""
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
-
-
-def is_real(value) -> bool:
-    """A real number of any type (numpy's too), not a bool."""
-    return not isinstance(value, bool) and isinstance(value, numbers.Real)
 
 
 def constant_schedule(r: int, num_blocks: int) -> List[int]:

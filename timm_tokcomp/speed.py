@@ -21,7 +21,7 @@ from .core import apply, get_reducer, last_stats
 from .models import build_base_model
 from .data import open_images
 from .kit import modes as modes_
-from .kit.grammar import BASELINE, method_spec, parse_methods
+from .kit.grammar import BASELINE, MethodItem, parse_methods
 from .kit.modes import check_batches, check_modes
 from .kit.stats import noise_notes, speedup_interval
 from .plans import TruncatePlan
@@ -130,7 +130,7 @@ def run_speed(
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
     check_dtype(dtype)
     check_modes(modes, device)
-    names = parse_methods(",".join(methods))[1:]
+    items = parse_methods(",".join(methods))[1:]
     base = build_base_model(model_name, checkpoint, pretrained, device)
     cfg = timm.data.resolve_model_data_config(base)
     inputs = _inputs(data, cfg, max(batches), device)
@@ -140,7 +140,7 @@ def run_speed(
             precision(device, dtype, tf32):
         for mode, batch in groups:
             x = inputs[:batch]
-            models = _models(base, names, x, static=mode != "eager")
+            models = _models(base, items, x, static=mode != "eager")
             torch._dynamo.reset()
             with no_silent_eager_fallback(len(models)):
                 runners, first = _first_calls(models, mode, x)
@@ -162,13 +162,12 @@ def _inputs(data: Optional[str], cfg: Dict, count: int, device: str) -> torch.Te
     return torch.stack([dataset[i][0] for i in range(count)]).to(device)
 
 
-def _models(base: nn.Module, names: Sequence[str], x: torch.Tensor, static: bool) -> Dict[str, nn.Module]:
+def _models(base: nn.Module, items: Sequence[MethodItem], x: torch.Tensor, static: bool) -> Dict[str, nn.Module]:
     """plain, then each method followed by its limit (the token schedule its forward on x ran); static (compiled
     or graph modes): without the data-dependent methods."""
     models = {BASELINE: base}
-    for name in names:
-        method, params = method_spec(name)
-        if static and method_class(method).data_dependent:
+    for name, method, params, _ in items:
+        if method == BASELINE or (static and method_class(method).data_dependent):
             continue
         model = apply(copy.deepcopy(base), method, **params)
         models[name] = model

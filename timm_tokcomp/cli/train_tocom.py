@@ -44,7 +44,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..models import build_base_model
     from ..precision import check_device
-    from ..tocom.train import TrainConfig, train_tocom
+    from ..training.tocom import TrainConfig, train_tocom
     from ..training.engine import distributed, rank_and_world
 
     config = TrainConfig(

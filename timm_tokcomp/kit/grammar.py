@@ -1,33 +1,44 @@
 """The --methods grammar of bench, speed, tune and analyze: 'none,tome_r8,tome_r16@triton,preset.json'.
 An item is the plain model ('none'), a method tag optionally with its path after '@' (a kernel, a
 proportional-attention implementation, or both joined by '+'), or a preset file."""
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from .. import kernels
 from ..attention import PROP_ATTN_IMPLS
 from ..methods import METHODS, method_class, parse_method_tag
-from .presets import load_preset
+from .presets import load_preset, read_preset
 
 BASELINE = "none"
 
 
+class MethodItem(NamedTuple):
+    """One --methods item, read once: its name as written ('tome_r16@triton', 'my_preset.json', 'none'), the method
+    ('none': the plain model) with its params, and the execution mode a preset recorded ('eager' otherwise)."""
+
+    name: str
+    method: str
+    params: Dict[str, Any]
+    mode: str = "eager"
+
+
 def parse_methods(spec: str, device: Optional[str] = None, dtype: Optional[str] = None,
-                  batch_size: Optional[int] = None) -> List[str]:
-    """'none,tome_r8,my_preset.json' -> ['none', 'tome_r8', 'my_preset.json'] (validated; 'none' is
-    put first if missing). A .json item is a preset saved by `tokcomp calibrate` or `tune`; a tune preset warns
+                  batch_size: Optional[int] = None) -> List[MethodItem]:
+    """'none,tome_r8,my_preset.json' -> their MethodItems, each read and checked once, duplicates dropped, 'none'
+    first (added if missing). A .json item is a preset saved by `tokcomp calibrate` or `tune`; a tune preset warns
     when the device, dtype or batch size given differ from those it was measured with."""
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    for name in names:
+    items: Dict[str, MethodItem] = {BASELINE: MethodItem(BASELINE, BASELINE, {})}
+    for name in (s.strip() for s in spec.split(",")):
+        if not name or name in items:
+            continue
         if name.endswith(".json"):
-            load_preset(name, device=device, dtype=dtype, batch_size=batch_size)
-        elif name != BASELINE:
-            try:
-                method_spec(name)
-            except ValueError as e:
-                raise ValueError(f"--methods: {e}; or '{BASELINE}', or a preset .json file") from None
-    if BASELINE in names:
-        names.remove(BASELINE)
-    return [BASELINE] + list(dict.fromkeys(names))
+            preset = read_preset(name, device=device, dtype=dtype, batch_size=batch_size)
+            items[name] = MethodItem(name, preset.method, preset.params, preset.mode)
+            continue
+        try:
+            items[name] = MethodItem(name, *method_spec(name))
+        except ValueError as e:
+            raise ValueError(f"--methods: {e}; or '{BASELINE}', or a preset .json file") from None
+    return list(items.values())
 
 
 def parse_space(spec: str) -> List[Tuple[str, Dict[str, Any]]]:

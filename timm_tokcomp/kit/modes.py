@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import compiling
 from ..graphs import GraphedForward
-from ..schedules import is_int
+from ..checks import is_int
 
 TORCH_MODES = ("eager", "compile", "cudagraph", "graph")  # what speed and tune time
 MODES = TORCH_MODES + ("onnx",)

@@ -15,7 +15,6 @@ matching in the late layers and one merge count per batch.
 """
 import csv
 import math
-import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -26,7 +25,8 @@ from torch import nn
 from .. import kernels
 from ..matching import batch_adaptive_r, best_matches, count_above, max_merges, merge_top_r, size_distinctive_split
 from ..plans import MergePlan
-from ..schedules import BlockCost, is_real
+from ..checks import check_int, is_real
+from ..schedules import BlockCost
 from .base import TokenReducer, warn_if_compiling
 from .params import COMMON, REQUIRED, Param, kernel_choice
 from .tome import ToMe
@@ -113,10 +113,8 @@ class ATMStep:
 
 
 def _check_split_layer(value: Any) -> Optional[int]:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
-        raise ValueError(f"split_layer must be None or an int >= 0 (blocks after it use size-distinctive "
-                         f"matching), got {value!r}")
-    return None if value is None else int(value)
+    return None if value is None else check_int("split_layer", value, 0,
+                                                "or None (blocks after it use size-distinctive matching)")
 
 
 def _check_real(name: str, value: Any, low: Optional[float] = None) -> float:

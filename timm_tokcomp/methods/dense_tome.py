@@ -6,7 +6,8 @@ from typing import List, Optional
 import torch
 
 from ..plans import MergePlan
-from ..schedules import BlockCost, check_int
+from ..checks import check_int
+from ..schedules import BlockCost
 from .base import TokenReducer
 from .tags import RTagged
 from .params import Param, kernel_choice, optional

@@ -23,10 +23,11 @@ from torch import nn
 
 from ..matching import class_attention
 from ..plans import gather_tokens, KeepMergePlan
-from ..schedules import BlockCost, is_int
+from ..checks import integer, is_int
+from ..schedules import BlockCost
 from .base import BlockSetting, LearnedParams, TokenReducer
 from .tags import MacsTargetTagged
-from .params import COMMON, MACS_TARGET, Param, check_macs_weight, optional
+from .params import COMMON, MACS_TARGET, REQUIRED, FromConfig, Param, check_macs_weight, optional
 from .straight_through import ceil_through, hard_through
 
 EPS = 1e-6  # the size a token dropped in the search keeps (log-size bias log(EPS) ~ -13.8)
@@ -53,9 +54,12 @@ def check_schedule(value: Any) -> Dict[str, List[int]]:
     return {key: [int(c) for c in counts] for key, counts in lists.items()}
 
 
-class DiffRateParams(nn.Module):
+class DiffRateParams(FromConfig, nn.Module):
     """The rate logits of a model of depth blocks and num_patches patch tokens: prune[l - 1] and merge[l - 1]
     (K,) over the candidate counts (num_patches, num_patches - g, ... > 0) of block l >= 1, starting at zero."""
+
+    CONFIG = (Param("depth", REQUIRED, integer("depth", 2)), Param("num_patches", REQUIRED, integer("num_patches", 1)),
+              Param("granularity", REQUIRED, integer("granularity", 1)))
 
     def __init__(self, depth: int, num_patches: int, granularity: int) -> None:
         super().__init__()
@@ -72,13 +76,6 @@ class DiffRateParams(nn.Module):
     def config(self) -> Dict[str, Any]:
         return {"depth": self.depth, "num_patches": self.num_patches, "granularity": self.granularity}
 
-    @classmethod
-    def from_config(cls, config: Dict[str, Any]) -> "DiffRateParams":
-        for key, low in (("depth", 2), ("num_patches", 1), ("granularity", 1)):
-            value = config.get(key)
-            if not is_int(value) or value < low:
-                raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
-        return cls(config["depth"], config["num_patches"], config["granularity"])
 
     def expected(self, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Block's (P, M): the ceilings of the expected candidate counts, with their gradient."""

@@ -27,9 +27,10 @@ from torch import nn
 
 from ..matching import bipartite_soft_matching, max_merges
 from ..plans import gather_tokens
-from ..schedules import BlockCost, is_int
+from ..checks import int_list, integer
+from ..schedules import BlockCost
 from .base import LearnedParams, ScheduledReducer, prop_attn_unless_avg_pool
-from .params import COMMON, SCHEDULE, Param
+from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param
 from .straight_through import clamp_through
 
 CANDIDATES = 3  # k2: each A token's best B tokens the soft selection chooses among
@@ -46,8 +47,11 @@ class MergeSetting(NamedTuple):
     active: int
 
 
-class DTEMParams(nn.Module):
+class DTEMParams(FromConfig, nn.Module):
     """The merge embeddings of a model of width dim: layers[str(block)], Linear(dim, embed_dim), per reducing block."""
+
+    CONFIG = (Param("dim", REQUIRED, integer("dim", 1)), Param("embed_dim", REQUIRED, integer("embed_dim", 1)),
+              Param("blocks", REQUIRED, int_list("blocks", 0, "block indices")))
 
     def __init__(self, dim: int, embed_dim: int, blocks: Sequence[int]) -> None:
         super().__init__()
@@ -57,15 +61,6 @@ class DTEMParams(nn.Module):
     def config(self) -> Dict[str, Any]:
         return {"dim": self.dim, "embed_dim": self.embed_dim, "blocks": list(self.blocks)}
 
-    @classmethod
-    def from_config(cls, config: Dict[str, Any]) -> "DTEMParams":
-        for key in ("dim", "embed_dim"):
-            if not is_int(config.get(key)) or config[key] < 1:
-                raise ValueError(f"{key} must be an integer >= 1, got {config.get(key)!r}")
-        blocks = config.get("blocks")
-        if not isinstance(blocks, list) or not blocks or not all(is_int(b) and b >= 0 for b in blocks):
-            raise ValueError(f"blocks must be a non-empty list of block indices >= 0, got {blocks!r}")
-        return cls(config["dim"], config["embed_dim"], blocks)
 
 
 def soft_selection(scores: torch.Tensor, r: int) -> torch.Tensor:

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checks import int_list, integer
 from ..plans import PrunePlan
 from .base import LearnedParams, Plan, ScheduledReducer
-from .params import COMMON, SCHEDULE, Param
+from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param
 
 EPS = 1e-6  # the size a token dropped in training keeps (log-size bias log(EPS) ~ -13.8)
 RATIO_WEIGHT = 2.0  # the paper's weight of the ratio loss
@@ -51,8 +52,11 @@ class Predictor(nn.Module):
         return self.head(torch.cat([h[..., :half], glob.expand(-1, h.shape[1], -1)], dim=-1)).log_softmax(dim=-1)
 
 
-class DynamicViTParams(nn.Module):
+class DynamicViTParams(FromConfig, nn.Module):
     """The predictors of a model of width dim, one per stage (predictors[str(s)]), and the blocks they follow."""
+
+    CONFIG = (Param("dim", REQUIRED, integer("dim", 4)),
+              Param("blocks", REQUIRED, int_list("blocks", 0, "block indices")))
 
     def __init__(self, dim: int, blocks: Sequence[int]) -> None:
         super().__init__()
@@ -64,14 +68,6 @@ class DynamicViTParams(nn.Module):
     def config(self) -> Dict[str, Any]:
         return {"dim": self.dim, "blocks": list(self.blocks)}
 
-    @classmethod
-    def from_config(cls, config: Dict[str, Any]) -> "DynamicViTParams":
-        dim, blocks = config.get("dim"), config.get("blocks")
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 4:
-            raise ValueError(f"dim must be an integer >= 4, got {dim!r}")
-        if not isinstance(blocks, list) or not blocks or not all(isinstance(b, int) and b >= 0 for b in blocks):
-            raise ValueError(f"blocks must be a non-empty list of block indices >= 0, got {blocks!r}")
-        return cls(dim, blocks)
 
 
 def _blocks(settings: Sequence[Optional[StageSetting]]) -> List[int]:

@@ -23,9 +23,10 @@ from torch import nn
 
 from ..matching import merge_top_r
 from ..plans import MergePlan
-from ..schedules import BlockCost, is_int
+from ..checks import integer, is_int
+from ..schedules import BlockCost
 from .base import GridSettings, LearnedParams, TokenReducer
-from .params import COMMON, Param, flag, optional
+from .params import COMMON, REQUIRED, FromConfig, Param, flag, optional
 
 DROPOUT = 0.1
 
@@ -48,8 +49,10 @@ class BinaryLinear(nn.Linear):
         return F.linear(x, binary * std + mean, self.bias)
 
 
-class FPETParams(nn.Module):
+class FPETParams(FromConfig, nn.Module):
     """The refinement adapter on head_dim-wide key means: (B, n, d) -> (B, n, d), added to its input."""
+
+    CONFIG = (Param("head_dim", REQUIRED, integer("head_dim", 1)),)
 
     def __init__(self, head_dim: int) -> None:
         super().__init__()
@@ -66,12 +69,6 @@ class FPETParams(nn.Module):
     def config(self) -> Dict[str, Any]:
         return {"head_dim": self.head_dim}
 
-    @classmethod
-    def from_config(cls, config: Dict[str, Any]) -> "FPETParams":
-        head_dim = config.get("head_dim")
-        if not is_int(head_dim) or head_dim < 1:
-            raise ValueError(f"head_dim must be an integer >= 1, got {head_dim!r}")
-        return cls(head_dim)
 
 
 class GridSetting(NamedTuple):

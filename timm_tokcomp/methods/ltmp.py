@@ -28,10 +28,11 @@ from torch import nn
 
 from ..matching import keep_best
 from ..plans import GroupPlan
-from ..schedules import BlockCost, is_int, is_real
+from ..checks import integer, is_real
+from ..schedules import BlockCost
 from .base import BlockSetting, LearnedParams, TokenReducer, warn_if_compiling
 from .tags import MacsTargetTagged
-from .params import COMMON, MACS_TARGET, Param, check_macs_weight, optional
+from .params import COMMON, MACS_TARGET, REQUIRED, FromConfig, Param, check_macs_weight, optional
 from .straight_through import clamp_through, hard_through
 
 EPS = 1e-6  # the size a token merged or pruned in training keeps
@@ -60,8 +61,10 @@ def check_tau(value: Any) -> float:
     return float(value)
 
 
-class LTMPParams(nn.Module):
+class LTMPParams(FromConfig, nn.Module):
     """The thresholds of a model of depth blocks: merge (depth,), prune (depth,) in thousandths."""
+
+    CONFIG = (Param("depth", REQUIRED, integer("depth", 1)),)
 
     def __init__(self, depth: int) -> None:
         super().__init__()
@@ -73,12 +76,6 @@ class LTMPParams(nn.Module):
     def config(self) -> Dict[str, Any]:
         return {"depth": self.depth}
 
-    @classmethod
-    def from_config(cls, config: Dict[str, Any]) -> "LTMPParams":
-        depth = config.get("depth")
-        if not is_int(depth) or depth < 1:
-            raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
-        return cls(depth)
 
     def thresholds(self, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Block's (merge, prune) thresholds in [0, 1], with their gradient."""

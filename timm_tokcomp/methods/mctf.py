@@ -12,7 +12,8 @@ import torch
 from ..matching import max_merges
 from ..plans import ClusterPlan, split_tokens
 from ..plans.cluster import cluster_attention, cluster_sum
-from ..schedules import BlockCost, is_real
+from ..checks import is_real
+from ..schedules import BlockCost
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
 

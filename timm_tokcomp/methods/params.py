@@ -10,7 +10,8 @@ from typing import Any, Callable, Dict, Sequence, Tuple
 from ..attention import check_prop_attn
 from ..kernels import check_kernel
 from ..rope import check_rope_merge
-from ..schedules import STUDY_STAGES, check_keep_rate, check_stages, is_real, validate_r
+from ..checks import is_real, optional
+from ..schedules import STUDY_STAGES, check_keep_rate, check_stages, validate_r
 
 REQUIRED = inspect.Parameter.empty  # a Param default meaning: no default, the caller must give it
 
@@ -28,6 +29,19 @@ class Param:
     default: Any = REQUIRED
     check: Callable[[Any], Any] = _identity
     help: str = ""
+
+
+class FromConfig:
+    """Mixin for a learned module saved as its config and weights (timm_tokcomp.learned): CONFIG declares its
+    constructor's arguments as Params, each checked once (ValueError naming the config field); from_config builds
+    the module of the shape a config describes (its values to be loaded)."""
+
+    CONFIG: Tuple[Param, ...] = ()
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]):
+        return cls(**{p.name: p.check(config.get(p.name, None if p.default is REQUIRED else p.default))
+                      for p in cls.CONFIG})
 
 
 def signature(params: Sequence[Param]) -> inspect.Signature:
@@ -68,11 +82,6 @@ def flag(name: str) -> Callable[[Any], Any]:
         return value
 
     return check
-
-
-def optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """check, letting None through."""
-    return lambda value: None if value is None else check(value)
 
 
 def check_flops_ratio(value: Any) -> float:

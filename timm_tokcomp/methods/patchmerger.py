@@ -16,9 +16,10 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
+from ..checks import int_list, integer
 from ..plans import SoftPlan
 from .base import LearnedParams, ScheduledReducer
-from .params import COMMON, SCHEDULE, Param
+from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param
 
 
 class MergerSetting(NamedTuple):
@@ -44,9 +45,12 @@ class MergerLayer(nn.Module):
         return scores.float().softmax(dim=-1).to(tokens.dtype)
 
 
-class PatchMergerParams(nn.Module):
+class PatchMergerParams(FromConfig, nn.Module):
     """PatchMerger's parameters for a model of len(outputs) blocks and width dim: layers[str(l)] (a layer_class)
     for every block l with outputs[l] > 0 (the patch tokens it leaves; 0: the block merges nothing)."""
+
+    CONFIG = (Param("dim", REQUIRED, integer("dim", 1)),
+              Param("outputs", REQUIRED, int_list("outputs", 0, "integers (tokens left per block)")))
 
     layer_class = MergerLayer
 
@@ -59,15 +63,6 @@ class PatchMergerParams(nn.Module):
         """What from_config needs to rebuild these parameters (saved beside them as JSON)."""
         return {"dim": self.dim, "outputs": list(self.outputs)}
 
-    @classmethod
-    def from_config(cls, config: Dict[str, Any]) -> "PatchMergerParams":
-        """Parameters of the shape config describes (values to be loaded). Raises ValueError naming a bad field."""
-        dim, outputs = config.get("dim"), config.get("outputs")
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
-        if not isinstance(outputs, list) or not outputs or not all(isinstance(m, int) and m >= 0 for m in outputs):
-            raise ValueError(f"outputs must be a non-empty list of integers >= 0 (tokens left per block), got {outputs!r}")
-        return cls(dim, outputs)
 
 
 def _outputs(settings: Sequence[Optional[MergerSetting]]) -> List[int]:

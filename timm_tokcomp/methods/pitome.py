@@ -8,7 +8,8 @@ import torch
 
 from ..matching import best_matches, merge_top_r
 from ..plans import MergePlan
-from ..schedules import BlockCost, is_real
+from ..checks import is_real
+from ..schedules import BlockCost
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
 

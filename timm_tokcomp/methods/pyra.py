@@ -19,10 +19,11 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..checks import check_choice, int_list, integer
 from ..plans import gather_tokens, split_tokens, MergePlan
 from ..plans.merge import merge_sum
 from .base import LearnedParams, Plan
-from .params import COMMON, SCHEDULE, Param
+from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param
 from .tome import ToMe, tome_plan
 
 FORMS = ("paper", "pooled")
@@ -53,9 +54,13 @@ def _check_form(form: Any) -> str:
     return form
 
 
-class PyraParams(nn.Module):
+class PyraParams(FromConfig, nn.Module):
     """PYRA's parameters for a model of len(ranks) blocks and width dim: layers[str(l)] is a PyraLayer for
     every block that merges in the training schedule `ranks` ('paper'), or for every block ('pooled')."""
+
+    CONFIG = (Param("dim", REQUIRED, integer("dim", 1)),
+              Param("ranks", REQUIRED, int_list("ranks", 0, "integers (r per block)")),
+              Param("form", "paper", lambda v: check_choice("form", v, FORMS)))
 
     def __init__(self, dim: int, ranks: Sequence[int], form: str = "paper") -> None:
         super().__init__()
@@ -75,17 +80,12 @@ class PyraParams(nn.Module):
 
     @classmethod
     def from_config(cls, config: Dict[str, Any]) -> "PyraParams":
-        """Parameters of the shape config describes (values to be loaded). Raises ValueError naming a bad field."""
-        form, dim, ranks = config.get("form"), config.get("dim"), config.get("ranks")
-        if form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
-        if not isinstance(ranks, list) or not ranks or not all(isinstance(r, int) and r >= 0 for r in ranks):
-            raise ValueError(f"ranks must be a non-empty list of integers >= 0 (r per block), got {ranks!r}")
-        if form == "pooled" and config.get("knots") != KNOTS:
+        """As FromConfig's, and the 'pooled' form's knots must be this version's."""
+        params = super().from_config(config)
+        if params.form == "pooled" and config.get("knots") != KNOTS:
             raise ValueError(f"knots must be {KNOTS} for the 'pooled' form, got {config.get('knots')!r}")
-        return cls(dim, ranks, form)
+        return params
+
 
     def rank_weights(self, layer: int, r: int) -> torch.Tensor:
         """(r,) weights of the merged tokens in score order, already divided by r for 'pooled'."""

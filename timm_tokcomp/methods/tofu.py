@@ -8,7 +8,8 @@ import torch
 
 from ..plans import MergePlan
 from ..plans.merge import merge_keep_destination, merge_mlerp, merge_sum
-from ..schedules import BlockCost, check_int
+from ..checks import check_int
+from ..schedules import BlockCost
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param, optional
 from .tome import tome_plan

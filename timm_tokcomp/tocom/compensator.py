@@ -18,7 +18,7 @@ from torch import nn
 
 from ..core import apply, get_reducer, is_reduced, remove, set_params
 from ..registry import architecture_of
-from ..schedules import is_int, is_real
+from ..checks import is_int, is_real
 
 QUERY, VALUE = 0, 1  # index of the projection in the plugin tensors
 

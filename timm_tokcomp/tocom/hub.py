@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from safetensors.torch import save_file
 
+from ..checks import is_int
 from ..extras import require
 from ..outputs import new_output, refuse_existing, replacing, write_text
 from ..userfiles import hub_snapshot, read_safetensors, read_versioned_json
@@ -87,7 +88,7 @@ def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
     config_path = root / CONFIG_NAME
     config = read_versioned_json(root, CONFIG_NAME, FORMAT_VERSION, "a ToCom compensator repository")
     sizes = {key: config.get(key) for key in ("depth", "width", "attn_dim", "rank_per_projection", "groups")}
-    bad = [k for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    bad = [k for k, v in sizes.items() if not is_int(v) or v < 1]
     if bad:
         raise ValueError(f"{config_path}: {', '.join(bad)} must be integers >= 1, got {sizes}")
     L, D, attn_dim, h, steps = (sizes[k] for k in ("depth", "width", "attn_dim", "rank_per_projection", "groups"))

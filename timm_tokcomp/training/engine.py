@@ -29,7 +29,7 @@ from tqdm import tqdm
 from ..core import __version__
 from ..precision import AMP_NAMES, DTYPES
 from ..outputs import replacing, run_folder, write_text
-from ..schedules import is_int, is_real
+from ..checks import check_int, is_int, is_real
 from ..userfiles import read_torch
 
 CHECKPOINT_FORMAT = 3  # 1: the two trainers' own checkpoints, before this engine (timm_tokcomp 0.1.0); 2: inputs by path
@@ -130,8 +130,7 @@ def check_loop_settings(amp: Optional[bool], amp_dtype: str, accumulate: Any) ->
         raise ValueError(f"--amp must be True, False or None (on for CUDA), got {amp!r}")
     if amp_dtype not in AMP_DTYPES:
         raise ValueError(f"--amp-dtype must be one of {', '.join(AMP_DTYPES)}, got {amp_dtype!r}")
-    if not is_int(accumulate) or accumulate < 1:
-        raise ValueError(f"--accumulate must be an integer >= 1 (batches per optimiser step), got {accumulate!r}")
+    check_int("--accumulate", accumulate, 1, "(batches per optimiser step)")
 
 
 @dataclass
@@ -202,8 +201,8 @@ def train(make_task: Callable[[str, int], TrainingTask], out: str, run_entries: 
     timm_tokcomp.identity) are what a resumed run must share: with resume, the checkpoint is checked against them
     before make_task does any work. old_settings: settings added since a checkpoint may have been written, at the
     value such a checkpoint ran with."""
-    if stop_after is not None and (not is_int(stop_after) or stop_after < 1):
-        raise ValueError(f"--stop-after must be an integer >= 1 ({stop_unit}s), got {stop_after!r}")
+    if stop_after is not None:
+        check_int("--stop-after", stop_after, 1, f"({stop_unit}s)")
     rank, world = rank_and_world()
     dev = torch.device(device)
     forked = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []

@@ -1,22 +1,18 @@
 """The fine-tuning recipe (FinetuneConfig, checked before any work) and what a finished run reports
 (FinetuneResult)."""
-import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 from ..methods import METHODS, make_reducer, method_class, parse_method_tag
+from .config import CheckedFields, bool_field, choice_field, int_field, real_field
 from .engine import check_loop_settings
 
 NO_METHOD = "none"
 AUGMENTS = ("crop-flip", "none")
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 @dataclass
-class FinetuneConfig:
+class FinetuneConfig(CheckedFields):
     """The recipe. method: a method tag ('tome_high', 'pyra_high', 'pyra_r16', 'evit_r8', ...) or 'none';
     method_args: more method parameters (e.g. {'form': 'pooled'}); lr is per batch of batch_size images (no
     scaling; 3e-3 beat PYRA's 1e-3 for 8-epoch runs, chosen on Caltech-101's train / val lists); lora_alpha None = lora_rank (LoRA scaling 1); augment 'crop-flip': random resized crops of
@@ -45,28 +41,16 @@ class FinetuneConfig:
         if self.warmup_epochs is None and isinstance(self.epochs, int) and not isinstance(self.epochs, bool):
             self.warmup_epochs = 1 if self.epochs > 1 else 0  # the default fits every valid epochs
 
+    FIELDS = (*(int_field(name, 1) for name in ("epochs", "batch_size", "eval_batch_size")),
+              *(int_field(name, 0) for name in ("seed", "warmup_epochs", "lora_rank")),
+              real_field("lr"), real_field("weight_decay", strict=False), real_field("lora_alpha", allow_none=True),
+              bool_field("distill"), choice_field("augment", AUGMENTS))
+
     def validate(self) -> None:
         """Raise ValueError naming the command-line flag of the first bad setting, before any work."""
-        for name in ("epochs", "batch_size", "eval_batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
-        for name in ("seed", "warmup_epochs", "lora_rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{_flag(name)} must be an integer >= 0, got {value!r}")
+        self.validate_fields()
         if self.warmup_epochs >= self.epochs:
             raise ValueError(f"--warmup-epochs must be in [0, epochs={self.epochs}), got {self.warmup_epochs}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"--lr must be a finite number > 0, got {self.lr!r}")
-        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay!r}")
-        if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
-            raise ValueError(f"--lora-alpha must be a finite number > 0, got {self.lora_alpha!r}")
-        if not isinstance(self.distill, bool):
-            raise ValueError(f"--distill must be True or False, got {self.distill!r}")
-        if self.augment not in AUGMENTS:
-            raise ValueError(f"--augment must be one of {AUGMENTS}, got {self.augment!r}")
         lo, hi = self.crop_scale
         if not 0 < lo <= hi <= 1:
             raise ValueError(f"--crop-min must be in (0, 1], got crop_scale {self.crop_scale}")

@@ -46,7 +46,7 @@ from ..data import UnlabeledImages, check_num_classes, open_images
 from ..measure import forward_counting
 from ..methods import default_tune_space
 from ..outputs import run_folder, write_text
-from ..schedules import is_int, is_real
+from ..checks import check_int, is_int, is_real
 from .budget import StageBar, TimeBudget, count, estimate_text, monotonic, plan_text
 from .report import OUT_FILES, TuneResult, sample_notes, write_outputs
 from .rows import BUDGET_MEASURES, NOT_REACHED, Candidate, Choice, TuneRow
@@ -77,13 +77,11 @@ def _check_args(batches, budget, min_speedup, limit, prune_images, max_rounds, m
         raise ValueError(f"--budget must be a number of percentage points in [0, 100], got {budget!r}")
     if min_speedup is not None and (not is_real(min_speedup) or not math.isfinite(min_speedup) or min_speedup < 1.0):
         raise ValueError(f"--min-speedup must be a number >= 1, got {min_speedup!r}")
-    if not is_int(prune_images) or prune_images < 1:
-        raise ValueError(f"--prune-images must be an integer >= 1, got {prune_images!r}")
+    check_int("--prune-images", prune_images, 1)
     if not is_int(limit) or limit < prune_images + 1:
         raise ValueError(f"--limit must be an integer above --prune-images ({prune_images}): the images after the "
                          f"first {prune_images} are held out for the agreement that decides; got {limit!r}")
-    if not is_int(max_rounds) or max_rounds < 3:
-        raise ValueError(f"--max-rounds must be an integer >= 3, got {max_rounds!r}")
+    check_int("--max-rounds", max_rounds, 3)
     check_device(device)
     check_modes(modes, device)
 

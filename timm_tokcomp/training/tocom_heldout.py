@@ -13,11 +13,11 @@ from tqdm import tqdm
 
 from ..core import set_params
 from ..outputs import write_text
-from ..training.engine import distill_loss, is_distributed, rank_share
-from .plugins import Plugins
+from ..tocom.plugins import Plugins
+from .engine import distill_loss, is_distributed, rank_share
 
 if TYPE_CHECKING:
-    from .train import TrainConfig
+    from .tocom import TrainConfig
 
 
 @dataclass

@@ -22,23 +22,20 @@ from ..extras import require
 from ..identity import data_digest, weights_digest
 from ..methods import tocom_methods
 from ..patch import check_supported, is_patched
-from ..training.engine import (Schedule, TrainingDiverged, TrainingTask, check_loop_settings, distill_loss,
+from .config import CheckedFields, choice_field, int_field, real_field
+from .engine import (Schedule, TrainingDiverged, TrainingTask, check_loop_settings, distill_loss,
                                rank_and_world, train)
-from .compensator import Compensator
-from .heldout import HeldoutReport, choose_scale, results_summary, write_report
+from ..tocom.compensator import Compensator
+from ..tocom.plugins import Plugins
+from .tocom_heldout import HeldoutReport, choose_scale, results_summary, write_report
 from .mosaic import split_images
-from .plugins import Plugins
 
 RUN_ENTRIES = ("tocom_config.json", "README.md", "step_*", "training")  # what a run writes into --out
 HOLDOUT_PICKS = ("spread", "end")
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 @dataclass
-class TrainConfig:
+class TrainConfig(CheckedFields):
     """Hyper-parameters. lr is per 256 images (scaled by the global batch size); warmup_steps None =
     5% of steps; holdout: images never trained on, for the held-out loss and for choosing the inference
     scale among scale_grid, picked evenly spaced through the folder's sorted order (holdout_pick
@@ -66,22 +63,14 @@ class TrainConfig:
     amp_dtype: str = "bfloat16"
     accumulate: int = 1  # batches per optimiser step (the global batch is batch_size x processes x accumulate)
 
+    FIELDS = (*(int_field(name, 1) for name in ("steps", "batch_size", "rank", "groups", "checkpoint_every")),
+              *(int_field(name, 0) for name in ("holdout", "seed")),
+              *(real_field(name) for name in ("lr", "temperature", "scale")), real_field("weight_decay", strict=False),
+              choice_field("holdout_pick", HOLDOUT_PICKS))
+
     def validate(self) -> None:
         """Raise ValueError naming the command-line flag of the first bad hyper-parameter, before any work."""
-        for name in ("steps", "batch_size", "rank", "groups", "checkpoint_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
-        for name in ("holdout", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{_flag(name)} must be an integer >= 0, got {value!r}")
-        for name in ("lr", "temperature", "scale"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{_flag(name)} must be a finite number > 0, got {value!r}")
-        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay!r}")
+        self.validate_fields()
         if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"--warmup-steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
         lo, hi = self.crop_scale
@@ -89,8 +78,6 @@ class TrainConfig:
             raise ValueError(f"--crop-min must be in (0, 1] (crop_scale (lo, hi), 0 < lo <= hi <= 1), got {self.crop_scale}")
         if not self.mosaic or min(self.mosaic) < 1:
             raise ValueError(f"--mosaic must hold grid sizes >= 1, got {self.mosaic}")
-        if self.holdout_pick not in HOLDOUT_PICKS:
-            raise ValueError(f"--holdout-pick must be one of {', '.join(HOLDOUT_PICKS)}, got {self.holdout_pick!r}")
         if self.method not in tocom_methods():
             raise ValueError(f"--method must be one of {', '.join(tocom_methods())}, got {self.method!r}")
         if not self.scale_grid or not all(math.isfinite(s) and s > 0 for s in self.scale_grid):
@@ -186,7 +173,7 @@ class ToComTask(TrainingTask):
                                    "no compensator saved")
         compensator = self.plugins.to_compensator(chosen)
         if writer:
-            from .hub import save
+            from ..tocom.hub import save
 
             write_report(out / "training", report, config, chosen)
             save(compensator, str(out), self.base_model, method=config.method,

@@ -4,10 +4,10 @@ from typing import TYPE_CHECKING, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..training.engine import SeededAugment
+from .engine import SeededAugment
 
 if TYPE_CHECKING:
-    from .train import TrainConfig
+    from .tocom import TrainConfig
 
 
 class Mosaic(torch.utils.data.Dataset):

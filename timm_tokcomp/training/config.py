@@ -1,0 +1,42 @@
+"""What the training configs (finetune's FinetuneConfig, ToCom's TrainConfig) share: each field's check declared once,
+as a Param whose error names the field's command-line flag, all run by validate_fields before the config's own checks
+of fields together."""
+from typing import Any, Callable, ClassVar, Sequence, Tuple
+
+from ..checks import check_bool, check_choice, integer, optional, real
+from ..methods.params import Param
+
+
+def flag(name: str) -> str:
+    """A config field's command-line flag: 'batch_size' -> '--batch-size'."""
+    return "--" + name.replace("_", "-")
+
+
+def int_field(name: str, low: int) -> Param:
+    """An integer field >= low."""
+    return Param(name, check=integer(flag(name), low))
+
+
+def real_field(name: str, low: float = 0.0, strict: bool = True, allow_none: bool = False) -> Param:
+    """A finite number field above low (at least low where not strict); None allowed with allow_none."""
+    check: Callable[[Any], Any] = real(flag(name), low, strict)
+    return Param(name, check=optional(check) if allow_none else check)
+
+
+def choice_field(name: str, choices: Sequence[Any]) -> Param:
+    return Param(name, check=lambda value: check_choice(flag(name), value, choices))
+
+
+def bool_field(name: str) -> Param:
+    return Param(name, check=lambda value: check_bool(flag(name), value))
+
+
+class CheckedFields:
+    """Mixin for a dataclass config: FIELDS checks each named field alone and keeps what its check returns."""
+
+    FIELDS: ClassVar[Tuple[Param, ...]] = ()
+
+    def validate_fields(self) -> None:
+        """Raise ValueError naming the flag of the first bad field, in FIELDS' order."""
+        for param in self.FIELDS:
+            setattr(self, param.name, param.check(getattr(self, param.name)))
