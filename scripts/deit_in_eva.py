@@ -17,7 +17,7 @@ from tqdm import tqdm
 import timm_tokcomp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_families import eva_from_deit  # noqa: E402
+from conftest import eva_from_deit  # noqa: E402
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from timm_tokcomp.data import UnlabeledImages
 from timm_tokcomp.training.engine import SeededAugment, Schedule, TrainingTask, distill_loss, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_families import eva_from_deit  # noqa: E402
+from conftest import eva_from_deit  # noqa: E402
 
 
 class RopeDistill(TrainingTask):

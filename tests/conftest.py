@@ -1,4 +1,6 @@
+import hashlib
 import os
+import warnings
 
 # the Triton kernels run in Triton's CPU interpreter in these tests: must be set before they are defined
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -6,13 +8,16 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path  # noqa: E402
 
 import pytest
+import timm
 import torch
 from PIL import Image
 from timm.layers import Attention
 from timm.models.deit import VisionTransformerDistilled
+from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
 
-DATA = Path(os.environ.get("TOKCOMP_DATA", Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
+REPO = Path(__file__).resolve().parents[1]  # the repository's root
+DATA = Path(os.environ.get("TOKCOMP_DATA", REPO / ".." / "shared" / "data"))
 
 SMALL = dict(img_size=32, patch_size=4, embed_dim=48, depth=4, num_heads=3, num_classes=10)
 
@@ -115,3 +120,71 @@ def real_model_and_images(name: str, count: int):
     transform = timm.data.create_transform(**timm.data.resolve_model_data_config(model))
     dataset = timm.data.create_dataset("", root=str(data / "imagenet-val-1300" / "images"))
     return model, torch.stack([transform(dataset[i][0].convert("RGB")) for i in range(count)])
+
+
+# the families' small models (tests/models/test_families.py and every test that runs a family)
+FAMILY_SMALL = dict(img_size=32, patch_size=8, embed_dim=64, num_heads=2, depth=3, num_classes=10)
+# name -> a small version of a real timm architecture (its own config: rope type, head, registers, MLP, qkv)
+FAMILY_MODELS = {
+    "siglip_map": ("vit_base_patch16_siglip_224", {}),
+    "siglip2_map": ("vit_base_patch16_siglip_256", {}),
+    "eva02_cat_swiglu": ("eva02_small_patch14_224", {}),
+    "eva02_swiglu_scale_mlp": ("eva02_base_patch14_224", {}),
+    "dinov3_registers": ("vit_small_patch16_dinov3", {}),
+    "pe_core_rope_map": ("vit_pe_core_base_patch16_224", {}),
+    "ropevit_mixed": ("vit_small_patch16_rope_mixed_224", {}),
+    "rope_split_qkv_layerscale": ("vit_small_patch16_rope_224", dict(qkv_fused=False, init_values=0.1, qk_norm=True)),
+    "rope_grouped_query": ("vit_small_patch16_rope_224", dict(qkv_fused=False, num_kv_heads=1)),
+}
+
+
+def family_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A small random model of a family (FAMILY_MODELS[name]), its 1-d parameters spread around their init."""
+    arch, extra = FAMILY_MODELS[name]
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = timm.create_model(arch, **{**FAMILY_SMALL, **extra, **overrides}).eval()
+    for p in model.parameters():  # LayerScale / head inits near zero would hide differences
+        if p.dim() == 1 and torch.all(p == p.flatten()[0]):
+            p.data.normal_(1.0 if p.flatten()[0] != 0 else 0.0, 0.1)
+    return model
+
+
+def _random_compensator(depth=SMALL["depth"], dim=SMALL["embed_dim"], attn_dim=SMALL["embed_dim"], steps=16, seed=0):
+    from timm_tokcomp.tocom import Compensator
+
+    g = torch.Generator().manual_seed(seed)
+    return Compensator(torch.randn(steps, depth, 2, 2, dim, generator=g),
+                       torch.randn(steps, depth, 2, attn_dim, 2, generator=g), scale=0.1)
+
+
+def _hub_cache(cache: Path, repo_id: str, source: Path, commit: str) -> None:
+    """Lay out `source` as huggingface_hub's cache does: blobs by hash, snapshot symlinks, refs/main."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    for f in sorted(p for p in source.rglob("*") if p.is_file()):
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = repo / "snapshots" / commit / f.relative_to(source)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+
+
+def eva_from_deit(deit: torch.nn.Module) -> Eva:
+    """An Eva (absolute position embedding, no rope, GELU MLP, fused qkv, class token) holding deit's weights."""
+    eva = Eva(img_size=224, patch_size=16, embed_dim=192, depth=12, num_heads=3, global_pool="token",
+              use_fc_norm=False, use_post_transformer_norm=True, num_classes=1000).eval()
+    state = {}
+    for key, value in deit.state_dict().items():
+        if key.endswith("attn.qkv.bias"):
+            q, k, v = value.chunk(3)
+            state[key.replace("qkv.bias", "q_bias")], state[key.replace("qkv.bias", "v_bias")] = q, v
+            eva.get_submodule(key.rpartition(".qkv")[0]).k_bias.copy_(k)  # a non-persistent buffer in Eva
+        elif ".ls" not in key:
+            state[key] = value
+    eva.load_state_dict(state)
+    return eva

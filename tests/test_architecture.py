@@ -149,7 +149,7 @@ def test_a_plan_kinds_execution_lives_in_its_plan_file():
             yield from subclasses(sub)
 
     import timm_tokcomp.methods  # noqa: F401  (every method module, and the plans they subclass)
-    kinds = list(subclasses(Plan))
+    kinds = [k for k in subclasses(Plan) if k.__module__.startswith("timm_tokcomp.")]  # not the tests' toy kinds
     assert {k.__name__ for k in kinds} >= {"MergePlan", "PrunePlan", "ClusterPlan", "GroupPlan", "KeepMergePlan",
                                            "SoftPlan", "TruncatePlan", "ResamplePlan"}
     plans_dir = Path(plans.__file__).parent
@@ -166,3 +166,17 @@ def test_no_module_is_over_450_lines():
     are split)."""
     long = {name: n for name, path in _modules().items() if (n := path.read_text().count("\n")) > 450}
     assert not long, f"modules over 450 lines: {long}"
+
+
+def test_the_tests_mirror_the_floors():
+    """A test module sits in the folder of the floor it tests (tests/<floor>/), or at tests/ when it checks the
+    whole package (its architecture, docs, examples, install, guarantees, public API properties)."""
+    tests = Path(__file__).resolve().parent
+    folders = {"tensors and files": "tensors", "methods": "methods", "models": "models", "kit": "kit",
+               "commands": "commands", "command line": "cli"}
+    assert [name for name, _ in FLOORS] == list(folders)
+    found = {p.parent.name for p in tests.rglob("test_*.py")} - {tests.name}
+    assert found == set(folders.values())
+    whole = {p.name for p in tests.glob("test_*.py")}
+    assert whole == {"test_architecture.py", "test_docs.py", "test_examples.py", "test_install.py",
+                     "test_guarantees.py", "test_properties.py"}

@@ -217,7 +217,7 @@ def test_killed_runs_leave_complete_files_and_resume_to_the_uninterrupted_result
 # ToCom switching state that outlives the weights it was computed from
 
 def _deit_like_with_compensator():
-    from test_tocom import _random_compensator
+    from conftest import _random_compensator
     from timm_tokcomp.tocom import attach
 
     model = make_model("cls")
@@ -275,7 +275,7 @@ def test_an_empty_batch_gives_an_empty_output(method):
 
 def test_a_compensator_for_another_model_is_refused_by_name():
     from timm_tokcomp.tocom import attach
-    from test_tocom import _random_compensator
+    from conftest import _random_compensator
 
     import timm
 
@@ -290,7 +290,7 @@ def test_a_compensator_for_another_model_is_refused_by_name():
 
 
 def _tiny_adapter(folder: Path) -> Path:
-    from test_tocom import _random_compensator
+    from conftest import _random_compensator
     from timm_tokcomp.tocom import save
 
     save(_random_compensator(depth=6, dim=64, attn_dim=64), str(folder), "test_vit")

@@ -115,7 +115,7 @@ def test_any_call_order_keeps_the_model_consistent(calls):
                                               st.booleans(), st.none()),
        order=st.lists(st.integers(0, 16), min_size=1, max_size=4))
 def test_compensator_switching_is_transactional(r, scale, order):
-    from test_tocom import _random_compensator
+    from conftest import _random_compensator
     from timm_tokcomp.tocom import attach, detach, set_compression
 
     model = make_model("cls")

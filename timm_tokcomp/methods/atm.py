@@ -138,6 +138,7 @@ class ATM(TokenReducer):
     """
 
     name = "atm"
+    batch_adaptive = True  # one merge count per batch: the mean of its images' counts
     data_dependent = True
     export_refusal = "the number of tokens it merges is counted from the data in every forward"
     listed_tags = ("atm",)

@@ -43,6 +43,7 @@ class ATS(ScheduledReducer):
     block (the batch's largest count)."""
 
     name = "ats"
+    holds_patches = "dropped"
     data_dependent = True
     export_refusal = "the number of tokens it keeps is counted from the data in every forward"
     tune_space = ({"keep_rate": 0.9},)

@@ -65,6 +65,11 @@ class TokenReducer(ABC):
     # where in its block a reducing block reduces (see reduces_at)
     reduces_at: str = "after_attention"
     masks_by_size: ClassVar[bool] = False  # pads images to one count with size-0 tokens (needs prop_attn)
+    # how the source map (trace_source) holds the patches: 'whole' (each by one token, sizes count them), 'dropped'
+    # (a pruned patch by none), 'soft' (shared out by weights summing to 1), 'similarity' (pruned ones by none, a
+    # merged token's size grows by its similarity to its keeper: DiffRate)
+    holds_patches: ClassVar[str] = "whole"
+    batch_adaptive: ClassVar[bool] = False  # the token count is decided per batch, so a batch differs from its images
     PARAMS: ClassVar[Tuple[Param, ...]] = COMMON
     # traits the commands read (bench, speed, tune, export, the registry, ToCom), declared beside the method
     data_dependent: ClassVar[bool] = False  # token counts read from the data (a host-side count per block):

@@ -38,6 +38,7 @@ class DCT(PlansOnTokens, ScheduledReducer):
     mean-preserving map. Proportional attention is off by default, as in OpenToMe."""
 
     name = "dct"
+    holds_patches = "soft"
     export_refusal = None
     tune_space = ()  # not in tune's default space: far below ToMe at matched GMACs (docs/study.md)
     min_keep_rate = 0.5

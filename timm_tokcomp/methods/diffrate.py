@@ -130,6 +130,7 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
     compiles_by_region = False  # each block's counts are read from a list by its block number
 
     name = "diffrate"
+    holds_patches = "similarity"
     export_refusal = None
     needs_class_token = True
     masks_by_size = True

@@ -91,6 +91,7 @@ class DynamicViT(LearnedParams, ScheduledReducer):
     compiles_by_region = False  # each stage's predictor is looked up by its stage number
 
     name = "dynamicvit"
+    holds_patches = "dropped"
     export_refusal = None
     masks_by_size = True
     learned_class = DynamicViTParams

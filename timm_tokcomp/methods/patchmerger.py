@@ -89,6 +89,7 @@ class PatchMerger(LearnedParams, ScheduledReducer):
     compiles_by_region = False  # each block's merger is looked up by its layer number
 
     name = "patchmerger"
+    holds_patches = "soft"
     export_refusal = None
     learned_class = PatchMergerParams
     learned_param = "merger_params"

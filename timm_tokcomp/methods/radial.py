@@ -57,6 +57,8 @@ class Radial(GridSettings, ScheduledReducer):
     """Keeps the tokens nearest the centre of the model's patch grid (no metric is read). Needs a model whose every
     reduction is radial (the tokens present are always the n patches nearest the centre)."""
 
+    holds_patches = "dropped"
+
     compiles_by_region = False  # the kept positions are a host-side list per token count
 
     ord: float

@@ -40,4 +40,5 @@ class Sinkhorn(PatchMerger):
     model.tokcomp['sinkhorn']."""
 
     name = "sinkhorn"
+    holds_patches = "soft"
     learned_class = SinkhornParams

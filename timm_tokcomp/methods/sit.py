@@ -38,4 +38,5 @@ class SiT(PatchMerger):
     """Learned token slimming; parameters as `merger_params`, on the model as model.tokcomp['sit']."""
 
     name = "sit"
+    holds_patches = "soft"
     learned_class = SiTParams

@@ -24,6 +24,7 @@ class TopK(ScheduledReducer):
     unless asked (kept tokens all have size 1)."""
 
     name = "topk"
+    holds_patches = "dropped"
     export_refusal = None
     tune_space = ({"keep_rate": 0.9}, {"keep_rate": 0.7})
     needs_class_token = True

@@ -1,6 +1,5 @@
 """The shipped PYRA-high Caltech-101 adapter loads with stock peft and scores what its card says."""
 import json
-from pathlib import Path
 
 import pytest
 import timm
@@ -9,9 +8,9 @@ import torch
 from timm_tokcomp.data import open_dataset
 from timm_tokcomp.training import load_finetuned
 from timm_tokcomp.training.finetune import predict
-from conftest import require_data
+from conftest import REPO, require_data
 
-SHIPPED = Path(__file__).resolve().parents[1] / "hub_cards" / "deit_tiny_patch16_224-caltech101-pyra-high"
+SHIPPED = REPO / "hub_cards" / "deit_tiny_patch16_224-caltech101-pyra-high"
 pytestmark = pytest.mark.realdata
 
 

@@ -63,7 +63,7 @@ def test_graph_replays_the_eager_forward(kernel):
     """Replays equal eager forwards on new inputs (the same kernels, so the same bits), each call returns its own
     tensor, the capture takes well under the issue's 60 s, and other shapes are refused."""
     if kernel == "triton" and os.environ.get("TRITON_INTERPRET") == "1":  # conftest's default, for CPU tensors
-        pytest.skip("the compiled kernels on CUDA: run `TRITON_INTERPRET=0 pytest tests/test_graphs.py` on the GPU "
+        pytest.skip("the compiled kernels on CUDA: run `TRITON_INTERPRET=0 pytest tests/tensors/test_graphs.py` on the GPU "
                     "(Triton's interpreter on CUDA tensors is not what users run, and failed on an H200)")
     model = timm.create_model("deit_small_patch16_224").cuda().eval()
     timm_tokcomp.apply(model, "tome", r=16, kernel=kernel)

@@ -1,5 +1,4 @@
 """Real DeiT-Tiny weights and 1,300 real ImageNet images (../shared/data/README.md facts)."""
-from pathlib import Path
 
 import pytest
 import timm
@@ -8,12 +7,12 @@ from safetensors.torch import load_file
 
 import timm_tokcomp
 from timm_tokcomp.bench import run_bench
-from conftest import require_data
+from conftest import REPO, require_data
 
 pytestmark = pytest.mark.realdata
 
 
-SHIPPED_TOCOM = Path(__file__).resolve().parents[1] / "hub_cards" / "deit_tiny_patch16_224-tocom"
+SHIPPED_TOCOM = REPO / "hub_cards" / "deit_tiny_patch16_224-tocom"
 
 
 @pytest.fixture(scope="module")

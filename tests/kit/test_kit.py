@@ -2,6 +2,7 @@
 declared in one file plus its line in METHODS, seen by bench, speed, tune, export and `tokcomp methods`."""
 import copy
 import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import pytest
@@ -13,10 +14,10 @@ from timm_tokcomp.cli import main
 from timm_tokcomp.kit import modes
 from timm_tokcomp.kit.paths import FastPath, default_path, fast_paths
 from timm_tokcomp.kit.presets import versions, write_preset
-from timm_tokcomp.plans import TruncatePlan
+from timm_tokcomp.plans import Plan, Reduced
 from timm_tokcomp.methods.base import ScheduledReducer
 from timm_tokcomp.precision import device_description
-from conftest import make_model
+from conftest import REPO, make_model
 
 
 def _preset(path, method="tome", params=None, mode="eager", dtype="fp32", device="cpu"):
@@ -162,8 +163,26 @@ def test_tune_asks_the_chooser():
             [(p.mode, p.params(method, params)) for p in paths]
 
 
-class KeepFirst(ScheduledReducer):
-    """A toy method, declared as a new method is: each reducing block keeps its first tokens."""
+@dataclass
+class KeepLastPlan(Plan):
+    """A toy plan kind, declared as a new kind is (its own apply and at_destinations, no line anywhere else): keep the
+    prefix tokens and the last num_keep others."""
+
+    num_prefix: int
+    num_keep: int
+
+    def _keep(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else torch.cat([t[:, :self.num_prefix], t[:, t.shape[1] - self.num_keep:]], dim=1)
+
+    def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
+        return self._keep(x), self._keep(size), self._keep(source)
+
+    def at_destinations(self, t: torch.Tensor) -> torch.Tensor:
+        return t[:, t.shape[1] - self.num_keep:]
+
+
+class KeepLast(ScheduledReducer):
+    """A toy method, declared as a new method is, with its own plan kind: each reducing block keeps its last tokens."""
 
     name = "toykeep"
     data_dependent = True  # declared so, to see speed and tune keep it to eager mode
@@ -173,14 +192,14 @@ class KeepFirst(ScheduledReducer):
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k
 
-    def plan(self, metric: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[TruncatePlan]:
-        return TruncatePlan(metric.shape[2] - r) if r > 0 else None
+    def plan(self, metric: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[KeepLastPlan]:
+        return KeepLastPlan(num_prefix, metric.shape[2] - num_prefix - r) if r > 0 else None
 
 
 @pytest.fixture
 def toy_method(monkeypatch):
-    monkeypatch.setitem(methods.METHODS, KeepFirst.name, KeepFirst)  # its line in METHODS
-    return KeepFirst.name
+    monkeypatch.setitem(methods.METHODS, KeepLast.name, KeepLast)  # its line in METHODS
+    return KeepLast.name
 
 
 def test_a_new_method_is_its_class_and_its_line_in_methods(toy_method, monkeypatch, capsys):
@@ -212,15 +231,21 @@ def test_a_new_method_is_its_class_and_its_line_in_methods(toy_method, monkeypat
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
     assert "toykeep\n  tags: toykeep_r<k>" in out
+    # its plan kind serves a rope model too: the kept tokens keep their own rotary positions
+    from conftest import family_model
+
+    rope = timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "toykeep", r=2)
+    with torch.no_grad():
+        assert torch.isfinite(rope(torch.randn(2, 3, 32, 32))).all()
+    stats = timm_tokcomp.last_stats(rope)
+    assert stats.tokens_per_block[1:] == [stats.tokens_per_block[0] - 2 * i for i in range(1, len(rope.blocks))]
     assert "token counts read from the data (eager only); no ONNX export (a toy method for the tests)" in out
 
 
 def test_every_parameter_has_its_one_line_help_and_the_docs_show_the_table():
-    from pathlib import Path
-
     missing = [(name, p.name) for name, cls in methods.METHODS.items() for p in cls.PARAMS if not p.help]
     assert missing == []
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "methods.md").read_text()
+    docs = (REPO / "docs" / "methods.md").read_text()
     assert methods.parameter_markdown() in docs
 
 

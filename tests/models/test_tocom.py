@@ -4,13 +4,7 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp.tocom import Compensator, attach, detach, set_compression
-from conftest import SMALL, make_model
-
-
-def _random_compensator(depth=SMALL["depth"], dim=SMALL["embed_dim"], attn_dim=SMALL["embed_dim"], steps=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return Compensator(torch.randn(steps, depth, 2, 2, dim, generator=g),
-                       torch.randn(steps, depth, 2, attn_dim, 2, generator=g), scale=0.1)
+from conftest import SMALL, _random_compensator, make_model
 
 
 def test_delta_is_the_signed_scaled_sum_of_the_steps_between():

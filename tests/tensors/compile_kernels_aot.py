@@ -1,5 +1,5 @@
 """Compile every Triton kernel of the package to a cubin for one GPU architecture, in each dtype, without a GPU:
-`python tests/compile_kernels_aot.py 90`. Run without TRITON_INTERPRET (interpreted kernels cannot be compiled).
+`python tests/tensors/compile_kernels_aot.py 90`. Run without TRITON_INTERPRET (interpreted kernels cannot be compiled).
 Prints one line per kernel; exits non-zero on the first kernel the GPU compiler rejects."""
 import itertools
 import sys

@@ -1,14 +1,13 @@
 """The shipped DeiT-Tiny compensator on the real weights: composing 0 -> 8 and then 8 -> 16 gives the weights
 of 0 -> 16 (to fp32 round-off), and switching back and forth 100 times does not drift."""
-from pathlib import Path
 
 import pytest
 import torch
 
 from timm_tokcomp.tocom import attach, compensate, detach, load, set_compression
-from conftest import real_model_and_images
+from conftest import REPO, real_model_and_images
 
-SHIPPED = Path(__file__).resolve().parents[1] / "hub_cards" / "deit_tiny_patch16_224-tocom"
+SHIPPED = REPO / "hub_cards" / "deit_tiny_patch16_224-tocom"
 pytestmark = pytest.mark.realdata
 
 

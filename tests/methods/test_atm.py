@@ -8,7 +8,7 @@ import torch
 import timm_tokcomp
 from timm_tokcomp.matching import batch_adaptive_r, best_matches, count_above, size_distinctive_split
 from timm_tokcomp.methods.atm import ATM, PRESETS, ATMStep, get_preset, model_family, threshold_schedule
-from conftest import SMALL, make_model
+from conftest import REPO, SMALL, make_model
 
 
 def test_threshold_schedule_values():
@@ -184,7 +184,7 @@ def test_every_paper_setting_is_a_preset_of_its_model():
     import csv
     from pathlib import Path
 
-    table = Path(__file__).resolve().parents[2] / "shared" / "reference" / "atm_table_a2_a5.csv"
+    table = REPO.parent / "shared" / "reference" / "atm_table_a2_a5.csv"
     if not table.is_file():
         table = Path(timm_tokcomp.__file__).parent / "assets" / "atm_paper_settings.csv"
     widths = {"deit_tiny_patch16_224": 192, "deit_small_patch16_224": 384, "deit_base_patch16_224": 768,

@@ -14,38 +14,12 @@ from timm_tokcomp.plans import ClusterPlan
 from conftest import reducing_setting, thresholds
 from timm_tokcomp.methods import METHODS
 from timm_tokcomp.rope import TokenPositions, grid_coords, rope_rows
-from conftest import positions_seen, real_model_and_images
+from conftest import FAMILY_MODELS, FAMILY_SMALL, eva_from_deit, family_model, positions_seen, real_model_and_images
 
-SMALL = dict(img_size=32, patch_size=8, embed_dim=64, num_heads=2, depth=3, num_classes=10)
-# name -> a small version of a real timm architecture (its own config: rope type, head, registers, MLP, qkv)
-FAMILY_MODELS = {
-    "siglip_map": ("vit_base_patch16_siglip_224", {}),
-    "siglip2_map": ("vit_base_patch16_siglip_256", {}),
-    "eva02_cat_swiglu": ("eva02_small_patch14_224", {}),
-    "eva02_swiglu_scale_mlp": ("eva02_base_patch14_224", {}),
-    "dinov3_registers": ("vit_small_patch16_dinov3", {}),
-    "pe_core_rope_map": ("vit_pe_core_base_patch16_224", {}),
-    "ropevit_mixed": ("vit_small_patch16_rope_mixed_224", {}),
-    "rope_split_qkv_layerscale": ("vit_small_patch16_rope_224", dict(qkv_fused=False, init_values=0.1, qk_norm=True)),
-    "rope_grouped_query": ("vit_small_patch16_rope_224", dict(qkv_fused=False, num_kv_heads=1)),
-}
 ROPE_MODELS = [name for name in FAMILY_MODELS if name not in ("siglip_map", "siglip2_map")]
-BATCH_ADAPTIVE = {"atm"}  # one merge count per batch: the mean of the images' counts, by design
 TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.dense)
 PARAMS = {"atm": dict(alpha=0.2, beta=0.0, theta_min=0.2, prefix_only_last_block=False),
           "ltmp": lambda depth: dict(threshold_params=thresholds(depth, merge=0.0, prune=2.0))}
-
-
-def family_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    arch, extra = FAMILY_MODELS[name]
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = timm.create_model(arch, **{**SMALL, **extra, **overrides}).eval()
-    for p in model.parameters():  # LayerScale / head inits near zero would hide differences
-        if p.dim() == 1 and torch.all(p == p.flatten()[0]):
-            p.data.normal_(1.0 if p.flatten()[0] != 0 else 0.0, 0.1)
-    return model
 
 
 @pytest.fixture
@@ -85,7 +59,7 @@ def test_every_method_reduces_every_family(name, method, images):
         out = model(images)
         assert out.shape == (2, 10) and torch.isfinite(out).all()
         assert torch.equal(out, model(images))  # deterministic
-        for i in range(2 if method not in BATCH_ADAPTIVE else 0):  # batch results equal per-image results
+        for i in range(2 if not METHODS[method].batch_adaptive else 0):  # batch results equal per-image results
             torch.testing.assert_close(model(images[i:i + 1]), out[i:i + 1], atol=1e-4, rtol=1e-4)
     stats = timm_tokcomp.last_stats(model)
     assert stats.tokens_out < stats.tokens_per_block[0]
@@ -136,7 +110,7 @@ def test_map_head_pools_a_merged_pair_as_the_two_identical_tokens(name):
     else:
         def make():
             torch.manual_seed(0)
-            return Eva(**SMALL, global_pool="map", use_abs_pos_emb=False, use_rot_pos_emb=False).eval()
+            return Eva(**FAMILY_SMALL, global_pool="map", use_abs_pos_emb=False, use_rot_pos_emb=False).eval()
     torch.manual_seed(3)
     images = torch.randn(2, 3, 32, 32)
     images[:, :, :8, 8:16] = images[:, :, :8, :8]  # patches 0 and 1 (A and B of ToMe's split) identical
@@ -229,7 +203,7 @@ def test_forward_intermediates_and_features_only_on_a_rope_model(images):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         backbone = timm.create_model("vit_small_patch16_dinov3.tome_r2", features_only=True, out_indices=(1, 2),
-                                     **{k: v for k, v in SMALL.items() if k != "num_classes"})
+                                     **{k: v for k, v in FAMILY_SMALL.items() if k != "num_classes"})
     with torch.no_grad():
         assert [tuple(f.shape) for f in backbone(images)] == [(2, 64, 4, 4)] * 2
 
@@ -242,22 +216,6 @@ def test_compile_runs_a_rope_model(images):
 
 
 # DeiT-Tiny's real weights in an Eva configured to match it: every part of the Eva path except rope, with real weights
-
-
-def eva_from_deit(deit: torch.nn.Module) -> Eva:
-    """An Eva (absolute position embedding, no rope, GELU MLP, fused qkv, class token) holding deit's weights."""
-    eva = Eva(img_size=224, patch_size=16, embed_dim=192, depth=12, num_heads=3, global_pool="token",
-              use_fc_norm=False, use_post_transformer_norm=True, num_classes=1000).eval()
-    state = {}
-    for key, value in deit.state_dict().items():
-        if key.endswith("attn.qkv.bias"):
-            q, k, v = value.chunk(3)
-            state[key.replace("qkv.bias", "q_bias")], state[key.replace("qkv.bias", "v_bias")] = q, v
-            eva.get_submodule(key.rpartition(".qkv")[0]).k_bias.copy_(k)  # a non-persistent buffer in Eva
-        elif ".ls" not in key:
-            state[key] = value
-    eva.load_state_dict(state)
-    return eva
 
 
 @pytest.mark.realdata
@@ -303,7 +261,7 @@ def test_an_adapter_around_evas_fused_qkv_runs(images):
 
 
 def test_tocom_refuses_split_qkv_projections():
-    from test_tocom import _random_compensator
+    from conftest import _random_compensator
     from timm_tokcomp.tocom import attach
 
     with pytest.raises(ValueError, match=r"fused qkv projection; blocks\[0\].attn \(AttentionRope\) has split"):

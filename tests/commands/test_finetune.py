@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 import timm_tokcomp
 from timm_tokcomp.cli import main
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
-from test_tocom_hub import _hub_cache
+from conftest import _hub_cache
 
 MODEL = "deit_tiny_patch16_224"  # random weights: the tests check the machinery, not accuracy
 

@@ -1,5 +1,4 @@
 """ToCom adapters on disk and on the Hub: round trip, stock peft loads one step, offline HF cache."""
-import hashlib
 import os
 import subprocess
 import sys
@@ -10,8 +9,7 @@ import torch
 from peft import PeftModel
 
 from timm_tokcomp.tocom import attach, compensate, load, push_to_hub, save
-from conftest import SMALL, make_model
-from test_tocom import _random_compensator
+from conftest import SMALL, _hub_cache, _random_compensator, make_model
 
 
 def test_save_load_round_trip_is_exact(tmp_path):
@@ -85,21 +83,6 @@ def test_a_non_finite_lora_a_is_refused(tmp_path):
     save_file(tensors, str(f))
     with pytest.raises(ValueError, match="step_01.* holds NaN or inf in tensor 'base_model.model.blocks.2.attn.qkv"):
         load(str(tmp_path))
-
-
-def _hub_cache(cache: Path, repo_id: str, source: Path, commit: str) -> None:
-    """Lay out `source` as huggingface_hub's cache does: blobs by hash, snapshot symlinks, refs/main."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    for f in sorted(p for p in source.rglob("*") if p.is_file()):
-        data = f.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(data)
-        link = repo / "snapshots" / commit / f.relative_to(source)
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)
 
 
 def test_load_from_the_hub_cache_offline(tmp_path):

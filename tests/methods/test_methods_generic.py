@@ -18,9 +18,6 @@ NOTHING["diffrate"] = dict(schedule={"prune": [N_PATCH] * SMALL["depth"], "merge
 NOTHING["ltmp"] = lambda: dict(threshold_params=thresholds(SMALL["depth"], merge=1.0))  # no cosine exceeds 1; no importance is < 0
 REDUCING = {"atm": dict(alpha=0.5, beta=0.0, theta_min=0.5, prefix_only_last_block=False),
             "ltmp": lambda: dict(threshold_params=thresholds(SMALL["depth"], merge=0.5, prune=2.0))}
-DROPPING = {"topk", "ats", "l1", "l2", "linf", "dynamicvit"}  # pruned patches are dropped, held by no token
-SIMILARITY_SIZED = {"diffrate"}  # prunes, and a merged token's size grows by its similarity (<= 1) to its keeper
-SOFT = {"patchmerger", "sinkhorn", "sit", "dct"}  # patches shared out over tokens by weights: held with total weight 1 up to round-off
 TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.dense)
 
 
@@ -66,14 +63,15 @@ def test_method_contract(method, images):
     held = stats.source.sum(1)  # (B, N0): tokens holding each original token
     assert torch.equal(stats.source[:, :p], torch.eye(N_PATCH + p)[:p].expand(len(images), -1, -1))
     assert torch.equal(stats.size[:, :p], torch.ones(len(images), p, 1))
-    if method in SOFT:
+    holds = METHODS[method].holds_patches
+    if holds == "soft":
         torch.testing.assert_close(stats.size[..., 0], stats.source.sum(-1))
         torch.testing.assert_close(held, torch.ones_like(held))
         assert stats.source.min() >= 0
-    elif method in DROPPING:
+    elif holds == "dropped":
         assert torch.equal(stats.size[..., 0], stats.source.sum(-1))
         assert held.max() == 1 and held.min() == 0
-    elif method in SIMILARITY_SIZED:
+    elif holds == "similarity":
         assert held.max() == 1 and held.min() == 0
         assert (stats.size[..., 0] >= 1).all() and (stats.size[..., 0] <= stats.source.sum(-1) + 1e-5).all()
     else:

@@ -6,7 +6,7 @@ import torch
 
 import timm_tokcomp
 from conftest import DATA, SMALL, make_model, positions_seen, thresholds
-from test_families import family_model
+from conftest import family_model
 
 DEPTH = SMALL["depth"]
 

@@ -92,7 +92,7 @@ def test_bench_onnx_backend_reports_throughput_and_latency(tmp_path, capsys):
                                                   ("dinov3_registers", "dense_tome", {"k": 4})])
 def test_the_newer_families_export(tmp_path, name, method, params):
     """Rope rows recomputed from travelling coordinates, the sized attention pool and the dense Eva block export."""
-    from test_families import family_model
+    from conftest import family_model
 
     model = timm_tokcomp.apply(family_model(name), method, **params)
     path = export_onnx(model, str(tmp_path / "m.onnx"), torch.randn(2, 3, 32, 32))

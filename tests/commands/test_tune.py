@@ -150,7 +150,7 @@ def test_outputs_and_presets(tuned):
         best_lo = max(d.speedup_lo for d in rows if d.batch == r.batch and d.status == "timed")
         assert r.status == "timed" or (r.status.startswith("pruned: its default path [torch, mask] is not a contender")
                                        and default.status == "timed" and default.speedup_hi < max(1.0, best_lo)) \
-            or r.status.startswith("pruned: MACs"), r.status  # (its bound then: tests/test_tune_budget.py)
+            or r.status.startswith("pruned: MACs"), r.status  # (its bound then: tests/commands/test_tune_budget.py)
     assert all(r.agree_n == 12 and r.screen_n == 8 for r in rows)
     for choice in result.choices:
         doc = json.loads((out / f"preset_b{choice.batch}.json").read_text())

@@ -325,7 +325,7 @@ def test_deit_tiny_tome_r16_counts_and_macs():
 @pytest.mark.parametrize("name", ["eva02_cat_swiglu", "dinov3_registers", "ropevit_mixed", "pe_core_rope_map"])
 @pytest.mark.parametrize("rope_merge", ["dst", "centroid"])
 def test_tome_kernels_move_the_rotary_positions_as_the_torch_plan_does(name, rope_merge):
-    from test_families import family_model
+    from conftest import family_model
 
     x = torch.randn(2, 3, 32, 32)
     fused = timm_tokcomp.apply(family_model(name), "tome", r=3, kernel="triton", rope_merge=rope_merge)
