@@ -227,3 +227,9 @@ def test_build_args_reads_what_an_entrypoint_builds_without_building_it():
     other.join()
     assert type(built[0]) is VisionTransformer
     assert type(timm.create_model("test_vit")) is VisionTransformer
+
+    def failing():
+        raise RuntimeError("needs an argument")
+
+    assert VIT.build_args(failing) is None  # nothing to read: the architecture is not listed
+    assert type(timm.create_model("test_vit")) is VisionTransformer
