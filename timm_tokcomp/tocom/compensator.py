@@ -146,10 +146,14 @@ def _fingerprint(weight: torch.Tensor) -> torch.Tensor:
     return torch.stack([flat.sum(), flat.abs().sum(), (flat * ramp).sum()])
 
 
+MAX_SCALE = 1000.0  # |s|: trained scales are about 0.1; far above this the compensated weights overflow a forward
+
+
 def check_scale(scale: Any) -> float:
-    """The scale s as a float; ValueError unless it is a finite number."""
-    if not is_real(scale) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    """The scale s as a float; ValueError unless it is a finite number with |s| <= MAX_SCALE."""
+    if not is_real(scale) or not math.isfinite(scale) or abs(scale) > MAX_SCALE:
+        raise ValueError(f"scale must be a finite number with |scale| <= {MAX_SCALE:g} (trained scales are about 0.1), "
+                         f"got {scale!r}")
     return float(scale)
 
 
