@@ -22,6 +22,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
+from .graphs import GraphedByShape
 from .reducing import COMPILED_BLOCKS, ReducingBlockMixin, ReducingModel
 
 COMPILE_MODES = {"compile": None, "cudagraph": "reduce-overhead"}  # package mode -> torch.compile's mode
@@ -65,13 +66,17 @@ def by_region(model: nn.Module) -> bool:
 def compile(model: nn.Module, mode: str = "compile", backend: str = "inductor"
             ) -> Callable[[torch.Tensor], torch.Tensor]:
     """model as torch.compile runs it: images (B, 3, H, W) -> outputs. mode: 'compile' (Inductor) or 'cudagraph'
-    (Inductor's CUDA graphs, 'reduce-overhead'); backend: torch.compile's ('eager' traces without generating
-    code: a check of what is captured). A reduced model is compiled by regions (RegionallyCompiled); a plain or
-    dense one, and one whose method does not compile by region (TokenReducer.compiles_by_region), whole with
-    static shapes (torch.compile(model, dynamic=False)): the fastest plain model at each batch size."""
+    (CUDA graphs too); backend: torch.compile's ('eager' traces without generating code: a check of what is
+    captured). A reduced model is compiled by regions (RegionallyCompiled), in 'cudagraph' mode with its whole
+    forward captured in one CUDA graph per input shape (graphs.GraphedByShape); a plain or dense one, and one whose
+    method does not compile by region (TokenReducer.compiles_by_region), whole with static shapes
+    (torch.compile(model, dynamic=False), in 'cudagraph' mode with Inductor's CUDA graphs, 'reduce-overhead'): the
+    fastest plain model at each batch size."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
-    kwargs = {"backend": backend} if backend != "inductor" else {"mode": COMPILE_MODES[mode]}
     if by_region(model):
-        return RegionallyCompiled(model, **kwargs)
+        if mode == "cudagraph":  # the regions compiled plainly, the whole forward captured once per input shape
+            return GraphedByShape(model, RegionallyCompiled(model, backend=backend))
+        return RegionallyCompiled(model, backend=backend)
+    kwargs = {"backend": backend} if backend != "inductor" else {"mode": COMPILE_MODES[mode]}
     return torch.compile(model, dynamic=False, **kwargs)

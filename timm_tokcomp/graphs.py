@@ -10,7 +10,7 @@ ATS, whose counts are read from the data. Capturing runs a few eager forwards: n
 """
 import contextlib
 import threading
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -48,26 +48,31 @@ class GraphedForward:
     must not change afterwards: its weights are read in place, but a new method, r or kernel needs a new
     capture. Built under torch.autocast, the graph keeps that autocast dtype. Calls from several threads take
     turns on the one pair of buffers. warmup: eager forwards on a side stream before the capture (Triton kernels
-    compile there)."""
+    compile there). forward: what is captured, model's forward by default (e.g. a regionally compiled model, whose
+    Inductor kernels then replay as one graph); the capturability check runs model eagerly."""
 
-    def __init__(self, model: nn.Module, example: torch.Tensor, warmup: int = 3) -> None:
+    def __init__(self, model: nn.Module, example: torch.Tensor, warmup: int = 3,
+                 forward: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         check_int("warmup", warmup, 1)
         if not example.is_cuda:
             raise ValueError(f"example must be a CUDA tensor (CUDA graphs replay GPU work), got {example.device}")
         check_capturable(model, example)
         self.model = model
+        forward = model if forward is None else forward
         self._replaying = threading.Lock()  # one input and output buffer: calls from several threads take turns
         with torch.inference_mode(False):  # a normal tensor: calls may copy into it inside or outside inference mode
             self.static_input = example.detach().clone()
+        self._rope_tables: Dict[int, Dict[str, torch.Tensor]] = {}  # read by every replay: kept as long as the graph
         side = torch.cuda.Stream(device=example.device)
         side.wait_stream(torch.cuda.current_stream(example.device))
-        with torch.no_grad(), _uncached_autocast(), torch.cuda.stream(side):
-            for _ in range(warmup):
-                model(self.static_input)
-        torch.cuda.current_stream(example.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), _uncached_autocast(), torch.cuda.graph(self.graph):
-            self.static_output = model(self.static_input)
+        with fixed_rope_tables(model, self._rope_tables):
+            with torch.no_grad(), _uncached_autocast(), torch.cuda.stream(side):
+                for _ in range(warmup):
+                    forward(self.static_input)
+            torch.cuda.current_stream(example.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.no_grad(), _uncached_autocast(), torch.cuda.graph(self.graph):
+                self.static_output = forward(self.static_input)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, 3, H, W) as the example -> the model's output for x."""
@@ -80,6 +85,60 @@ class GraphedForward:
             self.static_input.copy_(x)
             self.graph.replay()
             return self.static_output.clone()
+
+
+class GraphedByShape:
+    """forward (images (B, 3, H, W) on CUDA -> outputs) replayed from one CUDA graph per input shape, dtype and
+    device, each captured (GraphedForward, its capturability checked on model) on the first call with that shape.
+    What compiling.compile's 'cudagraph' mode runs for a regionally compiled model: Inductor's own CUDA graphs
+    ('reduce-overhead') start a new generation at each compiled call, so the blocks' outputs, passed from one block's
+    call to the next, would be overwritten (an H200 run failed so); one capture of the whole forward replays the
+    embedding, every compiled block and the head with one launch."""
+
+    def __init__(self, model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.model = model
+        self.forward = forward
+        self.graphs: Dict[tuple, GraphedForward] = {}
+        self._capturing = threading.Lock()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, 3, H, W), a CUDA tensor -> model's output for x."""
+        key = (tuple(x.shape), x.dtype, x.device, torch.is_autocast_enabled("cuda"),
+               torch.get_autocast_dtype("cuda"))
+        with self._capturing:
+            if key not in self.graphs:
+                self.graphs[key] = GraphedForward(self.model, x, forward=self.forward)
+            graphed = self.graphs[key]
+        return graphed(x)
+
+
+@contextlib.contextmanager
+def fixed_rope_tables(model: nn.Module, tables: Dict[int, Dict[str, torch.Tensor]]):
+    """Inside: each rope module's get_embed(...) (timm's rotary tables, (H * W, 2 * dim)) returns the table its
+    first call with the same arguments made, kept in tables (module id -> {arguments: table}). timm's DINOv3 rope
+    builds its grid on the CPU and copies it to the device in every forward, a copy a CUDA graph cannot capture; in
+    eval mode, for one input shape, the table is a constant, so the warm-up forwards make it and the capture reads
+    it. Modules in training mode (coordinate augmentation) are left alone."""
+    wrapped = []
+    for module in model.modules():
+        get_embed = getattr(module, "get_embed", None)
+        if module.training or not callable(get_embed) or "get_embed" in vars(module):
+            continue
+        memo = tables.setdefault(id(module), {})
+
+        def fixed(*args, _get_embed=get_embed, _memo=memo, **kwargs):
+            key = repr((args, sorted(kwargs.items())))
+            if key not in _memo:
+                _memo[key] = _get_embed(*args, **kwargs)
+            return _memo[key]
+
+        module.get_embed = fixed  # an instance attribute in front of the class's method
+        wrapped.append(module)
+    try:
+        yield
+    finally:
+        for module in wrapped:
+            del module.get_embed
 
 
 def _uncached_autocast():

@@ -122,7 +122,7 @@ def run_speed(
     """Forward times of the plain model, every method and every method's limit, interleaved per (mode, batch) so
     that machine noise hits them alike (SpeedRow: medians, and speed-ups with their 95 % intervals).
     Data-dependent methods (ATM, ATS) run in eager mode only. modes: eager, compile, cudagraph (torch.compile
-    mode='reduce-overhead'), graph (the eager forward captured in a CUDA graph, graphs.GraphedForward). data: a
+    with CUDA graphs: compiling.compile), graph (the eager forward in a CUDA graph, graphs.GraphedForward). data: a
     folder of images whose first batch is timed (random inputs without it). on_rows: called with all rows so far after
     each (mode, batch), so a run stopped later keeps what it measured (the CLI writes --out there)."""
     check_batches(batches)

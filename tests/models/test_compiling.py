@@ -179,6 +179,31 @@ def test_compile_mode_of_the_runner_compiles_by_region():
         compiling.compile(_model("tome", r=8), mode="graph")
 
 
+def test_cudagraph_mode_captures_the_regionally_compiled_forward_once_per_shape():
+    """Inductor's CUDA graphs would start a new generation at each block's compiled call and overwrite the outputs
+    the next block reads (an H200 run failed so): the regions compile plainly and one CUDA graph per input shape
+    replays the whole forward. On the CPU the capture is refused with the CUDA reason."""
+    from timm_tokcomp.graphs import GraphedByShape
+    model = _model("tome", r=8)
+    fast = compiling.compile(model, mode="cudagraph", backend="eager")
+    assert isinstance(fast, GraphedByShape) and isinstance(fast.forward, compiling.RegionallyCompiled)
+    assert fast.model is model and fast.forward.model is model
+    with pytest.raises(ValueError, match="example must be a CUDA tensor"):
+        fast(_images(2))
+    assert not isinstance(compiling.compile(_model(), mode="cudagraph", backend="eager"), GraphedByShape)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cudagraph_mode_replays_the_eager_forward_on_cuda():
+    model = _model("tome", r=8).cuda()
+    fast = compiling.compile(model, mode="cudagraph")
+    with torch.no_grad():
+        for batch in (2, 4, 2):
+            x = _images(batch, seed=batch).cuda()
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
+    assert len(fast.graphs) == 2
+
+
 def _step_inputs(batch=2, tokens=41, channels=24, seed=0):
     g = torch.Generator().manual_seed(seed)
     metric, x = torch.randn(batch, tokens, 16, generator=g), torch.randn(batch, tokens, channels, generator=g)

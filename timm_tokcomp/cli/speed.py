@@ -24,7 +24,7 @@ def add(sub: argparse._SubParsersAction) -> None:
                                       f"{SPEED_METHODS_CUDA[1:].replace(',', ', ')}")
     sp.add_argument("--batches", default="1,32,64,256", help="batch sizes (default: %(default)s)")
     sp.add_argument("--modes", default="eager", help="comma list of eager, compile (torch.compile), cudagraph "
-                                                     "(torch.compile mode='reduce-overhead', CUDA only), graph (the "
+                                                     "(compile with CUDA graphs, CUDA only), graph (the "
                                                      "eager forward in a CUDA graph, CUDA only); default: %(default)s")
     device_flag(sp)
     precision_flags(sp)

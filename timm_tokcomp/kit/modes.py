@@ -1,7 +1,7 @@
 """Execution modes and the one runner that builds any of them: what runs a model's forwards in bench, speed, tune
 and deploy. eager: the module itself; compile: torch.compile, a reduced model by regions (its block compiled once,
 batch and token count dynamic: timm_tokcomp.compiling), a plain one whole with static shapes; cudagraph: the same
-with torch.compile's CUDA graphs (mode='reduce-overhead'); graph: the eager forward captured in one CUDA graph
+with CUDA graphs (compiling.compile); graph: the eager forward captured in one CUDA graph
 (graphs.GraphedForward); onnx: the ONNX export in onnxruntime's CPU provider, fp32."""
 from pathlib import Path
 from typing import Callable, Optional, Sequence

@@ -52,8 +52,8 @@ def check_space(space: Sequence[Tuple[str, Dict[str, Any]]], model: nn.Module) -
 
 
 def default_modes(device: str) -> Tuple[str, ...]:
-    """Eager on the CPU; on CUDA also the eager forward in a CUDA graph and torch.compile (default and
-    reduce-overhead)."""
+    """Eager on the CPU; on CUDA also the eager forward in a CUDA graph and torch.compile (without and with CUDA
+    graphs)."""
     return TORCH_MODES if torch.device(device).type == "cuda" else ("eager",)
 
 
