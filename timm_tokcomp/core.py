@@ -31,7 +31,7 @@ def apply(model: nn.Module, method: str = "tome", **params: Any) -> nn.Module:
         if params:
             raise ValueError(f"method 'none' takes no parameters, got {sorted(params)}")
         return remove(model)
-    params = method_class(method).resolve_params(model, params)
+    params = method_class(method).resolve_params(_patch.facade(model), params)
     _patch.patch(model, make_reducer(method, **params))
     return model
 
@@ -50,7 +50,7 @@ def set_params(model: nn.Module, **params: Any) -> nn.Module:
     ATM preset replaces the thresholds not given."""
     reducer = _patch.reducer_of(model)
     cls = type(reducer)
-    merged = cls.resolve_params(model, cls.update_params(reducer.params_for_update(params), params))
+    merged = cls.resolve_params(_patch.facade(model), cls.update_params(reducer.params_for_update(params), params))
     _patch.patch(model, make_reducer(reducer.name, **merged))
     return model
 

@@ -5,6 +5,7 @@ the extra to install:
   plot           matplotlib (bench --plot, tune's pareto.png)
   analysis       scipy, scikit-learn, matplotlib (tokcomp analyze)
   export         onnx, onnxscript, onnxruntime (tokcomp export, bench --backend onnx)
+  hf             transformers (its vision encoders as models to reduce; peft brings it too)
   all            every one of them
 """
 import importlib

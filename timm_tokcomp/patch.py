@@ -1,12 +1,12 @@
 """Make a timm model reduce tokens, and back: swaps the model's, its blocks' and their attention's classes for the
 static subclasses its family gives (timm_tokcomp.families), so parameters and buffers are never touched and
 state_dict keys and weights stay exactly those of the timm model. Refuses, naming why, what no family serves."""
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from .families import FAMILIES, Family, family_of, served_classes
+from .families import Family, family_of, served_classes
 from .families.eva import ReducingEva
 from .families.vit import (DenseBlock, ReducingAttention, ReducingBlock, ReducingVisionTransformer,
                            ReducingVisionTransformerDistilled)
@@ -21,17 +21,22 @@ __all__ = ["DenseBlock", "ReducingAttention", "ReducingBlock", "ReducingEva", "R
 
 _ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_block_cost", "_tokcomp_pool_stats", "_tokcomp_depth")
 _BLOCK_ATTRS = ("_tokcomp_reducer", "_tokcomp_setting", "_tokcomp_num_prefix")
-_PATCHED = {patched for family in FAMILIES for patched in family.plain_models()}
 
 
 def is_patched(model: nn.Module) -> bool:
-    return type(model) in _PATCHED
+    family = family_of(type(model))
+    return family is not None and type(model) in family.plain_models()
 
 
-def _block_cost(block: nn.Module) -> BlockCost:
-    """The MACs of one block of any served family."""
-    family = next(f for f in FAMILIES if f.plain_block(type(block)) is not None)
-    return family.block_cost(block)
+def facade(model: nn.Module) -> Any:
+    """What the methods and patch read of a served model, under timm's attribute names (Family.facade)."""
+    family = family_of(type(model))
+    return model if family is None else family.facade(model)
+
+
+def _block_cost(model: nn.Module) -> BlockCost:
+    """The MACs of one block of a served model."""
+    return family_of(type(model)).block_cost(facade(model).blocks[0])
 
 
 def check_supported(model: nn.Module) -> None:
@@ -55,13 +60,14 @@ def model_depth(model: nn.Module) -> int:
     first blocks (prune_intermediate_layers, as features_only does) before or after the method was applied,
     the depth it was built with (model._tokcomp_depth), so each kept block does what it does in the full model."""
     depth = model.__dict__.get("_tokcomp_depth")
-    return len(model.blocks) if depth is None else depth
+    return len(facade(model).blocks) if depth is None else depth
 
 
 def patch(model: nn.Module, reducer: TokenReducer) -> None:
     """Make `model` reduce tokens with `reducer` (or switch the reducer of a patched model)."""
     check_supported(model)
     family = family_of(type(model))
+    view = family.facade(model)
     depth = model_depth(model)
     reducer.check_depth(depth)
     if reducer.dense:
@@ -73,16 +79,16 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
         refusal = family.lookahead_refusal(model)
         if refusal is not None:
             raise ValueError(refusal)
-    prefix_only_last(model, reducer)  # raises if asked for where it is not exact
-    block_cost = _block_cost(model.blocks[0])
+    prefix_only_last(view, reducer)  # raises if asked for where it is not exact
+    block_cost = _block_cost(model)
     # settings for the model's default input: a budget out of reach (flops_ratio) fails here, not in a forward
-    settings = reducer.settings_for(depth, model.patch_embed.num_patches + model.num_prefix_tokens,
-                                    model.num_prefix_tokens, block_cost, patch_grid(model))
+    settings = reducer.settings_for(depth, view.patch_embed.num_patches + view.num_prefix_tokens,
+                                    view.num_prefix_tokens, block_cost, patch_grid(view))
     # a learned method's parameters are made or checked here
-    reducer.bind(model.embed_dim, settings, model.blocks[0].attn.head_dim)
+    reducer.bind(view.embed_dim, settings, view.blocks[0].attn.head_dim)
     if hasattr(reducer, "mark_made"):
         reducer.mark_made()
-    prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
+    prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(view.global_pool)
     prop_attn = "auto" if prop_attn is True else prop_attn  # on: the implementation measured for the device
     if prop_attn == "fold_qkv":
         refusal = fold_qkv_refusal(model)
@@ -138,11 +144,7 @@ def _swap_classes(model: nn.Module, family: Family, dense: bool) -> None:
     if is_patched(model) and type(model) not in models.values():
         unpatch(model)
     if not is_patched(model):
-        blocks = family.dense_blocks if dense else family.blocks
-        for blk in model.blocks:
-            blk.__class__ = blocks[type(blk)]
-            blk.attn.__class__ = family.attentions[type(blk.attn)]
-        model.__class__ = models[type(model)]
+        family.swap(model, dense)
 
 
 def _patch_dense(model: nn.Module, reducer: TokenReducer, family: Family) -> None:
@@ -152,7 +154,7 @@ def _patch_dense(model: nn.Module, reducer: TokenReducer, family: Family) -> Non
     # a dense method's settings may not depend on the token count: any input size runs the same blocks
     num_prefix = model.num_prefix_tokens
     settings = reducer.settings_for(len(model.blocks), model.patch_embed.num_patches + num_prefix, num_prefix,
-                                    _block_cost(model.blocks[0]), patch_grid(model))
+                                    _block_cost(model), patch_grid(model))
     _swap_classes(model, family, dense=True)
     for blk, setting in zip(model.blocks, settings):
         blk._tokcomp_reducer = reducer
@@ -167,12 +169,10 @@ def unpatch(model: nn.Module) -> None:
     if not is_patched(model):
         raise ValueError("model is not patched by timm_tokcomp")
     family = family_of(type(model))
-    for blk in model.blocks:
-        blk.__class__ = family.plain_block(type(blk))
-        blk.attn.__class__ = family.plain_attention(type(blk.attn))
+    for blk in family.facade(model).blocks:
         for name in _BLOCK_ATTRS:
             blk.__dict__.pop(name, None)
-    model.__class__ = family.plain_models()[type(model)]
+    family.restore(model)
     for name in _ATTRS:
         model.__dict__.pop(name, None)
     model._modules.pop(LEARNED_KEY, None)

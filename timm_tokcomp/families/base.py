@@ -115,6 +115,27 @@ class Family:
     plain_skips_qkv_module: Callable[[nn.Module], bool] = lambda model: False  # timm's own forward reads the qkv
     # weight directly (an adapter wrapped around qkv, such as peft's LoRA, would be skipped while nothing is reduced)
 
+    def facade(self, model: nn.Module) -> Any:
+        """What patch reads of a plain or patched model, with timm's attribute names: blocks (each with .attn,
+        .mlp), embed_dim, num_prefix_tokens, global_pool, patch_embed (num_patches, grid_size,
+        dynamic_feat_size). A timm model is its own facade."""
+        return model
+
+    def swap(self, model: nn.Module, dense: bool) -> None:
+        """Give a plain model, its blocks and their attention the patched classes of one kind."""
+        blocks = self.dense_blocks if dense else self.blocks
+        for blk in model.blocks:
+            blk.__class__ = blocks[type(blk)]
+            blk.attn.__class__ = self.attentions[type(blk.attn)]
+        model.__class__ = (self.dense_models if dense else self.models)[type(model)]
+
+    def restore(self, model: nn.Module) -> None:
+        """Give a patched model, its blocks and their attention their plain classes back."""
+        for blk in model.blocks:
+            blk.__class__ = self.plain_block(type(blk))
+            blk.attn.__class__ = self.plain_attention(type(blk.attn))
+        model.__class__ = self.plain_models()[type(model)]
+
     def serves(self, model_class: type) -> bool:
         return model_class in self.models or model_class in self.plain_models()
 

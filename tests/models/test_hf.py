@@ -1,0 +1,248 @@
+"""transformers' vision encoders (timm_tokcomp.families.hf): ViTModel, ViTForImageClassification, Dinov2Model (with
+registers too), CLIPVisionModel and SiglipVisionModel, small random configurations in both attention implementations
+('sdpa', 'eager'); and DeiT-Tiny's real weights converted into transformers' ViT."""
+import copy
+
+import pytest
+import torch
+
+import timm_tokcomp
+from timm_tokcomp.measure import count_macs
+from timm_tokcomp.methods import METHODS
+from conftest import DATA, require_data
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(image_size=32, patch_size=4, hidden_size=48, num_hidden_layers=4, num_attention_heads=3)
+CONFIGS = {
+    "vit_classifier": lambda: (transformers.ViTForImageClassification,
+                               transformers.ViTConfig(intermediate_size=96, num_labels=5, **SMALL)),
+    "vit": lambda: (transformers.ViTModel, transformers.ViTConfig(intermediate_size=96, **SMALL)),
+    "dinov2": lambda: (transformers.Dinov2Model, transformers.Dinov2Config(mlp_ratio=2, layerscale_value=0.5, **SMALL)),
+    "dinov2_registers": lambda: (transformers.Dinov2WithRegistersModel, transformers.Dinov2WithRegistersConfig(
+        mlp_ratio=2, num_register_tokens=4, **SMALL)),
+    "clip": lambda: (transformers.CLIPVisionModel, transformers.CLIPVisionConfig(intermediate_size=96, **SMALL)),
+    "siglip": lambda: (transformers.SiglipVisionModel, transformers.SiglipVisionConfig(intermediate_size=96, **SMALL)),
+}
+PREFIX = {"vit_classifier": 1, "vit": 1, "dinov2": 1, "dinov2_registers": 5, "clip": 1, "siglip": 0}
+
+
+def hf_model(name, impl="sdpa", seed=0):
+    cls, config = CONFIGS[name]()
+    config._attn_implementation = impl
+    torch.manual_seed(seed)
+    return cls(config).eval()
+
+
+def _images(batch=2, seed=1, size=32):
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def _fields(out):
+    return {k: v for k, v in out.items() if v is not None}
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_r0_is_the_plain_model_bit_for_bit_and_remove_restores_it(name, impl):
+    model = hf_model(name, impl)
+    keys = list(model.state_dict())
+    x = _images()
+    with torch.no_grad():
+        plain = model(x)
+        timm_tokcomp.apply(model, "tome", r=0)
+        assert timm_tokcomp.is_reduced(model) and list(model.state_dict()) == keys
+        reduced = model(x)
+        assert type(reduced) is type(plain) and reduced.keys() == plain.keys()
+        for key, value in _fields(plain).items():
+            assert torch.equal(reduced[key], value), key
+        timm_tokcomp.remove(model)
+        assert type(model) is CONFIGS[name]()[0] and not timm_tokcomp.is_reduced(model)
+        for key, value in _fields(plain).items():
+            assert torch.equal(model(x)[key], value), key
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tome_reduces_every_class_and_set_params_last_stats_count_macs_follow(name):
+    model = timm_tokcomp.apply(hf_model(name), "tome", r=8)
+    x = _images()
+    p = PREFIX[name]
+    with torch.no_grad():
+        out = model(x)
+    stats = timm_tokcomp.last_stats(model)
+    assert stats.tokens_per_block == [64 + p, 56 + p, 48 + p, 40 + p] and stats.tokens_out == 32 + p
+    assert stats.size.shape == (2, 32 + p, 1) and torch.all(stats.size.sum(1) == 64 + p)
+    assert out[0].shape[0] == 2 and all(torch.isfinite(v).all() for v in _fields(out).values())
+    macs = count_macs(model, x)
+    timm_tokcomp.set_params(model, r=4)
+    with torch.no_grad():
+        model(x)
+    assert timm_tokcomp.last_stats(model).tokens_out == 48 + p
+    assert count_macs(model, x) > macs
+    plain_macs = count_macs(timm_tokcomp.remove(model), x)
+    assert plain_macs > count_macs(timm_tokcomp.apply(model, "tome", r=4), x)
+
+
+@pytest.mark.parametrize("method, params", [("evit", dict(r=6)), ("topk", dict(keep_rate=0.7, stages=(2, 3))),
+                                            ("atm", dict(alpha=0.2, beta=0.0, theta_min=0.2)), ("pitome", dict(r=4)),
+                                            ("dct", dict(r=4)), ("kmedoids", dict(keep_rate=0.7, stages=(2, 3)))])
+@pytest.mark.parametrize("name", ["vit_classifier", "dinov2_registers", "siglip"])
+def test_training_free_methods_run_on_transformers_models(name, method, params):
+    if METHODS[method].needs_class_token and name == "siglip":
+        with pytest.raises(ValueError, match="class token"):
+            timm_tokcomp.apply(hf_model(name), method, **params)
+        return
+    model = timm_tokcomp.apply(hf_model(name), method, **params)
+    x = _images()
+    with torch.no_grad():
+        out = model(x)
+        for i in range(0 if METHODS[method].batch_adaptive else 2):  # per image, the same result
+            torch.testing.assert_close(model(x[i:i + 1])[0], out[0][i:i + 1], atol=1e-4, rtol=1e-4)
+    assert timm_tokcomp.last_stats(model).tokens_out < 64 + PREFIX[name]
+
+
+def _masked_plain(model, x, kept):
+    """The plain transformers ViT classifier with the tokens dropped after layer i masked out of attention from
+    layer i + 1 on."""
+    h = model.vit.embeddings(x)
+    mask = None
+    for i, layer in enumerate(model.vit.layers):
+        h = layer(h, mask)
+        mask = torch.zeros(kept[i].shape, dtype=h.dtype).masked_fill(~kept[i], float("-inf"))[:, None, None, :]
+    return model.classifier(model.vit.layernorm(h)[:, 0])
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_pruning_is_the_plain_model_with_the_pruned_tokens_masked(impl):
+    plain = hf_model("vit_classifier", impl)
+    model = timm_tokcomp.apply(copy.deepcopy(plain), "topk", keep_rate=0.5, stages=(2, 3))
+    x = _images()
+    kept = []
+    with torch.no_grad():
+        timm_tokcomp.patch.trace_blocks(model, x, lambda i, tokens, source: kept.append(source.sum(1) > 0.5))
+        assert kept[-1].sum() < kept[0].numel()
+        torch.testing.assert_close(model(x).logits, _masked_plain(plain, x, kept), atol=1e-5, rtol=1e-5)
+
+
+def test_siglip_head_pools_a_merged_pair_as_the_two_identical_tokens():
+    """No position embedding: two identical patches stay identical tokens. ToMe merging that pair in the first
+    layer (one token of size 2, log size in every later attention and in the attention-pool head) changes nothing."""
+    plain = hf_model("siglip")
+    with torch.no_grad():
+        plain.embeddings.position_embedding.weight.zero_()
+    model = timm_tokcomp.apply(copy.deepcopy(plain), "tome", r=[1, 0, 0, 0], trace_source=True)
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 32, 32)
+    x[:, :, :4, 4:8] = x[:, :, :4, :4]  # patches 0 and 1 (A and B of ToMe's split) identical
+    with torch.no_grad():
+        expected, out = plain(x), model(x)
+    stats = timm_tokcomp.last_stats(model)
+    assert stats.tokens_out == 63 and torch.all(stats.source[:, :, 0] == stats.source[:, :, 1])
+    torch.testing.assert_close(out.pooler_output, expected.pooler_output, atol=1e-5, rtol=1e-5)
+
+
+def test_what_a_reduced_model_cannot_serve_is_refused_by_name():
+    model = timm_tokcomp.apply(hf_model("vit"), "tome", r=4)
+    x = _images()
+    for name in ("output_attentions", "output_hidden_states", "bool_masked_pos", "attention_mask"):
+        with pytest.raises(ValueError, match=f"{name} is not supported while tokens are reduced"):
+            model(x, **{name: torch.ones(2, 64, dtype=torch.bool) if name == "bool_masked_pos" else True})
+    with pytest.raises(TypeError, match=r"unexpected arguments \['other'\]"):
+        model(x, other=1)
+    assert isinstance(model(x, return_dict=False), tuple)
+    with pytest.raises(ValueError, match="mctf"):
+        timm_tokcomp.apply(hf_model("vit"), "mctf", r=4)
+    with pytest.raises(TypeError, match="dense methods serve timm's models"):
+        timm_tokcomp.apply(hf_model("vit"), "dense_tome", r=1)
+    flash = hf_model("vit")
+    flash.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="attn_implementation 'flash_attention_2' cannot take the token sizes"):
+        timm_tokcomp.apply(flash, "tome", r=4)
+    assert not timm_tokcomp.is_reduced(flash)
+
+
+def test_interpolated_position_encoding_runs_on_a_larger_image():
+    model = timm_tokcomp.apply(hf_model("vit_classifier"), "tome", r=8)
+    with torch.no_grad():
+        out = model(_images(size=48), interpolate_pos_encoding=True)
+    assert out.logits.shape == (2, 5) and timm_tokcomp.last_stats(model).tokens_per_block[0] == 145
+
+
+def test_labels_give_the_classifiers_loss():
+    model = timm_tokcomp.apply(hf_model("vit_classifier"), "tome", r=8)
+    out = model(_images(), labels=torch.tensor([1, 3]))
+    torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits, torch.tensor([1, 3])))
+
+
+def deit_tiny_as_transformers_vit(state):
+    """timm's DeiT-Tiny state dict -> transformers' ViTForImageClassification with the same weights (layer-norm
+    eps 1e-6, GELU, class-token pooling)."""
+    config = transformers.ViTConfig(image_size=224, patch_size=16, hidden_size=192, num_hidden_layers=12,
+                                    num_attention_heads=3, intermediate_size=768, layer_norm_eps=1e-6,
+                                    hidden_act="gelu", qkv_bias=True, num_labels=1000)
+    config._attn_implementation = "sdpa"
+    model = transformers.ViTForImageClassification(config).eval()
+    mapped = {"vit.embeddings.cls_token": state["cls_token"], "vit.embeddings.position_embeddings": state["pos_embed"],
+              "vit.embeddings.patch_embeddings.projection.weight": state["patch_embed.proj.weight"],
+              "vit.embeddings.patch_embeddings.projection.bias": state["patch_embed.proj.bias"],
+              "vit.layernorm.weight": state["norm.weight"], "vit.layernorm.bias": state["norm.bias"],
+              "classifier.weight": state["head.weight"], "classifier.bias": state["head.bias"]}
+    for i in range(12):
+        timm_block, layer = f"blocks.{i}.", f"vit.layers.{i}."
+        for part in ("weight", "bias"):
+            for timm_name, hf_name in (("norm1", "layernorm_before"), ("norm2", "layernorm_after"),
+                                       ("attn.proj", "attention.o_proj"), ("mlp.fc1", "mlp.fc1"),
+                                       ("mlp.fc2", "mlp.fc2")):
+                mapped[f"{layer}{hf_name}.{part}"] = state[f"{timm_block}{timm_name}.{part}"]
+            for j, qkv in enumerate(state[f"{timm_block}attn.qkv.{part}"].chunk(3)):
+                mapped[f"{layer}attention.{'qkv'[j]}_proj.{part}"] = qkv
+    model.load_state_dict(mapped, strict=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def real_pair():
+    import timm
+    from safetensors.torch import load_file
+
+    from timm_tokcomp.data import LabeledImages
+
+    data = require_data()
+    timm_model = timm.create_model("deit_tiny_patch16_224",
+                                   checkpoint_path=str(data / "deit_tiny_patch16_224.safetensors")).eval()
+    hf = deit_tiny_as_transformers_vit(load_file(str(data / "deit_tiny_patch16_224.safetensors")))
+    transform = timm.data.create_transform(**timm.data.resolve_model_data_config(timm_model))
+    return timm_model, hf, LabeledImages(DATA / "imagenet-val-1300", transform)
+
+
+def test_deit_tiny_converted_into_transformers_gives_timms_logits_plain_and_reduced(real_pair):
+    timm_model, hf, images = real_pair
+    x = torch.stack([images[i][0] for i in range(16)])
+    with torch.no_grad():
+        for r in (0, 8, 16):
+            ours = timm_tokcomp.apply(copy.deepcopy(timm_model), "tome", r=r) if r else timm_model
+            theirs = timm_tokcomp.apply(hf, "tome", r=r) if r else hf
+            torch.testing.assert_close(theirs(x).logits, ours(x), atol=1e-4, rtol=1e-4)
+    timm_tokcomp.remove(hf)
+
+
+def test_deit_tiny_in_transformers_reproduces_the_tome_figures(real_pair):
+    """ToMe r8 / r16 on transformers' ViT with DeiT-Tiny's weights: top-1 and agreement with the plain model on
+    imagenet-val-1300 as the package's DeiT-Tiny rows (README: r8 81.15 % / 96.54 %, r16 79.00 % / 90.23 %)."""
+    _, hf, images = real_pair
+    loader = torch.utils.data.DataLoader(images, batch_size=100)
+    predictions = {0: [], 8: [], 16: []}
+    labels = []
+    with torch.no_grad():
+        for x, y in loader:
+            labels.append(y)
+            for r in predictions:
+                timm_tokcomp.remove(hf) if r == 0 else timm_tokcomp.apply(hf, "tome", r=r)
+                predictions[r].append(hf(x).logits.argmax(-1))
+    labels = torch.cat(labels)
+    preds = {r: torch.cat(p) for r, p in predictions.items()}
+    top1 = {r: 100 * (p == labels).float().mean().item() for r, p in preds.items()}
+    agreement = {r: 100 * (p == preds[0]).float().mean().item() for r, p in preds.items()}
+    assert top1[0] == pytest.approx(81.54, abs=0.01)
+    assert (round(top1[8], 2), round(agreement[8], 2)) == (81.15, 96.54)
+    assert (round(top1[16], 2), round(agreement[16], 2)) == (79.00, 90.23)
