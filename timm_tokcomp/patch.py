@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .families import Family, family_of, served_classes
+from .families import Family, family_of, served_classes, unserved_reason
 from .families.eva import ReducingEva
 from .families.vit import (DenseBlock, ReducingAttention, ReducingBlock, ReducingVisionTransformer,
                            ReducingVisionTransformerDistilled)
@@ -49,6 +49,9 @@ def check_supported(model: nn.Module) -> None:
             raise TypeError(f"{served}; this is timm's features_only wrapper {type(model).__name__} around one: pass "
                             f"the method in the name instead, e.g. timm.create_model('vit_small_patch16_224."
                             f"dense_tome_r8', features_only=True)")
+        why = unserved_reason(type(model))
+        if why is not None:
+            raise TypeError(f"{type(model).__name__} is {why}. {served}")
         raise TypeError(f"{served}, got {type(model).__name__} from {type(model).__module__}, which it does not "
                         f"serve yet")
     family.check_blocks(model)

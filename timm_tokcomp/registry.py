@@ -17,7 +17,7 @@ from timm.models import _registry as treg
 from timm.models._features import FeatureGetterNet
 from timm.models._pretrained import DefaultCfg
 
-from .families import FAMILIES, served_classes
+from .families import FAMILIES, UNSERVED_MODULES, served_classes
 from .methods import TAG_SUMMARY, is_method_tag, listed_tags, match_method_tag, method_class, parse_method_tag
 from .userfiles import hub_access, pretrained_unreachable
 
@@ -40,12 +40,6 @@ def architecture_of(name: str) -> str:
     return SHORT_NAMES.get(arch, arch)
 
 
-# Modules none of whose architectures is served, and why: a method tag on their names says so, not timm's
-# "Invalid pretrained tag".
-UNSERVED_MODULES = {
-    "naflexvit": "a NaFlexVit (variable token counts with per-token coordinates and validity masks), which "
-                 "timm_tokcomp does not serve yet; the same weights in timm's VisionTransformer or Eva class are served",
-}
 
 class ArchFacts(NamedTuple):
     """What the registry needs of an architecture, read from the arguments timm builds it with (Family.build_args,

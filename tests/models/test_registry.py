@@ -7,6 +7,7 @@ import timm
 import torch
 
 import timm_tokcomp
+from timm_tokcomp.families import UNSERVED_MODULES
 from timm_tokcomp import registry
 from timm_tokcomp.patch import ReducingVisionTransformer, ReducingVisionTransformerDistilled
 
@@ -97,7 +98,8 @@ def test_every_listed_architecture_is_supported():
 def test_refused_architectures_are_really_refused():
     """Each architecture the registry refuses from its build arguments (parallel, post-norm and differential blocks
     in timm 1.0.31) is refused by the engine once built, with the same class named."""
-    refused = {arch: why for arch, why in registry._unserved_archs().items() if not arch.startswith("naflexvit")}
+    by_module = {arch for module in UNSERVED_MODULES for arch in timm.list_models(module=module)}  # test_patch
+    refused = {arch: why for arch, why in registry._unserved_archs().items() if arch not in by_module}
     assert len(refused) == 10
     for arch, why in sorted(refused.items()):
         with torch.device("meta"), warnings.catch_warnings():
@@ -158,6 +160,7 @@ def test_newer_families_take_method_tags_and_are_listed(name, family):
 
 
 @pytest.mark.parametrize("name, why", [("naflexvit_base_patch16_gap.tome_r8", "NaFlexVit"),
+                                       ("gemma4_vit_167m.tome_r8", "Gemma 4's vision encoder"),
                                        ("vit_base_patch16_xp_224.evit_r8", "ParallelScalingBlock")])
 def test_a_method_tag_on_an_unserved_class_says_which_classes_are_served(name, why):
     with pytest.raises(TypeError, match=rf"does not take method tags .*{why}.*VisionTransformer .*Eva"):

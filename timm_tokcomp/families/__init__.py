@@ -32,3 +32,21 @@ def served_classes() -> str:
 
 HF_CLASSES = ("ViTModel, ViTForImageClassification, Dinov2Model, Dinov2WithRegistersModel, CLIPVisionModel, "
               "SiglipVisionModel")
+
+
+# timm model modules none of whose architectures is served, and why (a method tag on their names, and apply on
+# their models, say so)
+UNSERVED_MODULES = {
+    "naflexvit": "a NaFlexVit (variable token counts with per-token coordinates and validity masks), which "
+                 "timm_tokcomp does not serve yet; the same weights in timm's VisionTransformer or Eva class are served",
+    "gemma4_vit": "Gemma 4's vision encoder, which timm_tokcomp does not serve: its output pools every patch into a "
+                  "fixed cell of the patch grid (Gemma4VisionPooler: N / k^2 soft tokens for the language model, each "
+                  "the mean of exactly k^2 patches found by their grid positions), a contract a reduced token count "
+                  "breaks; its blocks (clipped linears, its own 2D rope) are not timm's Block or EvaBlock either",
+}
+
+
+def unserved_reason(model_class: type) -> Optional[str]:
+    """Why a model class of an unserved timm module is not served, or None."""
+    module = model_class.__module__.rsplit(".", 1)[-1]
+    return UNSERVED_MODULES.get(module) if model_class.__module__.startswith("timm.") else None
