@@ -25,6 +25,7 @@ from .kit.stats import noise_notes, p90, speedup_interval
 from .measure import count_macs, no_silent_eager_fallback, time_runs
 from .methods import exportable_methods, method_class, tocom_methods
 from .models import build_base_model
+from .patch import facade
 from .precision import check_dtype, precision
 from .outputs import new_output
 from .tables import text_table
@@ -224,7 +225,8 @@ def run_bench(
             macs[name] = macs[BASELINE]
     times, latency = _time(models, batch, modes, timing_rounds, latency_runs if timing_rounds else 0, device, dtype,
                            tf32, show_progress)
-    num_tokens = base.patch_embed.num_patches + base.num_prefix_tokens
+    view = facade(base)
+    num_tokens = view.patch_embed.num_patches + view.num_prefix_tokens
     paired = {}
     if evaluation is not None:
         paired = {name: paired_change(evaluation.agrees, name, name[:-len(TOCOM_SUFFIX)])

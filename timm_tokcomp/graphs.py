@@ -14,6 +14,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from .measure import OpCounter
 from .checks import check_int
@@ -84,7 +85,7 @@ class GraphedForward:
         with self._replaying:
             self.static_input.copy_(x)
             self.graph.replay()
-            return self.static_output.clone()
+            return tree_map_only(torch.Tensor, torch.clone, self.static_output)  # a tensor, or a transformers output
 
 
 class GraphedByShape:

@@ -1,26 +1,90 @@
 """Base models and devices, below everything that builds a model (bench, speed, tune, analysis, training):
 the plain timm model with its weights, and the device a command runs on, both checked with the flag in the error."""
 import contextlib
+import json
+import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import timm
 import torch
 from torch import nn
 
 from .core import is_reduced
+from .extras import require
+from .families import HF_CLASSES
 from .precision import check_device
 from .userfiles import hub_access, hub_error, load_weights
 
 
+def is_hf_folder(name: str) -> bool:
+    """Whether name is a folder saved by transformers' save_pretrained (it holds a config.json)."""
+    return Path(name).is_dir() and (Path(name) / "config.json").is_file()
+
+
+_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's codes in transformers' preprocessor configs
+
+
+def hf_data_config(folder: Path, image_size: int) -> Dict[str, Any]:
+    """timm's data config (input_size, interpolation, mean, std, crop_pct) of a transformers model folder, read from
+    its preprocessor_config.json (resize to size or shortest_edge, then an optional center crop); without one,
+    transformers' ViT defaults (resize to image_size, bilinear, mean and std 0.5), with a warning."""
+    path = folder / "preprocessor_config.json"
+    if not path.is_file():
+        warnings.warn(f"--hf-model {folder} has no preprocessor_config.json: images are resized to {image_size} px "
+                      "(bilinear) and normalised with mean and std 0.5, transformers' ViT defaults; save the image "
+                      "processor beside the model (processor.save_pretrained(folder)) for its own", stacklevel=3)
+        return dict(input_size=(3, image_size, image_size), interpolation="bilinear", mean=(0.5,) * 3,
+                    std=(0.5,) * 3, crop_pct=1.0, crop_mode="center")
+    pre = json.loads(path.read_text())
+    size = pre.get("size") or {"height": image_size, "width": image_size}
+    size = {"height": size, "width": size} if isinstance(size, int) else size
+    crop = pre.get("crop_size") if pre.get("do_center_crop") else None
+    crop = {"height": crop, "width": crop} if isinstance(crop, int) else crop
+    if crop is not None:
+        resized = size.get("shortest_edge", size.get("height"))
+        input_size, crop_pct = (3, crop["height"], crop["width"]), crop["height"] / resized
+    else:
+        side = size.get("shortest_edge")
+        input_size, crop_pct = (3, side or size["height"], side or size["width"]), 1.0
+    return dict(input_size=input_size, interpolation=_RESAMPLE.get(pre.get("resample", 2), "bilinear"),
+                mean=tuple(pre.get("image_mean", (0.5,) * 3)), std=tuple(pre.get("image_std", (0.5,) * 3)),
+                crop_pct=crop_pct, crop_mode="center")
+
+
+def load_hf_model(folder: str) -> nn.Module:
+    """The transformers model saved in folder (save_pretrained), loaded offline in the class config.json names (one
+    of the served: families.HF_CLASSES), with attn_implementation 'sdpa' and its data config as timm's
+    pretrained_cfg (hf_data_config), so the commands' image transforms and input sizes follow it."""
+    transformers = require("transformers", "hf", f"--hf-model {folder}")
+    path = Path(folder)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        raise ValueError(f"--hf-model {folder}: config.json is not JSON ({e})") from None
+    names = config.get("architectures") or []
+    served = [name.strip() for name in HF_CLASSES.split(",")]
+    if len(names) != 1 or names[0] not in served:
+        raise ValueError(f"--hf-model {folder}: its config.json names the architectures {names}; timm_tokcomp serves "
+                         f"one of transformers' {', '.join(served)}")
+    model = getattr(transformers, names[0]).from_pretrained(str(path), local_files_only=True,
+                                                           attn_implementation="sdpa")
+    model.pretrained_cfg = {"architecture": str(folder), **hf_data_config(path, model.config.image_size)}
+    return model
+
+
 def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: bool, device: str,
                      seed: int = 0) -> nn.Module:
-    """The unmodified timm model, with weights from checkpoint (safetensors / torch file) or timm; without either,
-    timm's random initialisation drawn from `seed` (the caller's random stream left as it was), so every command
+    """The unmodified timm model, with weights from checkpoint (safetensors / torch file) or timm (model_name a
+    folder saved by transformers: its model, load_hf_model); without either, timm's random initialisation drawn from `seed` (the caller's random stream left as it was), so every command
     that resumes (tune, analyze, finetune, train-tocom) meets the same random weights again.
     Raises ValueError / FileNotFoundError naming the argument for an unknown model, a missing checkpoint
     or a device this machine does not have."""
     check_device(device)
+    if is_hf_folder(model_name):
+        if checkpoint or pretrained:
+            raise ValueError(f"--hf-model {model_name} holds its own weights: give no --checkpoint or --pretrained")
+        return load_hf_model(model_name).to(device).eval()
     if checkpoint and not Path(checkpoint).is_file():
         raise FileNotFoundError(f"--checkpoint {checkpoint} not found")
     try:

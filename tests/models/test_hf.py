@@ -200,24 +200,45 @@ def deit_tiny_as_transformers_vit(state):
     return model
 
 
+# DeiT-Tiny's eval transform (timm's data config) as a transformers image processor would save it
+DEIT_PREPROCESSOR = {"do_resize": True, "size": {"shortest_edge": 248}, "do_center_crop": True,
+                     "crop_size": {"height": 224, "width": 224}, "resample": 3,
+                     "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
+
+
 @pytest.fixture(scope="module")
-def real_pair():
+def real_pair(tmp_path_factory):
+    """(timm's DeiT-Tiny, the same weights in transformers' ViTForImageClassification, that model saved with its
+    image processor's config in a folder)."""
+    import json
+
     import timm
     from safetensors.torch import load_file
-
-    from timm_tokcomp.data import LabeledImages
 
     data = require_data()
     timm_model = timm.create_model("deit_tiny_patch16_224",
                                    checkpoint_path=str(data / "deit_tiny_patch16_224.safetensors")).eval()
     hf = deit_tiny_as_transformers_vit(load_file(str(data / "deit_tiny_patch16_224.safetensors")))
-    transform = timm.data.create_transform(**timm.data.resolve_model_data_config(timm_model))
-    return timm_model, hf, LabeledImages(DATA / "imagenet-val-1300", transform)
+    folder = tmp_path_factory.mktemp("hf_deit_tiny")
+    hf.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(DEIT_PREPROCESSOR))
+    return timm_model, hf, folder
 
 
 def test_deit_tiny_converted_into_transformers_gives_timms_logits_plain_and_reduced(real_pair):
-    timm_model, hf, images = real_pair
-    x = torch.stack([images[i][0] for i in range(16)])
+    import timm
+
+    from timm_tokcomp.models import load_hf_model
+
+    timm_model, hf, folder = real_pair
+    cfg = timm.data.resolve_model_data_config(timm_model)
+    loaded = load_hf_model(str(folder))
+    assert {k: loaded.pretrained_cfg[k] for k in ("input_size", "interpolation", "mean", "std")} == \
+        {k: cfg[k] for k in ("input_size", "interpolation", "mean", "std")}
+    assert int(224 / loaded.pretrained_cfg["crop_pct"]) == int(224 / cfg["crop_pct"]) == 248  # the same resize
+    dataset = timm.data.create_dataset("", root=str(DATA / "imagenet-val-1300" / "images"))
+    transform = timm.data.create_transform(**cfg)
+    x = torch.stack([transform(dataset[i][0].convert("RGB")) for i in range(16)])
     with torch.no_grad():
         for r in (0, 8, 16):
             ours = timm_tokcomp.apply(copy.deepcopy(timm_model), "tome", r=r) if r else timm_model
@@ -226,23 +247,51 @@ def test_deit_tiny_converted_into_transformers_gives_timms_logits_plain_and_redu
     timm_tokcomp.remove(hf)
 
 
-def test_deit_tiny_in_transformers_reproduces_the_tome_figures(real_pair):
-    """ToMe r8 / r16 on transformers' ViT with DeiT-Tiny's weights: top-1 and agreement with the plain model on
-    imagenet-val-1300 as the package's DeiT-Tiny rows (README: r8 81.15 % / 96.54 %, r16 79.00 % / 90.23 %)."""
-    _, hf, images = real_pair
-    loader = torch.utils.data.DataLoader(images, batch_size=100)
-    predictions = {0: [], 8: [], 16: []}
-    labels = []
-    with torch.no_grad():
-        for x, y in loader:
-            labels.append(y)
-            for r in predictions:
-                timm_tokcomp.remove(hf) if r == 0 else timm_tokcomp.apply(hf, "tome", r=r)
-                predictions[r].append(hf(x).logits.argmax(-1))
-    labels = torch.cat(labels)
-    preds = {r: torch.cat(p) for r, p in predictions.items()}
-    top1 = {r: 100 * (p == labels).float().mean().item() for r, p in preds.items()}
-    agreement = {r: 100 * (p == preds[0]).float().mean().item() for r, p in preds.items()}
-    assert top1[0] == pytest.approx(81.54, abs=0.01)
-    assert (round(top1[8], 2), round(agreement[8], 2)) == (81.15, 96.54)
-    assert (round(top1[16], 2), round(agreement[16], 2)) == (79.00, 90.23)
+def test_bench_on_the_transformers_folder_reproduces_deit_tinys_tome_figures(real_pair, tmp_path):
+    """`tokcomp bench --hf-model FOLDER`: ToMe r8 / r16 on transformers' ViT with DeiT-Tiny's weights give the
+    package's DeiT-Tiny rows on imagenet-val-1300 (README: plain 81.54 %, r8 81.15 % / 96.54 %, r16 79.00 % /
+    90.23 %)."""
+    import csv
+
+    from timm_tokcomp.cli import main
+
+    out = tmp_path / "bench.csv"
+    assert main(["bench", "--hf-model", str(real_pair[2]), "--data", str(DATA / "imagenet-val-1300"), "--methods",
+                 "none,tome_r8,tome_r16", "--no-timing", "--batch-size", "100", "--num-workers", "0", "--out",
+                 str(out), "--no-progress"]) == 0
+    rows = {row["method"]: row for row in csv.DictReader(out.open())}
+    figures = {name: (round(float(row["top1"]), 2), round(float(row["agreement"]), 2)) for name, row in rows.items()}
+    assert figures == {"none": (81.54, 100.0), "tome_r8": (81.15, 96.54), "tome_r16": (79.00, 90.23)}
+    assert rows["tome_r16"]["model"] == str(real_pair[2])
+
+
+@pytest.mark.parametrize("name", ["vit_classifier", "siglip"])
+def test_speed_and_bench_take_a_transformers_folder(name, tmp_path, capsys):
+    from timm_tokcomp.cli import main
+
+    folder = tmp_path / name
+    hf_model(name).save_pretrained(folder)
+    with pytest.warns(UserWarning, match="no preprocessor_config.json"):
+        assert main(["speed", "--hf-model", str(folder), "--methods", "tome_r8", "--batches", "2", "--rounds", "2",
+                     "--no-progress"]) == 0
+    assert "tome_r8" in capsys.readouterr().out
+    with pytest.warns(UserWarning, match="no preprocessor_config.json"):
+        assert main(["bench", "--hf-model", str(folder), "--methods", "none,tome_r8", "--timing-rounds", "2",
+                     "--latency-runs", "0", "--batch-size", "2", "--no-progress"]) == 0
+
+
+def test_a_folder_that_is_not_a_served_transformers_model_is_refused_by_flag(tmp_path, capsys):
+    from timm_tokcomp.cli import main
+
+    assert main(["speed", "--hf-model", str(tmp_path), "--no-progress"]) == 2
+    assert f"--hf-model {tmp_path}: not a folder saved by save_pretrained" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text('{"architectures": ["BertModel"]}')
+    assert main(["speed", "--hf-model", str(tmp_path), "--no-progress"]) == 2
+    assert "architectures ['BertModel']; timm_tokcomp serves one of transformers' ViTModel, " in \
+        capsys.readouterr().err
+    folder = tmp_path / "vit"
+    hf_model("vit").save_pretrained(folder)
+    with pytest.warns(UserWarning):
+        code = main(["bench", "--hf-model", str(folder), "--data", str(DATA / "unlabeled-64px"), "--no-timing",
+                     "--no-progress"])
+    assert code == 2 and "features, no class scores" in capsys.readouterr().err

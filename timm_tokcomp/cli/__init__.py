@@ -2,6 +2,7 @@
 `flags`; main() parses, checks every output path, runs the command and turns bad input into one error line."""
 import argparse
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from . import analyze, bench, calibrate, export, finetune, methods, speed, train_tocom, tune
@@ -48,6 +49,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     args.notes = []  # what qualifies the result, printed after it: an error stays the only line
     try:
+        if getattr(args, "hf_model", None) is not None:  # a transformers model folder stands for MODEL
+            if not Path(args.hf_model, "config.json").is_file():
+                raise FileNotFoundError(f"--hf-model {args.hf_model}: not a folder saved by save_pretrained "
+                                        "(no config.json in it)")
+            args.model = args.hf_model
         if getattr(args, "inference_precision", False):
             args.dtype = resolve_precision(args)
         if isinstance(getattr(args, "device", None), str):  # one device check for every command, before any work

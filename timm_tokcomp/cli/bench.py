@@ -2,7 +2,7 @@
 import argparse
 
 from ..methods import FAMILIES
-from .flags import FILE_OUT, device_flag, precision_flags, progress_flag, weights_flags
+from .flags import FILE_OUT, device_flag, precision_flags, progress_flag, weights_flags, hf_model_flag
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -12,6 +12,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--methods", default="none,tome_r8,tome_r16",
                        help=f"comma list of 'none' and method tags ({FAMILIES}); default: %(default)s")
     weights_flags(bench)
+    hf_model_flag(bench)
     bench.add_argument("--data", help="ImageFolder tree or folder with labels.csv (file,label): top-1 and "
                                       "agreement; a plain folder of images: agreement only; without it, "
                                       "random inputs and no accuracy")

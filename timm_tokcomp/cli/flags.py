@@ -54,6 +54,15 @@ def weights_flags(parser: argparse.ArgumentParser) -> None:
                                                                    "the HF cache with HF_HUB_OFFLINE=1)")
 
 
+def hf_model_flag(parser: argparse.ArgumentParser) -> None:
+    """A transformers model folder in place of MODEL (main() puts it there; models.build_base_model loads it)."""
+    parser.add_argument("--hf-model", metavar="FOLDER",
+                        help="a transformers vision model saved with save_pretrained (ViTForImageClassification, "
+                             "ViTModel, Dinov2Model, Dinov2WithRegistersModel, CLIPVisionModel, SiglipVisionModel; "
+                             "its preprocessor_config.json gives the image transform), loaded offline, instead of "
+                             "MODEL; accuracy needs ViTForImageClassification")
+
+
 def device_flag(parser: argparse.ArgumentParser, more: str = "") -> None:
     parser.add_argument("--device", default="cpu", help=f"cpu, cuda or cuda:N{more}")
 

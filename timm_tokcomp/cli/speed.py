@@ -2,7 +2,7 @@
 import argparse
 
 from ..methods import FAMILIES
-from .flags import FILE_OUT, device_flag, numbers, precision_flags, progress_flag, weights_flags
+from .flags import FILE_OUT, device_flag, numbers, precision_flags, progress_flag, weights_flags, hf_model_flag
 
 
 SPEED_METHODS = "tome_r8,tome_r16,evit_r8,evit_r16"
@@ -32,6 +32,7 @@ def add(sub: argparse._SubParsersAction) -> None:
                     help="timed rounds, each one forward of every model, interleaved: ms from the median, speed-ups "
                          "the geometric mean of the rounds' ratios (default: %(default)s)")
     weights_flags(sp)
+    hf_model_flag(sp)
     sp.add_argument("--data", help="folder of images whose first batch is timed (random inputs without it; "
                                    "adaptive methods such as ATM need real images)")
     sp.add_argument("--out", help="write the rows as CSV when the run ends; until then the rows so far are in "

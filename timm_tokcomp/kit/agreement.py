@@ -4,7 +4,7 @@ calibrate and finetune measure accuracy through it."""
 import statistics
 import sys
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -64,8 +64,20 @@ def predict(model: nn.Module, batches: Iterable[torch.Tensor], count_macs: bool 
             macs.append(counted / len(x))
         else:
             out = model(x)
-        classes.append(out.argmax(dim=-1).cpu())
+        classes.append(class_scores(out).argmax(dim=-1).cpu())
     return torch.cat(classes), macs
+
+
+def class_scores(out: Any) -> torch.Tensor:
+    """A model's class scores (B, classes): a timm model's output itself, a transformers classifier's logits.
+    ValueError for a model that returns features (transformers' ViTModel, Dinov2Model, CLIP / SigLIP encoders)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        raise ValueError(f"the model returns {type(out).__name__} (features, no class scores): top-1 and agreement "
+                         "need a classifier, such as transformers' ViTForImageClassification; time it without --data")
+    return logits
 
 
 def chunks(images: torch.Tensor, batch: int) -> List[torch.Tensor]:
