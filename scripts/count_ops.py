@@ -5,6 +5,7 @@ proportional-attention implementation (timm_tokcomp.measure.OpCounter; random we
     python scripts/count_ops.py                                   # DeiT-Tiny, tome_r16, batch 8
     python scripts/count_ops.py --model deit_small_patch16_224 --methods tome_r8 --batch-size 2
     python scripts/count_ops.py --methods tome_r16,evit_r8,atm,dense_tome_r8 --prop-attn default
+    python scripts/count_ops.py --hf-model path/to/folder --prop-attn default   # a transformers model folder
 
 Eager FlexAttention runs through torch.compile, which refuses a dispatch mode; this script switches on torch's
 debug path for it (the higher-order operator called directly), so its row counts the operator as one call and the
@@ -19,6 +20,7 @@ import timm_tokcomp
 from timm_tokcomp.attention import PROP_ATTN_IMPLS
 from timm_tokcomp.measure import OpCounter
 from timm_tokcomp.methods import parse_method_tag
+from timm_tokcomp.models import load_hf_model
 
 VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias", "permute", "transpose", "t", "expand", "unsqueeze",
          "squeeze", "select", "slice", "unbind", "split", "split_with_sizes", "alias", "as_strided", "detach",
@@ -36,6 +38,7 @@ def count(model: torch.nn.Module, x: torch.Tensor) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="deit_tiny_patch16_224")
+    parser.add_argument("--hf-model", help="a transformers model folder (save_pretrained) instead of --model")
     parser.add_argument("--methods", default="tome_r16",
                         help="comma-separated method tags, as tokcomp bench --methods takes them")
     parser.add_argument("--prop-attn", default="all",
@@ -48,19 +51,23 @@ def main() -> None:
 
     flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
     torch.manual_seed(0)
-    x = torch.randn(args.batch_size, 3, 224, 224)
-    print(f"{args.model}, batch {args.batch_size}, fp32, torch {torch.__version__}: "
+
+    def build() -> torch.nn.Module:
+        return load_hf_model(args.hf_model).eval() if args.hf_model else timm.create_model(args.model).eval()
+
+    plain = build()
+    x = torch.randn(args.batch_size, *timm.data.resolve_model_data_config(plain)["input_size"])
+    print(f"{args.hf_model or args.model}, batch {args.batch_size}, fp32, torch {torch.__version__}: "
           f"ops per forward (non-view ops that launch kernels) | host syncs")
     print("| method | prop_attn | first forward | syncs | later forward | syncs |\n"
           "| --- | --- | --- | --- | --- | --- |")
-    plain = timm.create_model(args.model).eval()
     print(f"| (plain model) | | {count(plain, x)} | {count(plain, x)} |")
     impls = PROP_ATTN_IMPLS if args.prop_attn == "all" else ("default",)
     for tag in args.methods.split(","):
         method, params = parse_method_tag(tag)
         for impl in impls:
             kwargs = params if impl == "default" else {**params, "prop_attn": impl}
-            model = timm_tokcomp.apply(timm.create_model(args.model).eval(), method, **kwargs)
+            model = timm_tokcomp.apply(build(), method, **kwargs)
             print(f"| {tag} | `{impl}` | {count(model, x)} | {count(model, x)} |")
 
 

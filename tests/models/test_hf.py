@@ -278,6 +278,12 @@ def test_speed_and_bench_take_a_transformers_folder(name, tmp_path, capsys):
     with pytest.warns(UserWarning, match="no preprocessor_config.json"):
         assert main(["bench", "--hf-model", str(folder), "--methods", "none,tome_r8", "--timing-rounds", "2",
                      "--latency-runs", "0", "--batch-size", "2", "--no-progress"]) == 0
+    if name == "vit_classifier":  # tune: its weights are the folder's, not random ones
+        with pytest.warns(UserWarning, match="no preprocessor_config.json"):
+            assert main(["tune", "--hf-model", str(folder), "--data", str(DATA / "unlabeled-64px"), "--out",
+                         str(tmp_path / "tune"), "--limit", "96", "--prune-images", "32", "--methods", "tome_r8",
+                         "--max-rounds", "3", "--no-progress"]) == 0
+        assert (tmp_path / "tune" / "preset.json").is_file() and "random weights" not in capsys.readouterr().err
 
 
 def test_a_folder_that_is_not_a_served_transformers_model_is_refused_by_flag(tmp_path, capsys):
@@ -295,3 +301,21 @@ def test_a_folder_that_is_not_a_served_transformers_model_is_refused_by_flag(tmp
         code = main(["bench", "--hf-model", str(folder), "--data", str(DATA / "unlabeled-64px"), "--no-timing",
                      "--no-progress"])
     assert code == 2 and "features, no class scores" in capsys.readouterr().err
+
+
+def test_a_reduced_transformers_model_compiles_by_region_without_graph_breaks():
+    from torch._dynamo.utils import counters
+
+    from timm_tokcomp import compiling
+
+    model = timm_tokcomp.apply(hf_model("vit_classifier"), "tome", r=8)
+    torch._dynamo.reset()
+    counters.clear()
+    fast = compiling.compile(model, backend="eager")
+    assert isinstance(fast, compiling.RegionallyCompiled)
+    with torch.no_grad():
+        for batch in (2, 3):
+            x = _images(batch, seed=batch)
+            torch.testing.assert_close(fast(x).logits, model(x).logits, atol=1e-5, rtol=1e-5)
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()

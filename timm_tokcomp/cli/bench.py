@@ -2,7 +2,7 @@
 import argparse
 
 from ..methods import FAMILIES
-from .flags import FILE_OUT, device_flag, precision_flags, progress_flag, weights_flags, hf_model_flag
+from .flags import FILE_OUT, device_flag, hf_model_flag, precision_flags, progress_flag, random_weights, weights_flags
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--timing-rounds must be >= 1 (--no-timing times nothing), got {args.timing_rounds}")
     if args.latency_runs < 0:
         raise ValueError(f"--latency-runs must be >= 0 (0: no latency), got {args.latency_runs}")
-    if not args.checkpoint and not args.pretrained:
+    if random_weights(args):
         args.notes.append("no --checkpoint or --pretrained: random weights, accuracy columns are meaningless")
     rows = run_bench(
         args.model,

@@ -1,7 +1,7 @@
 """`tokcomp calibrate`: ATM thresholds that hit a GMACs budget on the user's images."""
 import argparse
 
-from .flags import FILE_OUT, device_flag, progress_flag, weights_flags
+from .flags import FILE_OUT, device_flag, progress_flag, random_weights, weights_flags
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +29,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..calibrate import calibrate_folder, save_preset
 
-    if not args.checkpoint and not args.pretrained:
+    if random_weights(args):
         args.notes.append("no --checkpoint or --pretrained: the thresholds were calibrated for random weights")
     result = calibrate_folder(args.model, args.data, args.checkpoint, args.pretrained, args.device, args.limit,
                               args.batch_size, args.num_workers, not args.no_progress, target_gmacs=args.target_gmacs,

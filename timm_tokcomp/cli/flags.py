@@ -54,6 +54,15 @@ def weights_flags(parser: argparse.ArgumentParser) -> None:
                                                                    "the HF cache with HF_HUB_OFFLINE=1)")
 
 
+def random_weights(args: argparse.Namespace) -> bool:
+    """Whether the command's model keeps timm's random initialisation: no --checkpoint, no --pretrained, and MODEL
+    not a transformers folder (which holds its weights)."""
+    from ..models import is_hf_folder
+
+    model = getattr(args, "model", None)
+    return not args.checkpoint and not args.pretrained and not (isinstance(model, str) and is_hf_folder(model))
+
+
 def hf_model_flag(parser: argparse.ArgumentParser) -> None:
     """A transformers model folder in place of MODEL (main() puts it there; models.build_base_model loads it)."""
     parser.add_argument("--hf-model", metavar="FOLDER",

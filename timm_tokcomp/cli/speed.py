@@ -2,7 +2,7 @@
 import argparse
 
 from ..methods import FAMILIES
-from .flags import FILE_OUT, device_flag, numbers, precision_flags, progress_flag, weights_flags, hf_model_flag
+from .flags import FILE_OUT, device_flag, hf_model_flag, numbers, precision_flags, progress_flag, weights_flags
 
 
 SPEED_METHODS = "tome_r8,tome_r16,evit_r8,evit_r16"

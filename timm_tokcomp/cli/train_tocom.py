@@ -2,7 +2,7 @@
 import argparse
 
 from ..methods import tocom_methods
-from .flags import FOLDER_OUT, numbers, training_flags, weights_flags
+from .flags import FOLDER_OUT, numbers, random_weights, training_flags, weights_flags
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("the model is required: tokcomp train-tocom MODEL --data DIR --out DIR")
     with distributed(args.device) as device:  # under torchrun: the process group, one GPU per process
         writer = rank_and_world()[0] == 0
-        if not args.checkpoint and not args.pretrained and writer:
+        if random_weights(args) and writer:
             args.notes.append("no --checkpoint or --pretrained: the plugins were trained for random weights")
         model = build_base_model(args.model, args.checkpoint, args.pretrained, "cpu", seed=args.seed)
         _, report = train_tocom(model, args.data, args.out, args.model, config, resume=args.resume, device=device,

@@ -2,18 +2,20 @@
 import argparse
 import sys
 
-from .flags import FOLDER_OUT, device_flag, numbers, precision_flags, progress_flag, weights_flags
+from .flags import (FOLDER_OUT, device_flag, hf_model_flag, numbers, precision_flags, progress_flag, random_weights,
+                    weights_flags)
 
 
 def add(sub: argparse._SubParsersAction) -> None:
     tu = sub.add_parser("tune", help="measure the training-free methods on this device and choose the fastest that "
                                       "keeps accuracy within a budget (top-1 with labels, agreement without), or no "
                                       "reduction")
-    tu.add_argument("model", help="timm architecture, e.g. deit_small_patch16_224")
+    tu.add_argument("model", nargs="?", help="timm architecture, e.g. deit_small_patch16_224 (or --hf-model)")
     tu.add_argument("--data", required=True, help="folder of images (labels not needed; with labels top-1 is reported)")
     tu.add_argument("--out", required=True, help="folder for tune.csv, table.md, pareto.png and preset.json "
                                                  "(preset_b<B>.json per batch size when several)")
     weights_flags(tu)
+    hf_model_flag(tu)
     device_flag(tu)
     precision_flags(tu)
     tu.add_argument("--batches", default="64", help="batch sizes, one choice each (default: %(default)s)")
@@ -50,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
     from ..kit.grammar import parse_space
     from ..tuning import preset_paths, tune
 
-    if not args.checkpoint and not args.pretrained:
+    if args.model is None:
+        raise ValueError("give MODEL (a timm architecture) or --hf-model FOLDER")
+    if random_weights(args):
         args.notes.append("no --checkpoint or --pretrained: random weights were tuned, whose agreement says nothing")
     space = None if args.methods is None else parse_space(args.methods)
     result = tune(args.model, args.data, batches=list(numbers("--batches", args.batches, int)), device=args.device,

@@ -11,7 +11,7 @@ from torch import nn
 from .. import kernels
 from ..core import apply, get_reducer
 from ..methods import method_class
-from ..patch import fold_qkv_refusal
+from ..patch import facade, fold_qkv_refusal
 from ..precision import DTYPES, check_device, check_dtype
 from ..reducing import resolve_prop_attn
 from .modes import TORCH_MODES, check_mode
@@ -44,7 +44,7 @@ def _applied(model: nn.Module, method: str, params: Dict[str, Any]) -> Tuple[Any
     reducer = get_reducer(apply(copy.deepcopy(model), method, **params))
     if "prop_attn" not in method_class(method).param_names():
         return reducer, False
-    return reducer, reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(model.global_pool)
+    return reducer, reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(facade(model).global_pool)
 
 
 def fast_paths(model: nn.Module, method: str, params: Dict[str, Any], device: str,

@@ -39,7 +39,7 @@ from ..kit.modes import check_batches, check_modes
 from ..kit.agreement import Paired, chunks, compare, predict
 from ..kit.paths import FastPath
 from ..kit.stats import loss_bounds
-from ..models import build_base_model
+from ..models import build_base_model, is_hf_folder
 from ..precision import check_device, check_dtype, device_description, precision
 from ..identity import data_digest, weights_digest
 from ..data import UnlabeledImages, check_num_classes, open_images
@@ -150,7 +150,8 @@ def tune(
                 "space": [[m, p] for m, p in space],
                 # what the rows were measured on, by content (a resume needs the same; the path is only shown)
                 "weights_sha256": weights_digest(base), "data_sha256": data_digest(data),
-                "random_weights": isinstance(model, str) and not checkpoint and not pretrained}
+                "random_weights": isinstance(model, str) and not is_hf_folder(model) and not checkpoint
+                and not pretrained}
     # an earlier run in out is set aside (--overwrite) and comes back if this one fails before writing
     with run_folder(out, resume, overwrite, OUT_FILES) if out else contextlib.nullcontext():
         previous = resume_rows(out, settings) if out and resume else {}  # before any image is read
