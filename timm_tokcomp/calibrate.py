@@ -18,7 +18,7 @@ from torch import nn
 from .core import apply, get_reducer, is_reduced, set_params
 from .kit.presets import write_preset
 from .kit.agreement import compare, predict
-from .checks import check_int, is_real
+from .checks import check_int, check_real, is_real
 from .methods.atm import threshold_schedule
 
 DEFAULT_BETAS = (0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15)
@@ -101,12 +101,11 @@ def calibrate(
     if target_ratio is not None and not (is_real(target_ratio) and 0.0 < target_ratio < 1.0):
         raise ValueError(f"--target-ratio must be in (0, 1) (a fraction of the unmodified GMACs), got "
                          f"{target_ratio!r}")
-    if target_gmacs is not None and not (is_real(target_gmacs) and math.isfinite(target_gmacs) and target_gmacs > 0):
-        raise ValueError(f"--target-gmacs must be a finite number > 0, got {target_gmacs!r}")
+    if target_gmacs is not None:
+        check_real("--target-gmacs", target_gmacs)
     if not (is_real(tolerance) and 0.0 < tolerance < 0.5):
         raise ValueError(f"--tolerance must be in (0, 0.5), got {tolerance!r}")
-    if not (is_real(alpha) and math.isfinite(alpha)):
-        raise ValueError(f"--alpha must be a finite number, got {alpha!r}")
+    check_real("--alpha", alpha, None)
     if isinstance(betas, (str, bytes)) or not betas or not all(is_real(b) and 0 <= b < math.inf for b in betas):
         raise ValueError(f"betas must be a non-empty list of finite numbers >= 0, got {betas!r}")
     check_int("max_bisections", max_bisections, low=1)

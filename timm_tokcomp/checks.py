@@ -3,7 +3,7 @@ kept, or raises ValueError naming it (a parameter, a config field, a flag) and i
 parameters and a learned module's config declare them as Params (methods.params); the training configs too."""
 import math
 import numbers
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 
 def is_int(value: Any) -> bool:
@@ -23,10 +23,21 @@ def check_int(name: str, value: Any, low: int = 0, note: str = "") -> int:
     return int(value)
 
 
-def check_real(name: str, value: Any, low: float = 0.0, strict: bool = True) -> float:
-    """value as a finite Python float above low (at least low where not strict)."""
-    if not is_real(value) or not math.isfinite(value) or value < low or (strict and value == low):
-        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low:g}, got {value!r}")
+def check_real(name: str, value: Any, low: Optional[float] = 0.0, strict: bool = True, high: Optional[float] = None,
+               high_strict: bool = False, note: str = "") -> float:
+    """value as a finite Python float above low (at least low where not strict; low None: any) and, with high, below
+    it (at most high where not high_strict); note: what the value means, shown in the error ('(minutes)')."""
+    if low is None:
+        bound = ""
+    elif high is None:
+        bound = f" {'>' if strict else '>='} {low:g}"
+    else:
+        bound = f" in {'(' if strict else '['}{low:g}, {high:g}{')' if high_strict else ']'}"
+    ok = is_real(value) and math.isfinite(value) and (
+        low is None or value > low or (not strict and value == low)) and (
+        high is None or value < high or (not high_strict and value == high))
+    if not ok:
+        raise ValueError(f"{name} must be a finite number{bound}{f' {note}' if note else ''}, got {value!r}")
     return float(value)
 
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
-from .checks import check_int, is_real
+from .checks import check_int, check_real, is_real
 
 RSpec = Union[int, List[int], Tuple[int, float]]
 
@@ -108,9 +108,7 @@ STUDY_STAGES = (4, 7, 10)  # 1-based blocks of the three reduction stages of "Wh
 
 def check_keep_rate(keep_rate) -> float:
     """Validate a keep rate in (0, 1]."""
-    if not is_real(keep_rate) or not 0.0 < keep_rate <= 1.0:
-        raise ValueError(f"keep_rate must be a number in (0, 1], got {keep_rate!r}")
-    return float(keep_rate)
+    return check_real("keep_rate", keep_rate, 0.0, high=1.0)
 
 
 def check_stages(stages) -> Tuple[int, ...]:

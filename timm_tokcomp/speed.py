@@ -164,10 +164,14 @@ def _inputs(data: Optional[str], cfg: Dict, count: int, device: str) -> torch.Te
 
 def _models(base: nn.Module, items: Sequence[MethodItem], x: torch.Tensor, static: bool) -> Dict[str, nn.Module]:
     """plain, then each method followed by its limit (the token schedule its forward on x ran); static (compiled
-    or graph modes): without the data-dependent methods."""
+    or graph modes): without the data-dependent methods. A preset of method 'none' (tune declined) is a row of its
+    own, the plain model."""
     models = {BASELINE: base}
     for name, method, params, _ in items:
-        if method == BASELINE or (static and method_class(method).data_dependent):
+        if method == BASELINE:
+            models[name] = base
+            continue
+        if static and method_class(method).data_dependent:
             continue
         model = apply(copy.deepcopy(base), method, **params)
         models[name] = model

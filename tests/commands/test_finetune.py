@@ -194,6 +194,8 @@ def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_open_its_data(t
     (dict(method="none", method_args={"form": "pooled"}), "--method-arg needs a --method"),
     (dict(augment="heavy"), "--augment must be one of"),
     (dict(method_args={"form": "wide"}), "--method-arg: form must be one of"),
+    (dict(crop_scale=(0.0, 1.0)), r"--crop-min must be in \(0, 1\]"),
+    (dict(crop_scale=(0.6, 0.5)), r"--crop-min must be in \(0, 1\]"),
 ])
 def test_bad_settings_are_refused_naming_the_flag(changes, match, labelled, tmp_path):
     with pytest.raises(ValueError, match=match):

@@ -158,3 +158,16 @@ def test_limit_of_a_study_method_reduces_where_the_method_does():
         limit(x)
     assert timm_tokcomp.last_stats(limit).tokens_per_block == timm_tokcomp.last_stats(model).tokens_per_block
     assert timm_tokcomp.get_reducer(limit).reduces_at == "after_mlp"
+
+
+def test_a_preset_that_declined_is_a_row_of_its_own_timed_as_plain(tmp_path, capsys):
+    from timm_tokcomp.kit.presets import write_preset
+
+    preset = tmp_path / "declined.json"
+    write_preset(preset, "none", {}, execution={"mode": "eager"})
+    out = tmp_path / "speed.csv"
+    assert main(["speed", "deit_tiny_patch16_224", "--methods", f"tome_r8,{preset}", "--batches", "1",
+                 "--out", str(out)] + FAST) == 0
+    rows = {r["method"]: r for r in csv.DictReader(open(out))}
+    assert set(rows) == {"none", "tome_r8", "tome_r8 limit", str(preset)}
+    assert rows[str(preset)]["vs_limit"] == "" and float(rows[str(preset)]["ms"]) > 0

@@ -399,7 +399,7 @@ def test_mac_pruning_skips_only_candidates_beaten_by_one_within_the_budget(image
     (dict(space=[("tomee", {"r": 4})]), ValueError, "method must be one of"),
     (dict(space=[("tome", {"rr": 4})]), TypeError, r"unknown parameter\(s\) \['rr'\] for method 'tome'"),
     (dict(space=[("tome",)]), TypeError, "space must hold"),
-    (dict(min_speedup=True), ValueError, "--min-speedup must be a number >= 1"),
+    (dict(min_speedup=True), ValueError, "--min-speedup must be a finite number >= 1"),
     (dict(prune_images=True), ValueError, "--prune-images must be an integer >= 1"),
     (dict(max_rounds=float("nan")), ValueError, "--max-rounds must be an integer >= 3"),
 ])
@@ -411,9 +411,9 @@ def test_python_arguments_are_checked_before_any_work(kwargs, error, match, tmp_
 
 
 @pytest.mark.parametrize("args,match", [
-    (["--budget", "-1"], "--budget must be a number of percentage points in"),
+    (["--budget", "-1"], "--budget must be a finite number in [0, 100] (percentage points)"),
     (["--limit", "8", "--prune-images", "8"], "--limit must be an integer above --prune-images"),
-    (["--min-speedup", "0.5"], "--min-speedup must be a number >= 1"),
+    (["--min-speedup", "0.5"], "--min-speedup must be a finite number >= 1"),
     (["--modes", "graph"], "--modes graph needs --device cuda"),
     (["--batches", "0"], "--batches must be a list of integers >= 1"),
     (["--methods", "tome_q3"], "--methods: "),

@@ -151,7 +151,7 @@ def test_presets_by_model_width_and_explicit_parameters_win():
 
 @pytest.mark.parametrize("params, match", [
     (dict(preset="nope"), "preset must be one of"),
-    (dict(beta=-0.1), "beta must be >= 0"),
+    (dict(beta=-0.1), "beta must be a finite number >= 0"),
     (dict(alpha=float("nan")), "alpha must be a finite number"),
     (dict(split_layer=5), r"split_layer must be in \[0, 4\]"),
     (dict(split_layer=-1), "split_layer must be an integer >= 0 or None"),

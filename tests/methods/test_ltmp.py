@@ -135,7 +135,7 @@ def test_saved_thresholds_reload_and_refuse_another_depth(tmp_path, images):
 @pytest.mark.parametrize("params, match", [
     (dict(tau=0), "tau must be a finite number > 0"),
     (dict(tau=float("inf")), "tau must be a finite number > 0"),
-    (dict(macs_target=1.5), r"macs_target must be a number in \(0, 1\]"),
+    (dict(macs_target=1.5), r"macs_target must be a finite number in \(0, 1\]"),
     (dict(macs_weight=-1), "macs_weight must be a finite number > 0"),
     (dict(prop_attn=False), "prop_attn must stay on"),
     (dict(threshold_params=torch.nn.Linear(2, 2)), "threshold_params must be LTMPParams"),

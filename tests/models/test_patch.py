@@ -205,7 +205,7 @@ def test_unsupported_models_refused_and_left_untouched(images):
         (dict(r="8"), "r must be an int"),
         (dict(r=[1, 2]), r"per-block list needs one entry per block \(4\)"),
         (dict(r=(8, 2.0)), r"inflection must be in \[-1, 1\]"),
-        (dict(flops_ratio=0.5), "flops_ratio must be a number > 1"),
+        (dict(flops_ratio=0.5), "flops_ratio must be a finite number > 1"),
         (dict(r=4, flops_ratio=2.0), "give one of r, flops_ratio, keep_rate"),
         (dict(prop_attn="yes"), "prop_attn must be True, False, None"),
     ],

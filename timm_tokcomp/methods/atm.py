@@ -25,7 +25,7 @@ from torch import nn
 from .. import kernels
 from ..matching import batch_adaptive_r, best_matches, count_above, max_merges, merge_top_r, size_distinctive_split
 from ..plans import MergePlan
-from ..checks import check_int, is_real
+from ..checks import check_int, check_real
 from ..schedules import BlockCost
 from .base import TokenReducer, warn_if_compiling
 from .params import COMMON, REQUIRED, Param, kernel_choice
@@ -118,11 +118,7 @@ def _check_split_layer(value: Any) -> Optional[int]:
 
 
 def _check_real(name: str, value: Any, low: Optional[float] = None) -> float:
-    if not is_real(value) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value!r}")
-    return float(value)
+    return check_real(name, value, low, strict=False)
 
 
 class ATM(TokenReducer):

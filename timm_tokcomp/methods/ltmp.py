@@ -28,7 +28,7 @@ from torch import nn
 
 from ..matching import keep_best
 from ..plans import GroupPlan
-from ..checks import integer, is_real
+from ..checks import check_real, integer, is_real
 from ..schedules import BlockCost
 from .base import BlockSetting, LearnedParams, TokenReducer, warn_if_compiling
 from .tags import MacsTargetTagged
@@ -56,9 +56,7 @@ def check_thresholds(value: Any) -> Dict[str, List[float]]:
 
 
 def check_tau(value: Any) -> float:
-    if not is_real(value) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"tau must be a finite number > 0 (the temperature of the soft thresholds), got {value!r}")
-    return float(value)
+    return check_real("tau", value, note="(the temperature of the soft thresholds)")
 
 
 class LTMPParams(FromConfig, nn.Module):

@@ -4,7 +4,6 @@ three criteria multiplied (similarity of the tokens themselves, informativeness:
 higher, size: smaller scores higher) in a bidirectional matching; each group becomes its attention x size weighted
 mean; the probabilities are merged alike (key columns summed, query rows weighted) and applied to the merged
 tokens' values, so attention is not recomputed after merging. Training-free here (the paper also fine-tunes)."""
-import math
 from typing import Any, List, Optional
 
 import torch
@@ -12,7 +11,7 @@ import torch
 from ..matching import max_merges
 from ..plans import ClusterPlan, split_tokens
 from ..plans.cluster import cluster_attention, cluster_sum
-from ..checks import is_real
+from ..checks import real
 from ..schedules import BlockCost
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
@@ -62,12 +61,7 @@ def mctf_matching(x: torch.Tensor, received: torch.Tensor, size: Optional[torch.
 
 
 def _positive(name: str):
-    def check(value: Any) -> float:
-        if not is_real(value) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        return float(value)
-
-    return check
+    return real(name)
 
 
 class MCTF(ScheduledReducer):

@@ -3,14 +3,13 @@ its Params (PARAMS), composed from the shared groups below, and TokenReducer bui
 help() shows, param_names() and the params dict from that list (as peft's per-method configs feed one BaseTuner).
 A new method adds only its own parameters: PARAMS = (*SCHEDULE, Param("mine", 1, check_mine), *COMMON)."""
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Sequence, Tuple
 
 from ..attention import check_prop_attn
 from ..kernels import check_kernel
 from ..rope import check_rope_merge
-from ..checks import is_real, optional
+from ..checks import check_real, optional
 from ..schedules import STUDY_STAGES, check_keep_rate, check_stages, validate_r
 
 REQUIRED = inspect.Parameter.empty  # a Param default meaning: no default, the caller must give it
@@ -85,22 +84,16 @@ def flag(name: str) -> Callable[[Any], Any]:
 
 
 def check_flops_ratio(value: Any) -> float:
-    if not is_real(value) or not math.isfinite(value) or value <= 1.0:
-        raise ValueError(f"flops_ratio must be a number > 1 (unreduced MACs / target MACs), got {value!r}")
-    return float(value)
+    return check_real("flops_ratio", value, 1.0, note="(unreduced MACs / target MACs)")
 
 
 def check_macs_target(value: Any) -> float:
-    if not is_real(value) or not math.isfinite(value) or not 0 < value <= 1:
-        raise ValueError(f"macs_target must be a number in (0, 1] (the share of the unreduced blocks' MACs the training "
-                         f"aims at), got {value!r}")
-    return float(value)
+    return check_real("macs_target", value, 0.0, high=1.0,
+                      note="(the share of the unreduced blocks' MACs the training aims at)")
 
 
 def check_macs_weight(value: Any) -> float:
-    if not is_real(value) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"macs_weight must be a finite number > 0, got {value!r}")
-    return float(value)
+    return check_real("macs_weight", value)
 
 
 # the target of a method whose training trades accuracy against MACs (DiffRate, LTMP)

@@ -8,7 +8,7 @@ import torch
 
 from ..matching import best_matches, merge_top_r
 from ..plans import MergePlan
-from ..checks import is_real
+from ..checks import check_real
 from ..schedules import BlockCost
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
@@ -49,9 +49,8 @@ def energy_matching(metric: torch.Tensor, r: int, num_prefix: int, margin: float
 
 
 def _check_margin(value: float) -> float:
-    if not is_real(value) or not 0.0 <= value < 2.0:
-        raise ValueError(f"margin must be a number in [0, 2) (a cosine similarity offset), got {value!r}")
-    return float(value)
+    return check_real("margin", value, 0.0, strict=False, high=2.0, high_strict=True,
+                      note="(a cosine similarity offset)")
 
 
 class PiToMe(ScheduledReducer):

@@ -3,7 +3,7 @@ as a Param whose error names the field's command-line flag, all run by validate_
 of fields together."""
 from typing import Any, Callable, ClassVar, Sequence, Tuple
 
-from ..checks import check_bool, check_choice, integer, optional, real
+from ..checks import check_bool, check_choice, integer, is_real, optional, real
 from ..methods.params import Param
 
 
@@ -21,6 +21,18 @@ def real_field(name: str, low: float = 0.0, strict: bool = True, allow_none: boo
     """A finite number field above low (at least low where not strict); None allowed with allow_none."""
     check: Callable[[Any], Any] = real(flag(name), low, strict)
     return Param(name, check=optional(check) if allow_none else check)
+
+
+def check_crop_scale(value: Any) -> Tuple[float, float]:
+    """crop_scale (lo, hi), the area range of a random resized crop: 0 < lo <= hi <= 1 (the flag sets lo)."""
+    ok = isinstance(value, (tuple, list)) and len(value) == 2 and all(is_real(v) for v in value) \
+        and 0 < value[0] <= value[1] <= 1
+    if not ok:
+        raise ValueError(f"--crop-min must be in (0, 1] (crop_scale (lo, hi), 0 < lo <= hi <= 1), got {value!r}")
+    return float(value[0]), float(value[1])
+
+
+CROP_SCALE = Param("crop_scale", check=check_crop_scale)
 
 
 def choice_field(name: str, choices: Sequence[Any]) -> Param:

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 from ..methods import METHODS, make_reducer, method_class, parse_method_tag
-from .config import CheckedFields, bool_field, choice_field, int_field, real_field
+from .config import CROP_SCALE, CheckedFields, bool_field, choice_field, int_field, real_field
 from .engine import check_loop_settings
 
 NO_METHOD = "none"
@@ -44,16 +44,13 @@ class FinetuneConfig(CheckedFields):
     FIELDS = (*(int_field(name, 1) for name in ("epochs", "batch_size", "eval_batch_size")),
               *(int_field(name, 0) for name in ("seed", "warmup_epochs", "lora_rank")),
               real_field("lr"), real_field("weight_decay", strict=False), real_field("lora_alpha", allow_none=True),
-              bool_field("distill"), choice_field("augment", AUGMENTS))
+              bool_field("distill"), choice_field("augment", AUGMENTS), CROP_SCALE)
 
     def validate(self) -> None:
         """Raise ValueError naming the command-line flag of the first bad setting, before any work."""
         self.validate_fields()
         if self.warmup_epochs >= self.epochs:
             raise ValueError(f"--warmup-epochs must be in [0, epochs={self.epochs}), got {self.warmup_epochs}")
-        lo, hi = self.crop_scale
-        if not 0 < lo <= hi <= 1:
-            raise ValueError(f"--crop-min must be in (0, 1], got crop_scale {self.crop_scale}")
         check_loop_settings(self.amp, self.amp_dtype, self.accumulate)
         method = self.method_params()  # raises for an unknown tag or parameter
         if method is not None and method[1].get("kernel") == "triton":

@@ -22,7 +22,7 @@ from ..extras import require
 from ..identity import data_digest, weights_digest
 from ..methods import tocom_methods
 from ..patch import check_supported, is_patched
-from .config import CheckedFields, choice_field, int_field, real_field
+from .config import CROP_SCALE, CheckedFields, choice_field, int_field, real_field
 from .engine import (Schedule, TrainingDiverged, TrainingTask, check_loop_settings, distill_loss,
                                rank_and_world, train)
 from ..tocom.compensator import Compensator
@@ -66,16 +66,13 @@ class TrainConfig(CheckedFields):
     FIELDS = (*(int_field(name, 1) for name in ("steps", "batch_size", "rank", "groups", "checkpoint_every")),
               *(int_field(name, 0) for name in ("holdout", "seed")),
               *(real_field(name) for name in ("lr", "temperature", "scale")), real_field("weight_decay", strict=False),
-              choice_field("holdout_pick", HOLDOUT_PICKS))
+              choice_field("holdout_pick", HOLDOUT_PICKS), CROP_SCALE)
 
     def validate(self) -> None:
         """Raise ValueError naming the command-line flag of the first bad hyper-parameter, before any work."""
         self.validate_fields()
         if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"--warmup-steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
-        lo, hi = self.crop_scale
-        if not 0 < lo <= hi <= 1:
-            raise ValueError(f"--crop-min must be in (0, 1] (crop_scale (lo, hi), 0 < lo <= hi <= 1), got {self.crop_scale}")
         if not self.mosaic or min(self.mosaic) < 1:
             raise ValueError(f"--mosaic must hold grid sizes >= 1, got {self.mosaic}")
         if self.method not in tocom_methods():

@@ -7,6 +7,8 @@ from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
+from ..checks import check_real
+
 # when each stage must end, as a fraction of the budget; time a stage does not use passes to the next one, and the
 # last 5 % are for checking the choice on its own path and writing the outputs
 STAGE_ENDS = {"screening": 0.35, "held-out check": 0.65, "timing": 0.95}
@@ -23,9 +25,8 @@ def count(n: int, noun: str) -> str:
 
 
 def check_time_budget(minutes: Optional[float]) -> None:
-    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float))
-                                or not math.isfinite(minutes) or minutes <= 0):
-        raise ValueError(f"--time-budget must be a number of minutes > 0 (or None for no limit), got {minutes!r}")
+    if minutes is not None:
+        check_real("--time-budget", minutes, note="(minutes; None: no limit)")
 
 
 class TimeBudget:

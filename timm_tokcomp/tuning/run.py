@@ -24,7 +24,6 @@ Stages (each written to the CSV as it is measured, so --resume continues from an
 import contextlib
 import copy
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -46,7 +45,7 @@ from ..data import UnlabeledImages, check_num_classes, open_images
 from ..measure import forward_counting
 from ..methods import default_tune_space
 from ..outputs import run_folder, write_text
-from ..checks import check_int, is_int, is_real
+from ..checks import check_int, check_real, is_int
 from .budget import StageBar, TimeBudget, count, estimate_text, monotonic, plan_text
 from .report import OUT_FILES, TuneResult, sample_notes, write_outputs
 from .rows import BUDGET_MEASURES, NOT_REACHED, Candidate, Choice, TuneRow
@@ -73,10 +72,9 @@ def _load_images(data: str, cfg: Dict, limit: int, show_progress: bool,
 
 def _check_args(batches, budget, min_speedup, limit, prune_images, max_rounds, modes, device) -> None:
     check_batches(batches)
-    if not is_real(budget) or not 0 <= budget <= 100 or not math.isfinite(budget):
-        raise ValueError(f"--budget must be a number of percentage points in [0, 100], got {budget!r}")
-    if min_speedup is not None and (not is_real(min_speedup) or not math.isfinite(min_speedup) or min_speedup < 1.0):
-        raise ValueError(f"--min-speedup must be a number >= 1, got {min_speedup!r}")
+    check_real("--budget", budget, 0.0, strict=False, high=100.0, note="(percentage points)")
+    if min_speedup is not None:
+        check_real("--min-speedup", min_speedup, 1.0, strict=False)
     check_int("--prune-images", prune_images, 1)
     if not is_int(limit) or limit < prune_images + 1:
         raise ValueError(f"--limit must be an integer above --prune-images ({prune_images}): the images after the "
