@@ -76,8 +76,9 @@ def load_hf_model(folder: str) -> nn.Module:
 def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: bool, device: str,
                      seed: int = 0) -> nn.Module:
     """The unmodified timm model, with weights from checkpoint (safetensors / torch file) or timm (model_name a
-    folder saved by transformers: its model, load_hf_model); without either, timm's random initialisation drawn from `seed` (the caller's random stream left as it was), so every command
-    that resumes (tune, analyze, finetune, train-tocom) meets the same random weights again.
+    folder saved by transformers: its model, load_hf_model); without either, timm's random initialisation drawn
+    from `seed` (the caller's random stream left as it was), so every command that resumes (tune, analyze,
+    finetune, train-tocom) meets the same random weights again.
     Raises ValueError / FileNotFoundError naming the argument for an unknown model, a missing checkpoint
     or a device this machine does not have."""
     check_device(device)

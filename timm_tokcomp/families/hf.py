@@ -50,7 +50,8 @@ def attention(attn: nn.Module, x: torch.Tensor, attn_bias: Optional[torch.Tensor
               reducer: Optional[TokenReducer]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """A transformers attention module (q_proj, k_proj, v_proj, o_proj or out_proj) on x: (B, N, C) with the additive
     bias attn_bias (B, 1, 1, N) or None -> (out (B, N, C), the reducer's metric or None). The model's own attention
-    function ('eager': that model file's, or 'sdpa') runs it, as transformers' forward does."""
+    function ('eager': that model file's, or 'sdpa') runs it, as transformers' forward does. The proportional-attention
+    implementations compute one result; transformers' functions take it as the mask, so the layers ignore prop_impl."""
     check_attn_implementation(attn.config)
     B, N, _ = x.shape
     heads = (B, N, -1, attn.head_dim)
@@ -200,8 +201,9 @@ _REFUSED = {
 
 class HFReducingModel(ReducingModel):
     """Mixin over a transformers vision model running the shared reducing loop. A class gives layers_at (the dotted
-    path of its layer list), embeddings_at, norm_at (its final norm, '' for none), global_pool (timm's sense: 'token' where the output reads only the class
-    token, 'map' for an attention-pool head, '' where every token is returned), prefix_tokens(config) and _outputs."""
+    path of its layer list), embeddings_at, norm_at (its final norm, '' for none), global_pool (timm's sense: 'token'
+    where the output reads only the class token, 'map' for an attention-pool head, '' where every token is returned),
+    prefix_tokens(config) and _outputs."""
 
     layers_at: ClassVar[str]
     embeddings_at: ClassVar[str] = "embeddings"
