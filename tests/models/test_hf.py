@@ -319,3 +319,15 @@ def test_a_reduced_transformers_model_compiles_by_region_without_graph_breaks():
             torch.testing.assert_close(fast(x).logits, model(x).logits, atol=1e-5, rtol=1e-5)
     assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 2
     torch._dynamo.reset()
+
+
+def test_save_pretrained_of_a_reduced_model_writes_the_plain_class(tmp_path):
+    model = timm_tokcomp.apply(hf_model("vit_classifier"), "tome", r=8)
+    model.save_pretrained(tmp_path)
+    assert timm_tokcomp.is_reduced(model) and type(model).__name__ == "ReducingHFViTForImageClassification"
+    loaded = transformers.ViTForImageClassification.from_pretrained(tmp_path).eval()
+    assert loaded.config.architectures == ["ViTForImageClassification"] and not timm_tokcomp.is_reduced(loaded)
+    x = _images()
+    with torch.no_grad():
+        torch.testing.assert_close(timm_tokcomp.apply(loaded, "tome", r=8)(x).logits, model(x).logits,
+                                   rtol=0, atol=0)

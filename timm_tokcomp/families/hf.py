@@ -270,6 +270,16 @@ class HFReducingModel(ReducingModel):
     def _input(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return pixel_values
 
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' save_pretrained, its config naming the plain class (transformers writes the model's class
+        name there): the folder loads as the plain model, the method applied again after loading."""
+        patched = type(self)
+        self.__class__ = next(c for c in patched.__mro__ if c in MODELS)
+        try:
+            return self.save_pretrained(*args, **kwargs)
+        finally:
+            self.__class__ = patched
+
     def _outputs(self, x: torch.Tensor, size: Optional[torch.Tensor], labels: Optional[torch.Tensor]):
         """The last layer's tokens x: (B, N', C) with their sizes (B, N', 1) or None -> the model's output."""
         raise NotImplementedError
