@@ -42,6 +42,22 @@ def _config(**changes):
                                     lr=3e-3), **changes})
 
 
+def _predictions_are_the_models(model, images, out):
+    """The predictions.csv a finetune run wrote in out are model's top-1 on the images folder (every image, through
+    the model's eval transform); returns (those images (n, 3, H, W), the CSV rows)."""
+    import timm
+
+    from timm_tokcomp.data import open_images
+
+    with open(out / "training" / "predictions.csv") as f:
+        rows = list(csv.DictReader(f))
+    data = open_images(images, timm.data.create_transform(**timm.data.resolve_model_data_config(model)))
+    x = torch.stack([data[i][0] for i in range(len(data))])
+    with torch.no_grad():
+        assert model(x).argmax(-1).tolist() == [int(r["prediction"]) for r in rows]
+    return x, rows
+
+
 def _run(labelled, out, **kwargs):
     return finetune(MODEL, str(labelled), str(out), config=kwargs.pop("config", _config()), show_progress=False,
                     num_workers=0, **kwargs)
@@ -73,15 +89,7 @@ def test_the_folder_is_a_peft_adapter_that_reloads_to_the_same_predictions(train
     assert torch.equal(torch.rand(4), expected)  # loading seeds its own draws, not the caller's stream
     assert type(model).__name__ == "ReducingVisionTransformer" and model.head.out_features == 3
     assert not any("lora" in name for name, _ in model.named_parameters())  # merged
-    with open(out / "training" / "predictions.csv") as f:
-        rows = list(csv.DictReader(f))
-    from timm_tokcomp.data import open_dataset
-    import timm
-
-    data = open_dataset(labelled, timm.data.create_transform(**timm.data.resolve_model_data_config(model)))
-    x = torch.stack([data[i][0] for i in range(len(data))])
-    with torch.no_grad():
-        assert model(x).argmax(-1).tolist() == [int(r["prediction"]) for r in rows]
+    _predictions_are_the_models(model, labelled, out)
     assert result.method_parameters == 12 * 3 * 192 + 12 * 8  # PYRA at r = 8: LayerNorm, W_D, 8 rank weights
     assert result.images == 18 and result.epochs == 2 and 0 < result.gmacs < 1.26 and result.images_per_second > 0
     saved = json.loads((out / "tokcomp_finetune.json").read_text())
@@ -116,14 +124,8 @@ def test_distill_learns_the_unreduced_model_on_unlabelled_images_and_keeps_the_h
     torch.manual_seed(0)
     base = timm.create_model(MODEL)
     assert torch.equal(model.head.weight, base.head.weight)
-    with open(out / "training" / "predictions.csv") as f:
-        rows = list(csv.DictReader(f))
-    from timm_tokcomp.data import open_images
-
-    data = open_images(image_folder, timm.data.create_transform(**timm.data.resolve_model_data_config(model)))
-    x = torch.stack([data[i][0] for i in range(len(data))])
+    x, rows = _predictions_are_the_models(model, image_folder, out)
     with torch.no_grad():
-        assert model(x).argmax(-1).tolist() == [int(r["prediction"]) for r in rows]
         assert base.eval()(x).argmax(-1).tolist() == [int(r["unreduced_prediction"]) for r in rows]
     log = (out / "training" / "log.csv").read_text().splitlines()
     assert log[0] == "epoch,train_loss,eval_top1,eval_agreement,last_lr,seconds"

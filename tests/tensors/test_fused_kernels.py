@@ -118,18 +118,20 @@ def test_matching_launches_per_image_or_per_tile(tokens, launches):
 
 
 def _same_on_both_paths(model, x, kernel_name):
-    """A reduced model's logits and token sizes on x, on the torch path and then with kernel='triton' (which must
-    launch kernel_name): equal within 1e-5."""
+    """A reduced model's logits, token counts per block and token sizes on x, on the torch path and then with
+    kernel='triton' (which must launch kernel_name): equal (logits and sizes within 1e-5). Returns the stats."""
     with torch.no_grad():
         want = model(x)
-        sizes_want = timm_tokcomp.last_stats(model).size
+        stats_want = timm_tokcomp.last_stats(model)
         timm_tokcomp.set_params(model, kernel="triton")
         with OpCounter() as launched:
             got = model(x)
-        sizes_got = timm_tokcomp.last_stats(model).size
+        stats_got = timm_tokcomp.last_stats(model)
     assert launched.counts[f"triton.{kernel_name}"] > 0
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    torch.testing.assert_close(sizes_got, sizes_want, rtol=0, atol=1e-5)
+    assert stats_got.tokens_per_block == stats_want.tokens_per_block
+    torch.testing.assert_close(stats_got.size, stats_want.size, rtol=0, atol=1e-5)
+    return stats_got
 
 
 @pytest.mark.parametrize("variant", ["cls", "distilled", "registers", "avgpool_noclass", "layerscale_qknorm"])
@@ -216,15 +218,8 @@ def test_atm_model_with_triton_kernel_matches_torch(variant):
     model = make_model(variant).eval()
     x = torch.randn(3, 3, 32, 32)
     timm_tokcomp.apply(model, "atm", alpha=0.3, beta=0.0, theta_min=0.0, split_layer=1)
-    with torch.no_grad():
-        want = model(x)
-        tokens_want = timm_tokcomp.last_stats(model).tokens_per_block
-        timm_tokcomp.set_params(model, kernel="triton")
-        with OpCounter() as launched:
-            got = model(x)
-    assert launched.counts["triton.tome_merge"] > 0
-    assert timm_tokcomp.last_stats(model).tokens_per_block == tokens_want and tokens_want[-1] < tokens_want[0]
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    tokens = _same_on_both_paths(model, x, "tome_merge").tokens_per_block
+    assert tokens[-1] < tokens[0]
 
 
 EVIT_CASES = [  # (batch, heads, tokens, prefix, r, head dim, channels, attention bias)
