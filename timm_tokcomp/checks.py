@@ -70,7 +70,7 @@ def integer(name: str, low: int = 0, note: str = "") -> Callable[[Any], int]:
     return lambda value: check_int(name, value, low, note)
 
 
-def real(name: str, low: float = 0.0, strict: bool = True) -> Callable[[Any], float]:
+def real(name: str, low: Optional[float] = 0.0, strict: bool = True) -> Callable[[Any], float]:
     """check_real as a one-argument check (a Param's)."""
     return lambda value: check_real(name, value, low, strict)
 

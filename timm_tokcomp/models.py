@@ -63,10 +63,9 @@ def load_hf_model(folder: str) -> nn.Module:
     except ValueError as e:
         raise ValueError(f"--hf-model {folder}: config.json is not JSON ({e})") from None
     names = config.get("architectures") or []
-    served = [name.strip() for name in HF_CLASSES.split(",")]
-    if len(names) != 1 or names[0] not in served:
+    if len(names) != 1 or names[0] not in HF_CLASSES:
         raise ValueError(f"--hf-model {folder}: its config.json names the architectures {names}; timm_tokcomp serves "
-                         f"one of transformers' {', '.join(served)}")
+                         f"one of transformers' {', '.join(HF_CLASSES)}")
     model = getattr(transformers, names[0]).from_pretrained(str(path), local_files_only=True,
                                                            attn_implementation="sdpa")
     model.pretrained_cfg = {"architecture": str(folder), **hf_data_config(path, model.config.image_size)}

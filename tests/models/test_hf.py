@@ -331,3 +331,10 @@ def test_save_pretrained_of_a_reduced_model_writes_the_plain_class(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(timm_tokcomp.apply(loaded, "tome", r=8)(x).logits, model(x).logits,
                                    rtol=0, atol=0)
+
+
+def test_the_served_class_names_are_the_adapters_classes():
+    from timm_tokcomp.families import HF_CLASSES
+    from timm_tokcomp.families.hf import MODELS
+
+    assert HF_CLASSES == tuple(cls.__name__ for cls in MODELS)

@@ -2,7 +2,6 @@
 `flags`; main() parses, checks every output path, runs the command and turns bad input into one error line."""
 import argparse
 import sys
-from pathlib import Path
 from typing import List, Optional
 
 from . import analyze, bench, calibrate, export, finetune, methods, speed, train_tocom, tune
@@ -43,6 +42,7 @@ def _one_line(error: Exception) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     from ..training.engine import TrainingDiverged
 
+    from ..models import is_hf_folder
     from ..outputs import check_output
     from ..precision import check_device
 
@@ -50,7 +50,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.notes = []  # what qualifies the result, printed after it: an error stays the only line
     try:
         if getattr(args, "hf_model", None) is not None:  # a transformers model folder stands for MODEL
-            if not Path(args.hf_model, "config.json").is_file():
+            if not is_hf_folder(args.hf_model):
                 raise FileNotFoundError(f"--hf-model {args.hf_model}: not a folder saved by save_pretrained "
                                         "(no config.json in it)")
             args.model = args.hf_model

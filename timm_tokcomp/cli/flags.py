@@ -65,11 +65,12 @@ def random_weights(args: argparse.Namespace) -> bool:
 
 def hf_model_flag(parser: argparse.ArgumentParser) -> None:
     """A transformers model folder in place of MODEL (main() puts it there; models.build_base_model loads it)."""
+    from ..families import HF_CLASSES
+
     parser.add_argument("--hf-model", metavar="FOLDER",
-                        help="a transformers vision model saved with save_pretrained (ViTForImageClassification, "
-                             "ViTModel, Dinov2Model, Dinov2WithRegistersModel, CLIPVisionModel, SiglipVisionModel; "
-                             "its preprocessor_config.json gives the image transform), loaded offline, instead of "
-                             "MODEL; accuracy needs ViTForImageClassification")
+                        help=f"a transformers vision model saved with save_pretrained ({', '.join(HF_CLASSES)}; its "
+                             "preprocessor_config.json gives the image transform), loaded offline, instead of MODEL; "
+                             "accuracy needs ViTForImageClassification")
 
 
 def device_flag(parser: argparse.ArgumentParser, more: str = "") -> None:

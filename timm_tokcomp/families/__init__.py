@@ -27,10 +27,12 @@ def family_of(model_class: type) -> Optional[Family]:
 def served_classes() -> str:
     """The served classes, for error messages."""
     timm_classes = ", ".join(f"{c.__name__} ({c.__module__})" for family in FAMILIES for c in family.models)
-    return f"{timm_classes} and transformers' {HF_CLASSES}"
+    return f"{timm_classes} and transformers' {', '.join(HF_CLASSES)}"
 
 
-HF_CLASSES = ("ViTModel, ViTForImageClassification, Dinov2Model, Dinov2WithRegistersModel, CLIPVisionModel, "
+# the transformers classes families.hf serves, by name (for messages and loaders without importing transformers;
+# tests/models/test_hf.py checks them against hf.MODELS)
+HF_CLASSES = ("ViTModel", "ViTForImageClassification", "Dinov2Model", "Dinov2WithRegistersModel", "CLIPVisionModel",
               "SiglipVisionModel")
 
 

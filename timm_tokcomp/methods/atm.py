@@ -25,7 +25,7 @@ from torch import nn
 from .. import kernels
 from ..matching import batch_adaptive_r, best_matches, count_above, max_merges, merge_top_r, size_distinctive_split
 from ..plans import MergePlan
-from ..checks import check_int, check_real
+from ..checks import check_int, real
 from ..schedules import BlockCost
 from .base import TokenReducer, warn_if_compiling
 from .params import COMMON, REQUIRED, Param, kernel_choice
@@ -117,9 +117,6 @@ def _check_split_layer(value: Any) -> Optional[int]:
                                                 "or None (blocks after it use size-distinctive matching)")
 
 
-def _check_real(name: str, value: Any, low: Optional[float] = None) -> float:
-    return check_real(name, value, low, strict=False)
-
 
 class ATM(TokenReducer):
     """alpha: initial threshold; beta: decay rate (>= 0); theta_min: threshold floor; split_layer:
@@ -141,10 +138,10 @@ class ATM(TokenReducer):
     tune_space = ({}, {"preset": "balanced"}, {"preset": "fast"})
     default_prefix_only_last_block = True
 
-    PARAMS = (Param("alpha", REQUIRED, lambda v: _check_real("alpha", v), "threshold of the first block"),
-              Param("beta", REQUIRED, lambda v: _check_real("beta", v, low=0.0),
+    PARAMS = (Param("alpha", REQUIRED, real("alpha", None), "threshold of the first block"),
+              Param("beta", REQUIRED, real("beta", 0.0, strict=False),
                     "decay of the threshold per block (>= 0)"),
-              Param("theta_min", REQUIRED, lambda v: _check_real("theta_min", v), "floor of the threshold"),
+              Param("theta_min", REQUIRED, real("theta_min", None), "floor of the threshold"),
               Param("split_layer", None, _check_split_layer,
                     "first block of size-distinctive matching; None: the paper's for the depth"),
               *COMMON, kernel_choice())

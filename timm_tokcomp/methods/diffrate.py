@@ -23,11 +23,11 @@ from torch import nn
 
 from ..matching import class_attention
 from ..plans import gather_tokens, KeepMergePlan
-from ..checks import integer, is_int
+from ..checks import integer, is_int, real
 from ..schedules import BlockCost
 from .base import BlockSetting, LearnedParams, TokenReducer
 from .tags import MacsTargetTagged
-from .params import COMMON, MACS_TARGET, REQUIRED, FromConfig, Param, check_macs_weight, optional
+from .params import COMMON, MACS_TARGET, REQUIRED, FromConfig, Param, optional
 from .straight_through import ceil_through, hard_through
 
 EPS = 1e-6  # the size a token dropped in the search keeps (log-size bias log(EPS) ~ -13.8)
@@ -138,7 +138,7 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
     learned_param = "rate_params"
     PARAMS = (MACS_TARGET,
               Param("granularity", 4, check_granularity, "DiffRate: the step between the candidate kept counts"),
-              Param("macs_weight", 50.0, check_macs_weight,
+              Param("macs_weight", 50.0, real("macs_weight"),
                     "DiffRate: the weight of the search's MACs penalty, macs_weight * (share - macs_target)^2"),
               Param("schedule", None, optional(check_schedule),
                     "DiffRate: {'prune': [...], 'merge': [...]}, patch tokens kept per block (instead of rates)"),

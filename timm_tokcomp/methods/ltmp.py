@@ -28,11 +28,11 @@ from torch import nn
 
 from ..matching import keep_best
 from ..plans import GroupPlan
-from ..checks import check_real, integer, is_real
+from ..checks import check_real, integer, is_real, real
 from ..schedules import BlockCost
 from .base import BlockSetting, LearnedParams, TokenReducer, warn_if_compiling
 from .tags import MacsTargetTagged
-from .params import COMMON, MACS_TARGET, REQUIRED, FromConfig, Param, check_macs_weight, optional
+from .params import COMMON, MACS_TARGET, REQUIRED, FromConfig, Param, optional
 from .straight_through import clamp_through, hard_through
 
 EPS = 1e-6  # the size a token merged or pruned in training keeps
@@ -107,7 +107,7 @@ class LTMP(MacsTargetTagged, LearnedParams, TokenReducer):
     learned_param = "threshold_params"
     PARAMS = (MACS_TARGET,
               Param("tau", 0.1, check_tau, "LTMP: the temperature of the soft thresholds in training"),
-              Param("macs_weight", 10.0, check_macs_weight,
+              Param("macs_weight", 10.0, real("macs_weight"),
                     "LTMP: the weight of the training's MACs penalty, macs_weight * (macs_target - share)^2"),
               Param("thresholds", None, optional(check_thresholds),
                     "LTMP: fixed thresholds {'merge': [...], 'prune': [...]}, one per block (instead of threshold_params)"),

@@ -60,9 +60,6 @@ def mctf_matching(x: torch.Tensor, received: torch.Tensor, size: Optional[torch.
     return ClusterPlan(p, assign, n - r)
 
 
-def _positive(name: str):
-    return real(name)
-
 
 class MCTF(ScheduledReducer):
     """The reduction a schedule puts at the end of block l runs at the start of block l + 1, before its attention
@@ -80,9 +77,9 @@ class MCTF(ScheduledReducer):
     reduces_at = "before_attention"
     min_keep_rate = 0.5
     PARAMS = (*SCHEDULE,
-              Param("info_power", 1 / 20, _positive("info_power"),
+              Param("info_power", 1 / 20, real("info_power"),
                     "MCTF: exponent of the informativeness term (min received attention / received)"),
-              Param("size_power", 1 / 40, _positive("size_power"), "MCTF: exponent of the size term (min size / size)"),
+              Param("size_power", 1 / 40, real("size_power"), "MCTF: exponent of the size term (min size / size)"),
               *COMMON)
 
     def validate(self) -> None:

@@ -92,9 +92,6 @@ def check_macs_target(value: Any) -> float:
                       note="(the share of the unreduced blocks' MACs the training aims at)")
 
 
-def check_macs_weight(value: Any) -> float:
-    return check_real("macs_weight", value)
-
 
 # the target of a method whose training trades accuracy against MACs (DiffRate, LTMP)
 MACS_TARGET = Param("macs_target", None, optional(check_macs_target),
