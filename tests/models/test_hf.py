@@ -149,6 +149,8 @@ def test_what_a_reduced_model_cannot_serve_is_refused_by_name():
             model(x, **{name: torch.ones(2, 64, dtype=torch.bool) if name == "bool_masked_pos" else True})
     with pytest.raises(TypeError, match=r"unexpected arguments \['other'\]"):
         model(x, other=1)
+    with pytest.raises(ValueError, match=r"B >= 1 .*empty batch.*\(0, 3, 32, 32\)"):
+        model(x[:0])
     assert isinstance(model(x, return_dict=False), tuple)
     with pytest.raises(ValueError, match="mctf"):
         timm_tokcomp.apply(hf_model("vit"), "mctf", r=4)

@@ -250,8 +250,10 @@ class HFReducingModel(ReducingModel):
                 interpolate_pos_encoding: Optional[bool] = None, return_dict: Optional[bool] = None,
                 **kwargs: Any):
         """pixel_values: (B, 3, H, W) -> transformers' output of this model class (return_dict=False: its tuple)."""
-        if pixel_values is None:
-            raise ValueError("pixel_values must be given: (B, 3, H, W) images")
+        if pixel_values is None or pixel_values.shape[0] == 0:
+            shape = None if pixel_values is None else tuple(pixel_values.shape)
+            raise ValueError("pixel_values must be given, (B, 3, H, W) images with B >= 1 (transformers' attention "
+                             f"functions cannot reshape an empty batch), got {shape}")
         for name, why in _REFUSED.items():
             given = kwargs.pop(name, None)
             if (given is not None and given is not False) or (
