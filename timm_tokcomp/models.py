@@ -2,6 +2,7 @@
 the plain timm model with its weights, and the device a command runs on, both checked with the flag in the error."""
 import contextlib
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -10,6 +11,7 @@ import timm
 import torch
 from torch import nn
 
+from .checks import is_int, is_real
 from .core import is_reduced
 from .extras import require
 from .families import HF_CLASSES
@@ -36,20 +38,41 @@ def hf_data_config(folder: Path, image_size: int) -> Dict[str, Any]:
                       "processor beside the model (processor.save_pretrained(folder)) for its own", stacklevel=3)
         return dict(input_size=(3, image_size, image_size), interpolation="bilinear", mean=(0.5,) * 3,
                     std=(0.5,) * 3, crop_pct=1.0, crop_mode="center")
-    pre = json.loads(path.read_text())
+    pre = _folder_json(folder, "preprocessor_config.json")
     size = pre.get("size") or {"height": image_size, "width": image_size}
     size = {"height": size, "width": size} if isinstance(size, int) else size
     crop = pre.get("crop_size") if pre.get("do_center_crop") else None
     crop = {"height": crop, "width": crop} if isinstance(crop, int) else crop
-    if crop is not None:
-        resized = size.get("shortest_edge", size.get("height"))
-        input_size, crop_pct = (3, crop["height"], crop["width"]), crop["height"] / resized
-    else:
-        side = size.get("shortest_edge")
-        input_size, crop_pct = (3, side or size["height"], side or size["width"]), 1.0
+    mean, std = pre.get("image_mean", (0.5,) * 3), pre.get("image_std", (0.5,) * 3)
+    try:
+        if crop is not None:
+            resized = size.get("shortest_edge", size.get("height"))
+            input_size, crop_pct = (3, crop["height"], crop["width"]), crop["height"] / resized
+        else:
+            side = size.get("shortest_edge")
+            input_size, crop_pct = (3, side or size["height"], side or size["width"]), 1.0
+        ok = all(is_int(v) and v > 0 for v in input_size) and 0 < crop_pct <= 1 and len(mean) == len(std) == 3 \
+            and all(is_real(m) and math.isfinite(m) for m in mean) and all(is_real(s) and 0 < s < math.inf for s in std)
+    except (AttributeError, KeyError, TypeError, ZeroDivisionError):
+        ok = False
+    if not ok:
+        raise ValueError(f"--hf-model {folder}: preprocessor_config.json must give size and crop_size as a positive "
+                         "int, {height, width} or {shortest_edge} (the crop within the resize), and image_mean / "
+                         f"image_std as three finite numbers (std > 0); got size {size!r}, crop_size {crop!r}, "
+                         f"image_mean {mean!r}, image_std {std!r}")
     return dict(input_size=input_size, interpolation=_RESAMPLE.get(pre.get("resample", 2), "bilinear"),
-                mean=tuple(pre.get("image_mean", (0.5,) * 3)), std=tuple(pre.get("image_std", (0.5,) * 3)),
-                crop_pct=crop_pct, crop_mode="center")
+                mean=tuple(mean), std=tuple(std), crop_pct=crop_pct, crop_mode="center")
+
+
+def _folder_json(folder: Path, name: str) -> Dict[str, Any]:
+    """The JSON object in folder/name, or ValueError naming --hf-model and the file."""
+    try:
+        doc = json.loads((folder / name).read_text())
+    except ValueError as e:
+        raise ValueError(f"--hf-model {folder}: {name} is not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"--hf-model {folder}: {name} must hold a JSON object, got {type(doc).__name__}")
+    return doc
 
 
 def load_hf_model(folder: str) -> nn.Module:
@@ -58,11 +81,7 @@ def load_hf_model(folder: str) -> nn.Module:
     pretrained_cfg (hf_data_config), so the commands' image transforms and input sizes follow it."""
     transformers = require("transformers", "hf", f"--hf-model {folder}")
     path = Path(folder)
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except ValueError as e:
-        raise ValueError(f"--hf-model {folder}: config.json is not JSON ({e})") from None
-    names = config.get("architectures") or []
+    names = _folder_json(path, "config.json").get("architectures") or []
     if len(names) != 1 or names[0] not in HF_CLASSES:
         raise ValueError(f"--hf-model {folder}: its config.json names the architectures {names}; timm_tokcomp serves "
                          f"one of transformers' {', '.join(HF_CLASSES)}")

@@ -2,6 +2,7 @@
 registers too), CLIPVisionModel and SiglipVisionModel, small random configurations in both attention implementations
 ('sdpa', 'eager'); and DeiT-Tiny's real weights converted into transformers' ViT."""
 import copy
+import re
 
 import pytest
 import torch
@@ -340,3 +341,21 @@ def test_the_served_class_names_are_the_adapters_classes():
     from timm_tokcomp.families.hf import MODELS
 
     assert HF_CLASSES == tuple(cls.__name__ for cls in MODELS)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{", "preprocessor_config.json is not JSON"),
+    ("[1]", "preprocessor_config.json must hold a JSON object, got list"),
+    ('{"size": {"longest_edge": 32}}', r"must give size and crop_size .*got size \{'longest_edge': 32\}"),
+    ('{"size": 32, "do_center_crop": true, "crop_size": 48}', r"crop_size \{'height': 48, 'width': 48\}"),
+    ('{"size": 32, "image_std": [0.5, 0.5, 0]}', r"image_std \[0.5, 0.5, 0\]"),
+    ('{"size": 32, "image_mean": [0.5, "a", 0.5]}', "image_mean"),
+])
+def test_a_bad_preprocessor_config_is_refused_naming_the_flag_and_file(text, match, tmp_path, capsys):
+    from timm_tokcomp.cli import main
+
+    hf_model("vit_classifier").save_pretrained(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(text)
+    assert main(["speed", "--hf-model", str(tmp_path), "--batches", "1", "--rounds", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--hf-model {tmp_path}" in err and re.search(match, err), err
