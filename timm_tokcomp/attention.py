@@ -9,10 +9,12 @@ same result, so that the fastest one for a device can be chosen (`tokcomp tune`)
 - 'fold_qkv': the same, in one copy: the qkv projection's output (the module called as timm calls it) padded once
   per head, q' = [q, 1, 0...], k' = [k, log s / scale, 0...], and SDPA called with the attention's own scale; no
   concatenation copies q and k apart, and nothing is cached. Needs an attention without q / k norm.
-- 'flex': FlexAttention with a score_mod adding log s; fast only under torch.compile.
+- 'flex': FlexAttention with a score_mod adding log s; fast only under torch.compile on a GPU (one fused kernel).
+  Where it cannot run the float mask serves: with dropout, for a backward on the CPU, and compiled on the CPU
+  (Inductor's CPU FlexAttention cannot read the bias tensor).
 
 'auto' resolves per device class and dtype from the measured table (timm_tokcomp.device_table), 'mask' where it
-has no entry. The pure tensor math lives here, and `attend` dispatches the implementation for every model family."""
+has no entry; the table may name another choice for compiled blocks of models without rope. The pure tensor math lives here, and `attend` dispatches the implementation for every model family."""
 from typing import Optional, Tuple
 
 import torch
@@ -94,8 +96,11 @@ def check_fold_qkv(attn: nn.Module, where: str) -> None:
 
 
 def _flex_runs(q: torch.Tensor, dropout_p: float) -> bool:
-    """FlexAttention has no dropout, and no backward on the CPU: the float mask serves there."""
-    return dropout_p == 0 and (q.is_cuda or not (torch.is_grad_enabled() and q.requires_grad))
+    """FlexAttention has no dropout, and on the CPU no backward and no compiled form that reads a captured tensor:
+    the float mask serves there."""
+    if q.is_cuda:
+        return dropout_p == 0
+    return dropout_p == 0 and not (torch.is_grad_enabled() and q.requires_grad) and not torch.compiler.is_compiling()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor], impl: str, scale: float,

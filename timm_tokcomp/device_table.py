@@ -11,7 +11,7 @@ import torch
 from .precision import dtype_name
 
 TABLE = Path(__file__).parent / "assets" / "device_defaults.json"
-FIELDS = ("kernel", "prop_attn")
+FIELDS = ("kernel", "prop_attn", "prop_attn_compiled")  # the last: under torch.compile, models without rope
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,7 +41,7 @@ def compute_dtype(x: torch.Tensor) -> str:
 
 
 def measured(field: str, x: torch.Tensor) -> Optional[str]:
-    """The table's choice of `field` ('kernel' or 'prop_attn') for x's device class and precision, or None."""
+    """The table's choice of `field` (one of FIELDS) for x's device class and precision, or None."""
     if field not in FIELDS:
         raise ValueError(f"field must be one of {FIELDS}, got {field!r}")
     return _lookup(field, x.device.type, x.device.index, compute_dtype(x))

@@ -79,12 +79,21 @@ class _AttentionRecorder(TorchDispatchMode):
     so the counter below sees the same backend ops (addmm, bmm, the fused attention kernel) on every torch
     and in every grad mode, and nothing is counted both as a composite op and as its parts."""
 
+    supports_higher_order_operators = True  # FlexAttention passes through here: its MACs are counted analytically
+
     def __init__(self):
         super().__init__()
         self.calls: List[Tuple[object, Optional[int]]] = []
+        self.flex_macs = 0  # FlexAttention's: its eager implementation runs with no mode on the stack
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            if func.name() != "flex_attention":
+                raise NotImplementedError(f"MacCounter cannot count the higher-order operator {func.name()}")
+            self.flex_macs += attention_macs("bhnd", args[0].shape, args[1].shape, args[2].shape)  # q, k, v (B, H, N, d)
+            with _disable_current_modes():  # its eager implementation refuses a dispatch mode on the stack
+                return func(*args, **kwargs)
         if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
             with self:
                 out = func.decompose(*args, **kwargs)
@@ -106,6 +115,33 @@ class _AttentionRecorder(TorchDispatchMode):
 # modes never see a launch, and FlopCounterMode cannot count its multiply-accumulates
 _KERNEL_LISTENERS: List[Callable[[str, int], None]] = []
 _LAUNCHING = [0]  # > 0 while a kernel launches: the aten ops Triton's CPU interpreter runs then are not counted
+
+
+class _EagerFlexDirect:
+    """While a counter is open, eager FlexAttention calls its higher-order operator directly (torch's debug switch)
+    instead of through torch.compile, which refuses a dispatch mode on the stack: the same unfused computation,
+    seen by the counter as one call. Nested counters keep the switch until the outermost closes."""
+
+    def __init__(self):
+        self._depth, self._saved = 0, False
+
+    def __enter__(self):
+        import torch.nn.attention.flex_attention as flex
+
+        if self._depth == 0:
+            self._saved = flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+            flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+        self._depth += 1
+
+    def __exit__(self, *exc):
+        import torch.nn.attention.flex_attention as flex
+
+        self._depth -= 1
+        if self._depth == 0:
+            flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = self._saved
+
+
+_EAGER_FLEX_DIRECT = _EagerFlexDirect()
 
 
 @contextmanager
@@ -137,6 +173,7 @@ class MacCounter:
         self._kernel_macs += macs
 
     def __enter__(self) -> "MacCounter":
+        _EAGER_FLEX_DIRECT.__enter__()
         self._counter.__enter__()
         self._recorder.__enter__()
         _KERNEL_LISTENERS.append(self._on_kernel)
@@ -146,6 +183,7 @@ class MacCounter:
         _KERNEL_LISTENERS.remove(self._on_kernel)
         self._recorder.__exit__(*exc)
         self._counter.__exit__(*exc)
+        _EAGER_FLEX_DIRECT.__exit__(*exc)
         if exc[0] is None:
             self._check_attention()
         return False
@@ -153,12 +191,12 @@ class MacCounter:
     @property
     def total(self) -> float:
         """MACs of everything that ran, the package's Triton kernels included."""
-        return self._counter.get_total_flops() / 2 + self._kernel_macs
+        return self._counter.get_total_flops() / 2 + self._kernel_macs + self._recorder.flex_macs
 
     @property
     def by_module(self) -> Dict[str, float]:
         """MACs per module name as FlopCounterMode tracks them ('Global' is the total; the package's Triton
-        kernels count in 'Global' only)."""
+        kernels and FlexAttention count in 'Global' only)."""
         macs = {name: sum(ops.values()) / 2 for name, ops in self._counter.get_flop_counts().items()}
         macs["Global"] = self.total
         return macs
@@ -210,12 +248,16 @@ class OpCounter(TorchDispatchMode):
         self.counts[f"triton.{name}"] += 1
 
     def __enter__(self) -> "OpCounter":
+        _EAGER_FLEX_DIRECT.__enter__()
         _KERNEL_LISTENERS.append(self._on_kernel)
         return super().__enter__()
 
     def __exit__(self, *exc):
         _KERNEL_LISTENERS.remove(self._on_kernel)
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _EAGER_FLEX_DIRECT.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if isinstance(func, torch._ops.HigherOrderOperator):

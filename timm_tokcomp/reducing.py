@@ -37,12 +37,15 @@ def refuse_fx_tracing() -> None:
         raise RuntimeError(_NOT_FX_TRACEABLE)
 
 
-def resolve_prop_attn(prop_attn: Union[bool, str], x: torch.Tensor) -> Union[bool, str]:
+def resolve_prop_attn(prop_attn: Union[bool, str], x: torch.Tensor, compiled: bool = False, rope: bool = False
+                      ) -> Union[bool, str]:
     """False, or the implementation that runs on x's device and precision ('auto': the measured table's, else
-    'mask')."""
+    'mask'). compiled: the blocks run under torch.compile, where the table may name another choice for models
+    without rope (its 'prop_attn_compiled')."""
     if prop_attn != "auto":
         return prop_attn
-    return measured("prop_attn", x) or "mask"
+    chosen = measured("prop_attn_compiled", x) if compiled and not rope else None
+    return chosen or measured("prop_attn", x) or "mask"
 
 
 def patch_grid(model: nn.Module, image_size: Optional[Tuple[int, int]] = None) -> Tuple[int, int]:
@@ -255,13 +258,14 @@ class ReducingModel:
         source = None
         if reducer.trace_source or for_intermediates:
             source = torch.eye(x.shape[1], device=x.device, dtype=x.dtype).expand(x.shape[0], -1, -1)
-        prop_attn = resolve_prop_attn(self._tokcomp_prop_attn, x)
         stats = ReductionStats(num_prefix=num_prefix, rope_merge=None if positions is None else positions.merge)
         use_checkpoint = self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting()
         last = self._tokcomp_depth - 1
         blocks = self.blocks if num_blocks is None else self.blocks[:num_blocks]
         compiled = COMPILED_BLOCKS.get()
         compiled = compiled[1] if compiled is not None and compiled[0] is self and not use_checkpoint else None
+        prop_attn = resolve_prop_attn(self._tokcomp_prop_attn, x, compiled=compiled is not None or
+                                      torch.compiler.is_compiling(), rope=positions is not None)
         for i, (blk, setting) in enumerate(zip(blocks, settings)):
             stats.tokens_per_block.append(x.shape[1])
             reducer.record_block(stats, x, size)

@@ -64,13 +64,18 @@ def test_compiles_two_graphs_for_every_block_batch_and_r(method):
     assert (_graphs(), _breaks()) == (2, 0)
 
 
-def test_flex_attention_compiles_by_region_and_matches_the_mask():
+def test_flex_attention_compiles_by_region_and_matches_the_mask(monkeypatch):
+    from timm_tokcomp import attention
+
+    graphs = []
+    monkeypatch.setattr(attention, "_flex_runs", lambda q, dropout_p: dropout_p == 0)  # as on CUDA: flex is traced
     model, reference = _model("tome", r=8, prop_attn="flex"), _model("tome", r=8, prop_attn="mask")
-    fast = compiling.compile(model, backend="eager")
+    fast = compiling.compile(model, backend=lambda gm, example: graphs.append(gm.graph) or gm.forward)
     with torch.no_grad():
         for batch in (2, 3):
             torch.testing.assert_close(fast(_images(batch)), reference(_images(batch)), rtol=1e-5, atol=1e-5)
     assert (_graphs(), _breaks()) == (2, 0)
+    assert any("flex_attention" in str(node.target) for graph in graphs for node in graph.nodes)
 
 
 def test_a_batch_of_one_compiles_its_graphs_once():

@@ -218,8 +218,43 @@ def test_auto_resolves_from_the_device_table(monkeypatch, images):
     assert device_table.measured("prop_attn", images.bfloat16()) is None  # another precision: no entry
 
 
+def test_compiled_blocks_without_rope_take_the_tables_compiled_choice(monkeypatch, images):
+    from conftest import family_model
+    from timm_tokcomp import compiling
+
+    calls = []
+    real = attention.fold_qk
+    monkeypatch.setattr(attention, "fold_qk", lambda *a: calls.append("fold") or real(*a))
+    table = {("cpu", "fp32"): {"prop_attn": "mask", "prop_attn_compiled": "fold"}}
+    monkeypatch.setattr(device_table, "_entries", lambda path=None: table)
+    model = timm_tokcomp.apply(make_model("cls"), "tome", r=4, prop_attn=True)
+    eager = _logits(model, images)
+    assert calls == []  # eager: the table's prop_attn
+    with torch.no_grad():
+        torch.testing.assert_close(compiling.compile(model, backend="eager")(images), eager, atol=1e-5, rtol=0)
+    assert calls  # compiled: its prop_attn_compiled
+    calls.clear()
+    rope = timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "tome", r=4, prop_attn=True)
+    with torch.no_grad():
+        compiling.compile(rope, backend="eager")(images)
+    assert calls == []  # a rope model keeps the table's prop_attn when compiled
+
+
+def test_flex_compiled_by_inductor_on_the_cpu_is_the_mask():
+    """Inductor's CPU FlexAttention cannot read the bias tensor (a LoweringException on torch 2.14): the float mask
+    serves there, with the same result."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 2, 9, 8).unbind(0)
+    bias = torch.rand(2, 1, 1, 9).add(0.5).log()
+    no_dropout = torch.nn.Dropout(0.0)
+    compiled = torch.compile(lambda *t: attention.attend(*t, "flex", 8 ** -0.5, no_dropout, True), fullgraph=True)
+    reference = attention.attend(q, k, v, bias, "mask", 8 ** -0.5, no_dropout, True)
+    torch.testing.assert_close(compiled(q, k, v, bias), reference, atol=1e-5, rtol=0)
+
+
 def test_shipped_table_is_well_formed():
-    allowed = {"kernel": {"torch", "triton"}, "prop_attn": set(attention.PROP_ATTN_IMPLS)}
+    allowed = {"kernel": {"torch", "triton"}, "prop_attn": set(attention.PROP_ATTN_IMPLS),
+               "prop_attn_compiled": set(attention.PROP_ATTN_IMPLS)}
     for (device_class, dtype), entry in device_table._entries().items():
         assert dtype in ("fp32", "bf16", "fp16") and device_class
         assert entry.get("measured"), "every entry names the run it comes from"

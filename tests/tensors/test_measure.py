@@ -121,15 +121,25 @@ def test_inference_mode_counts_the_same(fused):
     assert counter.total == count_macs(model, x)
 
 
-def test_op_counter_counts_flex_attention_as_one_call(monkeypatch):
-    """Eager FlexAttention runs through torch.compile, which refuses a dispatch mode; with torch's debug switch it
-    calls its higher-order operator directly, and the counter counts that as one call."""
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_counters_count_flex_attention():
+    """Eager FlexAttention runs through torch.compile, which refuses a dispatch mode: inside a counter it calls its
+    higher-order operator directly (torch's debug switch, restored on exit). OpCounter counts it as one call (and
+    host_syncs, the CUDA-graph capturability check, runs it: an H200 cudagraph run failed there); MacCounter
+    counts its MACs as the mask's."""
     import torch.nn.attention.flex_attention as fa
     from conftest import make_model
+    from timm_tokcomp.graphs import host_syncs
     from timm_tokcomp.measure import OpCounter
 
-    monkeypatch.setattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
     model = timm_tokcomp.apply(make_model("cls"), "tome", r=4, prop_attn="flex")
+    mask = timm_tokcomp.apply(make_model("cls"), "tome", r=4, prop_attn="mask")
+    x = torch.randn(2, 3, 32, 32)
     with torch.no_grad(), OpCounter() as ops:
-        model(torch.randn(2, 3, 32, 32))
+        with OpCounter():  # nested counters: the switch stays on until the outer one closes
+            pass
+        model(x)
     assert ops.counts["hop.flex_attention"] == len(model.blocks) - 1  # the first block has no sizes yet
+    assert host_syncs(model, x) == {}
+    assert count_macs(model, x) == count_macs(mask, x)
+    assert fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG is False

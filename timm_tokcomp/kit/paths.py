@@ -52,7 +52,8 @@ def fast_paths(model: nn.Module, method: str, params: Dict[str, Any], device: st
     """Every path this device offers for the setting (method, params) on model (a plain timm model), mode by
     mode: the Triton kernels on CUDA for methods with fused kernels (compiled too, as custom operators:
     kernels.library; the dense variant's merge kernels in eager mode only); 'mask' and 'fold' wherever the setting weighs token sizes, 'fold_qkv' where the attention allows it (patch.fold_qkv_refusal),
-    'flex' compiled where FlexAttention exists; data-dependent methods in eager mode only."""
+    'flex' compiled on CUDA (on the CPU its compiled form falls back to the mask); data-dependent methods in eager
+    mode only."""
     check_device(device)
     for mode in modes:
         check_mode(mode, device, allowed=TORCH_MODES)
@@ -70,7 +71,7 @@ def fast_paths(model: nn.Module, method: str, params: Dict[str, Any], device: st
         impls: List[Union[bool, str]] = [False]
         if prop:
             impls = ["mask", "fold"] + (["fold_qkv"] if fold_qkv_refusal(model) is None else [])
-            impls += ["flex"] if compiled else []
+            impls += ["flex"] if compiled and cuda else []
         out += [FastPath(mode, kernel, impl) for kernel in kernel_choices for impl in impls]
     return out
 
