@@ -93,6 +93,18 @@ def rope_rows(rope: nn.Module, coords: torch.Tensor, block: int, dtype: torch.dt
     return rows.unsqueeze(1).to(dtype)
 
 
+def moved_coords(plan: Plan, coords: torch.Tensor, size: Optional[torch.Tensor], num_prefix: int, merge: str
+                 ) -> torch.Tensor:
+    """coords (B, n, 2) of the non-prefix tokens, size (B, N, 1) or None before the plan -> (B, n', 2) after it:
+    under 'dst' each output at its destination's position where the plan has destinations (Plan.at_destinations),
+    else (and under 'centroid') at the size-weighted centroid of what it holds."""
+    moved = plan.at_destinations(coords) if merge == "dst" else None
+    if moved is None:
+        full = torch.cat([coords.new_zeros(coords.shape[0], num_prefix, 2), coords], dim=1)
+        moved = plan.apply(full, size, None)[0][:, num_prefix:]
+    return moved
+
+
 @dataclass
 class TokenPositions:
     """Where a forward's patch tokens sit. coords: (B, n, 2) float32 in the rope module's units, one row per
@@ -130,7 +142,6 @@ class TokenPositions:
         attention-) weighted centroid of what it holds. A training step that moves no token (keeps_positions:
         DynamicViT's masks) leaves the positions as they are; one that keeps the tokens in place and mixes them softly
         is refused: its positions are not defined."""
-        p = num_prefix
         if getattr(plan, "keeps_positions", False):
             return self
         if not isinstance(plan, Plan):
@@ -138,10 +149,7 @@ class TokenPositions:
                 "this method's training step keeps every token in place with soft sizes, which defines no rotary "
                 "position for a merged token: train it on a model without rotary embeddings; its eval model "
                 "(model.eval()) runs here")
-        coords = plan.at_destinations(self.coords) if self.merge == "dst" else None
-        if coords is None:
-            full = torch.cat([self.coords.new_zeros(self.coords.shape[0], p, 2), self.coords], dim=1)
-            coords = plan.apply(full, size, None)[0][:, p:]
+        coords = moved_coords(plan, self.coords, size, num_prefix, self.merge)
         return TokenPositions(self.rope, coords, None, self.merge)
 
     def moved(self, coords: torch.Tensor) -> "TokenPositions":

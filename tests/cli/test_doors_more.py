@@ -12,7 +12,7 @@ import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from test_doors import MODEL, _assert_refused, _commands, _images, _run
+from test_doors import MODEL, _assert_refused, _commands, _images
 from timm_tokcomp import outputs
 
 FILE_COMMANDS = {  # every command writing one file, with the flag naming it

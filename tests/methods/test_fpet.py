@@ -2,7 +2,6 @@
 training forward (hard matches) against the eval forward with the gradient reaching the adapter, `tokcomp finetune`
 with LoRA, and refusals."""
 import pytest
-import timm
 import torch
 import torch.nn.functional as F
 

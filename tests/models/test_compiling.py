@@ -130,14 +130,22 @@ def test_methods_compiled_whole_match_eager_with_their_learned_parameters_pertur
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_rope_model_compiles_two_graphs_for_every_batch():
+def _rope_model(**params):
     torch.manual_seed(0)
-    model = timm_tokcomp.apply(timm.create_model("eva02_small_patch14_224", img_size=56, depth=4).eval(), "tome", r=2)
-    fast = compiling.compile(model, backend="eager")
+    return timm_tokcomp.apply(timm.create_model("eva02_small_patch14_224", img_size=56, depth=4).eval(), "tome",
+                              **params)
+
+
+def test_rope_model_compiles_two_graphs_for_every_batch():
+    model = _rope_model(r=2)
+    graphs = []
+    fast = compiling.compile(model, backend=lambda gm, example: graphs.append(gm.graph) or gm.forward)
     with torch.no_grad():
         for batch in (2, 3):  # 2 is also the width of the rope coordinates: no duck sizing ties them
             x = torch.randn(batch, 3, 56, 56)
             torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+    # the step and its rope coordinates are one operator: the matching is not traced
+    assert any("tome_merge_rope" in str(node.target) for graph in graphs for node in graph.nodes)
     assert (_graphs(), _breaks()) == (2, 0)
 
 
@@ -222,6 +230,25 @@ def test_tome_merge_operator_passes_opcheck(backend, with_size):
     torch.library.opcheck(torch.ops.timm_tokcomp.tome_merge, (metric, x, size if with_size else None, 8, 1, backend))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("coords_merge", ["dst", "centroid"])
+def test_tome_merge_rope_operator_passes_opcheck(backend, coords_merge):
+    metric, x, size = _step_inputs()
+    coords = torch.rand(2, 40, 2, generator=torch.Generator().manual_seed(1)) * 10
+    torch.library.opcheck(torch.ops.timm_tokcomp.tome_merge_rope,
+                          (metric, x, size, coords, 8, 1, coords_merge, backend))
+
+
+@pytest.mark.parametrize("rope_merge", ["dst", "centroid"])
+def test_triton_kernels_run_inside_a_compiled_rope_model(rope_merge):
+    fast = compiling.compile(_rope_model(r=2, kernel="triton", rope_merge=rope_merge), backend="aot_eager")
+    reference = _rope_model(r=2, kernel="torch", rope_merge=rope_merge)
+    with torch.no_grad():
+        x = torch.randn(3, 3, 56, 56)
+        torch.testing.assert_close(fast(x), reference(x), rtol=1e-5, atol=1e-5)
+    assert _breaks() == 0
+
+
 def _evit_inputs(batch=2, tokens=41, heads=3, channels=24, seed=0, with_bias=True):
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(2, batch, heads, tokens, 8, generator=g)
@@ -244,6 +271,10 @@ def test_operator_backends_agree():
               torch.ops.timm_tokcomp.tome_merge(metric, x, size, 12, 1, "torch")),
              (torch.ops.timm_tokcomp.evit_prune(*_evit_inputs(), 9, 1, "triton"),
               torch.ops.timm_tokcomp.evit_prune(*_evit_inputs(), 9, 1, "torch"))]
+    coords = torch.rand(2, 56, 2, generator=torch.Generator().manual_seed(1)) * 10
+    pairs += [(torch.ops.timm_tokcomp.tome_merge_rope(metric, x, size, coords, 12, 1, merge, "triton"),
+               torch.ops.timm_tokcomp.tome_merge_rope(metric, x, size, coords, 12, 1, merge, "torch"))
+              for merge in ("dst", "centroid")]
     for got, want in pairs:
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

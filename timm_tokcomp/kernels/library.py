@@ -4,6 +4,7 @@ compiler neither re-derives the matching for every block nor guards on each bloc
 Triton kernels run inside the compiled graph (and its CUDA graphs) where the backend says 'triton'.
 
     x, size = torch.ops.timm_tokcomp.tome_merge(metric, x, size, r, num_prefix, "torch")
+    x, size, coords = torch.ops.timm_tokcomp.tome_merge_rope(metric, x, size, coords, r, num_prefix, "dst", "triton")
     x, size = torch.ops.timm_tokcomp.evit_prune(q, k, attn_bias, scale, x, size, r, num_prefix, "triton")
 
 Eager forwards call the same steps directly (kernels.tome_merge, or the method's plan): the operators add nothing
@@ -39,6 +40,34 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
 def _(metric, x, size, r, num_prefix, backend):
     B, N, C = x.shape
     return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1)
+
+
+@torch.library.custom_op("timm_tokcomp::tome_merge_rope", mutates_args=())
+def tome_merge_rope(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], coords: torch.Tensor, r: int,
+                    num_prefix: int, coords_merge: str, backend: str
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tome_merge on a rope model: also the patch tokens' rotary coordinates coords (B, N - num_prefix, 2), float32,
+    moved by the same plan (coords_merge 'dst': each merged token at its destination's; 'centroid': at the
+    size-weighted centroid, rope.moved_coords) -> x (B, N - r, C), size (B, N - r, 1), coords (B, N - r - num_prefix,
+    2). backend: 'triton' (kernels.tome_merge with coords) or 'torch' (the plan)."""
+    if backend == "triton":
+        from . import triton_tome
+
+        merged, merged_size, moved = triton_tome.tome_merge_with_coords(metric, x, size, r, num_prefix, coords,
+                                                                         coords_merge)
+    else:
+        from ..rope import moved_coords
+
+        plan = bipartite_soft_matching(metric, r, num_prefix)
+        merged, merged_size, _ = plan.apply(x, size, None)
+        moved = moved_coords(plan, coords, size, num_prefix, coords_merge)
+    return merged.contiguous(), merged_size.contiguous(), moved.contiguous()
+
+
+@tome_merge_rope.register_fake
+def _(metric, x, size, coords, r, num_prefix, coords_merge, backend):
+    B, N, C = x.shape
+    return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1), coords.new_empty(B, coords.shape[1] - r, 2)
 
 
 @torch.library.custom_op("timm_tokcomp::evit_prune", mutates_args=())

@@ -44,17 +44,21 @@ class ToMe(FusedScheduledReducer):
 
     def reduce_fused(self, metric, x, size, source, r, num_prefix, positions=None):
         """The Triton kernels in eager inference where the backend is 'triton' (the rotary positions moved by the
-        same plan: kernels.tome_merge's coords); compiled, the step as one custom operator (kernels.library) on the
-        resolved backend (without rotary positions: there plan() and reduce() are traced)."""
-        compiled = library.uses_library_op(x) and positions is None
+        same plan: kernels.tome_merge's coords); compiled, the step as one custom operator (kernels.library, the
+        rotary positions moved inside it) on the resolved backend."""
+        compiled = library.uses_library_op(x)
         if source is not None or not (compiled or kernels.use_triton(self.kernel, x)):
             return None
         r = min(r, max_merges(x.shape[1], num_prefix))
         if r <= 0:
             return x, size, source, positions
         if compiled:
-            merged = library.tome_merge(metric, x, size, r, num_prefix, kernels.resolve_backend(self.kernel, x))
-            return (*merged, None, None)
+            backend = kernels.resolve_backend(self.kernel, x)
+            if positions is None:
+                return (*library.tome_merge(metric, x, size, r, num_prefix, backend), None, None)
+            x, size, coords = library.tome_merge_rope(metric, x, size, positions.coords, r, num_prefix,
+                                                      positions.merge, backend)
+            return x, size, None, positions.moved(coords)
         if positions is None:
             return (*kernels.tome_merge(metric, x, size, r, num_prefix), None, None)
         x, size, coords = kernels.tome_merge(metric, x, size, r, num_prefix, positions.coords, positions.merge)
