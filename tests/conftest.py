@@ -16,6 +16,11 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
 
+# pytest-xdist's workers share the cores: each takes its part of them for torch's threads
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 REPO = Path(__file__).resolve().parents[1]  # the repository's root
 DATA = Path(os.environ.get("TOKCOMP_DATA", REPO / ".." / "shared" / "data"))
 
