@@ -149,6 +149,10 @@ def test_on_cuda_the_chooser_offers_triton_compiled_where_the_step_is_an_operato
     for method in ("tome", "evit"):  # their steps are custom operators (kernels.library)
         paths = fast_paths(model, method, {"r": 2, "prop_attn": "mask"}, "cuda", ("eager", "compile"))
         assert {(p.mode, p.kernel) for p in paths} == {(m, k) for m in ("eager", "compile") for k in ("torch", "triton")}
+    prop = {(p.mode, p.prop_attn) for p in fast_paths(model, "tome", {"r": 2}, "cuda", ("eager", "compile"))}
+    assert ("compile", "flex") in prop and ("eager", "flex") not in prop  # flex: compiled, on CUDA
+    assert ("compile", "flex") not in {(p.mode, p.prop_attn)
+                                       for p in fast_paths(model, "tome", {"r": 2}, "cpu", ("eager", "compile"))}
     dense = fast_paths(model, "dense_tome", {"r": 2}, "cuda", ("eager", "compile"))
     assert {(p.mode, p.kernel) for p in dense} == {("eager", "torch"), ("eager", "triton"), ("compile", "torch")}
 

@@ -239,6 +239,24 @@ def test_tome_merge_rope_operator_passes_opcheck(backend, coords_merge):
                           (metric, x, size, coords, 8, 1, coords_merge, backend))
 
 
+@pytest.mark.parametrize("coords_merge", ["dst", "centroid"])
+def test_evit_prune_rope_operator_passes_opcheck(coords_merge):
+    coords = torch.rand(2, 40, 2, generator=torch.Generator().manual_seed(1)) * 10
+    torch.library.opcheck(torch.ops.timm_tokcomp.evit_prune_rope, (*_evit_inputs(), coords, 6, 1, coords_merge))
+
+
+def test_compiled_evit_on_a_rope_model_runs_its_step_as_one_operator():
+    model = _rope_model(r=2).eval()
+    evit = timm_tokcomp.apply(timm_tokcomp.remove(model), "evit", r=3, rope_merge="centroid")
+    graphs = []
+    fast = compiling.compile(evit, backend=lambda gm, example: graphs.append(gm.graph) or gm.forward)
+    with torch.no_grad():
+        x = torch.randn(3, 3, 56, 56)
+        torch.testing.assert_close(fast(x), evit(x), rtol=1e-5, atol=1e-5)
+    assert any("evit_prune_rope" in str(node.target) for graph in graphs for node in graph.nodes)
+    assert _breaks() == 0
+
+
 @pytest.mark.parametrize("rope_merge", ["dst", "centroid"])
 def test_triton_kernels_run_inside_a_compiled_rope_model(rope_merge):
     fast = compiling.compile(_rope_model(r=2, kernel="triton", rope_merge=rope_merge), backend="aot_eager")

@@ -90,3 +90,25 @@ def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tenso
 def _(q, k, attn_bias, scale, x, size, r, num_prefix, backend):
     B, N, C = x.shape
     return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1)
+
+
+@torch.library.custom_op("timm_tokcomp::evit_prune_rope", mutates_args=())
+def evit_prune_rope(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, x: torch.Tensor,
+                    size: Optional[torch.Tensor], coords: torch.Tensor, r: int, num_prefix: int, coords_merge: str
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """evit_prune on a rope model, the torch plan (the Triton kernels carry no coordinates): also the patch tokens'
+    rotary coordinates coords (B, N - num_prefix, 2), float32, moved by the same plan (rope.moved_coords: the kept
+    tokens keep theirs, the fused token sits at the centroid of what it holds) -> x (B, N - r, C), size
+    (B, N - r, 1), coords (B, N - r - num_prefix, 2)."""
+    from ..rope import moved_coords
+
+    plan = attentive_pruning(class_attention(q, k, attn_bias, scale).mean(dim=1), r, num_prefix)
+    pruned, pruned_size, _ = plan.apply(x, size, None)
+    moved = moved_coords(plan, coords, size, num_prefix, coords_merge)
+    return pruned.contiguous(), pruned_size.contiguous(), moved.contiguous()
+
+
+@evit_prune_rope.register_fake
+def _(q, k, attn_bias, scale, x, size, coords, r, num_prefix, coords_merge):
+    B, N, C = x.shape
+    return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1), coords.new_empty(B, coords.shape[1] - r, 2)

@@ -55,14 +55,21 @@ class EViT(FusedScheduledReducer):
 
     def reduce_fused(self, metric, x, size, source, r, num_prefix, positions=None):
         """The Triton kernels in eager inference where the backend is 'triton'; compiled, the step as one custom
-        operator (kernels.library) on the resolved backend. Not with rotary positions (plan() and reduce() run)."""
-        if not isinstance(metric, ClassAttentionInputs) or source is not None or positions is not None:
+        operator (kernels.library) on the resolved backend, on a rope model the torch plan moving the rotary
+        positions too. Eager with rotary positions: plan() and reduce() run."""
+        compiled = library.uses_library_op(x)
+        if not isinstance(metric, ClassAttentionInputs) or source is not None or (positions is not None
+                                                                                  and not compiled):
             return None
         n = x.shape[1] - num_prefix
         r = min(r, n - 1)
         if r <= 0:
-            return x, size, source, None
-        if library.uses_library_op(x):
+            return x, size, source, positions
+        if compiled and positions is not None:
+            x, size, coords = library.evit_prune_rope(*metric, x, size, positions.coords, r, num_prefix,
+                                                      positions.merge)
+            return x, size, None, positions.moved(coords)
+        if compiled:
             return (*library.evit_prune(*metric, x, size, r, num_prefix, kernels.resolve_backend(self.kernel, x)),
                     None, None)
         return (*kernels.evit_prune(*metric, x, size, r, num_prefix), None, None)
