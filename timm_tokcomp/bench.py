@@ -20,7 +20,6 @@ from .kit.grammar import BASELINE, MethodItem, parse_methods
 from .kit import modes as modes_
 from .kit.agreement import evaluate, paired_flags
 from .kit.modes import check_mode, warmup_calls
-from .kit.presets import load_preset
 from .kit.stats import noise_notes, p90, speedup_interval
 from .measure import count_macs, no_silent_eager_fallback, time_runs
 from .methods import exportable_methods, method_class, tocom_methods
@@ -74,6 +73,7 @@ class BenchRow:
     vs_fastest_plain: Optional[float] = None
     vs_fastest_plain_lo: Optional[float] = None
     vs_fastest_plain_hi: Optional[float] = None
+    plain_preset: bool = False  # a preset .json of method 'none' (a tune that found nothing to gain): plain runs
 
 
 BACKENDS = ("eager", "compile", "onnx")
@@ -233,6 +233,7 @@ def run_bench(
                   for name in models if name.endswith(TOCOM_SUFFIX)}
     fastest = min(plain.values(), key=lambda name: statistics.median(times[name])) if times else BASELINE
     source = {name: BASELINE if name in plain.values() else name for name in models}  # whose accuracy a row has
+    plain_presets = {item.name for item in items if item.name != BASELINE and item.method == BASELINE}
     rows = []
     for name, model in models.items():
         own = plain[modes[name]]
@@ -254,7 +255,7 @@ def run_bench(
             latency_p90_ms=1e3 * p90(latency[name]) if latency else None,
             latency_speedup=fast[0], speedup_lo=speed[1], speedup_hi=speed[2], latency_speedup_lo=fast[1],
             latency_speedup_hi=fast[2], plain_row=own, vs_fastest_plain=overall[0], vs_fastest_plain_lo=overall[1],
-            vs_fastest_plain_hi=overall[2],
+            vs_fastest_plain_hi=overall[2], plain_preset=name in plain_presets,
         ))
     return rows
 
@@ -338,7 +339,7 @@ def format_table(rows: Sequence[BenchRow]) -> str:
                           for r in rows if r.method not in plain], "--timing-rounds, --latency-runs")
     idle = [r.method for r in rows if r.method not in plain and r.tokens_last_block == rows[0].tokens_last_block
             and r.gmacs >= rows[0].gmacs]
-    plain_presets = [name for name in idle if name.endswith(".json") and load_preset(name)[0] == BASELINE]
+    plain_presets = [r.method for r in rows if r.plain_preset and r.method in idle]
     if plain_presets:
         lines.append(f"note: {', '.join(plain_presets)}: a preset of method '{BASELINE}' (the tune that wrote it found "
                      f"nothing to gain within its budget): the plain model runs")
