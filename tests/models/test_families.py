@@ -215,6 +215,22 @@ def test_compile_runs_a_rope_model(images):
         torch.testing.assert_close(torch.compile(model, backend="eager")(images), expected)
 
 
+@pytest.mark.parametrize("name", ROPE_MODELS)
+def test_rope_models_compiled_by_region_match_eager(name, images):
+    """ToMe's and EViT's compiled steps move the rotary coordinates inside their operators (tome_merge_rope,
+    evit_prune_rope): the compiled model gives the eager model's output on every rope family."""
+    from timm_tokcomp import compiling
+
+    for method in ("tome", "evit"):
+        model = family_model(name)
+        if method == "evit" and getattr(model, "cls_token", None) is None:
+            continue  # EViT reads the class token's attention
+        model = timm_tokcomp.apply(model, method, r=3)
+        with torch.no_grad():
+            torch.testing.assert_close(compiling.compile(model, backend="eager")(images), model(images),
+                                       rtol=1e-5, atol=1e-5)
+
+
 # DeiT-Tiny's real weights in an Eva configured to match it: every part of the Eva path except rope, with real weights
 
 
