@@ -14,7 +14,8 @@ same result, so that the fastest one for a device can be chosen (`tokcomp tune`)
   (Inductor's CPU FlexAttention cannot read the bias tensor).
 
 'auto' resolves per device class and dtype from the measured table (timm_tokcomp.device_table), 'mask' where it
-has no entry; the table may name another choice for compiled blocks of models without rope. The pure tensor math lives here, and `attend` dispatches the implementation for every model family."""
+has no entry; the table may name another choice for compiled blocks of models without rope. The pure tensor math
+lives here, and `attend` dispatches the implementation for every model family."""
 from typing import Optional, Tuple
 
 import torch

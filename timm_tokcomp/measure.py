@@ -91,7 +91,8 @@ class _AttentionRecorder(TorchDispatchMode):
         if isinstance(func, torch._ops.HigherOrderOperator):
             if func.name() != "flex_attention":
                 raise NotImplementedError(f"MacCounter cannot count the higher-order operator {func.name()}")
-            self.flex_macs += attention_macs("bhnd", args[0].shape, args[1].shape, args[2].shape)  # q, k, v (B, H, N, d)
+            q, k, v = args[:3]  # (B, H, N, d) each
+            self.flex_macs += attention_macs("bhnd", q.shape, k.shape, v.shape)
             with _disable_current_modes():  # its eager implementation refuses a dispatch mode on the stack
                 return func(*args, **kwargs)
         if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
