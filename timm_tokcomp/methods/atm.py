@@ -117,7 +117,6 @@ def _check_split_layer(value: Any) -> Optional[int]:
                                                 "or None (blocks after it use size-distinctive matching)")
 
 
-
 class ATM(TokenReducer):
     """alpha: initial threshold; beta: decay rate (>= 0); theta_min: threshold floor; split_layer:
     blocks l > split_layer (1-based) use size-distinctive matching (default round(0.75 * depth), 9 of

@@ -60,7 +60,6 @@ def mctf_matching(x: torch.Tensor, received: torch.Tensor, size: Optional[torch.
     return ClusterPlan(p, assign, n - r)
 
 
-
 class MCTF(ScheduledReducer):
     """The reduction a schedule puts at the end of block l runs at the start of block l + 1, before its attention
     (block 0 never reduces, as in the paper's blocks 1-11; under keep_rate the stage blocks themselves reduce): the

@@ -92,7 +92,6 @@ def check_macs_target(value: Any) -> float:
                       note="(the share of the unreduced blocks' MACs the training aims at)")
 
 
-
 # the target of a method whose training trades accuracy against MACs (DiffRate, LTMP)
 MACS_TARGET = Param("macs_target", None, optional(check_macs_target),
                     "the training's target: a share in (0, 1] of the unreduced blocks' MACs (None: no MACs penalty)")
