@@ -64,6 +64,8 @@ def prefix_only_last(model: nn.Module, reducer: TokenReducer) -> bool:
         exact, f"this model has global_pool={model.global_pool!r} and {model.num_prefix_tokens} prefix tokens")
 
 
+SIZED_POOLS = ("avg", "avgmax", "max")  # the pool types that read the token sizes
+
 # (model, its blocks' compiled forward_reduce(block, ...)) while a regionally compiled call of model runs in this
 # thread (timm_tokcomp.compiling); the model's other callers run their blocks eagerly
 COMPILED_BLOCKS: contextvars.ContextVar = contextvars.ContextVar("timm_tokcomp_compiled_blocks", default=None)
@@ -293,8 +295,9 @@ class ReducingModel:
 
     def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
         """Like timm's pool, with each token weighted by its size (the sizes of the forward_features call that
-        returned x, or of the running forward): 'avg' / 'avgmax' as a size-weighted mean, the attention-pool head
-        ('map') with log size added to its attention logits, as in the blocks."""
+        returned x, or of the running forward): 'avg' / 'avgmax' as a size-weighted mean, 'max' / 'avgmax' over the
+        tokens of size > 0, the attention-pool head ('map') with log size added to its attention logits, as in the
+        blocks."""
         if getattr(self, "attn_pool", None) is not None:
             size = self._token_sizes(x)
             start = 0 if self.map_pool_reads_prefix or getattr(self, "pool_include_prefix", False) \
@@ -305,15 +308,19 @@ class ReducingModel:
             bias = size[:, start:, 0].log().to(x.dtype).view(x.shape[0], 1, 1, xs.shape[1])
             return self.attn_pool(xs, attn_mask=bias)
         pool_type = self.global_pool if pool_type is None else pool_type
-        if pool_type not in ("avg", "avgmax"):
+        if pool_type not in SIZED_POOLS:
             return super().pool(x, pool_type)
         size = self._token_sizes(x)
         if size is None:
             return super().pool(x, pool_type)
         start = 0 if getattr(self, "pool_include_prefix", False) else self.num_prefix_tokens
         xs, s = x[:, start:], size[:, start:].to(x.dtype)
+        if pool_type != "avg":  # a padding token (size 0) is never the maximum
+            peak = xs.masked_fill(s == 0, torch.finfo(xs.dtype).min).amax(dim=1)
+            if pool_type == "max":
+                return peak
         mean = (xs * s).sum(dim=1) / s.sum(dim=1).clamp_min(torch.finfo(s.dtype).tiny)  # never 0 / 0
-        return mean if pool_type == "avg" else 0.5 * (xs.amax(dim=1) + mean)
+        return mean if pool_type == "avg" else 0.5 * (peak + mean)
 
     def _token_sizes(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """(B, N, 1) sizes of the tokens x: (B, N, C); None when every token has size 1."""

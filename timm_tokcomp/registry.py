@@ -160,8 +160,7 @@ def _refusing_entrypoint(arch: str, why: str, fn: Callable[..., Any]) -> Callabl
             method_tag = pretrained_cfg.rpartition(".")[2]
         if method_tag:
             raise TypeError(f"{arch} does not take method tags ({method_tag!r}): it is built from {why}. "
-                            f"timm_tokcomp reduces tokens in timm's {served_classes()}."
-                            f"{_served_twins(arch, method_tag)}")
+                            f"timm_tokcomp reduces tokens in timm's {served_classes()}.")
         return fn(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
 
     entrypoint._tokcomp_original = fn
@@ -314,20 +313,6 @@ def _unserved_archs() -> Dict[str, str]:
     for module, why in UNSERVED_MODULES.items():
         unserved.update({arch: why for arch in treg._module_to_models.get(module, set()) - deprecated})
     return unserved
-
-
-def _served_twins(arch: str, method_tag: str) -> str:
-    """' Served for the same weights: vit_base_patch16_siglip_224.v2_webli.tome_r16, ...': the names of a NaFlex
-    architecture's weights in timm's VisionTransformer (same size, patch and head; with its pretrained tags where
-    timm lists them there) with the method tag, or ''."""
-    if not arch.startswith("naflexvit"):
-        return ""
-    stem = arch.replace("naflexvit", "vit", 1)
-    twins = sorted(a for a in _supported() if a.startswith(stem))
-    tags = sorted(t for t in _pretrained_tags(arch) if t)
-    tagged = [f"{a}.{t}" for a, known in ((a, set(_pretrained_tags(a))) for a in twins) for t in tags if t in known]
-    shown = [f"{name}.{method_tag}" for name in (tagged or twins)[:4]]
-    return f" Served for the same weights: {', '.join(shown)}." if shown else ""
 
 
 def register_all() -> None:

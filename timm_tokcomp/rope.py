@@ -19,6 +19,9 @@ from .plans import Plan
 
 ROPE_MERGES = ("dst", "centroid")  # how a merged token's rotary position is chosen (the rope_merge parameter)
 SERVED_ROPES = (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed)
+PATCH_DROP_REFUSAL = ("patch dropout (patch_drop_rate > 0) in training is not supported on a rope model while tokens "
+                      "are reduced: timm keeps the kept patches' indices to itself, so their rotary positions cannot "
+                      "travel with them; set patch_drop_rate=0 or train without a method")
 
 
 def check_rope_merge(value) -> None:

@@ -214,10 +214,10 @@ def test_applys_refusal_fits_the_model_it_refuses():
 
     import timm_tokcomp
 
-    naflex = timm.create_model("naflexvit_base_patch16_gap", pretrained=False, depth=1)
+    gemma4 = timm.create_model("gemma4_vit_167m_enc", pretrained=False, depth=1)
     with pytest.raises(TypeError) as e:
-        timm_tokcomp.apply(naflex, "tome", r=1)
-    assert "NaFlexVit" in str(e.value) and "features_only" not in str(e.value)
+        timm_tokcomp.apply(gemma4, "tome", r=1)
+    assert "Gemma 4" in str(e.value) and "features_only" not in str(e.value)
     features = timm.create_model("vit_tiny_patch16_224", pretrained=False, features_only=True, depth=3)
     with pytest.raises(TypeError, match="features_only wrapper"):
         timm_tokcomp.apply(features, "tome", r=1)

@@ -151,6 +151,8 @@ def test_a_method_tag_in_the_name_is_kept_or_refused_with_pretrained_cfg():
     ("eva02_base_patch14_224.mim_in22k.tome_r8", "ReducingEva"),
     ("vit_pe_core_base_patch16_224.fb.evit_r8", "ReducingEva"),
     ("vit_base_patch16_rope_mixed_224.naver_in1k.tome_r8", "ReducingEva"),
+    ("naflexvit_base_patch16_siglip.v2_webli.tome_r16", "ReducingNaFlexVit"),
+    ("naflexvit_base_patch16_radio_v3.c_radio.evit_r8", "ReducingNaFlexVit"),
 ])
 def test_newer_families_take_method_tags_and_are_listed(name, family):
     with torch.device("meta"):
@@ -159,20 +161,11 @@ def test_newer_families_take_method_tags_and_are_listed(name, family):
     assert f"{name.rpartition('.')[0]}.tome_r16" in timm.list_models(f"{arch}*", pretrained=True)
 
 
-@pytest.mark.parametrize("name, why", [("naflexvit_base_patch16_gap.tome_r8", "NaFlexVit"),
-                                       ("gemma4_vit_167m.tome_r8", "Gemma 4's vision encoder"),
+@pytest.mark.parametrize("name, why", [("gemma4_vit_167m.tome_r8", "Gemma 4's vision encoder"),
                                        ("vit_base_patch16_xp_224.evit_r8", "ParallelScalingBlock")])
 def test_a_method_tag_on_an_unserved_class_says_which_classes_are_served(name, why):
     with pytest.raises(TypeError, match=rf"does not take method tags .*{why}.*VisionTransformer .*Eva"):
         timm.create_model(name)
-
-
-def test_a_naflex_name_with_a_method_tag_names_the_served_name_for_the_same_weights():
-    with pytest.raises(TypeError, match="NaFlexVit") as refused:
-        timm.create_model("naflexvit_base_patch16_siglip.v2_webli.tome_r16")
-    served = "vit_base_patch16_siglip_224.v2_webli.tome_r16"
-    assert f"Served for the same weights: {served}" in str(refused.value)
-    assert served in timm.list_models(pretrained=True)
 
 
 def test_an_unreachable_hub_under_a_tagged_name_is_one_error_without_huggingface_hubs_advice(monkeypatch):

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
                         f"{', '.join(listed_tags())} on each), e.g. deit_small_patch16_224.fb_in1k.tome_r16, "
                         f"vit_base_patch16_siglip_224.v2_webli.tome_r16, vit_small_patch16_dinov3.lvd1689m.tome_r16, "
                         f"eva02_base_patch14_224.mim_in22k.tome_r8, vit_pe_core_base_patch16_224.fb.tome_r8, "
-                        f"vit_base_patch16_rope_mixed_224.naver_in1k.tome_r8; NaFlexVit is not served yet", 110,
+                        f"vit_base_patch16_rope_mixed_224.naver_in1k.tome_r8, naflexvit_base_patch16_siglip.v2_webli.tome_r16", 110,
                         subsequent_indent="  "))
     return 0
 

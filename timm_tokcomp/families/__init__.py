@@ -6,9 +6,10 @@ from typing import Optional, Tuple
 
 from .base import Family
 from .eva import EVA
+from .naflex import NAFLEX
 from .vit import VIT
 
-FAMILIES: Tuple[Family, ...] = (VIT, EVA)
+FAMILIES: Tuple[Family, ...] = (VIT, EVA, NAFLEX)
 
 
 def family_of(model_class: type) -> Optional[Family]:
@@ -39,8 +40,6 @@ HF_CLASSES = ("ViTModel", "ViTForImageClassification", "Dinov2Model", "Dinov2Wit
 # timm model modules none of whose architectures is served, and why (a method tag on their names, and apply on
 # their models, say so)
 UNSERVED_MODULES = {
-    "naflexvit": "a NaFlexVit (variable token counts with per-token coordinates and validity masks), which "
-                 "timm_tokcomp does not serve yet; the same weights in timm's VisionTransformer or Eva class are served",
     "gemma4_vit": "Gemma 4's vision encoder, which timm_tokcomp does not serve: its output pools every patch into a "
                   "fixed cell of the patch grid (Gemma4VisionPooler: N / k^2 soft tokens for the language model, each "
                   "the mean of exactly k^2 patches found by their grid positions), a contract a reduced token count "

@@ -5,7 +5,7 @@ with), and the MACs of one block; and the attention helpers the adapters share. 
 import inspect
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from timm.layers import AttentionPoolLatent
@@ -90,6 +90,20 @@ def reducer_metric(reducer: Optional[TokenReducer], q, k, v, attn_bias, scale: f
 
 def linear_macs(module: nn.Module) -> int:
     return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
+
+
+@dataclass(frozen=True)
+class Facade:
+    """A model whose attributes are not timm's VisionTransformer's, under those names (Family.facade): blocks (each
+    with .attn, .mlp), embed_dim, num_prefix_tokens, global_pool, patch_embed (grid_size, num_patches,
+    dynamic_feat_size), dynamic_img_size."""
+
+    blocks: Sequence[Any]
+    embed_dim: int
+    num_prefix_tokens: int
+    global_pool: str
+    patch_embed: Any
+    dynamic_img_size: bool = False
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from .. import attention
 from ..dense import DenseBlockMixin, DenseModel
 from ..methods.base import TokenReducer
 from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel
-from ..rope import TokenPositions, check_rope, grid_coords
+from ..rope import PATCH_DROP_REFUSAL, TokenPositions, check_rope, grid_coords
 from .base import Family, project_heads, reducer_metric
 
 
@@ -122,9 +122,7 @@ class ReducingEva(ReducingModel, Eva):
         x = self.patch_embed(x)
         feat_shape = tuple(x.shape[1:3]) if self.dynamic_img_size else tuple(self.patch_embed.grid_size)
         if self.rope is not None and self.patch_drop is not None and self.training:
-            raise ValueError("patch dropout (patch_drop_rate > 0) in training is not supported on a rope model while "
-                             "tokens are reduced: timm keeps the kept patches' indices to itself, so their rotary "
-                             "positions cannot travel with them; set patch_drop_rate=0 or train without a method")
+            raise ValueError(PATCH_DROP_REFUSAL)
         x, table = self._pos_embed(x)
         x = self.norm_pre(x)
         if table is None:

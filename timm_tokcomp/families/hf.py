@@ -12,7 +12,7 @@ so transformers stays an optional dependency.
 """
 import sys
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, Optional, Tuple
 
 import torch
 import transformers
@@ -33,7 +33,7 @@ from transformers.models.vit.modeling_vit import ViTForImageClassification, ViTL
 
 from ..methods.base import TokenReducer
 from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel, patch_grid
-from .base import Family, reducer_metric
+from .base import Facade, Family, reducer_metric
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")  # transformers' attention functions that take an additive float mask
 
@@ -176,18 +176,6 @@ class BlockView:
 
     attn: nn.Module
     mlp: nn.Module
-
-
-@dataclass(frozen=True)
-class Facade:
-    """A transformers vision model under timm's attribute names (Family.facade)."""
-
-    blocks: List[BlockView]
-    embed_dim: int
-    num_prefix_tokens: int
-    global_pool: str
-    patch_embed: PatchGrid
-    dynamic_img_size: bool = False
 
 
 _REFUSED = {

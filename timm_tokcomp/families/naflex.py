@@ -1,0 +1,274 @@
+"""timm's NaFlexVit (SigLIP2 NaFlex, NaFlexViT, C-RADIO, and timm's ViT / EVA / DINOv3 built with use_naflex=True).
+Its blocks are timm's Block or EvaBlock, reduced by the VisionTransformer and Eva adapters' classes; what this adapter
+adds is its embedding and its two inputs:
+
+- images (B, 3, H, W): one patch grid, the shared loop as for VisionTransformer / Eva (the model's forward, bit for
+  bit, while nothing is reduced);
+- NaFlex batches (patches (B, N, P*P*C) with patch_coord (B, N, 2) and patch_valid (B, N), or the collator's dict):
+  each image's valid patches are its tokens, padding is never one. Images sharing a token count and grid run the
+  shared loop together, with no padding, so every image reduces exactly as it would alone (one host read groups
+  them); the outputs are padded back to one count with tokens of size 0, which pooling ignores, and the returned
+  patch_valid marks the real ones."""
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+from timm.layers import Attention
+from timm.models.eva import EvaAttention, EvaBlock, EvaBlockPostNorm
+from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg, _overlay_kwargs, get_block_fn
+from timm.models.vision_transformer import Block
+from timm.layers.attention import AttentionRope
+from torch import nn
+
+from ..plans import gather_tokens
+from ..reducing import SIZED_POOLS, ReducingModel, remember_last
+from ..rope import PATCH_DROP_REFUSAL, TokenPositions, check_rope, grid_coords
+from ..state import ReductionStats
+from .base import BuildArgs, Facade, Family
+from .eva import ReducingAttentionRope, ReducingEvaAttention, ReducingEvaBlock, ReducingEvaBlockPostNorm
+from .eva import _plain_skips_qkv_module
+from .vit import ReducingAttention, ReducingBlock, _arch_refusal as _vit_arch_refusal
+
+
+@dataclass(frozen=True)
+class EmbedsGrid:
+    """timm's patch_embed facts of a NaFlexEmbeds: its default patch grid (its learned position table's, or its
+    default image size's) and the grid of an image size."""
+
+    embeds: nn.Module
+
+    @property
+    def grid_size(self) -> Tuple[int, int]:
+        return tuple(self.embeds.pos_embed_grid_size)
+
+    @property
+    def num_patches(self) -> int:
+        rows, cols = self.grid_size
+        return rows * cols
+
+    def dynamic_feat_size(self, image_size: Tuple[int, int]) -> Tuple[int, int]:
+        return tuple(self.embeds.dynamic_feat_size(tuple(image_size)))
+
+
+class GroupRun(NamedTuple):
+    """One group of a NaFlex batch through the blocks: images (k,) their batch indices, tokens (k, n) the positions
+    of their valid patches in the padded input, x (k, N', C) the normed output, stats its ReductionStats."""
+
+    images: torch.Tensor
+    tokens: torch.Tensor
+    x: torch.Tensor
+    stats: ReductionStats
+
+
+def naflex_groups(valid: torch.Tensor, coord: torch.Tensor) -> List[Tuple[List[int], int, Tuple[int, int]]]:
+    """valid: (B, N) bool, coord: (B, N, 2) (row, col) -> [(image indices, valid count n, grid (rows, cols))], the
+    images sharing n and grid together; the grid spans the valid patches' coordinates. One host read."""
+    extent = coord.masked_fill(~valid.unsqueeze(-1), -1).amax(dim=1) + 1 if valid.shape[1] else \
+        coord.new_zeros(valid.shape[0], 2)
+    facts = torch.cat([valid.sum(dim=1, keepdim=True).to(extent.dtype), extent], dim=1).tolist()
+    groups: Dict[Tuple[int, int, int], List[int]] = {}
+    for image, (n, rows, cols) in enumerate(facts):
+        if n == 0:
+            raise ValueError(f"patch_valid marks no patch of image {image} as valid; every image of a NaFlex batch "
+                             f"needs at least one")
+        groups.setdefault((int(n), int(rows), int(cols)), []).append(image)
+    return [(images, n, (rows, cols)) for (n, rows, cols), images in groups.items()]
+
+
+class ReducingNaFlexVit(ReducingModel, NaFlexVit):
+    dynamic_img_size = True  # an image of any size has its own patch grid
+
+    @property
+    def patch_embed(self) -> EmbedsGrid:
+        return EmbedsGrid(self.embeds)
+
+    def _positions(self, x: torch.Tensor, grid: Tuple[int, int]) -> Optional[TokenPositions]:
+        """The rotary positions of x's patch tokens, a row-major grid (rows, cols), with timm's own table."""
+        if self.rope is None:
+            return None
+        table = self.rope.get_embed(shape=list(grid))
+        coords = grid_coords(self.rope, grid, x.device).expand(x.shape[0], -1, -1)
+        return TokenPositions(self.rope, coords, table, self._tokcomp_reducer.rope_merge)
+
+    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[TokenPositions]]:
+        x, grid = self.embeds(x)
+        positions = self._positions(x, tuple(grid))
+        if self.patch_drop is not None and self.training:
+            if positions is not None:
+                raise ValueError(PATCH_DROP_REFUSAL)
+            x, _ = self.patch_drop(x)
+        return self.norm_pre(x), positions
+
+    def forward(self, x: Any, patch_coord: Optional[torch.Tensor] = None, patch_valid: Optional[torch.Tensor] = None,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: images (B, 3, H, W), or NaFlex patches (B, N, P*P*C) with patch_coord and patch_valid (or the NaFlex
+        collator's dict of them) -> logits; the head pools with this call's token sizes."""
+        if isinstance(x, dict):  # the NaFlex collator's batch: its entries take priority, as in timm
+            patch_coord, patch_valid = x.get("patch_coord", patch_coord), x.get("patch_valid", patch_valid)
+            x, attn_mask = x["patches"], x.get("attn_mask", attn_mask)
+        if patch_coord is None:
+            _refuse_attn_mask(attn_mask)
+            return super().forward(x)
+        return self.forward_head(**self.forward_features(x, patch_coord, patch_valid, attn_mask))
+
+    def forward_features(self, patches: torch.Tensor, patch_coord: Optional[torch.Tensor] = None,
+                         patch_valid: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None):
+        """Images (B, 3, H, W) -> (B, N', C), as ReducingModel.forward_features; NaFlex patches with patch_coord and
+        patch_valid -> {'patches': (B, N', C), 'patch_valid': (B, N' - prefix) bool}, timm's dict, each image's
+        tokens first and padding (size 0) after them. The token sizes travel with the returned tokens."""
+        _refuse_attn_mask(attn_mask)
+        if patch_coord is None:
+            return super().forward_features(patches)
+        x, stats = self._naflex_features(patches, patch_coord, patch_valid)
+        p = self.num_prefix_tokens
+        return {"patches": self._register_features(x, stats), "patch_valid": stats.size[:, p:, 0] > 0}
+
+    def _naflex_features(self, patches: torch.Tensor, patch_coord: torch.Tensor, patch_valid: Optional[torch.Tensor]
+                         ) -> Tuple[torch.Tensor, ReductionStats]:
+        if patch_valid is None:
+            raise ValueError("patch_valid (B, N) is required with patch_coord (a NaFlex batch), as timm requires it")
+        if patches.shape[0] == 0:
+            raise ValueError("a NaFlex batch needs at least one image (patches of shape (0, ...) given)")
+        if self.patch_drop is not None and self.training:
+            raise ValueError("patch dropout (patch_drop_rate > 0) in training is not supported on a NaFlex batch "
+                             "while tokens are reduced: set patch_drop_rate=0, or train on images (B, 3, H, W)")
+        x, _ = self.embeds(patches, patch_coord=patch_coord, patch_valid=patch_valid)
+        x = self.norm_pre(x)
+        p, valid = self.num_prefix_tokens, patch_valid.bool()
+        order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)  # each image's valid patches first
+        runs = []
+        for images, n, grid in naflex_groups(valid, patch_coord):
+            if self.rope is not None and n != grid[0] * grid[1]:
+                raise ValueError(f"patch_valid marks {n} patches of images {images} valid, their patch_coord spans a "
+                                 f"{grid[0]} x {grid[1]} grid: a rope model's NaFlex patches fill their grid, row "
+                                 f"by row (as timm's NaFlex rope assumes)")
+            idx = torch.tensor(images, device=x.device)
+            tokens = order[idx, :n]
+            group = torch.cat([x[idx, :p], gather_tokens(x[idx, p:], tokens)], dim=1)
+            out, stats = self._reduce_blocks(group, self._positions(group, grid), grid=grid)
+            runs.append(GroupRun(idx, tokens, self.norm(out), stats))
+        x, stats = pad_runs(runs, p, x.shape[1], self._tokcomp_reducer.trace_source)
+        remember_last(self, stats)
+        return x, stats
+
+    def _pool(self, x: torch.Tensor, pool_type: Optional[str] = None, patch_valid: Optional[torch.Tensor] = None
+              ) -> torch.Tensor:
+        """timm's _pool while nothing is reduced, and for 'token' / ''; else ReducingModel.pool with the sizes of
+        x's call (padding: size 0)."""
+        pool_type = self.global_pool if pool_type is None else pool_type
+        if self._token_sizes(x) is None or (self.attn_pool is None and pool_type not in SIZED_POOLS):
+            return super()._pool(x, pool_type, patch_valid)
+        return self.pool(x, pool_type)
+
+    def forward_intermediates(self, x: Any, indices=None, return_prefix_tokens: bool = False, norm: bool = False,
+                              stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,
+                              output_dict: bool = False, patch_coord: Optional[torch.Tensor] = None,
+                              patch_valid: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None):
+        """ReducingModel.forward_intermediates on images (B, 3, H, W); a NaFlex batch is refused."""
+        if isinstance(x, dict) or patch_coord is not None or patch_valid is not None:
+            raise ValueError("forward_intermediates on a NaFlex batch (patch_coord / patch_valid) is not supported "
+                             "while tokens are reduced; pass images (B, 3, H, W), or call timm_tokcomp.remove(model)")
+        return super().forward_intermediates(x, indices, return_prefix_tokens, norm, stop_early, output_fmt,
+                                             intermediates_only, output_dict, attn_mask)
+
+
+def _refuse_attn_mask(attn_mask: Optional[torch.Tensor]) -> None:
+    if attn_mask is not None:
+        raise ValueError("attn_mask is not supported while tokens are reduced (the token count changes); a NaFlex "
+                         "batch's padding is read from patch_valid")
+
+
+def pad_runs(runs: List[GroupRun], num_prefix: int, width_in: int, trace: bool) -> Tuple[torch.Tensor, ReductionStats]:
+    """The groups' outputs in one batch (B, N', C), N' their largest count, each image's tokens first and
+    zeros of size 0 after them; the stats of the whole batch: sizes (B, N', 1), each image's real count per block
+    (real_tokens_per_block), tokens_per_block the largest, the source map over the padded input's width_in tokens
+    where traced."""
+    x0 = runs[0].x
+    batch = sum(len(run.images) for run in runs)
+    width = max(run.x.shape[1] for run in runs)
+    x = x0.new_zeros(batch, width, x0.shape[-1])
+    size = torch.zeros(batch, width, 1, device=x0.device)
+    source = x0.new_zeros(batch, width, width_in) if trace else None
+    depth = len(runs[0].stats.tokens_per_block)
+    real = [torch.zeros(batch, dtype=torch.long, device=x0.device) for _ in range(depth)]
+    for run in runs:
+        m = run.x.shape[1]
+        x[run.images, :m] = run.x
+        size[run.images, :m] = 1.0 if run.stats.size is None else run.stats.size.float()
+        if trace:
+            prefix = torch.arange(num_prefix, device=x0.device).expand(len(run.images), -1)
+            columns = torch.cat([prefix, run.tokens + num_prefix], dim=1).unsqueeze(1).expand(-1, m, -1)
+            held = run.stats.source.new_zeros(len(run.images), m, width_in).scatter(2, columns, run.stats.source)
+            source[run.images, :m] = held
+        for block, count in enumerate(run.stats.tokens_per_block):
+            counts = run.stats.real_tokens_per_block
+            real[block][run.images] = counts[block].to(x0.device) if counts else count
+    stats = ReductionStats(
+        tokens_per_block=[max(run.stats.tokens_per_block[b] for run in runs) for b in range(depth)],
+        tokens_out=width, size=size, source=source, num_prefix=num_prefix, real_tokens_per_block=real,
+        rope_merge=runs[0].stats.rope_merge)
+    return x, stats
+
+
+def effective_cfg(args: BuildArgs) -> NaFlexVitCfg:
+    """The NaFlexVitCfg a NaFlexVit built with args has (its cfg with the keyword overrides)."""
+    cfg = args.arg("cfg") or NaFlexVitCfg()
+    return _overlay_kwargs(cfg, **{k: v for k, v in args.kwargs.items() if k in NaFlexVitCfg.__dataclass_fields__})
+
+
+def _arch_refusal(args: BuildArgs) -> Optional[str]:
+    """Blocks, attention or rope of a class the family does not serve (timm's block choice, get_block_fn)."""
+    cfg = effective_cfg(args)
+    if cfg.rope_type not in ("", "none", "axial", "dinov3", "mixed"):
+        return f"rope_type={cfg.rope_type!r}, which timm_tokcomp does not serve (served: 'axial', 'dinov3', 'mixed')"
+    block = get_block_fn(cfg)
+    block = block.func if isinstance(block, partial) else block
+    if block in (EvaBlock, EvaBlockPostNorm):
+        return None
+    return _vit_arch_refusal(BuildArgs(NaFlexVit, {"block_fn": block, "attn_layer": cfg.attn_layer or Attention}))
+
+
+def _check(model: nn.Module) -> None:
+    check_rope(model.rope)
+    if model.embeds.pos_embed_grid_size is None:
+        raise TypeError("this NaFlexVit has no default patch grid (its embeds' pos_embed_grid_size: built without "
+                        "img_size and without a learned position table), which the methods' schedules are checked on")
+
+
+@dataclass(frozen=True)
+class NaFlexFamily(Family):
+    """timm's NaFlexVit: its attributes under timm's VisionTransformer names (Facade), its class token in its cfg."""
+
+    def facade(self, model: nn.Module) -> Facade:
+        return Facade(blocks=model.blocks, embed_dim=model.embed_dim, num_prefix_tokens=model.num_prefix_tokens,
+                      global_pool=model.global_pool, patch_embed=EmbedsGrid(model.embeds), dynamic_img_size=True)
+
+    @staticmethod
+    def has_class_token(model: nn.Module) -> bool:
+        return bool(model.has_class_token)
+
+    @staticmethod
+    def builds_class_token(args: BuildArgs) -> bool:
+        return bool(effective_cfg(args).class_token)
+
+    def dense_refusal(self, model: nn.Module) -> Optional[str]:
+        return "the dense methods serve timm's VisionTransformer and Eva classes, not NaFlexVit (use a token-reducing " \
+               "method)"
+
+
+NAFLEX = NaFlexFamily(
+    name="NaFlexVit",
+    timm_modules=("naflexvit",),
+    models={NaFlexVit: ReducingNaFlexVit},
+    dense_models={},
+    blocks={Block: ReducingBlock, EvaBlock: ReducingEvaBlock, EvaBlockPostNorm: ReducingEvaBlockPostNorm},
+    dense_blocks={},
+    attentions={Attention: ReducingAttention, EvaAttention: ReducingEvaAttention,
+                AttentionRope: ReducingAttentionRope},
+    attn_dim=lambda attn: attn.num_heads * attn.head_dim,
+    check=_check,
+    arch_refusal=_arch_refusal,
+    fused_qkv_attentions=(Attention,),
+    plain_skips_qkv_module=_plain_skips_qkv_module,
+)
