@@ -16,6 +16,8 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
 
+from timm_tokcomp.methods import METHODS
+
 # pytest-xdist's workers share the cores: each takes its part of them for torch's threads
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
@@ -60,6 +62,18 @@ def thresholds(depth: int, merge: float, prune: float = 0.0):
         params.merge.fill_(merge)
         params.prune.fill_(prune)
     return params
+
+
+# the token-reducing methods, and a setting of each that reduces a small model (the tests run over every method)
+TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.dense)
+_REDUCING_PARAMS = {"atm": dict(alpha=0.2, beta=0.0, theta_min=0.2, prefix_only_last_block=False),
+                    "ltmp": lambda depth: dict(threshold_params=thresholds(depth, merge=0.0, prune=2.0))}
+
+
+def reducing_params(method: str, depth: int) -> dict:
+    """Parameters with which `method` reduces a small model of `depth` blocks."""
+    params = _REDUCING_PARAMS.get(method, reducing_setting(METHODS[method], 4, {"keep_rate": 0.5, "stages": (2, 3)}))
+    return params(depth) if callable(params) else params
 
 
 def positions_seen(model, images):

@@ -11,26 +11,18 @@ from torch import nn
 
 import timm_tokcomp
 from timm_tokcomp.plans import ClusterPlan
-from conftest import reducing_setting, thresholds
 from timm_tokcomp.methods import METHODS
 from timm_tokcomp.rope import TokenPositions, grid_coords, rope_rows
-from conftest import FAMILY_MODELS, FAMILY_SMALL, eva_from_deit, family_model, positions_seen, real_model_and_images
+from conftest import (FAMILY_MODELS, FAMILY_SMALL, TOKEN_METHODS, eva_from_deit, family_model, positions_seen,
+                      real_model_and_images, reducing_params)
 
 ROPE_MODELS = [name for name in FAMILY_MODELS if name not in ("siglip_map", "siglip2_map")]
-TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.dense)
-PARAMS = {"atm": dict(alpha=0.2, beta=0.0, theta_min=0.2, prefix_only_last_block=False),
-          "ltmp": lambda depth: dict(threshold_params=thresholds(depth, merge=0.0, prune=2.0))}
 
 
 @pytest.fixture
 def images():
     torch.manual_seed(1)
     return torch.randn(2, 3, 32, 32)
-
-
-def _reducing_params(method, depth):
-    params = PARAMS.get(method, reducing_setting(METHODS[method], 4, {"keep_rate": 0.5, "stages": (2, 3)}))
-    return params(depth) if callable(params) else params
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY_MODELS))
@@ -52,9 +44,9 @@ def test_every_method_reduces_every_family(name, method, images):
         pytest.skip("ranks by class attention; this model has no class token")
     if METHODS[method].reduces_at == "before_attention" and name != "siglip_map":  # MCTF: timm's ViT blocks only
         with pytest.raises(ValueError, match="reduce before attention .mctf. serve timm's VisionTransformer blocks"):
-            timm_tokcomp.apply(family_model(name), method, **_reducing_params(method, len(family_model(name).blocks)))
+            timm_tokcomp.apply(family_model(name), method, **reducing_params(method, len(family_model(name).blocks)))
         return
-    model = timm_tokcomp.apply(family_model(name), method, trace_source=True, **_reducing_params(method, len(family_model(name).blocks)))
+    model = timm_tokcomp.apply(family_model(name), method, trace_source=True, **reducing_params(method, len(family_model(name).blocks)))
     with torch.no_grad():
         out = model(images)
         assert out.shape == (2, 10) and torch.isfinite(out).all()

@@ -1,0 +1,224 @@
+"""timm's NaFlexVit (families/naflex.py): small random versions of its real configurations (SigLIP2 NaFlex, the gap
+NaFlexViT with registers, C-RADIO, and timm's ViT / EVA02 / DINOv3 / RoPE-ViT built with use_naflex=True), on images
+and on NaFlex batches that mix aspect ratios with padding."""
+import warnings
+
+import pytest
+import timm
+import torch
+from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg, batch_patchify
+from timm.models.vision_transformer import ParallelScalingBlock
+
+import timm_tokcomp
+from timm_tokcomp.families.base import BuildArgs
+from timm_tokcomp.families.naflex import _arch_refusal
+from timm_tokcomp.methods import METHODS
+from timm_tokcomp.methods.patchmerger import PatchMerger
+from timm_tokcomp.patch import trace_blocks
+from conftest import TOKEN_METHODS, reducing_params
+
+SMALL = dict(depth=3, embed_dim=64, num_heads=2, patch_size=8, num_classes=10)
+# name -> (timm architecture, its own arguments): each a configuration timm ships
+NAFLEX_MODELS = {
+    "gap_registers": ("naflexvit_base_patch16_gap", {}),
+    "siglip2_map": ("naflexvit_base_patch16_siglip", {}),
+    "radio_token_registers": ("naflexvit_base_patch16_radio_v3", {}),
+    "vit_class_token": ("vit_small_patch16_224", dict(use_naflex=True, img_size=32)),
+    "eva02_rope": ("eva02_small_patch14_224", dict(use_naflex=True, img_size=32)),
+    "dinov3_rope": ("vit_small_patch16_dinov3", dict(use_naflex=True, img_size=32)),
+    "ropevit_mixed": ("vit_small_patch16_rope_mixed_224", dict(use_naflex=True, img_size=32)),
+}
+ROPE = ("eva02_rope", "dinov3_rope", "ropevit_mixed")
+# three images, two aspect ratios (5 x 3 patches twice, 4 x 2 once): 15, 8 and 15 valid patches padded to 20
+SHAPES = ((24, 40), (32, 16), (24, 40))
+WIDTH = 20
+
+
+def naflex_model(name, **overrides):
+    arch, extra = NAFLEX_MODELS[name]
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = timm.create_model(arch, **{**SMALL, **extra, **overrides}).eval()
+    assert type(model) is NaFlexVit
+    for p in model.parameters():  # LayerScale / head inits near zero would hide differences
+        if p.dim() == 1 and torch.all(p == p.flatten()[0]):
+            p.data.normal_(1.0 if p.flatten()[0] != 0 else 0.0, 0.1)
+    return model
+
+
+def naflex_batch(images, patch=8, width=WIDTH):
+    """images (each (3, H, W)) -> the NaFlex collator's dict: patches (B, width, P*P*3), patch_coord (B, width, 2)
+    (row, col), patch_valid (B, width), each image's patches first in row-major order, padding after them."""
+    batch = {"patches": torch.zeros(len(images), width, patch * patch * 3),
+             "patch_coord": torch.zeros(len(images), width, 2, dtype=torch.long),
+             "patch_valid": torch.zeros(len(images), width, dtype=torch.bool)}
+    for i, image in enumerate(images):
+        patches, (rows, cols) = batch_patchify(image[None], (patch, patch))
+        n = rows * cols
+        batch["patches"][i, :n] = patches[0]
+        batch["patch_coord"][i, :n] = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols),
+                                                                 indexing="ij"), -1).reshape(-1, 2)
+        batch["patch_valid"][i, :n] = True
+    return batch
+
+
+@pytest.fixture
+def images():
+    torch.manual_seed(1)
+    return [torch.randn(3, h, w) for h, w in SHAPES]
+
+
+def _alone(model, images):
+    """Each image as a NaFlex batch of one, without padding."""
+    return torch.cat([model(naflex_batch([image], width=(image.shape[1] // 8) * (image.shape[2] // 8)))
+                      for image in images])
+
+
+@pytest.mark.parametrize("name", sorted(NAFLEX_MODELS))
+def test_reducing_nothing_is_the_plain_model(name, images):
+    plain = naflex_model(name)
+    batch, square = naflex_batch(images), torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected, expected_images = plain(batch), plain(square)
+        model = timm_tokcomp.apply(naflex_model(name), "tome", r=0)
+        assert torch.equal(model(square), expected_images)  # images: the shared loop, bit for bit
+        # a NaFlex batch: each group without padding where timm masks it, the same up to float rounding
+        torch.testing.assert_close(model(batch), expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(timm_tokcomp.remove(model)(batch), expected)
+
+
+def _check_padding(model, batch, features):
+    """No padding token holds anything: each image's real tokens come first (size > 0) and the padding after them
+    (size 0, holding no input token), the returned patch_valid marks the real ones, the traced source never
+    reaches a padding position of the input, and the first block counts each image's valid patches."""
+    stats = timm_tokcomp.last_stats(model)
+    p = model.num_prefix_tokens
+    valid_in = torch.cat([torch.ones(len(stats.size), p, dtype=torch.bool), batch["patch_valid"]], dim=1)
+    assert not stats.source.sum(dim=1)[~valid_in].any()
+    real = stats.size[..., 0] > 0
+    assert torch.equal(real, torch.arange(real.shape[1]) < real.sum(dim=1, keepdim=True))  # real first
+    assert not stats.source[~real].any()
+    assert torch.equal(features["patch_valid"], real[:, p:])
+    assert torch.equal(stats.real_tokens_per_block[0], valid_in.sum(dim=1))
+    return real.sum(dim=1)
+
+
+@pytest.mark.parametrize("method", TOKEN_METHODS)
+def test_every_method_reduces_each_image_of_a_mixed_batch_as_alone(method, images):
+    """Two aspect ratios and padding in one batch: every image's logits and token counts are those it has alone,
+    and no padding token is ever merged, kept or a destination."""
+    model = timm_tokcomp.apply(naflex_model("vit_class_token"), method, trace_source=True,
+                               **reducing_params(method, SMALL["depth"]))
+    batch = naflex_batch(images)
+    if issubclass(METHODS[method], PatchMerger):  # its learned layer fits the model's default token count only
+        with pytest.raises(ValueError, match="fits one input size"):
+            model(batch)
+        return
+    with torch.no_grad():
+        out = model(batch)
+        features = model.forward_features(batch["patches"], batch["patch_coord"], batch["patch_valid"])
+        assert torch.equal(model.forward_head(**features), out)
+        stats = timm_tokcomp.last_stats(model)
+        assert stats.tokens_out < stats.tokens_per_block[0]
+        counts_out = _check_padding(model, batch, features)
+        if not METHODS[method].batch_adaptive:
+            torch.testing.assert_close(_alone(model, images), out, atol=1e-5, rtol=1e-5)
+            assert timm_tokcomp.last_stats(model).tokens_out == int(counts_out[-1])  # the last image, alone
+
+
+@pytest.mark.parametrize("name", sorted(NAFLEX_MODELS))
+@pytest.mark.parametrize("method, params", [("tome", dict(r=3)), ("l2", dict(keep_rate=0.5, stages=(2, 3)))])
+def test_every_configuration_reduces_each_image_as_alone(name, method, params, images):
+    model = timm_tokcomp.apply(naflex_model(name), method, trace_source=True, **params)
+    batch = naflex_batch(images)
+    with torch.no_grad():
+        out = model(batch)
+        features = model.forward_features(batch["patches"], batch["patch_coord"], batch["patch_valid"])
+        stats = timm_tokcomp.last_stats(model)
+        assert stats.tokens_out < stats.tokens_per_block[0]
+        _check_padding(model, batch, features)
+        torch.testing.assert_close(_alone(model, images), out, atol=1e-5, rtol=1e-5)
+        # images: the same model reduces the square batch too, rope rows from its grid
+        square = model(torch.randn(2, 3, 32, 32))
+        assert square.shape == (2, 10) and torch.isfinite(square).all()
+    assert stats.rope_merge == ("dst" if name in ROPE else None)
+
+
+@pytest.mark.parametrize("pool", ["avg", "avgmax", "max", "token"])
+def test_each_pool_ignores_the_padding(pool, images):
+    model = naflex_model("vit_class_token")
+    model.reset_classifier(10, pool)
+    timm_tokcomp.apply(model, "tome", r=3)
+    with torch.no_grad():
+        torch.testing.assert_close(_alone(model, images), model(naflex_batch(images)), atol=1e-5, rtol=1e-5)
+
+
+def _masked_plain_logits(plain, batch, kept):
+    """timm's NaFlexVit on the batch, with the padding and the tokens pruned after block i masked out of attention
+    from block i + 1 on. kept: per block, (B, N0) bool over the padded input's tokens."""
+    x, _ = plain.embeds(batch["patches"], patch_coord=batch["patch_coord"], patch_valid=batch["patch_valid"])
+    p = plain.num_prefix_tokens
+    valid = torch.cat([torch.ones(x.shape[0], p, dtype=torch.bool), batch["patch_valid"]], dim=1)
+    keys = valid
+    for i, blk in enumerate(plain.blocks):
+        mask = torch.zeros(keys.shape).masked_fill(~keys, float("-inf"))[:, None, None, :]
+        x = blk(x, attn_mask=mask)
+        keys = valid & kept[i]
+    return plain.forward_head(plain.norm(x), patch_valid=batch["patch_valid"])
+
+
+def test_pruning_is_the_plain_model_with_the_padding_and_the_pruned_tokens_masked(images):
+    """A dropping pruner on a padded NaFlex batch: each kept token is computed as in timm's model with the pruned
+    tokens (and the padding) masked out of attention from the next block on."""
+    plain = naflex_model("vit_class_token")
+    model = timm_tokcomp.apply(naflex_model("vit_class_token"), "topk", keep_rate=0.5, stages=(2, 3))
+    batch = naflex_batch(images)
+    p = model.num_prefix_tokens
+    with torch.no_grad():
+        kept = [torch.zeros(len(images), p + WIDTH, dtype=torch.bool) for _ in model.blocks]
+        for i, image in enumerate(images):  # each image's kept tokens per block, traced on the image itself
+            n = (image.shape[1] // 8) * (image.shape[2] // 8)
+            seen = []
+            trace_blocks(model, image[None], lambda b, tokens, source: seen.append(source.sum(dim=1)[0] > 0.5))
+            for block, mask in enumerate(seen):
+                kept[block][i, :p + n] = mask
+        assert kept[-1].sum() < kept[0].sum()  # something was pruned
+        torch.testing.assert_close(model(batch), _masked_plain_logits(plain, batch, kept), atol=1e-5, rtol=1e-5)
+
+
+def test_refusals_name_what_a_naflex_batch_cannot_take(images):
+    model = timm_tokcomp.apply(naflex_model("eva02_rope"), "tome", r=2)
+    batch = naflex_batch(images)
+    with pytest.raises(ValueError, match="attn_mask is not supported"):
+        model({**batch, "attn_mask": torch.zeros(3, 1, 21, 21)})
+    with pytest.raises(ValueError, match="patch_valid .B, N. is required"):
+        model(batch["patches"], patch_coord=batch["patch_coord"])
+    with pytest.raises(ValueError, match="forward_intermediates on a NaFlex batch"):
+        model.forward_intermediates(batch["patches"], patch_coord=batch["patch_coord"],
+                                    patch_valid=batch["patch_valid"])
+    empty = {**batch, "patch_valid": batch["patch_valid"].clone()}
+    empty["patch_valid"][1] = False
+    with pytest.raises(ValueError, match="no patch of image 1"):
+        model(empty)
+    holes = {**batch, "patch_valid": batch["patch_valid"].clone()}
+    holes["patch_valid"][0, 3] = False  # 14 valid patches spanning a 3 x 5 grid
+    with pytest.raises(ValueError, match=r"marks 14 patches of images \[0\] valid.*3 x 5 grid"):
+        model(holes)
+    with pytest.raises(TypeError, match="dense methods serve timm's VisionTransformer and Eva classes, not NaFlexVit"):
+        timm_tokcomp.apply(naflex_model("gap_registers"), "dense_tome", r=2)
+    intermediates = model.forward_intermediates(torch.randn(2, 3, 32, 32), indices=1, output_fmt="NCHW")[1]
+    assert intermediates[0].shape == (2, 64, 4, 4)  # images: the shared loop's intermediates
+
+
+def test_classes_it_cannot_serve_are_refused_by_name():
+    mrope = NaFlexVitCfg(rope_type="mrope", rope_mrope_section=(2, 3, 3))
+    assert "rope_type='mrope'" in _arch_refusal(BuildArgs(NaFlexVit, {"cfg": mrope}))
+    parallel = BuildArgs(NaFlexVit, {"cfg": NaFlexVitCfg(), "block_fn": ParallelScalingBlock})
+    assert "ParallelScalingBlock" in _arch_refusal(parallel)
+    assert "DiffAttention" in _arch_refusal(BuildArgs(NaFlexVit, {"cfg": NaFlexVitCfg(attn_layer="diff")}))
+    assert _arch_refusal(BuildArgs(NaFlexVit, {"cfg": NaFlexVitCfg(rope_type="dinov3")})) is None
+    with pytest.raises(TypeError, match="RotaryEmbeddingMRope"):
+        timm_tokcomp.apply(NaFlexVit(NaFlexVitCfg(rope_type="mrope", rope_mrope_section=(2, 3, 3), rope_rotate_half=True,
+                                                  **{k: v for k, v in SMALL.items() if k != "num_classes"})),
+                           "tome", r=1)
