@@ -6,7 +6,9 @@ import warnings
 import pytest
 import timm
 import torch
-from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg, batch_patchify
+from timm.data.naflex_dataset import NaFlexCollator
+from timm.data.naflex_transforms import Patchify
+from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg
 from timm.models.vision_transformer import ParallelScalingBlock
 
 import timm_tokcomp
@@ -48,19 +50,10 @@ def naflex_model(name, **overrides):
 
 
 def naflex_batch(images, patch=8, width=WIDTH):
-    """images (each (3, H, W)) -> the NaFlex collator's dict: patches (B, width, P*P*3), patch_coord (B, width, 2)
-    (row, col), patch_valid (B, width), each image's patches first in row-major order, padding after them."""
-    batch = {"patches": torch.zeros(len(images), width, patch * patch * 3),
-             "patch_coord": torch.zeros(len(images), width, 2, dtype=torch.long),
-             "patch_valid": torch.zeros(len(images), width, dtype=torch.bool)}
-    for i, image in enumerate(images):
-        patches, (rows, cols) = batch_patchify(image[None], (patch, patch))
-        n = rows * cols
-        batch["patches"][i, :n] = patches[0]
-        batch["patch_coord"][i, :n] = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols),
-                                                                 indexing="ij"), -1).reshape(-1, 2)
-        batch["patch_valid"][i, :n] = True
-    return batch
+    """images (each (3, H, W)) -> the batch timm's NaFlex pipeline makes of them (its Patchify and NaFlexCollator):
+    patches (B, width, P*P*3), patch_coord (B, width, 2) (row, col), patch_valid (B, width), each image's patches
+    first in row-major order, padding after them."""
+    return NaFlexCollator(max_seq_len=width)([(Patchify(patch)(image), 0) for image in images])[0]
 
 
 @pytest.fixture

@@ -52,9 +52,11 @@ class EmbedsGrid:
 
 
 class GroupRun(NamedTuple):
-    """One group of a NaFlex batch through the blocks: images (k,) their batch indices, tokens (k, n) the positions
-    of their valid patches in the padded input, x (k, N', C) the normed output, stats its ReductionStats."""
+    """One group of a NaFlex batch through the blocks: members its images' batch indices (host), images the same
+    (k,) on the device, tokens (k, n) the positions of their valid patches in the padded input, x (k, N', C) the
+    normed output, stats its ReductionStats."""
 
+    members: List[int]
     images: torch.Tensor
     tokens: torch.Tensor
     x: torch.Tensor
@@ -137,17 +139,19 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
         x = self.norm_pre(x)
         p, valid = self.num_prefix_tokens, patch_valid.bool()
         order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)  # each image's valid patches first
-        runs = []
-        for images, n, grid in naflex_groups(valid, patch_coord):
+        groups = naflex_groups(valid, patch_coord)
+        grouped = torch.tensor([i for images, _, _ in groups for i in images], device=x.device)  # one transfer
+        runs, start = [], 0
+        for images, n, grid in groups:
             if self.rope is not None and n != grid[0] * grid[1]:
                 raise ValueError(f"patch_valid marks {n} patches of images {images} valid, their patch_coord spans a "
                                  f"{grid[0]} x {grid[1]} grid: a rope model's NaFlex patches fill their grid, row "
                                  f"by row (as timm's NaFlex rope assumes)")
-            idx = torch.tensor(images, device=x.device)
+            idx, start = grouped[start:start + len(images)], start + len(images)
             tokens = order[idx, :n]
             group = torch.cat([x[idx, :p], gather_tokens(x[idx, p:], tokens)], dim=1)
             out, stats = self._reduce_blocks(group, self._positions(group, grid), grid=grid)
-            runs.append(GroupRun(idx, tokens, self.norm(out), stats))
+            runs.append(GroupRun(images, idx, tokens, self.norm(out), stats))
         x, stats = pad_runs(runs, p, x.shape[1], self._tokcomp_reducer.trace_source)
         remember_last(self, stats)
         return x, stats
@@ -185,25 +189,28 @@ def pad_runs(runs: List[GroupRun], num_prefix: int, width_in: int, trace: bool) 
     (real_tokens_per_block), tokens_per_block the largest, the source map over the padded input's width_in tokens
     where traced."""
     x0 = runs[0].x
-    batch = sum(len(run.images) for run in runs)
+    batch = sum(len(run.members) for run in runs)
     width = max(run.x.shape[1] for run in runs)
     x = x0.new_zeros(batch, width, x0.shape[-1])
     size = torch.zeros(batch, width, 1, device=x0.device)
     source = x0.new_zeros(batch, width, width_in) if trace else None
     depth = len(runs[0].stats.tokens_per_block)
-    real = [torch.zeros(batch, dtype=torch.long, device=x0.device) for _ in range(depth)]
+    counts = [0] * (depth * batch)  # (depth, batch) on the host: each image's count per block, one transfer
+    for run in runs:
+        for i in run.members:
+            counts[i::batch] = run.stats.tokens_per_block
+    real = list(torch.tensor(counts, device=x0.device).view(depth, batch).unbind(0))
     for run in runs:
         m = run.x.shape[1]
         x[run.images, :m] = run.x
-        size[run.images, :m] = 1.0 if run.stats.size is None else run.stats.size.float()
+        size[run.images, :m] = size.new_ones(len(run.members), m, 1) if run.stats.size is None else run.stats.size
         if trace:
-            prefix = torch.arange(num_prefix, device=x0.device).expand(len(run.images), -1)
+            prefix = torch.arange(num_prefix, device=x0.device).expand(len(run.members), -1)
             columns = torch.cat([prefix, run.tokens + num_prefix], dim=1).unsqueeze(1).expand(-1, m, -1)
-            held = run.stats.source.new_zeros(len(run.images), m, width_in).scatter(2, columns, run.stats.source)
+            held = run.stats.source.new_zeros(len(run.members), m, width_in).scatter(2, columns, run.stats.source)
             source[run.images, :m] = held
-        for block, count in enumerate(run.stats.tokens_per_block):
-            counts = run.stats.real_tokens_per_block
-            real[block][run.images] = counts[block].to(x0.device) if counts else count
+        for block, per_image in enumerate(run.stats.real_tokens_per_block):  # a method whose images keep their own
+            real[block][run.images] = per_image.to(x0.device)  # counts within the run (ATS)
     stats = ReductionStats(
         tokens_per_block=[max(run.stats.tokens_per_block[b] for run in runs) for b in range(depth)],
         tokens_out=width, size=size, source=source, num_prefix=num_prefix, real_tokens_per_block=real,
