@@ -17,7 +17,7 @@ from timm_tokcomp.families.naflex import _arch_refusal
 from timm_tokcomp.methods import METHODS
 from timm_tokcomp.methods.patchmerger import PatchMerger
 from timm_tokcomp.patch import trace_blocks
-from conftest import TOKEN_METHODS, reducing_params
+from conftest import TOKEN_METHODS, real_model_and_images, reducing_params
 
 SMALL = dict(depth=3, embed_dim=64, num_heads=2, patch_size=8, num_classes=10)
 # name -> (timm architecture, its own arguments): each a configuration timm ships
@@ -232,3 +232,31 @@ def test_a_naflex_batch_trains_and_compiles(images):
     with torch.no_grad():
         torch.testing.assert_close(compiled(square), model(square), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(compiled(batch), model(batch), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.realdata
+def test_deit_tiny_weights_in_a_naflexvit_give_deit_tinys_logits_and_reductions():
+    """DeiT-Tiny's real weights in timm's NaFlexVit (vit_tiny_patch16_224 with use_naflex=True, timm's own weight
+    conversion) on imagenet-val-1300: DeiT-Tiny's logits and, with ToMe r8 / r16, its predictions and token counts,
+    as images and as a NaFlex batch; a batch whose images are cropped to two aspect ratios gives each image's
+    logits alone."""
+    from timm.models.naflexvit import checkpoint_filter_fn
+
+    deit, images = real_model_and_images("deit_tiny_patch16_224", 32)
+    naflex = timm.create_model("vit_tiny_patch16_224", use_naflex=True).eval()
+    naflex.load_state_dict(checkpoint_filter_fn({k: v.clone() for k, v in deit.state_dict().items()}, naflex))
+    batch = naflex_batch(list(images), patch=16, width=196)
+    with torch.no_grad():
+        torch.testing.assert_close(naflex(images), deit(images), atol=1e-4, rtol=1e-4)
+        for r in (8, 16):
+            timm_tokcomp.apply(deit, "tome", r=r)
+            timm_tokcomp.apply(naflex, "tome", r=r)
+            expected = deit(images)
+            for logits in (naflex(images), naflex(batch)):
+                torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+                assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+                assert timm_tokcomp.last_stats(naflex).tokens_per_block == timm_tokcomp.last_stats(deit).tokens_per_block
+        mixed = [image if i % 2 else image[:, :, 16:208] for i, image in enumerate(images[:8])]  # 14 x 12 patches
+        alone = torch.cat([naflex(naflex_batch([image], patch=16, width=image.shape[1] * image.shape[2] // 256))
+                           for image in mixed])
+        torch.testing.assert_close(naflex(naflex_batch(mixed, patch=16, width=196)), alone, atol=1e-4, rtol=1e-4)
