@@ -14,9 +14,9 @@ class ReductionStats:
     size: (B, N, 1) original tokens each output token stands for; None when nothing was reduced.
     source: (B, N, N0) 0/1 map of the original tokens each output token holds; only when tracing.
     num_prefix: class / distillation / register tokens at the front, never reduced.
-    real_tokens_per_block: for methods whose images keep different counts (ATS), the (B,) count of real
-        tokens entering each block; the batch runs tokens_per_block, padded with size-0 tokens that
-        attention and pooling ignore. Empty for every other method.
+    real_tokens_per_block: where images keep different counts (methods that mask by size, such as ATS; a NaFlex
+        batch of several grids), the (B,) count of real tokens entering each block; the batch runs (or is padded
+        back to) tokens_per_block, the rest size-0 tokens that attention and pooling ignore. Empty otherwise.
     rope_merge: on a model with rotary positions, where a merged token's rope sits ('dst': its destination
         token's; 'centroid': the size-weighted centroid of its patches); None on a model without rope.
     """

@@ -190,6 +190,9 @@ def test_refusals_name_what_a_naflex_batch_cannot_take(images):
     with pytest.raises(ValueError, match="forward_intermediates on a NaFlex batch"):
         model.forward_intermediates(batch["patches"], patch_coord=batch["patch_coord"],
                                     patch_valid=batch["patch_valid"])
+    for rows, cols in ((slice(0, 0), slice(None)), (slice(None), slice(0, 0))):
+        with pytest.raises(ValueError, match=r"at least one image and one patch \(patch_valid of shape"):
+            model({key: batch[key][rows, cols] for key in ("patches", "patch_coord", "patch_valid")})
     empty = {**batch, "patch_valid": batch["patch_valid"].clone()}
     empty["patch_valid"][1] = False
     with pytest.raises(ValueError, match="no patch of image 1"):

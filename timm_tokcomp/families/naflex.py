@@ -66,8 +66,7 @@ class GroupRun(NamedTuple):
 def naflex_groups(valid: torch.Tensor, coord: torch.Tensor) -> List[Tuple[List[int], int, Tuple[int, int]]]:
     """valid: (B, N) bool, coord: (B, N, 2) (row, col) -> [(image indices, valid count n, grid (rows, cols))], the
     images sharing n and grid together; the grid spans the valid patches' coordinates. One host read."""
-    extent = coord.masked_fill(~valid.unsqueeze(-1), -1).amax(dim=1) + 1 if valid.shape[1] else \
-        coord.new_zeros(valid.shape[0], 2)
+    extent = coord.masked_fill(~valid.unsqueeze(-1), -1).amax(dim=1) + 1
     facts = torch.cat([valid.sum(dim=1, keepdim=True).to(extent.dtype), extent], dim=1).tolist()
     groups: Dict[Tuple[int, int, int], List[int]] = {}
     for image, (n, rows, cols) in enumerate(facts):
@@ -79,6 +78,8 @@ def naflex_groups(valid: torch.Tensor, coord: torch.Tensor) -> List[Tuple[List[i
 
 
 class ReducingNaFlexVit(ReducingModel, NaFlexVit):
+    """NaFlexVit running the shared reducing loop on images, and on each group of a NaFlex batch."""
+
     dynamic_img_size = True  # an image of any size has its own patch grid
 
     @property
@@ -130,8 +131,9 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
                          ) -> Tuple[torch.Tensor, ReductionStats]:
         if patch_valid is None:
             raise ValueError("patch_valid (B, N) is required with patch_coord (a NaFlex batch), as timm requires it")
-        if patches.shape[0] == 0:
-            raise ValueError("a NaFlex batch needs at least one image (patches of shape (0, ...) given)")
+        if patch_valid.shape[0] == 0 or patch_valid.shape[1] == 0:
+            raise ValueError(f"a NaFlex batch needs at least one image and one patch (patch_valid of shape "
+                             f"{tuple(patch_valid.shape)} given)")
         if self.patch_drop is not None and self.training:
             raise ValueError("patch dropout (patch_drop_rate > 0) in training is not supported on a NaFlex batch "
                              "while tokens are reduced: set patch_drop_rate=0, or train on images (B, 3, H, W)")
