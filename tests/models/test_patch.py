@@ -5,6 +5,7 @@ import torch
 from timm.models.vision_transformer import Block, ResPostBlock, VisionTransformer
 
 import timm_tokcomp
+from timm_tokcomp.state import ReductionStats
 from timm_tokcomp.measure import count_macs
 from conftest import SMALL, VARIANTS, make_model
 
@@ -146,6 +147,23 @@ def test_avg_pool_is_size_weighted(images):
         expected = (feats * size).sum(1) / size.sum(1)
         assert torch.allclose(model.pool(feats), expected)
         assert not torch.allclose(expected, feats.mean(1))
+
+
+def test_max_pools_never_take_a_padding_token():
+    """Tokens of size 0 (the padding of ATS / LTMP, whose rows are copies of other tokens, and of a NaFlex batch)
+    are never the maximum of 'max' / 'avgmax', whatever their values; 'avg' weighs them 0."""
+    model = timm_tokcomp.apply(make_model("avgpool_noclass"), "tome", r=4)
+    torch.manual_seed(0)
+    feats = torch.randn(2, 5, SMALL["embed_dim"])
+    size = torch.tensor([[2.0, 1.0, 3.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0, 2.0]]).unsqueeze(-1)
+    feats[0, 3:] = 10.0  # padding holding the largest values
+    model._register_features(feats, ReductionStats(size=size))
+    real = feats[:, :3].amax(dim=1)
+    real[1] = feats[1].amax(dim=0)
+    mean = (feats * size).sum(1) / size.sum(1)
+    assert torch.equal(model.pool(feats, "max"), real)
+    torch.testing.assert_close(model.pool(feats, "avgmax"), 0.5 * (real + mean))
+    torch.testing.assert_close(model.pool(feats, "avg"), mean)
 
 
 def test_backward_through_merges_and_grad_checkpointing(images):
