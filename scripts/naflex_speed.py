@@ -1,7 +1,8 @@
 """A NaFlexVit on NaFlex batches, plain against a method, side by side in one process: median milliseconds per
 forward (the two models interleaved round by round), aten ops and host syncs per forward (OpCounter). Two batches of
 random images made as timm's NaFlex pipeline makes them (Patchify, NaFlexCollator): one whose images share a patch
-grid, one mixing `--grids` grids (the reduced model runs one group of images per grid). Random weights.
+grid, one mixing `--grids` grids (the reduced model runs one group of images per token count, or per grid where the
+rope or the method reads it). Random weights.
 
     python scripts/naflex_speed.py naflexvit_base_patch16_siglip --method tome_r16 --images 8 --grids 4
     python scripts/naflex_speed.py vit_base_patch16_224 --use-naflex --method tome_r16 --device cuda --amp"""
@@ -86,7 +87,9 @@ def main() -> None:
             ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
             cells = ", ".join(f"{name} {ms[name]:.1f} ms ({counts[name][0]} ops, {counts[name][1]} host syncs)"
                               for name in models)
-            print(f"{label}: {cells}; speed-up {ms['plain'] / ms[args.method]:.2f}x")
+            groups = len(reduced._groups(batch["patch_valid"].bool(), batch["patch_coord"]))
+            print(f"{label} ({groups} group{'s' if groups > 1 else ''} of images run together): {cells}; "
+                  f"speed-up {ms['plain'] / ms[args.method]:.2f}x")
 
 
 if __name__ == "__main__":

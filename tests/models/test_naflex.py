@@ -13,7 +13,7 @@ from timm.models.vision_transformer import ParallelScalingBlock
 
 import timm_tokcomp
 from timm_tokcomp.families.base import BuildArgs
-from timm_tokcomp.families.naflex import _arch_refusal
+from timm_tokcomp.families.naflex import _arch_refusal, naflex_groups
 from timm_tokcomp.methods import METHODS
 from timm_tokcomp.methods.patchmerger import PatchMerger
 from timm_tokcomp.patch import trace_blocks
@@ -31,8 +31,9 @@ NAFLEX_MODELS = {
     "ropevit_mixed": ("vit_small_patch16_rope_mixed_224", dict(use_naflex=True, img_size=32)),
 }
 ROPE = ("eva02_rope", "dinov3_rope", "ropevit_mixed")
-# three images, two aspect ratios (5 x 3 patches twice, 4 x 2 once): 15, 8 and 15 valid patches padded to 20
-SHAPES = ((24, 40), (32, 16), (24, 40))
+# four images, three aspect ratios: 3 x 5 patches twice, 4 x 2 and 5 x 3 once (15, 8, 15 and 15 valid patches),
+# padded to 20
+SHAPES = ((24, 40), (32, 16), (24, 40), (40, 24))
 WIDTH = 20
 
 
@@ -178,6 +179,28 @@ def test_pruning_is_the_plain_model_with_the_padding_and_the_pruned_tokens_maske
                 kept[block][i, :p + n] = mask
         assert kept[-1].sum() < kept[0].sum()  # something was pruned
         torch.testing.assert_close(model(batch), _masked_plain_logits(plain, batch, kept), atol=1e-5, rtol=1e-5)
+
+
+def test_images_of_one_count_run_together_unless_their_grid_is_read(images):
+    """Without rope, and for a method whose settings do not read the grid, the 3 x 5 and 5 x 3 images (15 patches
+    each) run as one group; rope rows and FPET's checkerboard read the grid, so there they run apart."""
+    batch = naflex_batch(images)
+    groups = naflex_groups(batch["patch_valid"], batch["patch_coord"], by_grid=True)
+    assert [(images, n, grid) for images, n, grid in groups] == [([0, 2], 15, (3, 5)), ([1], 8, (4, 2)),
+                                                                  ([3], 15, (5, 3))]
+    assert [(images, n) for images, n, _ in naflex_groups(batch["patch_valid"], batch["patch_coord"], by_grid=False)
+            ] == [([0, 2, 3], 15), ([1], 8)]
+    seen = []
+    for name, method, params in (("vit_class_token", "tome", dict(r=2)), ("eva02_rope", "tome", dict(r=2)),
+                                 ("vit_class_token", "fpet", {})):
+        model = timm_tokcomp.apply(naflex_model(name), method, **params)
+        runs = []
+        original = model._reduce_blocks
+        model._reduce_blocks = lambda x, *args, **kwargs: runs.append(x.shape[0]) or original(x, *args, **kwargs)
+        with torch.no_grad():
+            model(batch)
+        seen.append(runs)
+    assert seen == [[3, 1], [2, 1, 1], [2, 1, 1]]
 
 
 def test_refusals_name_what_a_naflex_batch_cannot_take(images):

@@ -5,10 +5,10 @@ adds is its embedding and its two inputs:
 - images (B, 3, H, W): one patch grid, the shared loop as for VisionTransformer / Eva (the model's forward, bit for
   bit, while nothing is reduced);
 - NaFlex batches (patches (B, N, P*P*C) with patch_coord (B, N, 2) and patch_valid (B, N), or the collator's dict):
-  each image's valid patches are its tokens, padding is never one. Images sharing a token count and grid run the
-  shared loop together, with no padding, so every image reduces exactly as it would alone (one host read groups
-  them); the outputs are padded back to one count with tokens of size 0, which pooling ignores, and the returned
-  patch_valid marks the real ones."""
+  each image's valid patches are its tokens, padding is never one. Images sharing a token count (and their grid,
+  where the rope or the method's settings read it) run the shared loop together, with no padding, so every image
+  reduces exactly as it would alone (one host read groups them); the outputs are padded back to one count with
+  tokens of size 0, which pooling ignores, and the returned patch_valid marks the real ones."""
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -63,18 +63,21 @@ class GroupRun(NamedTuple):
     stats: ReductionStats
 
 
-def naflex_groups(valid: torch.Tensor, coord: torch.Tensor) -> List[Tuple[List[int], int, Tuple[int, int]]]:
-    """valid: (B, N) bool, coord: (B, N, 2) (row, col) -> [(image indices, valid count n, grid (rows, cols))], the
-    images sharing n and grid together; the grid spans the valid patches' coordinates. One host read."""
+def naflex_groups(valid: torch.Tensor, coord: torch.Tensor, by_grid: bool
+                  ) -> List[Tuple[List[int], int, Tuple[int, int]]]:
+    """valid: (B, N) bool, coord: (B, N, 2) (row, col) -> [(image indices, valid count n, grid (rows, cols))]: the
+    images sharing n (and, by_grid, their grid) together; a grid spans the valid patches' coordinates (without
+    by_grid, the group's first image's). One host read."""
     extent = coord.masked_fill(~valid.unsqueeze(-1), -1).amax(dim=1) + 1
     facts = torch.cat([valid.sum(dim=1, keepdim=True).to(extent.dtype), extent], dim=1).tolist()
-    groups: Dict[Tuple[int, int, int], List[int]] = {}
+    groups: Dict[Tuple[int, ...], Tuple[List[int], int, Tuple[int, int]]] = {}
     for image, (n, rows, cols) in enumerate(facts):
         if n == 0:
             raise ValueError(f"patch_valid marks no patch of image {image} as valid; every image of a NaFlex batch "
                              f"needs at least one")
-        groups.setdefault((int(n), int(rows), int(cols)), []).append(image)
-    return [(images, n, (rows, cols)) for (n, rows, cols), images in groups.items()]
+        key = (int(n), int(rows), int(cols)) if by_grid else (int(n),)
+        groups.setdefault(key, ([], int(n), (int(rows), int(cols))))[0].append(image)
+    return list(groups.values())
 
 
 class ReducingNaFlexVit(ReducingModel, NaFlexVit):
@@ -141,7 +144,7 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
         x = self.norm_pre(x)
         p, valid = self.num_prefix_tokens, patch_valid.bool()
         order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)  # each image's valid patches first
-        groups = naflex_groups(valid, patch_coord)
+        groups = self._groups(valid, patch_coord)
         grouped = torch.tensor([i for images, _, _ in groups for i in images], device=x.device)  # one transfer
         runs, start = [], 0
         for images, n, grid in groups:
@@ -157,6 +160,11 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
         x, stats = pad_runs(runs, p, x.shape[1], self._tokcomp_reducer.trace_source)
         remember_last(self, stats)
         return x, stats
+
+    def _groups(self, valid: torch.Tensor, coord: torch.Tensor) -> List[Tuple[List[int], int, Tuple[int, int]]]:
+        """The groups a NaFlex batch runs as (naflex_groups): images of one count together, of one grid too where the
+        rope rows or the method's settings read it."""
+        return naflex_groups(valid, coord, by_grid=self.rope is not None or self._tokcomp_reducer.reads_grid)
 
     def _pool(self, x: torch.Tensor, pool_type: Optional[str] = None, patch_valid: Optional[torch.Tensor] = None
               ) -> torch.Tensor:

@@ -70,6 +70,7 @@ class TokenReducer(ABC):
     # merged token's size grows by its similarity to its keeper: DiffRate)
     holds_patches: ClassVar[str] = "whole"
     batch_adaptive: ClassVar[bool] = False  # the token count is decided per batch, so a batch differs from its images
+    reads_grid: ClassVar[bool] = False  # its settings read the input's patch grid (GridSettings)
     PARAMS: ClassVar[Tuple[Param, ...]] = COMMON
     # traits the commands read (bench, speed, tune, export, the registry, ToCom), declared beside the method
     data_dependent: ClassVar[bool] = False  # token counts read from the data (a host-side count per block):
@@ -409,6 +410,8 @@ class FusedScheduledReducer(ScheduledReducer):
 class GridSettings:
     """Mixin for a method whose block settings read the patch grid (rows, cols) of the forward's input (FPET's
     checkerboard, the radial patterns): its block_settings takes grid=."""
+
+    reads_grid = True
 
     def settings_for(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost,
                      grid: Tuple[int, int]) -> List[Any]:
