@@ -246,6 +246,8 @@ def test_classes_it_cannot_serve_are_refused_by_name():
 def test_a_naflex_batch_trains_and_compiles(images):
     """Gradients reach every block through the groups and the padding; the package's compiled model (its blocks
     compiled by region) equals the eager one on a NaFlex batch (images: as every family, tests/models/test_families)."""
+    from torch._dynamo.utils import counters
+
     from timm_tokcomp import compiling
 
     model = timm_tokcomp.apply(naflex_model("eva02_rope"), "tome", r=2).train()
@@ -255,8 +257,12 @@ def test_a_naflex_batch_trains_and_compiles(images):
     model.eval()
     compiled = compiling.compile(model)
     assert compiling.by_region(model)
-    with torch.no_grad():  # two groups of different counts: the regionally compiled blocks take both
+    with torch.no_grad():  # groups of different counts: the regionally compiled blocks take them all
         torch.testing.assert_close(compiled(batch), model(batch), atol=1e-5, rtol=1e-5)
+        graphs = counters["stats"]["unique_graphs"]
+        other = naflex_batch([torch.randn(3, 40, 40), torch.randn(3, 16, 40)], width=25)  # 25 and 10 patches
+        torch.testing.assert_close(compiled(other), model(other), atol=1e-5, rtol=1e-5)
+        assert counters["stats"]["unique_graphs"] == graphs  # new counts compile nothing new
 
 
 @pytest.mark.realdata
