@@ -182,14 +182,14 @@ def test_pruning_is_the_plain_model_with_the_padding_and_the_pruned_tokens_maske
 
 
 def test_images_of_one_count_run_together_unless_their_grid_is_read(images):
-    """Without rope, and for a method whose settings do not read the grid, the 3 x 5 and 5 x 3 images (15 patches
-    each) run as one group; rope rows and FPET's checkerboard read the grid, so there they run apart."""
+    """For a method whose settings do not read the grid, the 3 x 5 and 5 x 3 images (15 patches each) run as one
+    group (on a rope model each with its own rotary rows); FPET's checkerboard reads the grid: there they run
+    apart."""
     batch = naflex_batch(images)
     groups = naflex_groups(batch["patch_valid"], batch["patch_coord"], by_grid=True)
-    assert [(images, n, grid) for images, n, grid in groups] == [([0, 2], 15, (3, 5)), ([1], 8, (4, 2)),
-                                                                  ([3], 15, (5, 3))]
-    assert [(images, n) for images, n, _ in naflex_groups(batch["patch_valid"], batch["patch_coord"], by_grid=False)
-            ] == [([0, 2, 3], 15), ([1], 8)]
+    assert groups == [([0, 2], 15, [(3, 5), (3, 5)]), ([1], 8, [(4, 2)]), ([3], 15, [(5, 3)])]
+    assert naflex_groups(batch["patch_valid"], batch["patch_coord"], by_grid=False) == [
+        ([0, 2, 3], 15, [(3, 5), (3, 5), (5, 3)]), ([1], 8, [(4, 2)])]
     seen = []
     for name, method, params in (("vit_class_token", "tome", dict(r=2)), ("eva02_rope", "tome", dict(r=2)),
                                  ("vit_class_token", "fpet", {})):
@@ -200,7 +200,7 @@ def test_images_of_one_count_run_together_unless_their_grid_is_read(images):
         with torch.no_grad():
             model(batch)
         seen.append(runs)
-    assert seen == [[3, 1], [2, 1, 1], [2, 1, 1]]
+    assert seen == [[3, 1], [3, 1], [2, 1, 1]]
 
 
 def test_refusals_name_what_a_naflex_batch_cannot_take(images):
@@ -222,7 +222,7 @@ def test_refusals_name_what_a_naflex_batch_cannot_take(images):
         model(empty)
     holes = {**batch, "patch_valid": batch["patch_valid"].clone()}
     holes["patch_valid"][0, 3] = False  # 14 valid patches spanning a 3 x 5 grid
-    with pytest.raises(ValueError, match=r"marks 14 patches of images \[0\] valid.*3 x 5 grid"):
+    with pytest.raises(ValueError, match=r"marks 14 patches of image 0 valid, its patch_coord spans a 3 x 5 grid"):
         model(holes)
     with pytest.raises(TypeError, match="dense methods serve timm's VisionTransformer and Eva classes, not NaFlexVit"):
         timm_tokcomp.apply(naflex_model("gap_registers"), "dense_tome", r=2)

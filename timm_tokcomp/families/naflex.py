@@ -6,9 +6,10 @@ adds is its embedding and its two inputs:
   bit, while nothing is reduced);
 - NaFlex batches (patches (B, N, P*P*C) with patch_coord (B, N, 2) and patch_valid (B, N), or the collator's dict):
   each image's valid patches are its tokens, padding is never one. Images sharing a token count (and their grid,
-  where the rope or the method's settings read it) run the shared loop together, with no padding, so every image
-  reduces exactly as it would alone (one host read groups them); the outputs are padded back to one count with
-  tokens of size 0, which pooling ignores, and the returned patch_valid marks the real ones."""
+  where the method's settings read it) run the shared loop together, each with its own rotary positions, with no
+  padding, so every image reduces exactly as it would alone (one host read groups them); the outputs are padded
+  back to one count with tokens of size 0, which pooling ignores, and the returned patch_valid marks the real
+  ones."""
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -63,20 +64,28 @@ class GroupRun(NamedTuple):
     stats: ReductionStats
 
 
-def naflex_groups(valid: torch.Tensor, coord: torch.Tensor, by_grid: bool
-                  ) -> List[Tuple[List[int], int, Tuple[int, int]]]:
-    """valid: (B, N) bool, coord: (B, N, 2) (row, col) -> [(image indices, valid count n, grid (rows, cols))]: the
-    images sharing n (and, by_grid, their grid) together; a grid spans the valid patches' coordinates (without
-    by_grid, the group's first image's). One host read."""
+class Group(NamedTuple):
+    """Images of a NaFlex batch that run the blocks together: their batch indices, their valid count n, and each
+    one's patch grid (rows, cols), spanning its valid patches' coordinates."""
+
+    images: List[int]
+    n: int
+    grids: List[Tuple[int, int]]
+
+
+def naflex_groups(valid: torch.Tensor, coord: torch.Tensor, by_grid: bool) -> List[Group]:
+    """valid: (B, N) bool, coord: (B, N, 2) (row, col) -> the groups of images sharing their valid count n (and, by_grid,
+    their grid), in order of first appearance. One host read."""
     extent = coord.masked_fill(~valid.unsqueeze(-1), -1).amax(dim=1) + 1
     facts = torch.cat([valid.sum(dim=1, keepdim=True).to(extent.dtype), extent], dim=1).tolist()
-    groups: Dict[Tuple[int, ...], Tuple[List[int], int, Tuple[int, int]]] = {}
+    groups: Dict[Tuple[int, ...], Group] = {}
     for image, (n, rows, cols) in enumerate(facts):
         if n == 0:
             raise ValueError(f"patch_valid marks no patch of image {image} as valid; every image of a NaFlex batch "
                              f"needs at least one")
-        key = (int(n), int(rows), int(cols)) if by_grid else (int(n),)
-        groups.setdefault(key, ([], int(n), (int(rows), int(cols))))[0].append(image)
+        group = groups.setdefault((int(n), int(rows), int(cols)) if by_grid else (int(n),), Group([], int(n), []))
+        group.images.append(image)
+        group.grids.append((int(rows), int(cols)))
     return list(groups.values())
 
 
@@ -89,17 +98,21 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
     def patch_embed(self) -> EmbedsGrid:
         return EmbedsGrid(self.embeds)
 
-    def _positions(self, x: torch.Tensor, grid: Tuple[int, int]) -> Optional[TokenPositions]:
-        """The rotary positions of x's patch tokens, a row-major grid (rows, cols), with timm's own table."""
+    def _positions(self, x: torch.Tensor, grids: List[Tuple[int, int]]) -> Optional[TokenPositions]:
+        """The rotary positions of x's patch tokens, image i's a row-major grid grids[i] (rows, cols) (one grid for
+        all: grids of length 1): with timm's own table where the grids are one, else each image's rows from its
+        coordinates."""
         if self.rope is None:
             return None
-        table = self.rope.get_embed(shape=list(grid))
-        coords = grid_coords(self.rope, grid, x.device).expand(x.shape[0], -1, -1)
-        return TokenPositions(self.rope, coords, table, self._tokcomp_reducer.rope_merge)
+        merge = self._tokcomp_reducer.rope_merge
+        if len(set(grids)) == 1:
+            coords = grid_coords(self.rope, grids[0], x.device).expand(x.shape[0], -1, -1)
+            return TokenPositions(self.rope, coords, self.rope.get_embed(shape=list(grids[0])), merge)
+        return TokenPositions(self.rope, torch.stack([grid_coords(self.rope, g, x.device) for g in grids]), None, merge)
 
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[TokenPositions]]:
         x, grid = self.embeds(x)
-        positions = self._positions(x, tuple(grid))
+        positions = self._positions(x, [tuple(grid)])
         if self.patch_drop is not None and self.training:
             if positions is not None:
                 raise ValueError(PATCH_DROP_REFUSAL)
@@ -145,26 +158,28 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
         p, valid = self.num_prefix_tokens, patch_valid.bool()
         order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)  # each image's valid patches first
         groups = self._groups(valid, patch_coord)
-        grouped = torch.tensor([i for images, _, _ in groups for i in images], device=x.device)  # one transfer
+        grouped = torch.tensor([i for group in groups for i in group.images], device=x.device)  # one transfer
         runs, start = [], 0
-        for images, n, grid in groups:
-            if self.rope is not None and n != grid[0] * grid[1]:
-                raise ValueError(f"patch_valid marks {n} patches of images {images} valid, their patch_coord spans a "
-                                 f"{grid[0]} x {grid[1]} grid: a rope model's NaFlex patches fill their grid, row "
-                                 f"by row (as timm's NaFlex rope assumes)")
+        for images, n, grids in groups:
+            for image, (rows, cols) in zip(images, grids):
+                if self.rope is not None and n != rows * cols:
+                    raise ValueError(f"patch_valid marks {n} patches of image {image} valid, its patch_coord spans a "
+                                     f"{rows} x {cols} grid: a rope model's NaFlex patches fill their grid, row by "
+                                     f"row (as timm's NaFlex rope assumes)")
             idx, start = grouped[start:start + len(images)], start + len(images)
             tokens = order[idx, :n]
             group = torch.cat([x[idx, :p], gather_tokens(x[idx, p:], tokens)], dim=1)
-            out, stats = self._reduce_blocks(group, self._positions(group, grid), grid=grid)
+            # the grid is read by the methods whose settings read it (reads_grid), whose groups share one
+            out, stats = self._reduce_blocks(group, self._positions(group, grids), grid=grids[0])
             runs.append(GroupRun(images, idx, tokens, self.norm(out), stats))
         x, stats = pad_runs(runs, p, x.shape[1], self._tokcomp_reducer.trace_source)
         remember_last(self, stats)
         return x, stats
 
-    def _groups(self, valid: torch.Tensor, coord: torch.Tensor) -> List[Tuple[List[int], int, Tuple[int, int]]]:
+    def _groups(self, valid: torch.Tensor, coord: torch.Tensor) -> List[Group]:
         """The groups a NaFlex batch runs as (naflex_groups): images of one count together, of one grid too where the
-        rope rows or the method's settings read it."""
-        return naflex_groups(valid, coord, by_grid=self.rope is not None or self._tokcomp_reducer.reads_grid)
+        method's settings read it."""
+        return naflex_groups(valid, coord, by_grid=self._tokcomp_reducer.reads_grid)
 
     def _pool(self, x: torch.Tensor, pool_type: Optional[str] = None, patch_valid: Optional[torch.Tensor] = None
               ) -> torch.Tensor:
