@@ -139,6 +139,21 @@ def test_every_configuration_reduces_each_image_as_alone(name, method, params, i
     assert stats.rope_merge == ("dst" if name in ROPE else None)
 
 
+@pytest.mark.parametrize("name, method, params", [("vit_class_token", "tome", dict(r=3)),
+                                                  ("vit_class_token", "ats", dict(keep_rate=0.5, stages=(2, 3))),
+                                                  ("eva02_rope", "evit", dict(r=3))])
+def test_a_naflex_batch_runs_under_bf16_autocast(name, method, params, images):
+    """The groups' bf16 outputs and sizes pad back into one batch (sizes kept in float32), padding holding nothing."""
+    model = timm_tokcomp.apply(naflex_model(name), method, trace_source=True, **params)
+    batch = naflex_batch(images)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        out = model(batch)
+        features = model.forward_features(batch["patches"], batch["patch_coord"], batch["patch_valid"])
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert timm_tokcomp.last_stats(model).size.dtype == torch.float32
+    _check_padding(model, batch, features)
+
+
 @pytest.mark.parametrize("pool", ["avg", "avgmax", "max", "token"])
 def test_each_pool_ignores_the_padding(pool, images):
     model = naflex_model("vit_class_token")

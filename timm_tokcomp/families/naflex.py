@@ -228,14 +228,15 @@ def pad_runs(runs: List[GroupRun], num_prefix: int, width_in: int, trace: bool) 
     for run in runs:
         m = run.x.shape[1]
         x[run.images, :m] = run.x
-        size[run.images, :m] = size.new_ones(len(run.members), m, 1) if run.stats.size is None else run.stats.size
+        held = size.new_ones(len(run.members), m, 1) if run.stats.size is None else run.stats.size
+        size[run.images, :m] = held.to(size.dtype)  # float32, also under autocast
         if trace:
             prefix = torch.arange(num_prefix, device=x0.device).expand(len(run.members), -1)
             columns = torch.cat([prefix, run.tokens + num_prefix], dim=1).unsqueeze(1).expand(-1, m, -1)
-            held = run.stats.source.new_zeros(len(run.members), m, width_in).scatter(2, columns, run.stats.source)
-            source[run.images, :m] = held
+            mapped = run.stats.source.new_zeros(len(run.members), m, width_in).scatter(2, columns, run.stats.source)
+            source[run.images, :m] = mapped.to(source.dtype)
         for block, per_image in enumerate(run.stats.real_tokens_per_block):  # a method whose images keep their own
-            real[block][run.images] = per_image.to(x0.device)  # counts within the run (ATS)
+            real[block][run.images] = per_image.to(real[block])  # counts within the run (ATS)
     stats = ReductionStats(
         tokens_per_block=[max(run.stats.tokens_per_block[b] for run in runs) for b in range(depth)],
         tokens_out=width, size=size, source=source, num_prefix=num_prefix, real_tokens_per_block=real,
