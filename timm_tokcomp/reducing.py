@@ -66,6 +66,14 @@ def prefix_only_last(model: nn.Module, reducer: TokenReducer) -> bool:
 
 SIZED_POOLS = ("avg", "avgmax", "max")  # the pool types that read the token sizes
 
+
+def spread_tokens(tokens: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """tokens (B, N, C) with their source map (B, N, N0) -> (B, N0, C): at each original position the token holding
+    it (a merged token at every position it holds), zeros where a dropping pruner removed the position."""
+    holder = source.argmax(dim=1)  # (B, N0): the token holding each original position
+    held = source.sum(dim=1).unsqueeze(-1)  # (B, N0, 1): 0 where a dropping pruner removed the patch
+    return gather_tokens(tokens, holder) * held
+
 # (model, its blocks' compiled forward_reduce(block, ...)) while a regionally compiled call of model runs in this
 # thread (timm_tokcomp.compiling); the model's other callers run their blocks eagerly
 COMPILED_BLOCKS: contextvars.ContextVar = contextvars.ContextVar("timm_tokcomp_compiled_blocks", default=None)
@@ -370,9 +378,7 @@ class ReducingModel:
 
         def on_block(i: int, tokens: torch.Tensor, source: torch.Tensor) -> None:
             if i in take_indices:
-                holder = source.argmax(dim=1)  # (B, N0): the token holding each original position
-                held = source.sum(dim=1).unsqueeze(-1)  # (B, N0, 1): 0 where a dropping pruner removed the patch
-                grids.append(gather_tokens(self.norm(tokens) if norm else tokens, holder) * held)
+                grids.append(spread_tokens(self.norm(tokens) if norm else tokens, source))
 
         x, stats = self._reduce_blocks(*self._embed(x), for_intermediates=True, grid=patch_grid(self, (height, width)),
                                        num_blocks=max_index + 1 if stop_early else None,

@@ -218,6 +218,38 @@ def test_images_of_one_count_run_together_unless_their_grid_is_read(images):
     assert seen == [[3, 1], [3, 1], [2, 1, 1]]
 
 
+@pytest.mark.parametrize("name", ["vit_class_token", "dinov3_rope"])
+def test_intermediates_of_a_naflex_batch_are_timms_and_each_images_alone(name, images):
+    """forward_intermediates on a NaFlex batch ('NLC', timm's forms): while nothing is reduced, timm's intermediates
+    at every valid position; reduced, each position carries the token holding it, as for the image alone, padding
+    zeros; the final features are forward_features' padded tokens."""
+    plain = naflex_model(name)
+    model = timm_tokcomp.apply(naflex_model(name), "tome", r=0)
+    batch = naflex_batch(images)
+    real = batch["patch_valid"].unsqueeze(-1)
+    with torch.no_grad():
+        expected = plain.forward_intermediates(batch, indices=(0, 2), output_fmt="NLC", output_dict=True,
+                                               return_prefix_tokens=True)
+        got = model.forward_intermediates(batch, indices=(0, 2), output_fmt="NLC", output_dict=True,
+                                          return_prefix_tokens=True)
+        assert torch.equal(got["patch_valid"], batch["patch_valid"])
+        for a, b in zip(got["image_intermediates"], expected["image_intermediates"]):
+            torch.testing.assert_close(a * real, b * real, atol=1e-5, rtol=1e-5)
+            assert not a[~batch["patch_valid"]].any()
+        for a, b in zip(got["image_intermediates_prefix"], expected["image_intermediates_prefix"]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        timm_tokcomp.set_params(model, r=3)
+        final, spatial = model.forward_intermediates(batch, indices=2, output_fmt="NLC", norm=True)
+        assert torch.equal(model.forward_head(final), model(batch))  # the padded tokens with their sizes
+        for i, image in enumerate(images):
+            n = (image.shape[1] // 8) * (image.shape[2] // 8)
+            alone = model.forward_intermediates(naflex_batch([image], width=n), indices=2, output_fmt="NLC",
+                                                intermediates_only=True, norm=True)
+            for a, b in zip(spatial, alone):
+                torch.testing.assert_close(a[i, :n], b[0], atol=1e-5, rtol=1e-5)
+                assert not a[i, n:].any()
+
+
 def test_refusals_name_what_a_naflex_batch_cannot_take(images):
     model = timm_tokcomp.apply(naflex_model("eva02_rope"), "tome", r=2)
     batch = naflex_batch(images)
@@ -225,9 +257,8 @@ def test_refusals_name_what_a_naflex_batch_cannot_take(images):
         model({**batch, "attn_mask": torch.zeros(3, 1, 21, 21)})
     with pytest.raises(ValueError, match="patch_valid .B, N. is required"):
         model(batch["patches"], patch_coord=batch["patch_coord"])
-    with pytest.raises(ValueError, match="forward_intermediates on a NaFlex batch"):
-        model.forward_intermediates(batch["patches"], patch_coord=batch["patch_coord"],
-                                    patch_valid=batch["patch_valid"])
+    with pytest.raises(ValueError, match="output_fmt must be 'NLC' for a NaFlex batch"):
+        model.forward_intermediates(batch)
     for rows, cols in ((slice(0, 0), slice(None)), (slice(None), slice(0, 0))):
         with pytest.raises(ValueError, match=r"at least one image and one patch \(patch_valid of shape"):
             model({key: batch[key][rows, cols] for key in ("patches", "patch_coord", "patch_valid")})

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from timm.layers import Attention
+from timm.models._features import feature_take_indices
 from timm.models.eva import EvaAttention, EvaBlock, EvaBlockPostNorm
 from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg, _overlay_kwargs, get_block_fn
 from timm.models.vision_transformer import Block
@@ -23,7 +24,7 @@ from timm.layers.attention import AttentionRope
 from torch import nn
 
 from ..plans import gather_tokens
-from ..reducing import SIZED_POOLS, ReducingModel, remember_last
+from ..reducing import SIZED_POOLS, ReducingModel, remember_last, spread_tokens
 from ..rope import PATCH_DROP_REFUSAL, TokenPositions, check_rope, grid_coords
 from ..state import ReductionStats
 from .base import BuildArgs, Facade, Family
@@ -54,12 +55,12 @@ class EmbedsGrid:
 
 class GroupRun(NamedTuple):
     """One group of a NaFlex batch through the blocks: members its images' batch indices (host), images the same
-    (k,) on the device, tokens (k, n) the positions of their valid patches in the padded input, x (k, N', C) the
-    normed output, stats its ReductionStats."""
+    (k,) on the device, columns (k, p + n) the positions of its tokens (prefix, then valid patches) in the padded
+    input, x (k, N', C) the normed output, stats its ReductionStats."""
 
     members: List[int]
     images: torch.Tensor
-    tokens: torch.Tensor
+    columns: torch.Tensor
     x: torch.Tensor
     stats: ReductionStats
 
@@ -139,12 +140,16 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
         _refuse_attn_mask(attn_mask)
         if patch_coord is None:
             return super().forward_features(patches)
-        x, stats = self._naflex_features(patches, patch_coord, patch_valid)
+        x, stats, _ = self._naflex_features(patches, patch_coord, patch_valid)
         p = self.num_prefix_tokens
         return {"patches": self._register_features(x, stats), "patch_valid": stats.size[:, p:, 0] > 0}
 
-    def _naflex_features(self, patches: torch.Tensor, patch_coord: torch.Tensor, patch_valid: Optional[torch.Tensor]
-                         ) -> Tuple[torch.Tensor, ReductionStats]:
+    def _naflex_features(self, patches: torch.Tensor, patch_coord: torch.Tensor, patch_valid: Optional[torch.Tensor],
+                         take: Tuple[int, ...] = (), norm: bool = False, num_blocks: Optional[int] = None,
+                         final: bool = True) -> Tuple[torch.Tensor, ReductionStats, Dict[int, torch.Tensor]]:
+        """A NaFlex batch through the blocks, group by group -> (the padded tokens (B, N', C), the batch's stats,
+        {block in take: (B, N, C) every input position's token after that block (spread_tokens; padding: zeros),
+        normed where norm}). num_blocks, final: as ReducingModel._reduce_blocks."""
         if patch_valid is None:
             raise ValueError("patch_valid (B, N) is required with patch_coord (a NaFlex batch), as timm requires it")
         if patch_valid.shape[0] == 0 or patch_valid.shape[1] == 0:
@@ -155,11 +160,11 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
                              "while tokens are reduced: set patch_drop_rate=0, or train on images (B, 3, H, W)")
         x, _ = self.embeds(patches, patch_coord=patch_coord, patch_valid=patch_valid)
         x = self.norm_pre(x)
-        p, valid = self.num_prefix_tokens, patch_valid.bool()
+        (B, width_in, C), p, valid = x.shape, self.num_prefix_tokens, patch_valid.bool()
         order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)  # each image's valid patches first
         groups = self._groups(valid, patch_coord)
         grouped = torch.tensor([i for group in groups for i in group.images], device=x.device)  # one transfer
-        runs, start = [], 0
+        runs, start, spread = [], 0, {}
         for images, n, grids in groups:
             for image, (rows, cols) in zip(images, grids):
                 if self.rope is not None and n != rows * cols:
@@ -168,13 +173,24 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
                                      f"row (as timm's NaFlex rope assumes)")
             idx, start = grouped[start:start + len(images)], start + len(images)
             tokens = order[idx, :n]
+            columns = torch.cat([torch.arange(p, device=x.device).expand(len(images), -1), tokens + p], dim=1)
             group = torch.cat([x[idx, :p], gather_tokens(x[idx, p:], tokens)], dim=1)
+
+            def on_block(i: int, out: torch.Tensor, source: torch.Tensor, idx=idx, columns=columns) -> None:
+                if i in take:
+                    held = spread_tokens(self.norm(out) if norm else out, source)  # (k, p + n, C)
+                    at = spread.setdefault(i, held.new_zeros(B, width_in, C))
+                    at[idx] = held.new_zeros(len(idx), width_in, C).scatter(1, columns.unsqueeze(-1).expand_as(held),
+                                                                             held)
+
             # the grid is read by the methods whose settings read it (reads_grid), whose groups share one
-            out, stats = self._reduce_blocks(group, self._positions(group, grids), grid=grids[0])
-            runs.append(GroupRun(images, idx, tokens, self.norm(out), stats))
-        x, stats = pad_runs(runs, p, x.shape[1], self._tokcomp_reducer.trace_source)
+            out, stats = self._reduce_blocks(group, self._positions(group, grids), for_intermediates=bool(take),
+                                             num_blocks=num_blocks, on_block=on_block if take else None, final=final,
+                                             grid=grids[0])
+            runs.append(GroupRun(images, idx, columns, self.norm(out), stats))
+        x, stats = pad_runs(runs, p, width_in, self._tokcomp_reducer.trace_source)
         remember_last(self, stats)
-        return x, stats
+        return x, stats, spread
 
     def _groups(self, valid: torch.Tensor, coord: torch.Tensor) -> List[Group]:
         """The groups a NaFlex batch runs as (naflex_groups): images of one count together, of one grid too where the
@@ -194,12 +210,39 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
                               stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,
                               output_dict: bool = False, patch_coord: Optional[torch.Tensor] = None,
                               patch_valid: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None):
-        """ReducingModel.forward_intermediates on images (B, 3, H, W); a NaFlex batch is refused."""
-        if isinstance(x, dict) or patch_coord is not None or patch_valid is not None:
-            raise ValueError("forward_intermediates on a NaFlex batch (patch_coord / patch_valid) is not supported "
-                             "while tokens are reduced; pass images (B, 3, H, W), or call timm_tokcomp.remove(model)")
-        return super().forward_intermediates(x, indices, return_prefix_tokens, norm, stop_early, output_fmt,
-                                             intermediates_only, output_dict, attn_mask)
+        """ReducingModel.forward_intermediates on images (B, 3, H, W). On a NaFlex batch (the collator's dict, or
+        patches with patch_coord and patch_valid), timm's NaFlex forms ('NLC' only): each intermediate (B, N, C) over
+        the input's patch positions, every position carrying the token that holds it after that block (zeros for
+        padding and for patches a dropping pruner removed); the final features the reduced tokens, padded (size 0),
+        as forward_features returns them; output_dict adds the input's patch_valid."""
+        if isinstance(x, dict):
+            patch_coord, patch_valid = x.get("patch_coord", patch_coord), x.get("patch_valid", patch_valid)
+            x, attn_mask = x["patches"], x.get("attn_mask", attn_mask)
+        if patch_coord is None:
+            return super().forward_intermediates(x, indices, return_prefix_tokens, norm, stop_early, output_fmt,
+                                                 intermediates_only, output_dict, attn_mask)
+        _refuse_attn_mask(attn_mask)
+        if output_fmt != "NLC":
+            raise ValueError(f"output_fmt must be 'NLC' for a NaFlex batch (its images' grids differ), as in timm; got "
+                             f"{output_fmt!r}")
+        take, max_index = feature_take_indices(len(self.blocks), indices)
+        tokens, stats, spread = self._naflex_features(
+            x, patch_coord, patch_valid, take=tuple(take), norm=norm,
+            num_blocks=max_index + 1 if stop_early else None, final=not intermediates_only)
+        p = self.num_prefix_tokens
+        taken = [spread[i] for i in take]
+        prefix, spatial = [t[:, :p] for t in taken], [t[:, p:] for t in taken]
+        final = None if intermediates_only else self._register_features(tokens, stats)
+        if output_dict:
+            out: Dict[str, Any] = {"image_intermediates": spatial, "patch_valid": patch_valid}
+            if p and return_prefix_tokens:
+                out["image_intermediates_prefix"] = prefix
+            if final is not None:
+                out["image_features"] = final
+            return out
+        if p and return_prefix_tokens:
+            spatial = list(zip(spatial, prefix))
+        return spatial if intermediates_only else (final, spatial)
 
 
 def _refuse_attn_mask(attn_mask: Optional[torch.Tensor]) -> None:
@@ -231,8 +274,7 @@ def pad_runs(runs: List[GroupRun], num_prefix: int, width_in: int, trace: bool) 
         held = size.new_ones(len(run.members), m, 1) if run.stats.size is None else run.stats.size
         size[run.images, :m] = held.to(size.dtype)  # float32, also under autocast
         if trace:
-            prefix = torch.arange(num_prefix, device=x0.device).expand(len(run.members), -1)
-            columns = torch.cat([prefix, run.tokens + num_prefix], dim=1).unsqueeze(1).expand(-1, m, -1)
+            columns = run.columns.unsqueeze(1).expand(-1, m, -1)
             mapped = run.stats.source.new_zeros(len(run.members), m, width_in).scatter(2, columns, run.stats.source)
             source[run.images, :m] = mapped.to(source.dtype)
         for block, per_image in enumerate(run.stats.real_tokens_per_block):  # a method whose images keep their own
