@@ -8,8 +8,6 @@ rope or the method reads it). Random weights.
     python scripts/naflex_speed.py vit_base_patch16_224 --use-naflex --method tome_r16 --device cuda --amp"""
 import argparse
 import contextlib
-import statistics
-import time
 import warnings
 
 import timm
@@ -18,7 +16,7 @@ from timm.data.naflex_dataset import NaFlexCollator
 from timm.data.naflex_transforms import Patchify
 
 import timm_tokcomp
-from timm_tokcomp.measure import OpCounter, synchronizer
+from timm_tokcomp.measure import OpCounter, time_side_by_side
 from timm_tokcomp.registry import split_method_tag
 
 # (rows, cols) patch grids of about the same token count, different aspect ratios
@@ -63,28 +61,20 @@ def main() -> None:
     batches = {"1 grid": naflex_batch([GRIDS[0]] * args.images, patch, width, args.device),
                f"{args.grids} grids": naflex_batch([GRIDS[i % args.grids] for i in range(args.images)], patch, width,
                                                    args.device)}
-    sync = synchronizer(next(iter(batches.values()))["patches"])
     amp = torch.autocast(args.device.split(":")[0], torch.bfloat16) if args.amp else contextlib.nullcontext()
     models = {"plain": plain, args.method: reduced}
     print(f"{args.model}{' (use_naflex)' if args.use_naflex else ''}, {args.images} images of <= {width} patches, "
           f"{args.device}{' bf16' if args.amp else ''}, {args.rounds} rounds")
     with torch.no_grad(), amp:
         for label, batch in batches.items():
-            times = {name: [] for name in models}
             counts = {}
             for name, model in models.items():
                 model(batch)  # warm-up
                 with OpCounter() as ops:
                     model(batch)
                 counts[name] = (ops.total, ops.host_syncs)
-            for _ in range(args.rounds):
-                for name, model in models.items():
-                    sync()
-                    start = time.perf_counter()
-                    model(batch)
-                    sync()
-                    times[name].append(time.perf_counter() - start)
-            ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
+            seconds = time_side_by_side(models, batch, rounds=args.rounds, warmup=0)
+            ms = {name: 1000 * t for name, t in seconds.items()}
             cells = ", ".join(f"{name} {ms[name]:.1f} ms ({counts[name][0]} ops, {counts[name][1]} host syncs)"
                               for name in models)
             groups = len(reduced._groups(batch["patch_valid"].bool(), batch["patch_coord"]))

@@ -10,7 +10,7 @@ import statistics
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -297,8 +297,8 @@ def count_macs(model: nn.Module, x: torch.Tensor) -> float:
     return forward_counting(model, x)[1]
 
 
-def time_side_by_side(models: Dict[str, Callable], x: torch.Tensor, rounds: int = 5, warmup: int = 1,
-                      progress: Callable[[int], None] = lambda n: None) -> Dict[str, float]:
+def time_side_by_side(models: Dict[str, Callable], x: Union[torch.Tensor, Dict[str, torch.Tensor]], rounds: int = 5,
+                      warmup: int = 1, progress: Callable[[int], None] = lambda n: None) -> Dict[str, float]:
     """Median seconds per forward of x for each model, interleaving the models round by round so
     that machine noise hits them alike (CUDA work is synchronised around each forward)."""
     times = time_runs(models, x, rounds, warmup, progress)
@@ -315,14 +315,16 @@ def no_silent_eager_fallback(num_models: int):
     return config.patch(**{limit: max(8, 2 * num_models), fail: True})
 
 
-def synchronizer(x: torch.Tensor) -> Callable[[], None]:
-    """What waits for x's device to finish its queued work before a clock is read (nothing on the CPU)."""
-    return torch.cuda.synchronize if x.is_cuda else (lambda: None)
+def synchronizer(x: Union[torch.Tensor, Dict[str, torch.Tensor]]) -> Callable[[], None]:
+    """What waits for the device of x (a tensor, or a dict of them such as a NaFlex batch) to finish its queued
+    work before a clock is read (nothing on the CPU)."""
+    tensor = x["patches"] if isinstance(x, dict) else x
+    return torch.cuda.synchronize if tensor.is_cuda else (lambda: None)
 
 
 @torch.inference_mode()
-def time_runs(models: Dict[str, Callable], x: torch.Tensor, rounds: int = 5, warmup: int = 1,
-              progress: Callable[[int], None] = lambda n: None) -> Dict[str, List[float]]:
+def time_runs(models: Dict[str, Callable], x: Union[torch.Tensor, Dict[str, torch.Tensor]], rounds: int = 5,
+              warmup: int = 1, progress: Callable[[int], None] = lambda n: None) -> Dict[str, List[float]]:
     """Seconds of each of `rounds` forwards of x per model (any callable), after `warmup` untimed ones,
     the models interleaved round by round."""
     for model in models.values():
