@@ -7,6 +7,7 @@ silently counts as 0). A guard then checks every attention op that ran against i
 missing or doubled formula raises `AttentionCountError` instead of giving a wrong number.
 """
 import statistics
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -121,25 +122,29 @@ _LAUNCHING = [0]  # > 0 while a kernel launches: the aten ops Triton's CPU inter
 class _EagerFlexDirect:
     """While a counter is open, eager FlexAttention calls its higher-order operator directly (torch's debug switch)
     instead of through torch.compile, which refuses a dispatch mode on the stack: the same unfused computation,
-    seen by the counter as one call. Nested counters keep the switch until the outermost closes."""
+    seen by the counter as one call. The switch is process-wide: counters open in any thread keep it until the last
+    one closes (a lock keeps the count exact); meanwhile another thread's eager FlexAttention runs unfused too."""
 
     def __init__(self):
         self._depth, self._saved = 0, False
+        self._lock = threading.Lock()
 
     def __enter__(self):
         import torch.nn.attention.flex_attention as flex
 
-        if self._depth == 0:
-            self._saved = flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
-            flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
-        self._depth += 1
+        with self._lock:
+            if self._depth == 0:
+                self._saved = flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+                flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+            self._depth += 1
 
     def __exit__(self, *exc):
         import torch.nn.attention.flex_attention as flex
 
-        self._depth -= 1
-        if self._depth == 0:
-            flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = self._saved
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = self._saved
 
 
 _EAGER_FLEX_DIRECT = _EagerFlexDirect()

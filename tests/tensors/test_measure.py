@@ -143,3 +143,39 @@ def test_counters_count_flex_attention():
     assert host_syncs(model, x) == {}
     assert count_macs(model, x) == count_macs(mask, x)
     assert fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG is False
+
+
+def test_counters_in_threads_restore_the_flex_switch_when_the_last_closes():
+    """Counters opened and closed by several threads while another thread holds one: the switch stays on while any is
+    open and is restored (False) after the last closes, whichever thread closes it."""
+    import threading
+
+    import torch.nn.attention.flex_attention as fa
+    from timm_tokcomp.measure import OpCounter
+
+    held, release = threading.Event(), threading.Event()
+    seen = []
+
+    def hold():
+        with OpCounter():
+            held.set()
+            release.wait(20)
+
+    def short():
+        for _ in range(200):
+            with OpCounter():
+                seen.append(fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(20)
+    shorts = [threading.Thread(target=short) for _ in range(3)]
+    for t in shorts:
+        t.start()
+    for t in shorts:
+        t.join(20)
+    still_on = fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG  # the holder's counter is still open
+    release.set()
+    holder.join(20)
+    assert len(seen) == 600 and all(seen) and still_on
+    assert fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG is False
