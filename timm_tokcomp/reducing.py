@@ -74,6 +74,7 @@ def spread_tokens(tokens: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     held = source.sum(dim=1).unsqueeze(-1)  # (B, N0, 1): 0 where a dropping pruner removed the patch
     return gather_tokens(tokens, holder) * held
 
+
 # (model, its blocks' compiled forward_reduce(block, ...)) while a regionally compiled call of model runs in this
 # thread (timm_tokcomp.compiling); the model's other callers run their blocks eagerly
 COMPILED_BLOCKS: contextvars.ContextVar = contextvars.ContextVar("timm_tokcomp_compiled_blocks", default=None)

@@ -124,9 +124,7 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
                 attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: images (B, 3, H, W), or NaFlex patches (B, N, P*P*C) with patch_coord and patch_valid (or the NaFlex
         collator's dict of them) -> logits; the head pools with this call's token sizes."""
-        if isinstance(x, dict):  # the NaFlex collator's batch: its entries take priority, as in timm
-            patch_coord, patch_valid = x.get("patch_coord", patch_coord), x.get("patch_valid", patch_valid)
-            x, attn_mask = x["patches"], x.get("attn_mask", attn_mask)
+        x, patch_coord, patch_valid, attn_mask = _naflex_inputs(x, patch_coord, patch_valid, attn_mask)
         if patch_coord is None:
             _refuse_attn_mask(attn_mask)
             return super().forward(x)
@@ -215,9 +213,7 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
         the input's patch positions, every position carrying the token that holds it after that block (zeros for
         padding and for patches a dropping pruner removed); the final features the reduced tokens, padded (size 0),
         as forward_features returns them; output_dict adds the input's patch_valid."""
-        if isinstance(x, dict):
-            patch_coord, patch_valid = x.get("patch_coord", patch_coord), x.get("patch_valid", patch_valid)
-            x, attn_mask = x["patches"], x.get("attn_mask", attn_mask)
+        x, patch_coord, patch_valid, attn_mask = _naflex_inputs(x, patch_coord, patch_valid, attn_mask)
         if patch_coord is None:
             return super().forward_intermediates(x, indices, return_prefix_tokens, norm, stop_early, output_fmt,
                                                  intermediates_only, output_dict, attn_mask)
@@ -243,6 +239,17 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
         if p and return_prefix_tokens:
             spatial = list(zip(spatial, prefix))
         return spatial if intermediates_only else (final, spatial)
+
+
+def _naflex_inputs(x: Any, patch_coord: Optional[torch.Tensor], patch_valid: Optional[torch.Tensor],
+                   attn_mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor],
+                                                               Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(x, patch_coord, patch_valid, attn_mask) as given, or read from the NaFlex collator's dict x, whose entries
+    take priority, as in timm."""
+    if not isinstance(x, dict):
+        return x, patch_coord, patch_valid, attn_mask
+    return (x["patches"], x.get("patch_coord", patch_coord), x.get("patch_valid", patch_valid),
+            x.get("attn_mask", attn_mask))
 
 
 def _refuse_attn_mask(attn_mask: Optional[torch.Tensor]) -> None:
