@@ -323,7 +323,7 @@ def no_silent_eager_fallback(num_models: int):
 def synchronizer(x: Union[torch.Tensor, Dict[str, torch.Tensor]]) -> Callable[[], None]:
     """What waits for the device of x (a tensor, or a dict of them such as a NaFlex batch) to finish its queued
     work before a clock is read (nothing on the CPU)."""
-    tensor = x["patches"] if isinstance(x, dict) else x
+    tensor = next(v for v in x.values() if torch.is_tensor(v)) if isinstance(x, dict) else x
     return torch.cuda.synchronize if tensor.is_cuda else (lambda: None)
 
 
