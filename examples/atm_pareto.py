@@ -2,7 +2,7 @@
 setting next to ToMe's agreement and top-1 linearly interpolated at the same GMACs, then the
 batch-size robustness of the first ATM setting (paper Table A1).
 
-    D=../shared/data
+    D=$TOKCOMP_DATA      # the evaluation data folder (CONTRIBUTING.md)
     python examples/atm_pareto.py --checkpoint $D/deit_tiny_patch16_224.safetensors \
         --data $D/imagenet-val-1300 --methods atm,atm_balanced,atm_fast --batch-sizes 1,16,64,256
 """

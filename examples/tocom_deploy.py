@@ -1,7 +1,7 @@
 """Deployment story: one DeiT-Tiny serves a changing load by switching ToMe r between 0, 8 and 16,
 first plainly, then with the ToCom compensator (same r, same cost).
 
-    D=../shared/data
+    D=$TOKCOMP_DATA      # the evaluation data folder (CONTRIBUTING.md)
     python examples/tocom_deploy.py --checkpoint $D/deit_tiny_patch16_224.safetensors \\
         --data $D/imagenet-val-1300 --limit 512
     python examples/tocom_deploy.py          # random weights and images: runs offline, numbers meaningless

@@ -70,13 +70,44 @@ def reader_folder(tmp_path, monkeypatch):
     return tmp_path
 
 
+# what a fresh interpreter runs before a snippet: timm's pretrained download becomes a no-op (random weights) and
+# the seed is fixed; it imports timm only, so a snippet that forgets `import timm_tokcomp` fails as it would for a
+# reader
+SNIPPET_PRELUDE = """\
+import timm.models._builder as _builder
+import torch as _torch
+_builder.load_pretrained = lambda *args, **kwargs: None
+_torch.manual_seed(0)
+"""
+
+
 @pytest.mark.parametrize("page,line,code", PYTHON, ids=_ids(PYTHON))
 def test_python_snippet_runs(page, line, code, reader_folder):
-    """Each block on its own, as a reader pastes it: its own imports and inputs."""
+    """Each block on its own, as a reader pastes it into a fresh interpreter: its own imports and inputs."""
     needs = NEEDS.findall(code)
     if "gpu" in "".join(needs) and not torch.cuda.is_available():
         pytest.skip(f"{page}:{line} needs a GPU ({needs[0]})")
-    exec(compile(code, f"{page}:{line}", "exec"), {"__name__": "__snippet__"})
+    script = reader_folder / "snippet.py"
+    script.write_text(SNIPPET_PRELUDE + code)
+    run = subprocess.run([sys.executable, str(script)], cwd=reader_folder, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{page}:{line} failed in a fresh interpreter:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+
+
+def test_the_snippet_runner_sees_a_missing_import(reader_folder):
+    """The runner is a fresh interpreter: a snippet using a registered name without importing timm_tokcomp fails."""
+    code = "import timm\ntimm.create_model('deit_tiny_patch16_224.tome_r16')\n"
+    with pytest.raises(AssertionError, match="Invalid pretrained tag"):
+        test_python_snippet_runs("x.md", 1, code, reader_folder)
+
+
+# folders only the package's developers have: a page names what the data is instead
+DEVELOPER_PATHS = ("../shared",)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_pages_point_to_nothing_only_the_developers_have(page):
+    found = [path for path in DEVELOPER_PATHS if path in page.read_text()]
+    assert not found, f"{page.name} points readers to {found}, which they do not have: say what the data is"
 
 
 @pytest.mark.parametrize("page,line,code", COMMANDS, ids=_ids(COMMANDS))

@@ -272,6 +272,28 @@ def test_refusals_name_what_a_naflex_batch_cannot_take(images):
         model(holes)
     with pytest.raises(TypeError, match="dense methods serve timm's VisionTransformer and Eva classes, not NaFlexVit"):
         timm_tokcomp.apply(naflex_model("gap_registers"), "dense_tome", r=2)
+    for key in ("patch_coord", "patches"):
+        with pytest.raises(ValueError, match=f"needs the keys patches, patch_coord and patch_valid; {key} missing"):
+            model({k: v for k, v in batch.items() if k != key})
+
+
+@pytest.mark.parametrize("name", ROPE)
+def test_a_rope_model_refuses_patches_that_do_not_come_row_by_row(name, images):
+    """timm's NaFlex rope gives the k-th valid patch the k-th row-major cell: an image whose patches come column by
+    column, each with its own patch_coord, would be reduced with other cells' rope rows."""
+    model = timm_tokcomp.apply(naflex_model(name), "tome", r=2)
+    batch = naflex_batch(images)
+    n = int(batch["patch_valid"][0].sum())
+    rows, cols = (int(v) + 1 for v in batch["patch_coord"][0, :n].amax(dim=0))
+    by_column = torch.arange(n).view(rows, cols).t().flatten()  # the same patches, column by column
+    swapped = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+    for key in ("patches", "patch_coord"):
+        swapped[key][0, :n] = batch[key][0, by_column]
+    with pytest.raises(ValueError, match="image 0's valid patches out of row-major order"):
+        model(swapped)
+    with torch.no_grad():  # the same batch in timm's order runs, and a model without rope takes any order
+        assert model(batch).shape == (len(images), 10)
+        assert timm_tokcomp.apply(naflex_model("siglip2_map"), "tome", r=2)(swapped).shape == (len(images), 10)
     intermediates = model.forward_intermediates(torch.randn(2, 3, 32, 32), indices=1, output_fmt="NCHW")[1]
     assert intermediates[0].shape == (2, 64, 4, 4)  # images: the shared loop's intermediates
 

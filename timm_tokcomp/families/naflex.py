@@ -74,16 +74,28 @@ class Group(NamedTuple):
     grids: List[Tuple[int, int]]
 
 
-def naflex_groups(valid: torch.Tensor, coord: torch.Tensor, by_grid: bool) -> List[Group]:
+def naflex_groups(valid: torch.Tensor, coord: torch.Tensor, by_grid: bool, fills_grid: bool = False) -> List[Group]:
     """valid: (B, N) bool, coord: (B, N, 2) (row, col) -> the groups of images sharing their valid count n (and, by_grid,
-    their grid), in order of first appearance. One host read."""
+    their grid), in order of first appearance. fills_grid (a rope model: timm's NaFlex rope gives the k-th valid patch
+    the k-th row-major cell of its grid): ValueError unless each image's valid patches fill its grid row by row, in
+    order. One host read."""
     extent = coord.masked_fill(~valid.unsqueeze(-1), -1).amax(dim=1) + 1
-    facts = torch.cat([valid.sum(dim=1, keepdim=True).to(extent.dtype), extent], dim=1).tolist()
+    k = valid.cumsum(dim=1) - 1  # each valid patch's place among its image's valid patches
+    cols = extent[:, 1:2].clamp(min=1)
+    row_major = ((coord == torch.stack([k // cols, k % cols], dim=-1)).all(dim=-1) | ~valid).all(dim=1)
+    facts = torch.cat([valid.sum(dim=1, keepdim=True).to(extent.dtype), extent,
+                       row_major.unsqueeze(1).to(extent.dtype)], dim=1).tolist()
     groups: Dict[Tuple[int, ...], Group] = {}
-    for image, (n, rows, cols) in enumerate(facts):
+    for image, (n, rows, cols, in_order) in enumerate(facts):
         if n == 0:
             raise ValueError(f"patch_valid marks no patch of image {image} as valid; every image of a NaFlex batch "
                              f"needs at least one")
+        if fills_grid and (n != rows * cols or not in_order):
+            what = (f"marks {n} patches of image {image} valid, its patch_coord spans a {rows} x {cols} grid"
+                    if n != rows * cols else f"has image {image}'s valid patches out of row-major order")
+            raise ValueError(f"patch_coord {what}: a rope model's NaFlex patches fill their grid row by row, in order "
+                             f"(timm's NaFlex rope gives the k-th valid patch the k-th cell), as timm's Patchify "
+                             f"makes them")
         group = groups.setdefault((int(n), int(rows), int(cols)) if by_grid else (int(n),), Group([], int(n), []))
         group.images.append(image)
         group.grids.append((int(rows), int(cols)))
@@ -164,11 +176,6 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
         grouped = torch.tensor([i for group in groups for i in group.images], device=x.device)  # one transfer
         runs, start, spread = [], 0, {}
         for images, n, grids in groups:
-            for image, (rows, cols) in zip(images, grids):
-                if self.rope is not None and n != rows * cols:
-                    raise ValueError(f"patch_valid marks {n} patches of image {image} valid, its patch_coord spans a "
-                                     f"{rows} x {cols} grid: a rope model's NaFlex patches fill their grid, row by "
-                                     f"row (as timm's NaFlex rope assumes)")
             idx, start = grouped[start:start + len(images)], start + len(images)
             tokens = order[idx, :n]
             columns = torch.cat([torch.arange(p, device=x.device).expand(len(images), -1), tokens + p], dim=1)
@@ -193,7 +200,7 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
     def _groups(self, valid: torch.Tensor, coord: torch.Tensor) -> List[Group]:
         """The groups a NaFlex batch runs as (naflex_groups): images of one count together, of one grid too where the
         method's settings read it."""
-        return naflex_groups(valid, coord, by_grid=self._tokcomp_reducer.reads_grid)
+        return naflex_groups(valid, coord, by_grid=self._tokcomp_reducer.reads_grid, fills_grid=self.rope is not None)
 
     def _pool(self, x: torch.Tensor, pool_type: Optional[str] = None, patch_valid: Optional[torch.Tensor] = None
               ) -> torch.Tensor:
@@ -248,6 +255,11 @@ def _naflex_inputs(x: Any, patch_coord: Optional[torch.Tensor], patch_valid: Opt
     take priority, as in timm."""
     if not isinstance(x, dict):
         return x, patch_coord, patch_valid, attn_mask
+    missing = [key for key, given in (("patches", None), ("patch_coord", patch_coord), ("patch_valid", patch_valid))
+               if key not in x and given is None]
+    if missing:
+        raise ValueError(f"a NaFlex batch (the collator's dict) needs the keys patches, patch_coord and patch_valid; "
+                         f"{', '.join(missing)} missing (keys given: {sorted(x)})")
     return (x["patches"], x.get("patch_coord", patch_coord), x.get("patch_valid", patch_valid),
             x.get("attn_mask", attn_mask))
 
