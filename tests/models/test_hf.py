@@ -39,6 +39,18 @@ def _images(batch=2, seed=1, size=32):
     return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.fixture(scope="module")
+def unlabelled_folder(tmp_path_factory):
+    """100 random 40 x 40 JPEGs, no labels: a folder for --data that needs no real data."""
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("unlabelled")
+    g = torch.Generator().manual_seed(0)
+    for i in range(100):
+        Image.fromarray((torch.rand(40, 40, 3, generator=g) * 255).to(torch.uint8).numpy()).save(folder / f"{i}.jpg")
+    return folder
+
+
 def _fields(out):
     return {k: v for k, v in out.items() if v is not None}
 
@@ -269,7 +281,7 @@ def test_bench_on_the_transformers_folder_reproduces_deit_tinys_tome_figures(rea
 
 
 @pytest.mark.parametrize("name", ["vit_classifier", "siglip"])
-def test_speed_and_bench_take_a_transformers_folder(name, tmp_path, capsys):
+def test_speed_and_bench_take_a_transformers_folder(name, tmp_path, capsys, unlabelled_folder):
     from timm_tokcomp.cli import main
 
     folder = tmp_path / name
@@ -283,13 +295,13 @@ def test_speed_and_bench_take_a_transformers_folder(name, tmp_path, capsys):
                      "--latency-runs", "0", "--batch-size", "2", "--no-progress"]) == 0
     if name == "vit_classifier":  # tune: its weights are the folder's, not random ones
         with pytest.warns(UserWarning, match="no preprocessor_config.json"):
-            assert main(["tune", "--hf-model", str(folder), "--data", str(DATA / "unlabeled-64px"), "--out",
+            assert main(["tune", "--hf-model", str(folder), "--data", str(unlabelled_folder), "--out",
                          str(tmp_path / "tune"), "--limit", "96", "--prune-images", "32", "--methods", "tome_r8",
                          "--max-rounds", "3", "--no-progress"]) == 0
         assert (tmp_path / "tune" / "preset.json").is_file() and "random weights" not in capsys.readouterr().err
 
 
-def test_a_folder_that_is_not_a_served_transformers_model_is_refused_by_flag(tmp_path, capsys):
+def test_a_folder_that_is_not_a_served_transformers_model_is_refused_by_flag(tmp_path, capsys, unlabelled_folder):
     from timm_tokcomp.cli import main
 
     assert main(["speed", "--hf-model", str(tmp_path), "--no-progress"]) == 2
@@ -301,7 +313,7 @@ def test_a_folder_that_is_not_a_served_transformers_model_is_refused_by_flag(tmp
     folder = tmp_path / "vit"
     hf_model("vit").save_pretrained(folder)
     with pytest.warns(UserWarning):
-        code = main(["bench", "--hf-model", str(folder), "--data", str(DATA / "unlabeled-64px"), "--no-timing",
+        code = main(["bench", "--hf-model", str(folder), "--data", str(unlabelled_folder), "--no-timing",
                      "--no-progress"])
     assert code == 2 and "features, no class scores" in capsys.readouterr().err
 
@@ -359,3 +371,57 @@ def test_a_bad_preprocessor_config_is_refused_naming_the_flag_and_file(text, mat
     assert main(["speed", "--hf-model", str(tmp_path), "--batches", "1", "--rounds", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert f"--hf-model {tmp_path}" in err and re.search(match, err), err
+
+
+# (the plain ViTForImageClassification, Dinov2Model and Dinov2WithRegistersModel fail with config.return_dict = False
+# in transformers 5: an inner module returns a tuple they read as an output object; return_dict=False in the call
+# works for all, tested above)
+@pytest.mark.parametrize("name", ["vit", "clip", "siglip"])
+def test_a_reduced_model_answers_return_dict_and_output_switches_as_its_plain_class(name):
+    """config.return_dict = False gives the plain class's tuple; an explicit output_attentions=False /
+    output_hidden_states=False in the call wins over a config asking for them, as in transformers (whose config
+    takes output_attentions with the 'eager' implementation only)."""
+    model = hf_model(name, "eager")
+    model.config.return_dict = False
+    x = _images()
+    with torch.no_grad():
+        plain = model(x)
+        reduced = timm_tokcomp.apply(model, "tome", r=0)(x)
+        assert type(plain) is tuple and type(reduced) is tuple and len(reduced) == len(plain)
+        for a, b in zip(reduced, plain):
+            assert torch.equal(a, b)
+        assert not isinstance(model(x, return_dict=True), tuple)
+        model.config.return_dict = True
+        model.config.output_attentions = model.config.output_hidden_states = True
+        with pytest.raises(ValueError, match="output_attentions is not supported while tokens are reduced"):
+            model(x)
+        out = model(x, output_attentions=False, output_hidden_states=False)
+        timm_tokcomp.remove(model)
+        expected = model(x, output_attentions=False, output_hidden_states=False)
+    assert type(out) is type(expected) and out.keys() == expected.keys()
+
+
+def test_a_reduced_model_takes_the_plain_classes_positional_arguments():
+    x = _images(size=48)
+    with torch.no_grad():
+        for name in ("clip", "siglip"):  # forward(pixel_values, interpolate_pos_encoding)
+            model = hf_model(name)
+            plain = model(x, True)
+            reduced = timm_tokcomp.apply(model, "tome", r=0)(x, True)
+            assert torch.equal(reduced.last_hidden_state, plain.last_hidden_state)
+    model = timm_tokcomp.apply(hf_model("vit_classifier"), "tome", r=8)
+    labels = torch.tensor([1, 3])
+    assert model(_images(), labels).loss is not None  # forward(pixel_values, labels)
+    with pytest.raises(TypeError, match=r"CLIPVisionModel.forward: .*labels|unexpected arguments \['labels'\]"):
+        timm_tokcomp.apply(hf_model("clip"), "tome", r=8)(_images(), labels=labels)
+    with pytest.raises(TypeError, match="ViTForImageClassification.forward: too many positional arguments"):
+        model(_images(), labels, None, None, None)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_save_pretrained_names_the_plain_class_of_every_served_model(name, tmp_path):
+    model = timm_tokcomp.apply(hf_model(name), "tome", r=2)
+    model.save_pretrained(tmp_path)
+    plain = CONFIGS[name]()[0]
+    assert transformers.AutoConfig.from_pretrained(tmp_path).architectures == [plain.__name__]
+    assert type(model).__name__ == f"ReducingHF{plain.__name__}"

@@ -10,6 +10,7 @@ so transformers stays an optional dependency.
     model = transformers.ViTForImageClassification.from_pretrained(folder)
     timm_tokcomp.apply(model, "tome", r=8)          # model(pixel_values).logits, with 8 merges per layer
 """
+import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional, Tuple
@@ -234,28 +235,54 @@ class HFReducingModel(ReducingModel):
             return embeddings(pixel_values), None
         return embeddings(pixel_values, interpolate_pos_encoding=interpolate_pos_encoding), None
 
-    def forward(self, pixel_values: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-                interpolate_pos_encoding: Optional[bool] = None, return_dict: Optional[bool] = None,
-                **kwargs: Any):
-        """pixel_values: (B, 3, H, W) -> transformers' output of this model class (return_dict=False: its tuple)."""
+    def plain_class(self) -> type:
+        """The transformers class this model was (its forward's signature, the class save_pretrained names)."""
+        return next(PLAIN[c] for c in type(self).__mro__ if c in PLAIN)
+
+    def _arguments(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+        """The call's arguments by name, bound as the plain class's forward binds them (its positional order, its
+        TypeError for what it does not take); the extra keyword arguments transformers' forwards take in **kwargs
+        (return_dict, output_attentions, ...) among them."""
+        plain = self.plain_class()
+        signature = inspect.signature(plain.forward)
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{plain.__name__}.forward: {e}") from None
+        named = dict(bound.arguments)
+        for name, parameter in signature.parameters.items():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(named.pop(name, {}))
+        named.pop(next(iter(signature.parameters)))  # self
+        return named
+
+    def forward(self, *args: Any, **kwargs: Any):
+        """The plain class's forward arguments (pixel_values (B, 3, H, W) first) -> transformers' output of this model
+        class; return_dict (or, where not given, config.return_dict) False: its tuple. output_attentions /
+        output_hidden_states follow the call, else the config, as in transformers."""
+        named = self._arguments(args, kwargs)
+        takes_labels = "labels" in inspect.signature(self.plain_class().forward).parameters
+        pixel_values, labels = named.pop("pixel_values", None), named.pop("labels", None) if takes_labels else None
+        interpolate_pos_encoding = named.pop("interpolate_pos_encoding", None)
+        return_dict = named.pop("return_dict", None)
         if pixel_values is None or pixel_values.shape[0] == 0:
             shape = None if pixel_values is None else tuple(pixel_values.shape)
             raise ValueError("pixel_values must be given, (B, 3, H, W) images with B >= 1 (transformers' attention "
                              f"functions cannot reshape an empty batch), got {shape}")
         for name, why in _REFUSED.items():
-            given = kwargs.pop(name, None)
-            if (given is not None and given is not False) or (
-                    name.startswith("output_") and getattr(self.config, name, False)):
+            default = getattr(self.config, name, False) if name.startswith("output_") else None
+            given = named.pop(name) if name in named else default
+            if given is not None and given is not False:
                 raise ValueError(f"{name} is not supported while tokens are reduced: {why}; call "
                                  "timm_tokcomp.remove(model) for them")
-        if kwargs:
-            raise TypeError(f"unexpected arguments {sorted(kwargs)} for a reduced {type(self).__name__}")
-        if labels is not None and not isinstance(self, ViTForImageClassification):
-            raise TypeError(f"labels are taken by ViTForImageClassification, not by {type(self).__name__}")
+        if named:
+            raise TypeError(f"unexpected arguments {sorted(named)} for a reduced {type(self).__name__}")
         tokens, positions = self._embed(self._input(pixel_values), interpolate_pos_encoding)
         x, stats = self._reduce_blocks(tokens, positions, grid=patch_grid(self, pixel_values.shape[-2:]))
         out = self._outputs(x, stats.size, labels)
-        return out if return_dict is not False else out.to_tuple()
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        return out if return_dict else out.to_tuple()
 
     def _input(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return pixel_values
@@ -264,7 +291,7 @@ class HFReducingModel(ReducingModel):
         """transformers' save_pretrained, its config naming the plain class (transformers writes the model's class
         name there): the folder loads as the plain model, the method applied again after loading."""
         patched = type(self)
-        self.__class__ = next(c for c in patched.__mro__ if c in MODELS)
+        self.__class__ = self.plain_class()
         try:
             return self.save_pretrained(*args, **kwargs)
         finally:
@@ -369,6 +396,7 @@ MODELS: Dict[type, type] = {
     CLIPVisionModel: ReducingHFCLIPVisionModel,
     SiglipVisionModel: ReducingHFSiglipVisionModel,
 }
+PLAIN: Dict[type, type] = {reducing: plain for plain, reducing in MODELS.items()}
 LAYERS: Dict[type, type] = {
     ViTLayer: ReducingViTLayer,
     Dinov2Layer: ReducingDinov2Layer,
