@@ -16,12 +16,20 @@ from .core import is_reduced
 from .extras import require
 from .families import HF_CLASSES
 from .precision import check_device
-from .userfiles import hub_access, hub_error, load_weights
+from .userfiles import check_safetensors, hub_access, hub_error, load_weights
+
+
+class HFFolder(str):
+    """A transformers model folder given as one (`--hf-model`): loaded as such even where its name is a timm name."""
 
 
 def is_hf_folder(name: str) -> bool:
-    """Whether name is a folder saved by transformers' save_pretrained (it holds a config.json)."""
-    return Path(name).is_dir() and (Path(name) / "config.json").is_file()
+    """Whether name is a folder saved by transformers' save_pretrained (it holds a config.json), given as one
+    (HFFolder) or by a path that is not a timm model name: a folder in the working directory named like a timm
+    architecture never shadows it."""
+    if not (Path(name).is_dir() and (Path(name) / "config.json").is_file()):
+        return False
+    return isinstance(name, HFFolder) or not timm.is_model(name)
 
 
 _RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's codes in transformers' preprocessor configs
@@ -85,8 +93,14 @@ def load_hf_model(folder: str) -> nn.Module:
     if len(names) != 1 or names[0] not in HF_CLASSES:
         raise ValueError(f"--hf-model {folder}: its config.json names the architectures {names}; timm_tokcomp serves "
                          f"one of transformers' {', '.join(HF_CLASSES)}")
-    model = getattr(transformers, names[0]).from_pretrained(str(path), local_files_only=True,
-                                                           attn_implementation="sdpa")
+    for weights in sorted(path.glob("*.safetensors")):  # a truncated file, refused by name before transformers reads it
+        check_safetensors(weights, "--hf-model")
+    try:
+        model = getattr(transformers, names[0]).from_pretrained(str(path), local_files_only=True,
+                                                               attn_implementation="sdpa")
+    except RuntimeError as e:  # transformers' loading report: keys missing or of another shape than config.json's
+        raise ValueError(f"--hf-model {folder}: its weights do not fit the {names[0]} its config.json describes "
+                         f"(keys missing or of another shape, as transformers' report says: {e})") from None
     model.pretrained_cfg = {"architecture": str(folder), **hf_data_config(path, model.config.image_size)}
     return model
 
@@ -103,7 +117,7 @@ def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: boo
     if is_hf_folder(model_name):
         if checkpoint or pretrained:
             raise ValueError(f"--hf-model {model_name} holds its own weights: give no --checkpoint or --pretrained")
-        return load_hf_model(model_name).to(device).eval()
+        return check_finite_parameters(load_hf_model(model_name), f"--hf-model {model_name}").to(device).eval()
     if checkpoint and not Path(checkpoint).is_file():
         raise FileNotFoundError(f"--checkpoint {checkpoint} not found")
     try:
@@ -121,4 +135,16 @@ def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: boo
                          f"and list methods with --methods")
     if checkpoint:
         load_weights(model, checkpoint, "--checkpoint")
-    return model.to(device).eval()
+    source = f"--checkpoint {checkpoint}" if checkpoint else f"timm's pretrained weights of {model_name!r}"
+    return check_finite_parameters(model, source).to(device).eval()
+
+
+def check_finite_parameters(model: nn.Module, source: str) -> nn.Module:
+    """model, or ValueError naming source (the weights' file or origin) and the first parameter holding NaN or inf;
+    buffers may hold inf (attention masks). A model with NaN weights would predict class 0 for every image, its
+    reduced twin too: 100 % agreement that means nothing."""
+    for name, parameter in model.named_parameters():
+        if parameter.is_floating_point() and not torch.isfinite(parameter).all():
+            raise ValueError(f"{source}: parameter {name!r} holds NaN or inf; the weights are broken (the accuracy "
+                             f"and agreement figures of such a model mean nothing)")
+    return model

@@ -42,7 +42,7 @@ def _one_line(error: Exception) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     from ..training.engine import TrainingDiverged
 
-    from ..models import is_hf_folder
+    from ..models import HFFolder, is_hf_folder
     from ..outputs import check_output
     from ..precision import check_device
 
@@ -50,10 +50,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.notes = []  # what qualifies the result, printed after it: an error stays the only line
     try:
         if getattr(args, "hf_model", None) is not None:  # a transformers model folder stands for MODEL
-            if not is_hf_folder(args.hf_model):
+            if args.model is not None:
+                raise ValueError(f"give MODEL or --hf-model FOLDER, not both (MODEL {args.model!r}, --hf-model "
+                                 f"{args.hf_model})")
+            args.model = HFFolder(args.hf_model)
+            if not is_hf_folder(args.model):
                 raise FileNotFoundError(f"--hf-model {args.hf_model}: not a folder saved by save_pretrained "
                                         "(no config.json in it)")
-            args.model = args.hf_model
+        elif getattr(args, "model", None) is None and getattr(args, "default_model", None):
+            args.model = args.default_model
         if getattr(args, "inference_precision", False):
             args.dtype = resolve_precision(args)
         if isinstance(getattr(args, "device", None), str):  # one device check for every command, before any work

@@ -7,8 +7,7 @@ from .flags import FILE_OUT, device_flag, hf_model_flag, precision_flags, progre
 
 def add(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="GMACs / throughput / accuracy table of several methods, side by side")
-    bench.add_argument("model", nargs="?", default="deit_tiny_patch16_224",
-                       help="timm architecture (default: %(default)s)")
+    bench.add_argument("model", nargs="?", help="timm architecture (default: deit_tiny_patch16_224; or --hf-model)")
     bench.add_argument("--methods", default="none,tome_r8,tome_r16",
                        help=f"comma list of 'none' and method tags ({FAMILIES}); default: %(default)s")
     weights_flags(bench)
@@ -39,7 +38,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--tocom-scale", type=float, help="compensator scale s (default: the one in its config)")
     bench.add_argument("--overwrite", action="store_true", help="replace existing --out / --plot files")
     progress_flag(bench)
-    bench.set_defaults(func=run, outputs=(FILE_OUT, ("plot", "--plot", False)))
+    bench.set_defaults(default_model="deit_tiny_patch16_224", func=run, outputs=(FILE_OUT, ("plot", "--plot", False)))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,8 +15,8 @@ SPEED_METHODS_CUDA = (",tome_r8@torch,tome_r16@torch,evit_r8@torch,evit_r16@torc
 def add(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("speed", help="forward time of each method against the plain model and against its limit "
                                       "(no matching), per batch size, in eager / compiled / CUDA-graph mode")
-    sp.add_argument("model", nargs="?", default="deit_tiny_patch16_224",
-                    help="timm architecture (the same default as bench; the GPU tables use deit_base_patch16_224)")
+    sp.add_argument("model", nargs="?", help="timm architecture (default: deit_tiny_patch16_224, as bench; the GPU "
+                                             "tables use deit_base_patch16_224; or --hf-model)")
     sp.add_argument("--methods", help=f"comma list of method tags ({FAMILIES}), '<tag>@<path>' "
                                       f"(a kernel, a prop_attn implementation or both: tome_r16@triton, "
                                       f"tome_r16@fold_qkv, tome_r16@triton+fold) or presets; default: "
@@ -40,7 +40,7 @@ def add(sub: argparse._SubParsersAction) -> None:
                                   "what it measured and OUT is left as it was")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     progress_flag(sp)
-    sp.set_defaults(func=run, outputs=(FILE_OUT,))
+    sp.set_defaults(default_model="deit_tiny_patch16_224", func=run, outputs=(FILE_OUT,))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -70,14 +70,26 @@ def predict(model: nn.Module, batches: Iterable[torch.Tensor], count_macs: bool 
 
 def class_scores(out: Any) -> torch.Tensor:
     """A model's class scores (B, classes): a timm model's output itself, a transformers classifier's logits.
-    ValueError for a model that returns features (transformers' ViTModel, Dinov2Model, CLIP / SigLIP encoders)."""
-    if isinstance(out, torch.Tensor):
-        return out
-    logits = getattr(out, "logits", None)
+    ValueError for a model that returns features (transformers' ViTModel, Dinov2Model, CLIP / SigLIP encoders), and
+    for scores holding NaN or inf (every image's top-1 would be class 0: agreement that means nothing)."""
+    logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
     if logits is None:
         raise ValueError(f"the model returns {type(out).__name__} (features, no class scores): top-1 and agreement "
                          "need a classifier, such as transformers' ViTForImageClassification; time it without --data")
+    if not torch.isfinite(logits).all():
+        raise ValueError(f"the model's class scores hold NaN or inf on a batch of {len(logits)} images: broken "
+                         "weights, or a precision that overflows (top-1 and agreement would mean nothing)")
     return logits
+
+
+def check_classifier(model: nn.Module, device: str) -> None:
+    """ValueError (class_scores) unless model returns class scores: one forward of a blank image at the input size of
+    its data config, before a command writes anything."""
+    import timm
+
+    size = timm.data.resolve_model_data_config(model)["input_size"]
+    with torch.no_grad():
+        class_scores(model(torch.zeros(1, *size, device=device)))
 
 
 def chunks(images: torch.Tensor, batch: int) -> List[torch.Tensor]:

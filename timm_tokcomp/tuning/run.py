@@ -35,10 +35,10 @@ from tqdm import tqdm
 
 from ..core import apply
 from ..kit.modes import check_batches, check_modes
-from ..kit.agreement import Paired, chunks, compare, predict
+from ..kit.agreement import Paired, check_classifier, chunks, compare, predict
 from ..kit.paths import FastPath
 from ..kit.stats import loss_bounds
-from ..models import build_base_model, is_hf_folder
+from ..models import build_base_model, check_finite_parameters, is_hf_folder
 from ..precision import check_device, check_dtype, device_description, precision
 from ..identity import data_digest, weights_digest
 from ..data import UnlabeledImages, check_num_classes, open_images
@@ -134,11 +134,13 @@ def tune(
         from ..patch import check_supported, is_patched
 
         check_supported(model)
+        check_finite_parameters(model, "model")
         if is_patched(model):
             raise ValueError("model is already reduced; tune a plain timm model (timm_tokcomp.remove(model) first)")
         name = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", type(model).__name__)
         base = copy.deepcopy(model).to(device).eval()
     check_space(space, base)
+    check_classifier(base, device)  # a feature model is refused before --out is touched
     candidates, notes = applicable_candidates(space, base, device, modes)
     settings = {"model": name, "device": device, "device_name": device_description(device), "dtype": dtype, "tf32": tf32,
                 "batches": list(batches), "budget": budget, "budget_on": budget_on, "min_speedup": min_speedup,

@@ -8,6 +8,7 @@ from torch import nn
 from ..kit.modes import TORCH_MODES
 from ..kit.paths import fast_paths
 from ..methods import method_class
+from ..patch import facade
 from .rows import Candidate, label
 
 
@@ -42,7 +43,7 @@ def check_space(space: Sequence[Tuple[str, Dict[str, Any]]], model: nn.Module) -
         method, params = entry
         cls = method_class(method)
         try:
-            resolved = cls.resolve_params(model, dict(params))
+            resolved = cls.resolve_params(facade(model), dict(params))
         except ValueError:
             continue
         unknown = sorted(set(resolved) - set(cls.param_names()))
