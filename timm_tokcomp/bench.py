@@ -23,7 +23,7 @@ from .kit.modes import check_mode, warmup_calls
 from .kit.stats import noise_notes, p90, speedup_interval
 from .measure import count_macs, no_silent_eager_fallback, time_runs
 from .methods import exportable_methods, method_class, tocom_methods
-from .models import build_base_model
+from .models import build_base_model, eval_transform
 from .patch import facade
 from .precision import check_dtype, precision
 from .outputs import new_output
@@ -204,7 +204,7 @@ def run_bench(
     evaluation = None
     labelled = False
     if data:
-        dataset = open_images(data, timm.data.create_transform(**cfg), limit=limit)
+        dataset = open_images(data, eval_transform(base), limit=limit)
         labelled = not isinstance(dataset, UnlabeledImages)
         if labelled and getattr(base, "num_classes", 0):
             check_num_classes(dataset, base.num_classes)

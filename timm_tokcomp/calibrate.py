@@ -181,16 +181,15 @@ def calibrate_folder(model_name: str, data: str, checkpoint: Optional[str], pret
     target_gmacs / target_ratio, tolerance, alpha, split_layer."""
     import sys
 
-    import timm
     from tqdm import tqdm
 
     from .data import open_images
-    from .models import build_base_model
+    from .models import build_base_model, eval_transform
 
     if limit < 1 or batch_size < 1:
         raise ValueError(f"--limit and --batch-size must be >= 1, got {limit} and {batch_size}")
     base = build_base_model(model_name, checkpoint, pretrained, device)
-    dataset = open_images(data, timm.data.create_transform(**timm.data.resolve_model_data_config(base)), limit=limit)
+    dataset = open_images(data, eval_transform(base), limit=limit)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
     batches = [x.to(device) for x, _ in tqdm(loader, desc="load images", disable=not show_progress, file=sys.stderr)]
     with tqdm(desc="calibrate", unit="eval", disable=not show_progress, file=sys.stderr) as bar:

@@ -5,7 +5,7 @@ import json
 import math
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import timm
 import torch
@@ -32,7 +32,26 @@ def is_hf_folder(name: str) -> bool:
     return isinstance(name, HFFolder) or not timm.is_model(name)
 
 
-_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's codes in transformers' preprocessor configs
+# PIL's resampling codes in transformers' preprocessor configs, as timm names them
+_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
+
+
+class ProcessorTransform:
+    """A transformers image processor as an image transform: PIL image -> pixel_values (3, H, W), the processor's
+    own resize, crop, rescale and normalisation (so its pixels exactly)."""
+
+    def __init__(self, processor: Any):
+        self.processor = processor
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        return self.processor(image, return_tensors="pt")["pixel_values"][0]
+
+
+def eval_transform(model: nn.Module) -> Callable[[Any], torch.Tensor]:
+    """The transform a model's images are evaluated with: a transformers folder's own image processor (load_hf_model),
+    else timm's eval transform of the model's data config."""
+    own = model.__dict__.get("_tokcomp_eval_transform")
+    return own if own is not None else timm.data.create_transform(**timm.data.resolve_model_data_config(model))
 
 
 def hf_data_config(folder: Path, image_size: int) -> Dict[str, Any]:
@@ -102,7 +121,19 @@ def load_hf_model(folder: str) -> nn.Module:
         raise ValueError(f"--hf-model {folder}: its weights do not fit the {names[0]} its config.json describes "
                          f"(keys missing or of another shape, as transformers' report says: {e})") from None
     model.pretrained_cfg = {"architecture": str(folder), **hf_data_config(path, model.config.image_size)}
+    model._tokcomp_eval_transform = ProcessorTransform(_image_processor(transformers, path, model.config.image_size))
     return model
+
+
+def _image_processor(transformers: Any, folder: Path, image_size: int) -> Any:
+    """The folder's image processor (its preprocessor_config.json), or transformers' ViT defaults at image_size."""
+    if not (folder / "preprocessor_config.json").is_file():
+        return transformers.ViTImageProcessor(size={"height": image_size, "width": image_size})
+    try:
+        return transformers.AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"--hf-model {folder}: preprocessor_config.json does not make a transformers image "
+                         f"processor ({e})") from None
 
 
 def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: bool, device: str,

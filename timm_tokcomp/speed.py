@@ -18,7 +18,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .core import apply, get_reducer, last_stats
-from .models import build_base_model
+from .models import build_base_model, eval_transform
 from .data import open_images
 from .kit import modes as modes_
 from .kit.grammar import BASELINE, MethodItem, parse_methods
@@ -132,8 +132,7 @@ def run_speed(
     check_modes(modes, device)
     items = parse_methods(",".join(methods))[1:]
     base = build_base_model(model_name, checkpoint, pretrained, device)
-    cfg = timm.data.resolve_model_data_config(base)
-    inputs = _inputs(data, cfg, max(batches), device)
+    inputs = _inputs(data, base, max(batches), device)
     rows: List[SpeedRow] = []
     groups = [(mode, b) for mode in modes for b in batches]
     with tqdm(total=len(groups), desc="speed", disable=not show_progress, file=sys.stderr) as bar, \
@@ -153,10 +152,10 @@ def run_speed(
     return rows
 
 
-def _inputs(data: Optional[str], cfg: Dict, count: int, device: str) -> torch.Tensor:
+def _inputs(data: Optional[str], model: nn.Module, count: int, device: str) -> torch.Tensor:
     if not data:
-        return torch.randn(count, *cfg["input_size"], device=device)
-    dataset = open_images(data, timm.data.create_transform(**cfg), limit=count)
+        return torch.randn(count, *timm.data.resolve_model_data_config(model)["input_size"], device=device)
+    dataset = open_images(data, eval_transform(model), limit=count)
     if len(dataset) < count:
         raise ValueError(f"--data holds {len(dataset)} images; the largest --batches needs {count}")
     return torch.stack([dataset[i][0] for i in range(count)]).to(device)

@@ -77,15 +77,13 @@ def run_analysis(model_name: str, methods: Sequence[str], data: str, out: str, l
 
 def _analyze(model_name, specs, data, out, limit, checkpoint, pretrained, batch_size, overlays, device,
              show_progress) -> List[MetricRow]:
-    import timm
-
     from ..data import open_images
     from ..identity import data_digest, weights_digest
-    from ..models import build_base_model
+    from ..models import build_base_model, eval_transform
 
     methods = list(specs)
     base = build_base_model(model_name, checkpoint, pretrained, device)
-    dataset = open_images(data, timm.data.create_transform(**timm.data.resolve_model_data_config(base)), limit=limit)
+    dataset = open_images(data, eval_transform(base), limit=limit)
     count = len(dataset)
     if count < 2:
         raise ValueError(f"--data {data} has {count} image(s); analyze needs two or more")

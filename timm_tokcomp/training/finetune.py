@@ -34,7 +34,7 @@ from ..extras import require
 from ..identity import data_digest, weights_digest
 from ..kit.agreement import compare
 from ..data import check_num_classes, open_dataset, open_images
-from ..models import build_base_model
+from ..models import build_base_model, eval_transform
 from ..outputs import replacing
 from ..patch import adapter_skip
 from .engine import SeededAugment, Schedule, TrainingTask, distill_loss, rank_and_world, rank_share, train
@@ -48,7 +48,7 @@ def _transforms(model: nn.Module, config: FinetuneConfig):
     import timm
 
     data_config = timm.data.resolve_model_data_config(model)
-    evaluation = timm.data.create_transform(**data_config)
+    evaluation = eval_transform(model)
     if config.augment == "none":
         return evaluation, evaluation
     train = timm.data.create_transform(

@@ -60,12 +60,11 @@ def heldout_indices(count: int, holdout: int, pick: str) -> List[int]:
 
 def split_images(data: str, model: nn.Module, config: "TrainConfig") -> Tuple[SeededAugment, torch.utils.data.Dataset]:
     """(training mosaics, the held-out images with the model's eval transform)."""
-    import timm
-
     from ..data import open_images
+    from ..models import eval_transform
 
     pil = open_images(data, lambda img: img)
-    evaluation = open_images(data, timm.data.create_transform(**timm.data.resolve_model_data_config(model)))
+    evaluation = open_images(data, eval_transform(model))
     if config.holdout >= len(pil):
         raise ValueError(f"--holdout {config.holdout} leaves no training image: --data has {len(pil)} images")
     heldout = heldout_indices(len(pil), config.holdout, config.holdout_pick)

@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-import timm
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -38,7 +37,7 @@ from ..kit.modes import check_batches, check_modes
 from ..kit.agreement import Paired, check_classifier, chunks, compare, predict
 from ..kit.paths import FastPath
 from ..kit.stats import loss_bounds
-from ..models import build_base_model, check_finite_parameters, is_hf_folder
+from ..models import build_base_model, check_finite_parameters, eval_transform, is_hf_folder
 from ..precision import check_device, check_dtype, device_description, precision
 from ..identity import data_digest, weights_digest
 from ..data import UnlabeledImages, check_num_classes, open_images
@@ -59,9 +58,9 @@ def _predictions(model: nn.Module, images: torch.Tensor, batch: int) -> torch.Te
     return predict(model, chunks(images, batch))[0]
 
 
-def _load_images(data: str, cfg: Dict, limit: int, show_progress: bool,
+def _load_images(data: str, model: nn.Module, limit: int, show_progress: bool,
                  num_classes: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    dataset = open_images(data, timm.data.create_transform(**cfg), limit=limit)
+    dataset = open_images(data, eval_transform(model), limit=limit)
     if num_classes and not isinstance(dataset, UnlabeledImages):
         check_num_classes(dataset, num_classes)
     items = [dataset[i] for i in tqdm(range(len(dataset)), desc="images", disable=not show_progress, file=sys.stderr)]
@@ -169,9 +168,8 @@ class _Tuner(TimingStage):
         self.base, self.s, self.out, self.show, self.budget = base, settings, out, show_progress, budget
         self.previous: Dict[Tuple[int, str], TuneRow] = {}  # a killed run's rows (resume)
         self.device, self.dtype, self.tf32 = settings["device"], settings["dtype"], settings["tf32"]
-        self.cfg = timm.data.resolve_model_data_config(base)
         self.candidates, self.notes = candidates, list(notes)
-        self.images, self.labels = _load_images(data, self.cfg, settings["limit"], show_progress,
+        self.images, self.labels = _load_images(data, base, settings["limit"], show_progress,
                                                  getattr(base, "num_classes", 0))
         if len(self.images) <= settings["prune_images"]:
             raise ValueError(f"--data holds {len(self.images)} images; tune needs more than --prune-images "
