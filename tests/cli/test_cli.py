@@ -89,3 +89,21 @@ def test_precision_is_spelled_as_timm_spells_it_and_the_old_flag_still_works(tmp
     assert "note: --dtype is deprecated: --dtype bf16 is --amp" in capsys.readouterr().err
     assert main(common + ["--amp", "--dtype", "fp16"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_ctrl_c_is_one_line_saying_what_was_kept_and_exit_130(tmp_path, capsys, monkeypatch):
+    import timm_tokcomp.speed
+    from timm_tokcomp.cli import main
+
+    def interrupted(*args, on_rows=None, **kwargs):
+        if on_rows is not None:
+            (tmp_path / "speed.csv.partial").write_text("mode,batch\n")  # what on_rows writes after a step
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(timm_tokcomp.speed, "run_speed", interrupted)
+    argv = ["speed", "--methods", "tome_r8", "--batches", "1", "--no-progress"]
+    assert main(argv + ["--out", str(tmp_path / "speed.csv")]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"tokcomp: interrupted; the rows measured so far are in {tmp_path / 'speed.csv.partial'}" in err
+    assert main(argv) == 130 and capsys.readouterr().err == "tokcomp: interrupted; nothing was written\n"

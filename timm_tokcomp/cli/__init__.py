@@ -76,3 +76,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     except TrainingDiverged as e:
         print(f"tokcomp: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line saying what the run kept, and the shell's code for SIGINT
+        print(f"tokcomp: interrupted; {_kept(args)}", file=sys.stderr)
+        return 130
+
+
+def _kept(args: argparse.Namespace) -> str:
+    """What an interrupted command left, from its declared outputs: the rows it measured so far (F.partial beside
+    --out F), a run folder to continue with --resume, or nothing."""
+    from pathlib import Path
+
+    from ..outputs import partial_path
+
+    kept = []
+    for dest, flag, folder in getattr(args, "outputs", ()):
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if folder and Path(value).is_dir() and any(p.is_file() and not p.name.startswith(".")
+                                                   for p in Path(value).rglob("*")):
+            more = " (continue it with --resume)" if hasattr(args, "resume") else ""
+            kept.append(f"the run so far is in {flag} {value}{more}")
+        elif not folder and partial_path(value).is_file():
+            kept.append(f"the rows measured so far are in {partial_path(value)} ({flag} {value} is as it was)")
+    return "; ".join(kept) if kept else "nothing was written"
