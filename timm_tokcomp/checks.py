@@ -11,6 +11,12 @@ def is_int(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 
 
+def is_version(value: Any, expected: int) -> bool:
+    """Whether a file's format number is the integer `expected` (true, 1.0 or "1" is not, though true == 1 in
+    Python)."""
+    return is_int(value) and value == expected
+
+
 def is_real(value: Any) -> bool:
     """A real number of any type (numpy's too), not a bool."""
     return not isinstance(value, bool) and isinstance(value, numbers.Real)

@@ -7,6 +7,7 @@ from typing import Union
 from safetensors.torch import save_file
 from torch import nn
 
+from .checks import is_version
 from .methods import method_class
 from .outputs import replacing, write_text
 from .userfiles import read_json, read_safetensors
@@ -43,7 +44,7 @@ def load_learned(method: str, folder: Union[str, Path]) -> nn.Module:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: not a folder with saved {method} parameters")
     config = read_json(config_path)
-    if config.get("format_version") != FORMAT_VERSION or config.get("method") != method:
+    if not is_version(config.get("format_version"), FORMAT_VERSION) or config.get("method") != method:
         raise ValueError(f"{config_path}: expected format_version {FORMAT_VERSION} and method {method!r}, got "
                          f"{config.get('format_version')!r} / {config.get('method')!r}")
     try:

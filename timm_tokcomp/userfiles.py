@@ -9,6 +9,8 @@ from typing import Any, Dict, Iterator, Optional, Union
 import torch
 from torch import nn
 
+from .checks import is_version
+
 PathLike = Union[str, Path]
 
 
@@ -44,7 +46,7 @@ def read_versioned_json(folder: PathLike, name: str, version: int, what: str, fl
     if not path.is_file():
         raise fail(flag, folder, f"has no {name}: not {what}")
     data = read_json(path, flag)
-    if data.get("format_version") != version:
+    if not is_version(data.get("format_version"), version):
         raise fail(flag, path, f"format_version {data.get('format_version')!r} is not supported (this version "
                                f"reads {version})")
     return data

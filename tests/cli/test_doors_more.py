@@ -343,3 +343,33 @@ def test_forward_intermediates_final_output_is_forward_features_to_the_bit(name)
     assert torch.equal(final, features)
     assert len(intermediates) == len(only) == 3 and all(torch.equal(a, b) for a, b in zip(intermediates, only))
     assert intermediates[-1].shape == (2, 192, 14, 14)  # the last block's map still holds every patch
+
+
+@pytest.mark.parametrize("version", [True, 1.0, "1"])
+def test_a_format_number_that_is_not_the_integer_is_refused_by_every_versioned_file(version, tmp_path):
+    """JSON true == 1 in Python: every reader of a versioned file (presets, learned parameters, versioned folders)
+    checks its format number as an integer, as the schema does its other integers."""
+    from timm_tokcomp import load_preset
+    from timm_tokcomp.checks import is_version
+    from timm_tokcomp.kit.presets import PRESET_FORMAT
+    from timm_tokcomp.learned import config_file, load_learned, save_learned
+    from timm_tokcomp.userfiles import UserFileError, read_versioned_json
+
+    assert PRESET_FORMAT == 1 and not is_version(version, 1) and is_version(1, 1)
+    preset = tmp_path / "p.json"
+    preset.write_text(json.dumps({"format": version, "method": "tome", "params": {"r": 8}}))
+    with pytest.raises(UserFileError, match="is not a tokcomp preset"):
+        load_preset(str(preset))
+    (tmp_path / "v.json").write_text(json.dumps({"format_version": version}))
+    with pytest.raises(UserFileError, match="format_version .* is not supported"):
+        read_versioned_json(tmp_path, "v.json", 1, "a folder")
+    import timm_tokcomp
+    from conftest import make_model
+
+    learned = tmp_path / "learned"
+    model = timm_tokcomp.apply(make_model("cls"), "patchmerger", keep_rate=0.6, stages=(2, 3))
+    save_learned(model.tokcomp["patchmerger"], "patchmerger", learned)
+    config = json.loads((learned / config_file("patchmerger")).read_text())
+    (learned / config_file("patchmerger")).write_text(json.dumps({**config, "format_version": version}))
+    with pytest.raises(ValueError, match="expected format_version"):
+        load_learned("patchmerger", learned)

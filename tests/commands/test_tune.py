@@ -417,6 +417,7 @@ def test_python_arguments_are_checked_before_any_work(kwargs, error, match, tmp_
     (["--modes", "graph"], "--modes graph needs --device cuda"),
     (["--batches", "0"], "--batches must be a list of integers >= 1"),
     (["--methods", "tome_q3"], "--methods: "),
+    (["--methods", "tome_r8,dense_tome_r1"], "dense_tome is refused by tune: the dense variant keeps every token"),
 ])
 def test_cli_errors_name_the_flag(args, match, image_folder, tmp_path, capsys):
     code = main(["tune", "deit_tiny_patch16_224", "--data", str(image_folder), "--out", str(tmp_path / "o"),

@@ -8,12 +8,36 @@ Triton kernels run inside the compiled graph (and its CUDA graphs) where the bac
     x, size = torch.ops.timm_tokcomp.evit_prune(q, k, attn_bias, scale, x, size, r, num_prefix, "triton")
 
 Eager forwards call the same steps directly (kernels.tome_merge, or the method's plan): the operators add nothing
-there. No backward: a forward that needs gradients traces the torch plan instead (uses_library_op)."""
+there. No backward: a forward that needs gradients traces the torch plan instead (uses_library_op).
+
+Each operator clamps r as its plan does (merged_count, pruned_count: shape facts only), so its fake implementation
+states the real output's shape for every (N, num_prefix, r), and returns fresh contiguous tensors (storage offset 0),
+as the fake's new_empty does."""
 from typing import Optional, Tuple
 
 import torch
 
-from ..matching import attentive_pruning, bipartite_soft_matching, class_attention
+from ..matching import attentive_pruning, bipartite_soft_matching, class_attention, max_merges
+
+
+def merged_count(num_tokens: int, num_prefix: int, r: int) -> int:
+    """The merges ToMe's step makes: r clamped to [0, matching.max_merges(num_tokens, num_prefix)]."""
+    return max(min(r, max_merges(num_tokens, num_prefix)), 0)
+
+
+def pruned_count(num_tokens: int, num_prefix: int, r: int) -> int:
+    """The tokens EViT's step removes: r clamped so that at least one patch token remains (matching.attentive_pruning)."""
+    return max(min(r, num_tokens - num_prefix - 1), 0)
+
+
+def _fresh(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Each tensor contiguous, with its own storage from offset 0 (what a fake's new_empty states)."""
+    return tuple(t.contiguous() if t.storage_offset() == 0 else t.contiguous().clone() for t in tensors)
+
+
+def _unreduced(x: torch.Tensor, size: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A step with nothing to reduce: copies of x and size (ones where None), never aliases of the inputs."""
+    return x.clone(), (x.new_ones(*x.shape[:2], 1) if size is None else size.clone())
 
 
 def uses_library_op(x: torch.Tensor) -> bool:
@@ -27,18 +51,22 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
     """ToMe's step: bipartite matching of r merges on metric (B, N, D) (0 < r <= matching.max_merges(N, num_prefix))
     and the size-weighted merge of x (B, N, C), size (B, N, 1) or None (all ones) -> x (B, N - r, C),
     size (B, N - r, 1). backend: 'triton' (kernels.tome_merge's two launches) or 'torch' (the plan)."""
+    r = merged_count(x.shape[1], num_prefix, r)
+    if r == 0:
+        return _unreduced(x, size)
     if backend == "triton":
         from . import triton_tome
 
         merged, merged_size = triton_tome.tome_merge(metric, x, size, r, num_prefix)
     else:
         merged, merged_size, _ = bipartite_soft_matching(metric, r, num_prefix).apply(x, size, None)
-    return merged.contiguous(), merged_size.contiguous()  # the strides the fake implementation states
+    return _fresh(merged, merged_size)
 
 
 @tome_merge.register_fake
 def _(metric, x, size, r, num_prefix, backend):
     B, N, C = x.shape
+    r = merged_count(N, num_prefix, r)
     return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1)
 
 
@@ -50,6 +78,9 @@ def tome_merge_rope(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.
     moved by the same plan (coords_merge 'dst': each merged token at its destination's; 'centroid': at the
     size-weighted centroid, rope.moved_coords) -> x (B, N - r, C), size (B, N - r, 1), coords (B, N - r - num_prefix,
     2). backend: 'triton' (kernels.tome_merge with coords) or 'torch' (the plan)."""
+    r = merged_count(x.shape[1], num_prefix, r)
+    if r == 0:
+        return (*_unreduced(x, size), coords.clone())
     if backend == "triton":
         from . import triton_tome
 
@@ -61,12 +92,13 @@ def tome_merge_rope(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.
         plan = bipartite_soft_matching(metric, r, num_prefix)
         merged, merged_size, _ = plan.apply(x, size, None)
         moved = moved_coords(plan, coords, size, num_prefix, coords_merge)
-    return merged.contiguous(), merged_size.contiguous(), moved.contiguous()
+    return _fresh(merged, merged_size, moved)
 
 
 @tome_merge_rope.register_fake
 def _(metric, x, size, coords, r, num_prefix, coords_merge, backend):
     B, N, C = x.shape
+    r = merged_count(N, num_prefix, r)
     return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1), coords.new_empty(B, coords.shape[1] - r, 2)
 
 
@@ -76,6 +108,9 @@ def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tenso
     """EViT's step: the class token's attention from q, k (B, H, N, d), attn_bias (B, 1, 1, N) or None, the r + 1
     least attended patch tokens of x (B, N, C) fused into one (0 < r <= N - num_prefix - 1), size (B, N, 1) or None
     -> x (B, N - r, C), size (B, N - r, 1). backend: 'triton' (kernels.evit_prune's two launches) or 'torch'."""
+    r = pruned_count(x.shape[1], num_prefix, r)
+    if r == 0:
+        return _unreduced(x, size)
     if backend == "triton":
         from . import triton_evit
 
@@ -83,12 +118,13 @@ def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tenso
     else:
         plan = attentive_pruning(class_attention(q, k, attn_bias, scale).mean(dim=1), r, num_prefix)
         pruned, pruned_size, _ = plan.apply(x, size, None)
-    return pruned.contiguous(), pruned_size.contiguous()
+    return _fresh(pruned, pruned_size)
 
 
 @evit_prune.register_fake
 def _(q, k, attn_bias, scale, x, size, r, num_prefix, backend):
     B, N, C = x.shape
+    r = pruned_count(N, num_prefix, r)
     return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1)
 
 
@@ -102,13 +138,17 @@ def evit_prune_rope(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.
     (B, N - r, 1), coords (B, N - r - num_prefix, 2)."""
     from ..rope import moved_coords
 
+    r = pruned_count(x.shape[1], num_prefix, r)
+    if r == 0:
+        return (*_unreduced(x, size), coords.clone())
     plan = attentive_pruning(class_attention(q, k, attn_bias, scale).mean(dim=1), r, num_prefix)
     pruned, pruned_size, _ = plan.apply(x, size, None)
     moved = moved_coords(plan, coords, size, num_prefix, coords_merge)
-    return pruned.contiguous(), pruned_size.contiguous(), moved.contiguous()
+    return _fresh(pruned, pruned_size, moved)
 
 
 @evit_prune_rope.register_fake
 def _(q, k, attn_bias, scale, x, size, coords, r, num_prefix, coords_merge):
     B, N, C = x.shape
+    r = pruned_count(N, num_prefix, r)
     return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1), coords.new_empty(B, coords.shape[1] - r, 2)

@@ -12,6 +12,7 @@ import torch
 from ..core import NO_REDUCTION, __version__
 from ..methods import METHODS
 from ..outputs import new_output
+from ..checks import is_version
 from ..precision import DTYPES, check_device, device_description
 from ..userfiles import fail, read_json
 from .modes import TORCH_MODES
@@ -103,7 +104,7 @@ def check_schema(doc: Dict[str, Any], path: str) -> None:
             value = value.get(part) if isinstance(value, dict) else None
         return value
 
-    if doc.get("format") != PRESET_FORMAT or "method" not in doc or "params" not in doc:
+    if not is_version(doc.get("format"), PRESET_FORMAT) or "method" not in doc or "params" not in doc:
         raise fail("preset file", path, f"is not a tokcomp preset (format {PRESET_FORMAT} with 'method' and 'params')")
     if not isinstance(doc["method"], str):
         raise wrong("method", "a method name (a string)")

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from ..core import __version__
 from ..precision import AMP_NAMES, DTYPES
 from ..outputs import replacing, run_folder, write_text
-from ..checks import check_int, is_int, is_real
+from ..checks import check_int, is_int, is_real, is_version
 from ..userfiles import read_torch
 
 CHECKPOINT_FORMAT = 3  # 1: the two trainers' own checkpoints, before this engine (timm_tokcomp 0.1.0); 2: inputs by path
@@ -232,7 +232,7 @@ def _checkpoint_to_resume(path: Path, settings: Dict[str, Any], run: Dict[str, A
         raise ValueError(f"--resume: {path} was written by timm_tokcomp 0.1.0's trainer (checkpoint format 1; "
                          f"this is {__version__}, format {CHECKPOINT_FORMAT}): finish it with 0.1.0, or start "
                          f"again in a new --out")
-    if state["format"] != CHECKPOINT_FORMAT:
+    if not is_version(state["format"], CHECKPOINT_FORMAT):
         raise ValueError(f"--resume: {path} was written by timm_tokcomp {state.get('version')} (checkpoint format "
                          f"{state['format']}; this is {__version__}, format {CHECKPOINT_FORMAT}): resume it with "
                          f"that version, or start again in a new --out")

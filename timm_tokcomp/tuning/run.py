@@ -180,8 +180,9 @@ class _Tuner(TimingStage):
         self.measure = settings["budget_on"] if settings["budget_on"] != "auto" else \
             "agreement" if self.labels is None else "top1"
         self.s["budget_measure"], self.s["held_out"] = self.measure, len(self.images) - settings["prune_images"]
-        self.notes += sample_notes(len(self.images) - settings["prune_images"], settings["prune_images"],
-                                   settings["budget"], self.measure)
+        self.sample_notes = sample_notes(len(self.images) - settings["prune_images"], settings["prune_images"],
+                                         settings["budget"], self.measure)
+        self.notes += self.sample_notes
         self.rows: Dict[Tuple[int, str], TuneRow] = {}
         self.default_paths: Dict[str, FastPath] = {}
 
@@ -217,6 +218,8 @@ class _Tuner(TimingStage):
         bar = self.bar = StageBar(total, self.budget, self.show)
         bar.say(plan_text(len(settings), len(self.candidates), modes, len(self.images), first, batches, most,
                           self.budget))
+        for note in self.sample_notes:  # before any work: a budget too fine for the held-out images
+            bar.say(f"note: {note}")
         with precision(self.device, self.dtype, self.tf32):
             screen_x, held_x = self.images[:first], self.images[first:]
             bar.stage("screening")
