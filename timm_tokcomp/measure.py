@@ -113,10 +113,18 @@ class _AttentionRecorder(TorchDispatchMode):
         return out
 
 
-# callbacks (name, macs) of the counters now open, told of every launch of the package's Triton kernels: dispatch
-# modes never see a launch, and FlopCounterMode cannot count its multiply-accumulates
-_KERNEL_LISTENERS: List[Callable[[str, int], None]] = []
-_LAUNCHING = [0]  # > 0 while a kernel launches: the aten ops Triton's CPU interpreter runs then are not counted
+class _ThreadCounting(threading.local):
+    """Per thread, as torch's dispatch-mode stack is: the callbacks (name, macs) of the counters open in this thread,
+    told of every launch of the package's Triton kernels in this thread (dispatch modes never see a launch, and
+    FlopCounterMode cannot count its multiply-accumulates), and how many launches are under way in it (> 0: the aten
+    ops Triton's CPU interpreter runs then are not counted). Another thread's launches never reach these counters."""
+
+    def __init__(self):
+        self.listeners: List[Callable[[str, int], None]] = []
+        self.launching = 0
+
+
+_COUNTING = _ThreadCounting()
 
 
 class _EagerFlexDirect:
@@ -153,12 +161,12 @@ _EAGER_FLEX_DIRECT = _EagerFlexDirect()
 @contextmanager
 def kernel_launch(name: str, macs: int):
     """Wrap each launch of one of the package's Triton kernels: open counters see one launch and its MACs."""
-    _LAUNCHING[0] += 1
+    _COUNTING.launching += 1
     try:
         yield
     finally:
-        _LAUNCHING[0] -= 1
-    for listener in _KERNEL_LISTENERS:
+        _COUNTING.launching -= 1
+    for listener in _COUNTING.listeners:
         listener(name, macs)
 
 
@@ -182,11 +190,11 @@ class MacCounter:
         _EAGER_FLEX_DIRECT.__enter__()
         self._counter.__enter__()
         self._recorder.__enter__()
-        _KERNEL_LISTENERS.append(self._on_kernel)
+        _COUNTING.listeners.append(self._on_kernel)
         return self
 
     def __exit__(self, *exc):
-        _KERNEL_LISTENERS.remove(self._on_kernel)
+        _COUNTING.listeners.remove(self._on_kernel)
         self._recorder.__exit__(*exc)
         self._counter.__exit__(*exc)
         _EAGER_FLEX_DIRECT.__exit__(*exc)
@@ -255,11 +263,11 @@ class OpCounter(TorchDispatchMode):
 
     def __enter__(self) -> "OpCounter":
         _EAGER_FLEX_DIRECT.__enter__()
-        _KERNEL_LISTENERS.append(self._on_kernel)
+        _COUNTING.listeners.append(self._on_kernel)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        _KERNEL_LISTENERS.remove(self._on_kernel)
+        _COUNTING.listeners.remove(self._on_kernel)
         try:
             return super().__exit__(*exc)
         finally:
@@ -270,7 +278,7 @@ class OpCounter(TorchDispatchMode):
             self.counts[f"hop.{func.name()}"] += 1
             with _disable_current_modes():  # its eager implementation refuses a dispatch mode on the stack
                 return func(*args, **(kwargs or {}))
-        if not _LAUNCHING[0]:
+        if not _COUNTING.launching:
             self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
 

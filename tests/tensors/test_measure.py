@@ -179,3 +179,41 @@ def test_counters_in_threads_restore_the_flex_switch_when_the_last_closes():
     holder.join(20)
     assert len(seen) == 600 and all(seen) and still_on
     assert fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG is False
+
+
+def test_a_thread_counting_triton_launches_never_changes_another_threads_count():
+    """With the kernels in Triton's CPU interpreter, one thread counting a ToMe model on the Triton path while another
+    counts the plain model: the second count is the plain model's alone every time, with no launch of the first's."""
+    import threading
+
+    from conftest import make_model
+    from timm_tokcomp.measure import OpCounter
+
+    plain, reduced = make_model("cls").eval(), timm_tokcomp.apply(make_model("cls").eval(), "tome", r=4,
+                                                                   kernel="triton")
+    x = torch.randn(2, 3, 32, 32)
+
+    def counts(model):
+        with torch.no_grad(), OpCounter() as ops:
+            model(x)
+        return dict(ops.counts)
+
+    alone, reduced_alone = counts(plain), counts(reduced)
+    assert any(k.startswith("triton.") for k in reduced_alone)
+    seen, errors, start = {"plain": [], "reduced": []}, [], threading.Barrier(2)
+
+    def run(name, model):
+        try:
+            start.wait(20)
+            for _ in range(3):
+                seen[name].append(counts(model))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=a) for a in (("plain", plain), ("reduced", reduced))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    assert all(c == alone for c in seen["plain"]) and all(c == reduced_alone for c in seen["reduced"])
