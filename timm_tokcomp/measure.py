@@ -337,16 +337,22 @@ def synchronizer(x: Union[torch.Tensor, Dict[str, torch.Tensor]]) -> Callable[[]
 
 @torch.inference_mode()
 def time_runs(models: Dict[str, Callable], x: Union[torch.Tensor, Dict[str, torch.Tensor]], rounds: int = 5,
-              warmup: int = 1, progress: Callable[[int], None] = lambda n: None) -> Dict[str, List[float]]:
+              warmup: int = 1, progress: Callable[[int], None] = lambda n: None,
+              stop: Callable[[], bool] = lambda: False) -> Dict[str, List[float]]:
     """Seconds of each of `rounds` forwards of x per model (any callable), after `warmup` untimed ones,
-    the models interleaved round by round."""
+    the models interleaved round by round. stop: read before each warm-up forward and each round; once it says
+    True, the rounds timed so far are returned (every model has as many)."""
     for model in models.values():
         for _ in range(warmup):
+            if stop():
+                return {name: [] for name in models}
             model(x)
             progress(1)
     sync = synchronizer(x)
     times: Dict[str, List[float]] = {name: [] for name in models}
     for _ in range(rounds):
+        if stop():
+            break
         for name, model in models.items():
             sync()
             start = time.perf_counter()

@@ -37,7 +37,7 @@ def _recorded(clock, seconds_per_forward, candidate_times=(0.5, 1.5)):
     seen = []
 
     @torch.inference_mode()
-    def time_runs(models, x, rounds=5, warmup=1, progress=None):
+    def time_runs(models, x, rounds=5, warmup=1, progress=None, stop=None):
         seen.append(sorted(models))
         clock.now += seconds_per_forward * len(models) * (rounds + warmup)
         return {name: [1.0 if name == tuning.NO_REDUCTION else candidate_times[i % 2] for i in range(rounds)]
@@ -52,10 +52,10 @@ def _tune(folder, **kwargs):
 
 def test_the_time_budget_ends_timing_and_the_choice_comes_from_what_was_measured(image_folder, tmp_path,
                                                                                   monkeypatch, capsys):
-    """One minute: the three default paths' first rounds take 200 recorded seconds, past the timing stage's end
-    (57 s), so they stop there with 5 rounds each, the other six paths are not reached, tune still chooses (from
-    the three) and says what it did not get to; a resume with more time times only those six and measures no image
-    again."""
+    """One minute: the search checks r = 2, then r = 3 (r = 1, milder, is decided by them); the two default paths'
+    first rounds take 140 recorded seconds, past the timing stage's end (57 s), so they stop there with 5 rounds
+    each, the other four paths are not reached, tune still chooses (from the two) and says what it did not get to; a
+    resume with more time times only those four and measures no image again."""
     clock = Clock()
     monkeypatch.setattr(tuning.budget, "monotonic", clock)
     time_runs, seen = _recorded(clock, seconds_per_forward=10.0)
@@ -63,16 +63,21 @@ def test_the_time_budget_ends_timing_and_the_choice_comes_from_what_was_measured
     out = tmp_path / "run"
     result = _tune(image_folder, time_budget=1.0, out=str(out))
     timed = [r for r in result.rows if r.status == "timed"]
-    assert sorted(r.path for r in timed) == ["torch, mask"] * 3 and all(r.rounds == 5 for r in timed)
+    assert sorted(r.path for r in timed) == ["torch, mask"] * 2 and all(r.rounds == 5 for r in timed)
     unreached = [r for r in result.rows if r.status == "not reached: time budget (timing)"]
-    assert len(unreached) == 6 and len(seen) == 1
+    assert len(unreached) == 4 and len(seen) == 1
+    assert all(r.status.startswith("pruned: milder than tome prop_attn=True r=3") for r in result.rows
+               if r.setting.endswith("r=1"))
     (note,) = [n for n in result.settings["notes"] if "time budget" in n]
-    assert "ended with 6 candidates without their timing; tune chose from what it measured" in note
+    assert "ended with 4 candidates without their timing; tune chose from what it measured" in note
     assert "--resume" in note
-    assert "3 candidates timed" in result.settings["stages"][-1] and "6 not reached (time budget)" in \
+    assert "2 candidates timed" in result.settings["stages"][-1] and "4 not reached (time budget)" in \
         result.settings["stages"][-1]
     assert result.choices[0].row is None and "surely faster" in result.choices[0].reason
-    assert "tune plan: 3 settings on 9 paths and modes (eager)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "tune plan: 3 settings on 9 paths and modes (eager)" in err
+    assert "tune search: 3 settings on 1 method axis (bisected for the strongest setting within the budget, at most 2 " \
+           "checks); 0 the same token schedule as another, checked once; first round: tome prop_attn=True r=2" in err
 
     def no_images(*args, **kwargs):
         raise AssertionError("a resumed run measured images again")
@@ -81,78 +86,83 @@ def test_the_time_budget_ends_timing_and_the_choice_comes_from_what_was_measured
     seen.clear()
     again = _tune(image_folder, time_budget=None, out=str(out), resume=True)
     assert {name for call in seen for name in call if name != tuning.NO_REDUCTION} == {r.candidate for r in unreached}
-    assert {r.status for r in again.rows} == {"timed"}
+    assert {r.status for r in again.rows if not r.setting.endswith("r=1")} == {"timed"}
 
 
-def test_screening_ends_by_its_share_and_says_how_many_it_did_not_reach(image_folder, monkeypatch):
-    """Each screened setting costs 30 recorded seconds: with a 2-minute budget screening ends at 42 s, after two of
-    the three settings (those that could save most first: r = 3, then r = 2)."""
+def test_the_accuracy_search_ends_by_its_share_and_says_how_many_it_did_not_reach(image_folder, monkeypatch):
+    """Screening or holding out a setting costs 30 recorded seconds: with a 2-minute budget the accuracy stage ends
+    at 78 s, after the first check (r = 2, the middle of its axis: 60 s); r = 3 is not screened, and r = 1, milder than
+    r = 2 which kept the budget, is decided without a check. The choice says the time budget ended the search."""
     clock = Clock()
     monkeypatch.setattr(tuning.budget, "monotonic", clock)
     real = tuning_run._Tuner._paired
 
-    def paired(self, *args):
+    def paired(self, *args, **kwargs):
         clock.now += 30.0
-        return real(self, *args)
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(tuning_run._Tuner, "_paired", paired)
     monkeypatch.setattr(tuning_timing, "time_runs", _recorded(clock, 0.0)[0])
     result = _tune(image_folder, time_budget=2.0)
     screened = {r.setting.split()[-1] for r in result.rows if r.screen_n is not None}
-    assert screened == {"r=3", "r=2"}
-    assert {r.status for r in result.rows if r.setting.endswith("r=1")} == {"not reached: time budget (screening)"}
-    assert "1 not reached (time budget)" in next(s for s in result.settings["stages"] if s.startswith("screening"))
+    assert screened == {"r=2"}
+    assert {r.status for r in result.rows if r.setting.endswith("r=3")} == {"not reached: time budget (screening)"}
+    assert "1 not reached (time budget)" in next(s for s in result.settings["stages"] if s.startswith("accuracy"))
     assert any("1 setting without its screening" in n for n in result.settings["notes"])
+    assert "the time budget, not the accuracy budget, ended the search: 1 setting never checked" in \
+        result.choices[0].reason
 
 
 def test_a_setting_the_held_out_check_did_not_reach_is_never_timed(image_folder, monkeypatch):
-    """Each held-out check costs 40 recorded seconds: with 2 minutes it ends at 78 s, after two settings; the third
-    (r = 1, which saves least) is recorded as not reached and timing never runs it."""
+    """Each held-out check costs 40 recorded seconds: with 2 minutes the accuracy stage ends at 78 s, after the first
+    setting's (r = 2); the second checked (r = 3) is screened, its held-out check not reached, and timing never runs
+    it."""
     clock = Clock()
     monkeypatch.setattr(tuning.budget, "monotonic", clock)
-    real = tuning_run._Tuner._agreement
+    real = tuning_run._Tuner._paired
 
-    def agreement(self, *args, **kwargs):
-        clock.now += 40.0
-        return real(self, *args, **kwargs)
+    def paired(self, *args, sequential, **kwargs):
+        clock.now += 40.0 if sequential else 0.0
+        return real(self, *args, sequential=sequential, **kwargs)
 
-    monkeypatch.setattr(tuning_run._Tuner, "_agreement", agreement)
+    monkeypatch.setattr(tuning_run._Tuner, "_paired", paired)
     time_runs, seen = _recorded(clock, 0.0)
     monkeypatch.setattr(tuning_timing, "time_runs", time_runs)
     result = _tune(image_folder, time_budget=2.0)
-    assert {r.status for r in result.rows if r.setting.endswith("r=1")} == {"not reached: time budget (held-out check)"}
-    assert not any("r=1" in name for call in seen for name in call)
+    assert {r.status for r in result.rows if r.setting.endswith("r=3")} == {"not reached: time budget (held-out check)"}
+    assert not any("r=3" in name for call in seen for name in call)
     assert any("3 settings" not in n and "1 setting without its held-out check" in n for n in result.settings["notes"])
 
 
 def test_a_run_killed_after_screening_resumes_without_screening_again(image_folder, tmp_path, monkeypatch):
+    """Killed while holding out its first check (r = 2, screened): the resumed run holds r = 2 out without screening
+    it again, and screens r = 3 only."""
     out = tmp_path / "run"
+    real_paired = tuning_run._Tuner._paired
 
-    def killed(self, *args):
-        raise KeyboardInterrupt
+    def killed(self, *args, sequential, **kwargs):
+        if sequential:
+            raise KeyboardInterrupt
+        return real_paired(self, *args, sequential=sequential, **kwargs)
 
     with monkeypatch.context() as m:
-        m.setattr(tuning_run._Tuner, "_hold_out", killed)
+        m.setattr(tuning_run._Tuner, "_paired", killed)
         with pytest.raises(KeyboardInterrupt):
             _tune(image_folder, out=str(out))
     rows = read_rows(out / "tune.csv")
-    assert len(rows) == 9 and all(r.screen_n == 8 and r.status == "screened" for r in rows)
+    assert len(rows) == 3 and all(r.screen_n == 8 and r.status == "screened" and r.setting.endswith("r=2")
+                                  for r in rows)
+    screened = []
 
-    real_paired, real_hold_out, stage = tuning_run._Tuner._paired, tuning_run._Tuner._hold_out, {}
+    def paired(self, model, *args, sequential, **kwargs):
+        if not sequential:
+            screened.append(timm_tokcomp.get_reducer(model).params["r"])
+        return real_paired(self, model, *args, sequential=sequential, **kwargs)
 
-    def hold_out(self, *args):
-        stage["held out"] = True
-        return real_hold_out(self, *args)
-
-    def paired(self, *args):
-        assert stage, "the resumed run screened again"
-        return real_paired(self, *args)
-
-    monkeypatch.setattr(tuning_run._Tuner, "_hold_out", hold_out)
     monkeypatch.setattr(tuning_run._Tuner, "_paired", paired)
     result = _tune(image_folder, out=str(out), resume=True)
-    assert all(r.agree_n == 12 for r in result.rows)
-    assert "3 from the earlier run" in result.settings["stages"][2]
+    assert screened == [3]
+    assert all(r.agree_n is not None for r in result.rows if not r.setting.endswith("r=1"))
 
 
 def test_the_bar_total_is_known_from_the_start_and_every_unit_is_accounted(image_folder, monkeypatch):
@@ -179,9 +189,11 @@ def test_other_paths_wait_for_their_default_and_are_skipped_when_it_is_no_conten
     time_runs, seen = _recorded(Clock(), 0.0, candidate_times=(2.0, 2.1))
     monkeypatch.setattr(tuning_timing, "time_runs", time_runs)
     result = _tune(image_folder)
-    assert len(seen) == 1 and len(seen[0]) == 4  # plain and the three default paths, once
+    assert len(seen) == 1 and len(seen[0]) == 3  # plain and the default paths of the two checked settings, once
     for r in result.rows:
-        if r.path == "torch, mask":
+        if r.setting.endswith("r=1"):  # milder than r = 3, which kept the budget: never timed
+            assert r.status.startswith("pruned: milder than tome prop_attn=True r=3")
+        elif r.path == "torch, mask":
             assert r.status == "timed" and r.speedup_hi < 1.0 and r.rounds == 5
         else:
             assert r.status.startswith("pruned: its default path [torch, mask] is not a contender (0.")
@@ -230,7 +242,7 @@ def test_the_preset_and_table_state_the_bound(image_folder, tmp_path, monkeypatc
     assert tuned["loss_upper_95"] == pytest.approx(row.loss_upper("agreement"))
     assert tuned["loss"] == row.loss("agreement")
     table = (tmp_path / "t" / "table.md").read_text()
-    assert "| loss [95 % upper] |" in table and "## Stages" in table and "- held-out check on 12 images" in table
+    assert "| loss [95 % upper] |" in table and "## Stages" in table and "- accuracy search over 1 method axis" in table
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])

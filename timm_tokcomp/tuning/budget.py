@@ -3,15 +3,19 @@ any work, and the progress bar whose total is fixed from the start."""
 import math
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 from tqdm import tqdm
 
 from ..checks import check_real
 
-# when each stage must end, as a fraction of the budget; time a stage does not use passes to the next one, and the
-# last 5 % are for checking the choice on its own path and writing the outputs
-STAGE_ENDS = {"screening": 0.35, "held-out check": 0.65, "timing": 0.95}
+if TYPE_CHECKING:
+    from .search import SettingFacts
+
+# when each stage must end, as a fraction of the budget (every batch of images and every timed round reads it); time a
+# stage does not use passes to the next one; loading the images ends by 20 % (keeping at least enough to hold some
+# out), the accuracy search by 65 %, timing by 95 %, and the last 5 % are for checking the choice on its own path
+STAGE_ENDS = {"loading": 0.2, "accuracy": 0.65, "timing": 0.95, "choice": 1.0}
 
 
 def monotonic() -> float:
@@ -77,6 +81,30 @@ def estimate_text(seconds_per_image: float, mac_ratios: Dict[str, float], screen
                "the budget ends it earlier: what is not reached is said at the end")
     return (f"tune estimate (the plain model's first forward: {1e3 * seconds_per_image:.2f} ms per image): {shown} "
             f"without stopping early; {verdict}")
+
+
+def search_text(facts: Dict[str, "SettingFacts"], seconds_per_image: float, screen: int, held_out: int,
+                budget: TimeBudget) -> str:
+    """The search's plan, printed before it: its axes, the twins checked once, the checks bisection makes at most,
+    how many the accuracy stage fits at this machine's speed (a check: the screening images and, at most, every
+    held-out image, at the setting's MAC ratio) and the order of the first round."""
+    from .search import Bisection, make_axes
+
+    axes, twins = make_axes(facts.values())
+    search = Bisection(axes)
+    first_round = [search.axes[i][(search.lo[i] + search.hi[i]) // 2] for i in range(len(axes))]
+    costs = [(screen + held_out) * seconds_per_image / max(facts[s].mac_ratio, 1e-6) for s in first_round]
+    seconds, fits = STAGE_ENDS["accuracy"] * budget.seconds - budget.elapsed(), 0
+    for cost in costs:
+        if seconds < cost:
+            break
+        seconds, fits = seconds - cost, fits + 1
+    reach = ("every axis's first check fits the accuracy stage without stopping early" if fits == len(costs) else
+             f"without stopping early, the accuracy stage fits the first checks of {fits} of them "
+             f"({', '.join(first_round[:fits]) or 'none'}); stopping early reaches further")
+    return (f"tune search: {count(len(facts), 'setting')} on {len(axes)} method {'axis' if len(axes) == 1 else 'axes'} (bisected for the "
+            f"strongest setting within the budget, at most {search.most_checks()} checks); {len(twins)} the same "
+            f"token schedule as another, checked once; first round: {', '.join(first_round)}; {reach}")
 
 
 class StageBar:

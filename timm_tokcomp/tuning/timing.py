@@ -103,6 +103,8 @@ class TimingStage:
                 plain = modes_.runner(self.base, mode, x)
                 active: Dict[str, Callable] = {}
                 for c in chunk:
+                    if self.budget.over("timing"):  # the rest stay unreached
+                        break
                     try:
                         runner = modes_.runner(self._model(c.kwargs, c.method), mode, x)
                         with torch.inference_mode():  # as timed: compile / capture now, so a failure is this path's
@@ -114,7 +116,10 @@ class TimingStage:
                 while active and rounds < most and not self.budget.over("timing"):
                     step = min(5 if rounds == 0 else 3, most - rounds)
                     new = time_runs({NO_REDUCTION: plain, **active}, x, rounds=step,
-                                    warmup=warmup if rounds == 0 else 0)
+                                    warmup=warmup if rounds == 0 else 0, stop=lambda: self.budget.over("timing"))
+                    step = len(new[NO_REDUCTION])  # fewer where the time budget ended the step
+                    if step == 0:
+                        break
                     rounds += step
                     for name in active:
                         times[name] += new[name]

@@ -1,0 +1,197 @@
+"""tune's accuracy stage: the settings' held-out losses, checked where the decision is open. Each method's axis is
+bisected for its strongest setting within the budget (search.Bisection, the axes in turns); a checked setting is
+screened on the first `prune_images` images (stopped there when its loss is above the budget even at the 95 % lower
+bound), then held out image batch by image batch until it is surely within the budget or surely above it, or the
+images end; twins (one token schedule under two names) are checked once, and the settings a checked one decides on
+its axis are not checked at all. Every batch of images reads the time budget. A mixin of run._Tuner, whose rows,
+settings, bar and budget it reads."""
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..kit.agreement import Paired, compare
+from ..kit.stats import loss_bounds, rate_upper_bound
+from ..measure import forward_counting
+from .budget import count
+from .rows import BUDGET_MEASURES, NOT_REACHED
+from .search import Bisection, SettingFacts, make_axes
+from .select import bound_text
+from .space import accuracy_twin
+
+# the confidence of the looks taken before a setting's last image (stricter than the decision's 95 %: repeated looks)
+LOOK_CONFIDENCE = 0.99
+ABOVE, WITHIN, ALL, TIME = "surely above", "surely within", "all images", "time budget"
+# the statuses of settings the search decided without a check (a resumed run decides them again, at no cost)
+DECIDED_UNCHECKED = ("pruned: milder than", "pruned: budget (stronger than", "pruned: the same token schedule")
+
+
+class Predictions:
+    """The plain model's top-1 classes on images (n, 3, H, W), computed batch by batch as far as asked."""
+
+    def __init__(self, predict: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, batch: int):
+        self.predict, self.images, self.batch, self.done = predict, images, batch, torch.empty(0, dtype=torch.long)
+
+    def upto(self, n: int) -> torch.Tensor:
+        """The first n images' classes (n,)."""
+        while len(self.done) < n:
+            start = len(self.done)
+            self.done = torch.cat([self.done, self.predict(self.images[start:start + self.batch])])
+        return self.done[:n]
+
+
+class AccuracyStage:
+    """The accuracy stage of run._Tuner (it reads the tuner's rows, candidates, settings s, images, labels, measure,
+    base model, bar and budget)."""
+
+    def _facts(self, settings: List[str], x: torch.Tensor) -> Dict[str, SettingFacts]:
+        """setting -> its facts (GMACs from one counted forward of x on its reference path, an earlier run's
+        GMACs reused; its token schedule)."""
+        from ..core import last_stats
+
+        _, plain_macs = forward_counting(self.base, x.to(self.device))
+        self.plain_gmacs = plain_macs / 1e9
+        out = {}
+        for setting in settings:
+            c = next(c for c in self.candidates if c.setting == setting)
+            model = self._model(accuracy_twin(c), c.method)
+            with torch.inference_mode():
+                macs = forward_counting(model, x.to(self.device))[1] / 1e9
+            known = next((r.gmacs for r in self._of(setting) if r.gmacs is not None), macs)
+            schedule = tuple(last_stats(model).tokens_per_block)
+            params = {k: v for k, v in accuracy_twin(c).items() if k != "kernel"}
+            out[setting] = SettingFacts(setting, c.method, params, self.plain_gmacs / known, schedule)
+        return out
+
+    def _search(self, facts: Dict[str, SettingFacts], screen: Predictions, held: Predictions) -> None:
+        """Check the settings the bisection asks for (_check), then write the rows of those it decided without a
+        check (twins, milder or stronger on an axis) and say in one line what the stage did."""
+        axes, twins = make_axes(facts.values())
+        search = Bisection(axes)
+        counts = {"within": 0, "above": 0, "early": 0, "reused": 0}
+        for setting in facts:  # a resumed run's verdicts first
+            verdict = self._verdict(setting)
+            if verdict is not None and setting not in twins:
+                search.record(setting, verdict)
+                counts["reused"] += 1
+        credited = 0
+        while (setting := search.next()) is not None:
+            verdict, early = self._check(setting, facts[setting], screen, held)
+            self.bar.update(2)
+            credited += 2
+            if verdict is None:
+                search.give_up(setting)
+                continue
+            search.record(setting, verdict)
+            counts["within" if verdict else "above"] += 1
+            counts["early"] += early
+        for setting, (within, by) in search.implied().items():
+            how = (f"milder than {by} on its axis, which keeps the budget: not checked, never faster" if within else
+                   f"budget (stronger than {by} on its axis, which is above the budget: not checked)")
+            self._add_rows(setting, status=f"pruned: {how}", gmacs=self.plain_gmacs / facts[setting].mac_ratio,
+                           mac_ratio=facts[setting].mac_ratio)
+        for twin, rep in twins.items():
+            self._add_rows(twin, status=f"pruned: the same token schedule as {rep} (checked once)",
+                           gmacs=self.plain_gmacs / facts[twin].mac_ratio, mac_ratio=facts[twin].mac_ratio)
+        self._write()
+        self.bar.update(2 * len(facts) - credited)  # the settings decided without a check, or not reached
+        decided = set(search.verdicts) | set(search.implied()) | set(twins)
+        left = len(facts) - len(decided)
+        self.s["not_checked"] = left
+        self.bar.say(f"accuracy search over {len(axes)} method {'axis' if len(axes) == 1 else 'axes'} ({count(len(facts), 'setting')}): "
+                     f"{counts['within']} checked within the budget, {counts['above']} above it ({counts['early']} "
+                     f"decided before their last image); {len(search.implied())} decided by their axis without a "
+                     f"check; {len(twins)} the same schedule as another; {left} not reached (time budget)"
+                     + (f"; {counts['reused']} from the earlier run" if counts["reused"] else ""))
+
+    def _verdict(self, setting: str) -> Optional[bool]:
+        """An earlier run's verdict on setting (within the budget, above it), or None where it has none."""
+        rows = self._of(setting)
+        if not rows:
+            return None
+        if rows[0].status.startswith(("pruned: budget (screening", "pruned: held-out")):
+            return False
+        upper = rows[0].loss_upper(self.measure)
+        return None if upper is None else upper <= self.s["budget"] + 1e-9
+
+    def _check(self, setting: str, facts: SettingFacts, screen: Predictions, held: Predictions
+               ) -> Tuple[Optional[bool], bool]:
+        """(within the budget / above it / None: the time budget ended the check; whether it was decided before its
+        last image). Its rows get the screening and held-out figures as they are measured."""
+        c = next(c for c in self.candidates if c.setting == setting)
+        model = self._model(accuracy_twin(c), c.method)
+        first = self.s["prune_images"]
+        if not self._of(setting) or self._of(setting)[0].screen_n is None:
+            labels = None if self.labels is None else self.labels[:first]
+            paired, how = self._paired(model, self.images[:first], screen, labels, sequential=False)
+            if how == TIME:
+                return None, False
+            loss, lo, _ = self._bounds(paired)
+            status = "screened"
+            if lo > self.s["budget"]:
+                what = (f"changed {paired.changed} of {paired.n} images' top-1" if self.measure == "agreement" else
+                        f"lost {paired.lost} and gained {paired.gained} correct of {paired.n} images")
+                status = (f"pruned: budget (screening {what}; even the 95 % lower bound, {lo:.2f} "
+                          f"{BUDGET_MEASURES[self.measure]}, is above the budget of {self.s['budget']})")
+            self._add_rows(setting, status=status, gmacs=self.plain_gmacs / facts.mac_ratio,
+                           mac_ratio=facts.mac_ratio, screen_agree=paired.agreement, screen_n=paired.n,
+                           screen_loss=loss)
+            self._write()
+            if status != "screened":
+                return False, how == ABOVE
+        rows = self._of(setting)
+        how = ALL
+        if rows[0].agree_n is None:
+            labels = None if self.labels is None else self.labels[first:]
+            paired, how = self._paired(model, self.images[first:], held, labels, sequential=True)
+            if how == TIME:  # never timed without its held-out figure; a resume checks it
+                for r in rows:
+                    r.status = f"{NOT_REACHED} (held-out check)"
+                self._write()
+                return None, False
+            for r in rows:
+                for k, v in self._figures(paired).items():
+                    setattr(r, k, v)
+        within = rows[0].loss_upper(self.measure) <= self.s["budget"] + 1e-9
+        if not within:
+            for r in rows:
+                if r.status == "screened":
+                    r.status = f"pruned: held-out ({bound_text(r, self.measure, self.s['budget'])}; {r.agree_n} images)"
+        self._write()
+        return within, how in (ABOVE, WITHIN)
+
+    def _paired(self, model: nn.Module, x: torch.Tensor, plain: Predictions, labels: Optional[torch.Tensor],
+                sequential: bool, stage: str = "accuracy") -> Tuple[Paired, str]:
+        """(model's predictions against plain's on x, batch by batch; how it ended: ABOVE, the loss above the
+        budget even at a 99 % lower bound (stricter than the decision's 95 %, for the repeated looks), WITHIN (only
+        if sequential), the changed images' share below the budget at a 99 % upper bound (a bound on the loss in
+        either measure), ALL (every image) or TIME (the time budget's stage ended first))."""
+        preds: List[torch.Tensor] = []
+        batch = max(self.s["batches"])
+        paired = None
+        for i in range(0, len(x), batch):
+            if self.budget.over(stage):
+                return paired, TIME
+            preds.append(self._predict(model, x[i:i + batch]))
+            done = sum(len(p) for p in preds)
+            paired = compare(torch.cat(preds), plain.upto(done), None if labels is None else labels[:done])
+            if done == len(x):
+                break
+            if self._bounds(paired, LOOK_CONFIDENCE)[1] > self.s["budget"]:
+                return paired, ABOVE
+            moved = paired.changed if self.measure == "agreement" else (paired.gained or 0) + (paired.lost or 0)
+            if sequential and 100.0 * rate_upper_bound(moved, done, LOOK_CONFIDENCE) <= self.s["budget"]:
+                return paired, WITHIN
+        return paired, ALL
+
+    def _bounds(self, paired: Paired, confidence: float = 0.95) -> Tuple[float, float, float]:
+        return loss_bounds(self.measure, paired.n, paired.changed, paired.gained, paired.lost, confidence)
+
+    def _figures(self, paired: Paired) -> Dict[str, Any]:
+        """The held-out figures as TuneRow names them: agree, agree_n, changed; with labels gained, lost, top1_plain,
+        top1, top1_p."""
+        figures: Dict[str, Any] = {"agree": paired.agreement, "agree_n": paired.n, "changed": paired.changed}
+        if self.labels is not None:
+            figures.update(gained=paired.gained, lost=paired.lost, top1_plain=paired.top1_reference, top1=paired.top1,
+                           top1_p=paired.top1_p)
+        return figures
