@@ -10,6 +10,7 @@ from ..core import NO_REDUCTION
 from ..kit.presets import device_type_of, versions, write_preset
 from ..extras import available, install_hint, pyplot
 from ..outputs import replacing, write_text
+from .budget import count
 from .rows import BUDGET_MEASURES, Choice, TuneRow
 from .select import pareto_front
 
@@ -74,10 +75,13 @@ def format_table(rows: Sequence[TuneRow], choices: Sequence[Choice], measure: st
     out: List[str] = []
     for choice in choices:
         timed = sorted((r for r in rows if r.batch == choice.batch and r.status == "timed"), key=lambda r: r.ms)
-        out += [f"### batch {choice.batch}", "",
-                "| candidate | GMACs | ms (plain) | speed-up [95 %] | held-out agreement (changed / n) "
-                "| top-1 (plain), McNemar p | loss [95 % upper] |",
-                "| --- | --- | --- | --- | --- | --- | --- |"]
+        out += [f"### batch {choice.batch}", ""]
+        if timed:
+            out += ["| candidate | GMACs | ms (plain) | speed-up [95 %] | held-out agreement (changed / n) "
+                    "| top-1 (plain), McNemar p | loss [95 % upper] |",
+                    "| --- | --- | --- | --- | --- | --- | --- |"]
+        else:
+            out.append("no candidate was timed")
         for r in timed:
             agree = "-" if r.agree is None else f"{r.agree:.2f} % ({r.changed} / {r.agree_n})"
             top1 = "-" if r.top1 is None else f"{r.top1:.2f} ({r.top1_plain:.2f}), p = {r.top1_p:.2g}"
@@ -85,16 +89,29 @@ def format_table(rows: Sequence[TuneRow], choices: Sequence[Choice], measure: st
             loss = "-" if r.agree_n is None else f"{r.loss(measure):.2f} [{r.loss_upper(measure):.2f}]"
             out.append(f"| {r.candidate}{mark} | {r.gmacs:.3f} | {r.ms:.2f} ({r.ms_plain:.2f}) | {r.speedup:.2f}x "
                        f"[{r.speedup_lo:.2f}, {r.speedup_hi:.2f}] | {agree} | {top1} | {loss} |")
+        timed_settings = {r.setting for r in timed}
         skipped = [r for r in rows if r.batch == choice.batch and r.status != "timed"]
-        if skipped:
-            counts: Dict[str, int] = {}
+        if skipped:  # by setting (a setting's paths share its accuracy): settings none of whose paths was timed
+            reasons: Dict[str, set] = {}
             for r in skipped:
-                key = r.status.split(" (")[0]
-                counts[key] = counts.get(key, 0) + 1
-            out += ["", "not timed: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))]
+                if r.setting not in timed_settings:
+                    reasons.setdefault(_kind(r.status), set()).add(r.setting)
+            paths = len({r.candidate for r in skipped if r.setting in timed_settings})
+            said = [f"{count(len(names), 'setting')} {k}" for k, names in sorted(reasons.items())]
+            said += [f"{count(paths, 'other path')} of timed settings"] if paths else []
+            out += ["", "not timed: " + ", ".join(said)]
         verdict = "no reduction" if choice.row is None else choice.row.candidate
         out += ["", f"choice: **{verdict}**: {choice.reason}", ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _kind(status: str) -> str:
+    """A status without the figures and names that differ from row to row, for counting."""
+    for prefix, kind in (("pruned: milder than", "pruned: milder than one within the budget"),
+                         ("pruned: the same token schedule", "pruned: the same schedule as another")):
+        if status.startswith(prefix):
+            return kind
+    return status.split(" (")[0]
 
 
 def preset_paths(out: str, batches: Sequence[int]) -> Dict[int, Path]:
