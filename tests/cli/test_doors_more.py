@@ -292,14 +292,14 @@ def test_tune_cli_empty_methods_is_refused(tmp_path, capsys):
     assert not (tmp_path / "t").exists()
 
 
-def test_tune_runs_a_dense_method_with_no_parameter_the_user_did_not_give(tmp_path):
+def test_tune_refuses_the_dense_variant_which_reduces_no_token(tmp_path):
     import timm_tokcomp
 
     data = _images(tmp_path / "d", count=10)
-    result = timm_tokcomp.tune(_small(), str(data), batches=[2], space=[("dense_tome", {"r": 1})], limit=10,
-                               prune_images=4, max_rounds=3, show_progress=False)
-    assert result.rows and all("prop_attn" not in r.params for r in result.rows)
-    assert all(not r.status.startswith("failed") for r in result.rows), [r.status for r in result.rows]
+    with pytest.raises(ValueError, match="dense_tome is refused by tune: the dense variant keeps every token"):
+        timm_tokcomp.tune(_small(), str(data), batches=[2], space=[("dense_tome", {"r": 1})], limit=10,
+                          prune_images=4, max_rounds=3, out=str(tmp_path / "t"), show_progress=False)
+    assert not (tmp_path / "t").exists()
 
 
 def test_bench_explains_a_none_preset_as_the_plain_model(tmp_path):
