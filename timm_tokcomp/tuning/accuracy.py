@@ -97,7 +97,6 @@ class AccuracyStage:
         self.bar.update(2 * len(facts) - credited)  # the settings decided without a check, or not reached
         decided = set(search.verdicts) | set(search.implied()) | set(twins)
         left = len(facts) - len(decided)
-        self.s["not_checked"] = left
         self.bar.say(f"accuracy search over {len(axes)} method {'axis' if len(axes) == 1 else 'axes'} ({count(len(facts), 'setting')}): "
                      f"{counts['within']} checked within the budget, {counts['above']} above it ({counts['early']} "
                      f"decided before their last image); {len(search.implied())} decided by their axis without a "
