@@ -245,8 +245,8 @@ class _Tuner(AccuracyStage, TimingStage):
             timing_images = 2 * most * sum(batches) * len(self.candidates)  # each round: plain and the candidate
             bar.say(estimate_text(per_image, ratios, first, len(held_x), timing_images, self.budget))
             bar.say(search_text(facts, per_image, first, len(held_x), self.budget))
-            self._search(facts, screen, Predictions(self._predict_plain, held_x, eval_batch))
-            self.held = Predictions(self._predict_plain, held_x, eval_batch)
+            self.held = Predictions(self._predict_plain, held_x, eval_batch)  # as far as the checks need them
+            self._search(facts, screen, self.held)
             for batch in batches:
                 for mode in modes:
                     bar.stage(f"timing batch {batch}, {mode}")
