@@ -109,3 +109,26 @@ def test_the_time_budget_holds_within_a_round_of_forwards_whatever_its_size(imag
     timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget=100.0, space=space, limit=20,
                       prune_images=4, max_rounds=30, time_budget=minutes, show_progress=False)
     assert clock.now <= 60 * minutes + 7.0
+
+
+def test_a_setting_no_promise_can_come_of_stops_early(image_folder, monkeypatch):
+    """Half of every batch changed (50 %) against a budget of 25 %: not surely above at 4 held-out images (the 99 %
+    lower bound of 2 / 4 is 4 %), but at these rates not even all 12 held-out images would bring its upper bound
+    within 25 %, so it stops there (futility, after the first batch here) instead of spending the rest."""
+    from timm_tokcomp.tuning import accuracy
+
+    monkeypatch.setattr(accuracy, "FUTILE_LEAST", 4)
+    real = tuning_run._predictions
+
+    def predictions(model, images, batch):
+        preds = real(model, images, batch).clone()
+        if timm_tokcomp.is_reduced(model):
+            preds[::2] = (preds[::2] + 1) % 10
+        return preds
+
+    monkeypatch.setattr(tuning_run, "_predictions", predictions)
+    result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[4], budget=25.0,
+                               space=[("tome", {"r": 2})], limit=20, prune_images=8, max_rounds=3, show_progress=False)
+    (status,) = {r.status for r in result.rows}
+    assert status.startswith("pruned: held-out (50.00 % of the plain model's predictions changed")
+    assert "4 images; at these rates not even all 12 held-out images would bring the bound within the budget" in status

@@ -1,8 +1,8 @@
 """tune's accuracy stage: the settings' held-out losses, checked where the decision is open. Each method's axis is
 bisected for its strongest setting within the budget (search.Bisection, the axes in turns); a checked setting is
 screened on the first `prune_images` images (stopped there when its loss is above the budget even at the 95 % lower
-bound), then held out image batch by image batch until it is surely within the budget or surely above it, or the
-images end; twins (one token schedule under two names) are checked once, and the settings a checked one decides on
+bound), then held out image batch by image batch until it is surely within the budget or surely above it, no
+promise can come of the held-out images at its rates so far, or the images end; twins (one token schedule under two names) are checked once, and the settings a checked one decides on
 its axis are not checked at all. Every batch of images reads the time budget. A mixin of run._Tuner, whose rows,
 settings, bar and budget it reads."""
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..kit.agreement import Paired, compare
-from ..kit.stats import loss_bounds, rate_upper_bound
+from ..kit.stats import images_needed, loss_bounds, rate_upper_bound
 from ..measure import forward_counting
 from .budget import count
 from .rows import BUDGET_MEASURES, NOT_REACHED
@@ -22,6 +22,9 @@ from .space import accuracy_twin
 # the confidence of the looks taken before a setting's last image (stricter than the decision's 95 %: repeated looks)
 LOOK_CONFIDENCE = 0.99
 ABOVE, WITHIN, ALL, TIME = "surely above", "surely within", "all images", "time budget"
+FUTILE = "no promise"  # at its rates so far, not even every held-out image would bring its bound within the budget
+# a setting is judged futile only after this share of the held-out images (and at least FUTILE_LEAST of them)
+FUTILE_SHARE, FUTILE_LEAST = 0.25, 256
 # the statuses of settings the search decided without a check (a resumed run decides them again, at no cost)
 DECIDED_UNCHECKED = ("pruned: milder than", "pruned: budget (stronger than", "pruned: the same token schedule")
 
@@ -153,18 +156,23 @@ class AccuracyStage:
                     setattr(r, k, v)
         within = rows[0].loss_upper(self.measure) <= self.s["budget"] + 1e-9
         if not within:
+            futile = (f"; at these rates not even all {len(self.images) - first} held-out images would bring the "
+                      f"bound within the budget") if how == FUTILE else ""
             for r in rows:
                 if r.status == "screened":
-                    r.status = f"pruned: held-out ({bound_text(r, self.measure, self.s['budget'])}; {r.agree_n} images)"
+                    r.status = (f"pruned: held-out ({bound_text(r, self.measure, self.s['budget'])}; {r.agree_n} "
+                                f"images{futile})")
         self._write()
-        return within, how in (ABOVE, WITHIN)
+        return within, how in (ABOVE, WITHIN, FUTILE)
 
     def _paired(self, model: nn.Module, x: torch.Tensor, plain: Predictions, labels: Optional[torch.Tensor],
                 sequential: bool, stage: str = "accuracy") -> Tuple[Paired, str]:
         """(model's predictions against plain's on x, batch by batch; how it ended: ABOVE, the loss above the
         budget even at a 99 % lower bound (stricter than the decision's 95 %, for the repeated looks), WITHIN (only
         if sequential), the changed images' share below the budget at a 99 % upper bound (a bound on the loss in
-        either measure), ALL (every image) or TIME (the time budget's stage ended first))."""
+        either measure), FUTILE (only if sequential, after FUTILE_SHARE of the images: at the rates so far not even
+        every image of x would bring the 95 % upper bound within the budget, so no promise can come of them), ALL
+        (every image) or TIME (the time budget's stage ended first))."""
         preds: List[torch.Tensor] = []
         batch = max(self.s["batches"])
         paired = None
@@ -181,6 +189,11 @@ class AccuracyStage:
             moved = paired.changed if self.measure == "agreement" else (paired.gained or 0) + (paired.lost or 0)
             if sequential and 100.0 * rate_upper_bound(moved, done, LOOK_CONFIDENCE) <= self.s["budget"]:
                 return paired, WITHIN
+            if sequential and done >= max(FUTILE_LEAST, FUTILE_SHARE * len(x)):
+                need = images_needed(self.measure, done, paired.changed, paired.gained or 0, paired.lost or 0,
+                                     self.s["budget"], most=len(x))
+                if need is None or need > len(x):
+                    return paired, FUTILE
         return paired, ALL
 
     def _bounds(self, paired: Paired, confidence: float = 0.95) -> Tuple[float, float, float]:
