@@ -10,6 +10,7 @@ so transformers stays an optional dependency.
     model = transformers.ViTForImageClassification.from_pretrained(folder)
     timm_tokcomp.apply(model, "tome", r=8)          # model(pixel_values).logits, with 8 merges per layer
 """
+import functools
 import inspect
 import sys
 from dataclasses import dataclass
@@ -188,6 +189,12 @@ _REFUSED = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def forward_signature(plain: type) -> inspect.Signature:
+    """The signature of a transformers class's forward (read once per class: calls bind to it)."""
+    return inspect.signature(plain.forward)
+
+
 class HFReducingModel(ReducingModel):
     """Mixin over a transformers vision model running the shared reducing loop. A class gives layers_at (the dotted
     path of its layer list), embeddings_at, norm_at (its final norm, '' for none), global_pool (timm's sense: 'token'
@@ -244,7 +251,7 @@ class HFReducingModel(ReducingModel):
         TypeError for what it does not take); the extra keyword arguments transformers' forwards take in **kwargs
         (return_dict, output_attentions, ...) among them."""
         plain = self.plain_class()
-        signature = inspect.signature(plain.forward)
+        signature = forward_signature(plain)
         try:
             bound = signature.bind(self, *args, **kwargs)
         except TypeError as e:
@@ -261,7 +268,7 @@ class HFReducingModel(ReducingModel):
         class; return_dict (or, where not given, config.return_dict) False: its tuple. output_attentions /
         output_hidden_states follow the call, else the config, as in transformers."""
         named = self._arguments(args, kwargs)
-        takes_labels = "labels" in inspect.signature(self.plain_class().forward).parameters
+        takes_labels = "labels" in forward_signature(self.plain_class()).parameters
         pixel_values, labels = named.pop("pixel_values", None), named.pop("labels", None) if takes_labels else None
         interpolate_pos_encoding = named.pop("interpolate_pos_encoding", None)
         return_dict = named.pop("return_dict", None)
