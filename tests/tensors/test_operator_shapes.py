@@ -29,10 +29,12 @@ def test_tome_operators_fake_shapes_match_for_every_small_shape(backend):
         t = _tensors(b, n)
         coords = torch.rand(b, n - p, 2) * 4
         for size in (t["size"], None):
-            torch.library.opcheck(torch.ops.timm_tokcomp.tome_merge, (t["metric"], t["x"], size, r, p, backend), test_utils=FAKE)
+            torch.library.opcheck(torch.ops.timm_tokcomp.tome_merge, (t["metric"], t["x"], size, r, p, backend),
+                                  test_utils=FAKE)
         for coords_merge in ("dst", "centroid"):
             torch.library.opcheck(torch.ops.timm_tokcomp.tome_merge_rope,
-                                  (t["metric"], t["x"], t["size"], coords, r, p, coords_merge, backend), test_utils=FAKE)
+                                  (t["metric"], t["x"], t["size"], coords, r, p, coords_merge, backend),
+                                  test_utils=FAKE)
         out, _ = torch.ops.timm_tokcomp.tome_merge(t["metric"], t["x"], None, r, p, backend)
         assert out.shape[1] == n - merged_count(n, p, r)
 

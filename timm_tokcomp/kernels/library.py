@@ -26,7 +26,8 @@ def merged_count(num_tokens: int, num_prefix: int, r: int) -> int:
 
 
 def pruned_count(num_tokens: int, num_prefix: int, r: int) -> int:
-    """The tokens EViT's step removes: r clamped so that at least one patch token remains (matching.attentive_pruning)."""
+    """The tokens EViT's step removes: r clamped so that at least one patch token remains
+    (matching.attentive_pruning)."""
     return max(min(r, num_tokens - num_prefix - 1), 0)
 
 

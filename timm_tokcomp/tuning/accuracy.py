@@ -2,8 +2,8 @@
 bisected for its strongest setting within the budget (search.Bisection, the axes in turns); a checked setting is
 screened on the first `prune_images` images (stopped there when its loss is above the budget even at the 95 % lower
 bound), then held out image batch by image batch until it is surely within the budget or surely above it, no
-promise can come of the held-out images at its rates so far, or the images end; twins (one token schedule under two names) are checked once, and the settings a checked one decides on
-its axis are not checked at all. Every batch of images reads the time budget. A mixin of run._Tuner, whose rows,
+promise can come of the held-out images at its rates so far, or the images end; twins (one token schedule under two
+names) are checked once, and the settings a checked one decides on its axis are not checked at all. Every batch of images reads the time budget. A mixin of run._Tuner, whose rows,
 settings, bar and budget it reads."""
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -99,8 +99,8 @@ class AccuracyStage:
         self._write()
         self.bar.update(2 * len(facts) - credited)  # the settings decided without a check, or not reached
         decided = set(search.verdicts) | set(search.implied()) | set(twins)
-        left = len(facts) - len(decided)
-        self.bar.say(f"accuracy search over {len(axes)} method {'axis' if len(axes) == 1 else 'axes'} ({count(len(facts), 'setting')}): "
+        left, axes_text = len(facts) - len(decided), f"{len(axes)} method {'axis' if len(axes) == 1 else 'axes'}"
+        self.bar.say(f"accuracy search over {axes_text} ({count(len(facts), 'setting')}): "
                      f"{counts['within']} checked within the budget, {counts['above']} above it ({counts['early']} "
                      f"decided before their last image); {len(search.implied())} decided by their axis without a "
                      f"check; {len(twins)} the same schedule as another; {left} not reached (time budget)"

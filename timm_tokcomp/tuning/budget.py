@@ -102,7 +102,8 @@ def search_text(facts: Dict[str, "SettingFacts"], seconds_per_image: float, scre
     reach = ("every axis's first check fits the accuracy stage without stopping early" if fits == len(costs) else
              f"without stopping early, the accuracy stage fits the first checks of {fits} of them "
              f"({', '.join(first_round[:fits]) or 'none'}); stopping early reaches further")
-    return (f"tune search: {count(len(facts), 'setting')} on {len(axes)} method {'axis' if len(axes) == 1 else 'axes'} (bisected for the "
+    axes_text = f"{len(axes)} method {'axis' if len(axes) == 1 else 'axes'}"
+    return (f"tune search: {count(len(facts), 'setting')} on {axes_text} (bisected for the "
             f"strongest setting within the budget, at most {search.most_checks()} checks); {len(twins)} the same "
             f"token schedule as another, checked once; first round: {', '.join(first_round)}; {reach}")
 
