@@ -3,8 +3,8 @@ bisected for its strongest setting within the budget (search.Bisection, the axes
 screened on the first `prune_images` images (stopped there when its loss is above the budget even at the 95 % lower
 bound), then held out image batch by image batch until it is surely within the budget or surely above it, no
 promise can come of the held-out images at its rates so far, or the images end; twins (one token schedule under two
-names) are checked once, and the settings a checked one decides on its axis are not checked at all. Every batch of images reads the time budget. A mixin of run._Tuner, whose rows,
-settings, bar and budget it reads."""
+names) are checked once, and the settings a checked one decides on its axis are not checked at all. Every batch of
+images reads the time budget. A mixin of run._Tuner, whose rows, settings, bar and budget it reads."""
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
