@@ -278,11 +278,10 @@ class _Tuner(AccuracyStage, TimingStage):
                 stage = "held-out check" if r.agree_n is None else "timing"
                 r.status = f"{NOT_REACHED} ({stage})"
         said, unchecked = [], set()
-        for stage, what in (("screening", "setting"), ("held-out check", "setting"), ("timing", "candidate")):
-            left = {(r.batch, r.candidate) if stage == "timing" else r.setting for r in self.rows.values()
-                    if r.status == f"{NOT_REACHED} ({stage})"}
+        for stage in ("screening", "held-out check", "timing"):  # counted by setting (its paths share its accuracy)
+            left = {r.setting for r in self.rows.values() if r.status == f"{NOT_REACHED} ({stage})"}
             if left:
-                said.append(f"{count(len(left), what)} without {'its' if len(left) == 1 else 'their'} {stage}")
+                said.append(f"{count(len(left), 'setting')} without {'its' if len(left) == 1 else 'their'} {stage}")
             if stage != "timing":
                 unchecked |= left
         if said:
