@@ -18,12 +18,12 @@ from .data import UnlabeledImages, check_num_classes, open_images
 from .extras import pyplot
 from .kit.grammar import BASELINE, MethodItem, parse_methods
 from .kit import modes as modes_
-from .kit.agreement import evaluate, paired_flags
+from .kit.agreement import NonFiniteScores, evaluate, paired_flags
 from .kit.modes import check_mode, warmup_calls
 from .kit.stats import noise_notes, p90, speedup_interval
 from .measure import count_macs, no_silent_eager_fallback, time_runs
 from .methods import exportable_methods, method_class, tocom_methods
-from .models import build_base_model, eval_transform
+from .models import build_base_model, eval_transform, weights_source
 from .patch import facade
 from .precision import check_dtype, precision
 from .outputs import new_output
@@ -210,7 +210,10 @@ def run_bench(
             check_num_classes(dataset, base.num_classes)
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
         with precision(device, dtype, tf32):
-            evaluation = evaluate(models, loader, device, show_progress)
+            try:
+                evaluation = evaluate(models, loader, device, show_progress)
+            except NonFiniteScores as e:
+                raise NonFiniteScores(f"{weights_source(model_name, checkpoint, pretrained)}: {e}") from None
         macs = evaluation.macs
         batch = next(iter(loader))[0].to(device)
     else:

@@ -148,7 +148,8 @@ def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: boo
     if is_hf_folder(model_name):
         if checkpoint or pretrained:
             raise ValueError(f"--hf-model {model_name} holds its own weights: give no --checkpoint or --pretrained")
-        return check_finite_parameters(load_hf_model(model_name), f"--hf-model {model_name}").to(device).eval()
+        return check_finite_parameters(load_hf_model(model_name), weights_source(model_name, None, False)).to(
+            device).eval()
     if checkpoint and not Path(checkpoint).is_file():
         raise FileNotFoundError(f"--checkpoint {checkpoint} not found")
     try:
@@ -166,8 +167,17 @@ def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: boo
                          f"and list methods with --methods")
     if checkpoint:
         load_weights(model, checkpoint, "--checkpoint")
-    source = f"--checkpoint {checkpoint}" if checkpoint else f"timm's pretrained weights of {model_name!r}"
-    return check_finite_parameters(model, source).to(device).eval()
+    return check_finite_parameters(model, weights_source(model_name, checkpoint, pretrained)).to(device).eval()
+
+
+def weights_source(model_name: str, checkpoint: Optional[str], pretrained: bool) -> str:
+    """Where build_base_model's weights come from, as an error names it: '--checkpoint FILE', '--hf-model FOLDER',
+    timm's pretrained weights or the random initialisation."""
+    if is_hf_folder(model_name):
+        return f"--hf-model {model_name}"
+    if checkpoint:
+        return f"--checkpoint {checkpoint}"
+    return f"timm's {'pretrained' if pretrained else 'random'} weights of {model_name!r}"
 
 
 def check_finite_parameters(model: nn.Module, source: str) -> nn.Module:

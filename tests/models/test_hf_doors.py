@@ -94,3 +94,25 @@ def test_class_scores_holding_nan_are_refused():
 
     with pytest.raises(ValueError, match="class scores hold NaN or inf on a batch of 2 images"):
         class_scores(torch.tensor([[0.0, float("nan")], [1.0, 2.0]]))
+
+
+def test_class_scores_holding_nan_at_the_first_batch_name_the_weights(tmp_path, capsys, monkeypatch):
+    """Finite weights whose plain outputs are NaN on real images (an overflowing precision, say): bench and tune stop
+    at the first batch, naming the weights' file."""
+    import timm
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    checkpoint = tmp_path / "w.safetensors"
+    save_file(timm.create_model("deit_tiny_patch16_224").state_dict(), str(checkpoint))
+    data = tmp_path / "images"
+    data.mkdir()
+    for i in range(6):
+        Image.fromarray((torch.rand(40, 40, 3) * 255).to(torch.uint8).numpy()).save(data / f"{i}.jpg")
+    monkeypatch.setattr(timm.models.vision_transformer.VisionTransformer, "forward_head",
+                        lambda self, x, pre_logits=False: torch.full((x.shape[0], 1000), float("nan")))
+    common = ["deit_tiny_patch16_224", "--checkpoint", str(checkpoint), "--data", str(data), "--no-progress"]
+    _refused(["bench", *common, "--no-timing", "--methods", "none", "--num-workers", "0"], capsys,
+             f"--checkpoint {checkpoint}: the model's class scores hold NaN or inf")
+    _refused(["tune", *common, "--out", str(tmp_path / "t"), "--limit", "6", "--prune-images", "2",
+              "--methods", "tome_r8"], capsys, f"--checkpoint {checkpoint}: the model's class scores hold NaN or inf")

@@ -68,6 +68,10 @@ def predict(model: nn.Module, batches: Iterable[torch.Tensor], count_macs: bool 
     return torch.cat(classes), macs
 
 
+class NonFiniteScores(ValueError):
+    """Class scores holding NaN or inf: the command that knows the weights' file names it."""
+
+
 def class_scores(out: Any) -> torch.Tensor:
     """A model's class scores (B, classes): a timm model's output itself, a transformers classifier's logits.
     ValueError for a model that returns features (transformers' ViTModel, Dinov2Model, CLIP / SigLIP encoders), and
@@ -77,7 +81,7 @@ def class_scores(out: Any) -> torch.Tensor:
         raise ValueError(f"the model returns {type(out).__name__} (features, no class scores): top-1 and agreement "
                          "need a classifier, such as transformers' ViTForImageClassification; time it without --data")
     if not torch.isfinite(logits).all():
-        raise ValueError(f"the model's class scores hold NaN or inf on a batch of {len(logits)} images: broken "
+        raise NonFiniteScores(f"the model's class scores hold NaN or inf on a batch of {len(logits)} images: broken "
                          "weights, or a precision that overflows (top-1 and agreement would mean nothing)")
     return logits
 

@@ -37,9 +37,9 @@ from tqdm import tqdm
 
 from ..core import apply
 from ..kit.modes import check_batches, check_modes
-from ..kit.agreement import check_classifier, chunks, predict
+from ..kit.agreement import NonFiniteScores, check_classifier, chunks, predict
 from ..kit.paths import FastPath
-from ..models import build_base_model, check_finite_parameters, eval_transform, is_hf_folder
+from ..models import build_base_model, check_finite_parameters, eval_transform, is_hf_folder, weights_source
 from ..precision import check_device, check_dtype, device_description, precision
 from ..identity import data_digest, weights_digest
 from ..data import UnlabeledImages, check_num_classes, open_images
@@ -149,7 +149,11 @@ def tune(
         name = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", type(model).__name__)
         base = copy.deepcopy(model).to(device).eval()
     check_space(space, base)
-    check_classifier(base, device)  # a feature model is refused before --out is touched
+    weights = weights_source(model, checkpoint, pretrained) if isinstance(model, str) else "model"
+    try:
+        check_classifier(base, device)  # a feature model is refused before --out is touched
+    except NonFiniteScores as e:
+        raise NonFiniteScores(f"{weights}: {e}") from None
     candidates, notes = applicable_candidates(space, base, device, modes)
     settings = {"model": name, "device": device, "device_name": device_description(device), "dtype": dtype, "tf32": tf32,
                 "batches": list(batches), "budget": budget, "budget_on": budget_on, "min_speedup": min_speedup,
@@ -166,6 +170,7 @@ def tune(
         previous = resume_rows(out, settings) if out and resume else {}  # before any image is read
         tuner = _Tuner(base, data, settings, candidates, notes, out, show_progress, clock)  # opens and checks the images
         tuner.previous = previous
+        tuner.weights = weights
         result = tuner.run()
         if out:
             write_outputs(result, out)
@@ -177,6 +182,7 @@ class _Tuner(AccuracyStage, TimingStage):
                  notes: List[str], out, show_progress, budget: TimeBudget):
         self.base, self.s, self.out, self.show, self.budget = base, settings, out, show_progress, budget
         self.previous: Dict[Tuple[int, str], TuneRow] = {}  # a killed run's rows (resume)
+        self.weights = "model"  # where the weights come from, as an error names them (models.weights_source)
         self.device, self.dtype, self.tf32 = settings["device"], settings["dtype"], settings["tf32"]
         self.candidates, self.notes = candidates, list(notes)
         self.images, self.labels = _load_images(data, base, settings["limit"], show_progress,
@@ -238,7 +244,10 @@ class _Tuner(AccuracyStage, TimingStage):
             bar.stage("accuracy search")
             start = monotonic()
             screen = Predictions(self._predict_plain, screen_x, eval_batch)
-            screen.upto(first)
+            try:
+                screen.upto(first)
+            except NonFiniteScores as e:  # the plain model's first images: name its weights
+                raise NonFiniteScores(f"{self.weights}: {e}") from None
             per_image = (monotonic() - start) / len(screen_x)
             facts = self._facts(settings, screen_x[:1])
             ratios = {k: f.mac_ratio for k, f in facts.items()}
