@@ -307,7 +307,9 @@ def test_a_saved_folder_that_disagrees_with_its_config_is_refused(trained, tmp_p
 
 def test_torchrun_two_processes_match_one_process(labelled, tmp_path):
     """DDP on gloo: 2 processes x 3 images fine-tune the same LoRA adapter and PYRA parameters as 1 process x 6
-    images (within 1e-5), evaluate to the same per-epoch log, and only rank 0 writes and prints."""
+    images (within 5e-5: the all-reduce sums the two halves' gradients in another order than one batch does, and
+    Adam's normalisation magnifies that rounding where a parameter's second moment is tiny; 1.1e-5 on one element of
+    4,608 on a 2-core x86 CPU), evaluate to the same per-epoch log, and only rank 0 writes and prints."""
     args = ["finetune", MODEL, "--method", "pyra_r8", "--data", str(labelled), "--epochs", "2", "--warmup-epochs", "1",
             "--eval-batch-size", "4", "--no-progress", "--num-workers", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -323,7 +325,7 @@ def test_torchrun_two_processes_match_one_process(labelled, tmp_path):
         a, b = load_file(str(tmp_path / "two" / name)), load_file(str(tmp_path / "one" / name))
         assert a.keys() == b.keys() and any(not torch.equal(v, torch.zeros_like(v)) for v in a.values())
         for k in a:
-            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=5e-5)
 
     def epochs(run):  # every column but the wall time
         return [line.split(",")[:-1] for line in (tmp_path / run / "training" / "log.csv").read_text().splitlines()]

@@ -10,8 +10,6 @@ so transformers stays an optional dependency.
     model = transformers.ViTForImageClassification.from_pretrained(folder)
     timm_tokcomp.apply(model, "tome", r=8)          # model(pixel_values).logits, with 8 merges per layer
 """
-import functools
-import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional, Tuple
@@ -36,6 +34,7 @@ from transformers.models.vit.modeling_vit import ViTForImageClassification, ViTL
 from ..methods.base import TokenReducer
 from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel, patch_grid
 from .base import Facade, Family, reducer_metric
+from .hf_call import bind_call
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")  # transformers' attention functions that take an additive float mask
 
@@ -180,21 +179,6 @@ class BlockView:
     mlp: nn.Module
 
 
-_REFUSED = {
-    "output_attentions": "the attention maps of a reduced model have a different token count in every layer",
-    "output_hidden_states": "the hidden states of a reduced model have a different token count in every layer",
-    "attention_mask": "a mask over the input tokens does not follow the tokens as they merge",
-    "bool_masked_pos": "masked-image-modelling tokens do not follow the tokens as they merge",
-    "head_mask": "head masks are not applied by a reduced model",
-}
-
-
-@functools.lru_cache(maxsize=None)
-def forward_signature(plain: type) -> inspect.Signature:
-    """The signature of a transformers class's forward (read once per class: calls bind to it)."""
-    return inspect.signature(plain.forward)
-
-
 class HFReducingModel(ReducingModel):
     """Mixin over a transformers vision model running the shared reducing loop. A class gives layers_at (the dotted
     path of its layer list), embeddings_at, norm_at (its final norm, '' for none), global_pool (timm's sense: 'token'
@@ -246,50 +230,14 @@ class HFReducingModel(ReducingModel):
         """The transformers class this model was (its forward's signature, the class save_pretrained names)."""
         return next(PLAIN[c] for c in type(self).__mro__ if c in PLAIN)
 
-    def _arguments(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
-        """The call's arguments by name, bound as the plain class's forward binds them (its positional order, its
-        TypeError for what it does not take); the extra keyword arguments transformers' forwards take in **kwargs
-        (return_dict, output_attentions, ...) among them."""
-        plain = self.plain_class()
-        signature = forward_signature(plain)
-        try:
-            bound = signature.bind(self, *args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"{plain.__name__}.forward: {e}") from None
-        named = dict(bound.arguments)
-        for name, parameter in signature.parameters.items():
-            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-                named.update(named.pop(name, {}))
-        named.pop(next(iter(signature.parameters)))  # self
-        return named
-
     def forward(self, *args: Any, **kwargs: Any):
-        """The plain class's forward arguments (pixel_values (B, 3, H, W) first) -> transformers' output of this model
-        class; return_dict (or, where not given, config.return_dict) False: its tuple. output_attentions /
-        output_hidden_states follow the call, else the config, as in transformers."""
-        named = self._arguments(args, kwargs)
-        takes_labels = "labels" in forward_signature(self.plain_class()).parameters
-        pixel_values, labels = named.pop("pixel_values", None), named.pop("labels", None) if takes_labels else None
-        interpolate_pos_encoding = named.pop("interpolate_pos_encoding", None)
-        return_dict = named.pop("return_dict", None)
-        if pixel_values is None or pixel_values.shape[0] == 0:
-            shape = None if pixel_values is None else tuple(pixel_values.shape)
-            raise ValueError("pixel_values must be given, (B, 3, H, W) images with B >= 1 (transformers' attention "
-                             f"functions cannot reshape an empty batch), got {shape}")
-        for name, why in _REFUSED.items():
-            default = getattr(self.config, name, False) if name.startswith("output_") else None
-            given = named.pop(name) if name in named else default
-            if given is not None and given is not False:
-                raise ValueError(f"{name} is not supported while tokens are reduced: {why}; call "
-                                 "timm_tokcomp.remove(model) for them")
-        if named:
-            raise TypeError(f"unexpected arguments {sorted(named)} for a reduced {type(self).__name__}")
-        tokens, positions = self._embed(self._input(pixel_values), interpolate_pos_encoding)
-        x, stats = self._reduce_blocks(tokens, positions, grid=patch_grid(self, pixel_values.shape[-2:]))
-        out = self._outputs(x, stats.size, labels)
-        if return_dict is None:
-            return_dict = getattr(self.config, "return_dict", True)
-        return out if return_dict else out.to_tuple()
+        """The plain class's forward arguments (pixel_values (B, 3, H, W) first; hf_call.bind_call) -> transformers'
+        output of this model class, or its tuple where return_dict (in the call, else the config) is False."""
+        call = bind_call(self.plain_class(), self, args, kwargs)
+        tokens, positions = self._embed(self._input(call.pixel_values), call.interpolate_pos_encoding)
+        x, stats = self._reduce_blocks(tokens, positions, grid=patch_grid(self, call.pixel_values.shape[-2:]))
+        out = self._outputs(x, stats.size, call.labels)
+        return out if call.return_dict else out.to_tuple()
 
     def _input(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return pixel_values
