@@ -135,12 +135,7 @@ def test_the_floor_rules_catch_what_they_forbid():
     assert _longest_prefix("timm_tokcomp.analysis.report", COMMANDS) == "analysis"
 
 
-def test_a_plan_kinds_execution_lives_in_its_plan_file():
-    """Every plan kind is a Plan in timm_tokcomp/plans/ with its own apply; a subclass elsewhere (FPET's soft-match
-    plan) may add data, never its own execution."""
-    import inspect
-
-    from timm_tokcomp import plans
+def _plan_kinds():
     from timm_tokcomp.plans import Plan
 
     def subclasses(cls):
@@ -148,17 +143,45 @@ def test_a_plan_kinds_execution_lives_in_its_plan_file():
             yield sub
             yield from subclasses(sub)
 
-    import timm_tokcomp.methods  # noqa: F401  (every method module, and the plans they subclass)
-    kinds = [k for k in subclasses(Plan) if k.__module__.startswith("timm_tokcomp.")]  # not the tests' toy kinds
+    import timm_tokcomp.methods  # noqa: F401  (every method module, and the plan kinds they declare)
+    return [k for k in subclasses(Plan) if k.__module__.startswith("timm_tokcomp.")]  # not the tests' toy kinds
+
+
+def test_every_plan_kind_carries_itself_out():
+    """Every plan kind is a Plan with its own apply: the shared kinds in timm_tokcomp/plans/, a method's own steps
+    (training steps, learned merges) in its method file."""
+    import inspect
+
+    from timm_tokcomp import plans
+
+    kinds = _plan_kinds()
     assert {k.__name__ for k in kinds} >= {"MergePlan", "PrunePlan", "ClusterPlan", "GroupPlan", "KeepMergePlan",
-                                           "SoftPlan", "TruncatePlan", "ResamplePlan"}
+                                           "SoftPlan", "TruncatePlan", "ResamplePlan", "MaskPlan", "ThresholdStepPlan",
+                                           "SoftMergeStepPlan", "SearchStepPlan", "PyraMergePlan", "FusionPlan",
+                                           "SoftMatchPlan"}
     plans_dir = Path(plans.__file__).parent
     for kind in kinds:
-        home = Path(inspect.getfile(kind)).parent
-        if home == plans_dir:
-            assert "apply" in vars(kind), f"{kind.__name__} has no apply of its own"
-        else:
-            assert "apply" not in vars(kind), f"{kind.__name__} ({inspect.getfile(kind)}) executes a plan outside plans/"
+        home = Path(inspect.getfile(kind))
+        assert "apply" in vars(kind), f"{kind.__name__} ({home}) has no apply of its own"
+        assert home.parent == plans_dir or home.parent.name == "methods", f"{kind.__name__} lives in {home}"
+
+
+def test_only_plans_execute_plans():
+    """No method carries out a plan (no `reduce` on a TokenReducer, no isinstance dispatch on plan kinds in the
+    package), and the reducing loop calls plan.apply."""
+    from timm_tokcomp.methods import METHODS
+
+    assert sorted(cls.name for cls in METHODS.values() if any("reduce" in vars(c) for c in cls.__mro__)) == []
+    names = {k.__name__ for k in _plan_kinds()} | {"Plan"}
+    probes = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance" and len(node.args) == 2:
+                if {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} & names:
+                    probes.append(f"{name}: {ast.unparse(node)}")
+    assert probes == []
+    loop = ast.unparse(ast.parse((ROOT / "reducing.py").read_text()))
+    assert "plan.apply(x, size, source)" in loop
 
 
 def test_no_module_is_over_450_lines():

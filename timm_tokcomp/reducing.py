@@ -174,7 +174,7 @@ class ReducingBlockMixin:
         if plan is None:
             return x, size, source, positions
         moved = None if positions is None else positions.reduced(plan, size, num_prefix)
-        return (*reducer.reduce(plan, x, size, source, setting), moved)
+        return (*plan.apply(x, size, source), moved)
 
 
 # model -> (forward_features output -> the stats of the call that returned it); outside the model, so that

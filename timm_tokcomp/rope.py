@@ -137,7 +137,7 @@ class TokenPositions:
             cached = getattr(self.rope, "pos_embed_cached", None)
         return torch.float32 if cached is None else cached.dtype
 
-    def reduced(self, plan, size: Optional[torch.Tensor], num_prefix: int) -> "TokenPositions":
+    def reduced(self, plan: Plan, size: Optional[torch.Tensor], num_prefix: int) -> "TokenPositions":
         """The positions after `plan` (size: (B, N, 1) the tokens' sizes before it, or None). Under 'dst' every
         output of a plan with destinations (plan.at_destinations: a merge's destination, DiffRate's keeper, LTMP's
         group lead, a kept token) keeps its destination's position; under 'centroid', and for an output that has no
@@ -145,9 +145,9 @@ class TokenPositions:
         attention-) weighted centroid of what it holds. A training step that moves no token (keeps_positions:
         DynamicViT's masks) leaves the positions as they are; one that keeps the tokens in place and mixes them softly
         is refused: its positions are not defined."""
-        if getattr(plan, "keeps_positions", False):
+        if plan.keeps_positions:
             return self
-        if not isinstance(plan, Plan):
+        if not plan.defines_positions:
             raise NotImplementedError(
                 "this method's training step keeps every token in place with soft sizes, which defines no rotary "
                 "position for a merged token: train it on a model without rotary embeddings; its eval model "

@@ -53,8 +53,8 @@ def test_tofus_prune_step_keeps_each_destination_and_its_sizes_add_up():
         for j in range(kept.shape[1]):
             members = held[b, j].nonzero().flatten()
             assert any(torch.equal(kept[b, j], x[b, i]) for i in members)
-    reducer = ToFu(r=4)
-    out, size, _ = reducer.reduce(plan, x, None, None, (4, PRUNE))
+    step = ToFu(r=4).plan(x, (4, PRUNE), 1, None)  # the same matches as plan, carried out by ToFu's prune step
+    out, size, _ = step.apply(x, None, None)
     assert torch.equal(out, kept) and torch.equal(size[..., 0], held.sum(-1))
 
 

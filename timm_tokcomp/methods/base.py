@@ -5,11 +5,12 @@ reducing loop (timm_tokcomp.reducing) calls, the same for every method:
   reducer.record_block(stats, x, size)                              # each block: what the stats keep
   metric = reducer.attention_metric(q, k, v, bias, scale, inputs)  # inside attention of an active block (metric())
   plan = reducer.plan(reducer.plan_input(metric, x), settings[l], num_prefix, size)  # None: no reduction
-  x, size, source = reducer.reduce(plan, x, size, source, setting)  # the plan's own apply by default
+  x, size, source = plan.apply(x, size, source)                    # the plan carries itself out (plans/)
 
 at the place in the block reducer.reduces_at names. A method with fused kernels (ToMe, EViT, ATM with
-kernel='triton') does plan and reduce in one reducer.reduce_fused call where it can; one that reduces before
-attention (MCTF) does both in lookahead().
+kernel='triton') plans and reduces in one reducer.reduce_fused call where it can; one that reduces before
+attention (MCTF) does both in lookahead(). A step of its own (a training step, a learned merge) is a plan kind with
+its own apply, in the method's file.
 """
 import warnings
 from abc import ABC, abstractmethod
@@ -219,12 +220,6 @@ class TokenReducer(ABC):
         """The reduction of one block from its metric and setting, or None for no reduction.
         size: (B, N, 1) merging sizes, None while every token has size 1."""
 
-    def reduce(self, plan: Plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
-               setting: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """Carry out one block's plan on x: (B, N, C), size: (B, N, 1) or None, source: (B, N, N0) or None
-        (the plan's own apply; a learned merge such as PYRA's overrides it)."""
-        return plan.apply(x, size, source)
-
     def lookahead(self, x: torch.Tensor, probs: torch.Tensor, size: Optional[torch.Tensor],
                   source: Optional[torch.Tensor], setting: Any, num_prefix: int):
         """For reduces_at 'before_attention': the tokens x (B, N, C) entering the block and this block's attention
@@ -234,9 +229,9 @@ class TokenReducer(ABC):
     def reduce_fused(self, metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor],
                      source: Optional[torch.Tensor], setting: Any, num_prefix: int, positions: Optional[Any] = None
                      ) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[Any]]]:
-        """plan() and reduce() of one block in fused kernels -> (x, size, source, positions moved as the plan moves
-        them; rope.TokenPositions or None), or None where the method has none for these inputs (then plan() and
-        reduce() run)."""
+        """plan() and its apply for one block in fused kernels -> (x, size, source, positions moved as the plan moves
+        them; rope.TokenPositions or None), or None where the method has none for these inputs (then plan() runs and
+        its plan applies itself)."""
         return None
 
     def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:

@@ -15,14 +15,15 @@ macs_weight * (MACs share - macs_target)^2, the share of the block stack's unred
 `tokcomp finetune` adds it to its distillation loss. `rate_params.schedule()` is the searched schedule, which any
 model with as many blocks and patches can carry as `schedule=`.
 """
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..matching import class_attention
-from ..plans import gather_tokens, KeepMergePlan
+from ..plans import KeepMergePlan, Plan, Reduced, gather_tokens
 from ..checks import integer, is_int, real
 from ..schedules import BlockCost
 from .base import BlockSetting, LearnedParams, TokenReducer
@@ -216,7 +217,7 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
              size: Optional[torch.Tensor]):
         importance, tokens = metric
         if self.rate_params is not None and self.rate_params.training:
-            return _SearchPlan(num_prefix, setting, importance.detach(), tokens)
+            return SearchStepPlan(num_prefix, setting, importance.detach(), tokens, self.rate_params)
         p, n = num_prefix, tokens.shape[1] - num_prefix
         prune, merge = self._counts(setting.block)
         kept = min(prune, n)
@@ -230,42 +231,6 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
             own = torch.arange(keepers, device=dst.device).expand(dst.shape[0], -1)
             weight = torch.cat([sim.new_ones(sim.shape[0], keepers), sim.clamp_min(0)], dim=1).unsqueeze(-1)
         return KeepMergePlan(p, keep_idx, torch.cat([own, dst], dim=1), weight, keepers)
-
-    def reduce(self, plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
-               setting: BlockSetting):
-        if not isinstance(plan, _SearchPlan):
-            return super().reduce(plan, x, size, source, setting)
-        return (*self._search_step(plan, x, size), source)
-
-    def _search_step(self, plan: "_SearchPlan", x: torch.Tensor, size: Optional[torch.Tensor]
-                     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Training: (x, size) after the block's decisions, every token in place (see the module docstring)."""
-        params, p = self.rate_params, plan.num_prefix
-        B, N, _ = x.shape
-        n = N - p
-        sizes = (x.new_ones(B, N, 1) if size is None else size).float()
-        patch_size = sizes[:, p:, 0]
-        alive = patch_size >= 0.5  # (B, n): not dropped or merged away before
-        importance = plan.importance[:, p:].float().masked_fill(~alive, float("-inf"))
-        rank = importance.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # (B, n)
-        prune, merge = params.expected(plan.setting.block)
-        if plan.setting.block == 1:
-            params._record = []
-        params._record.append((plan.setting, prune, merge))
-        keepers = (rank < torch.minimum(prune, merge).detach()) & alive
-        keep = hard_through(rank < prune.detach(), params.survival(params.prune[plan.setting.block - 1], n)[rank])
-        stay = hard_through(keepers, params.survival(params.merge[plan.setting.block - 1], n)[rank])
-        merged = keep * (1 - stay) * alive  # (B, n): 1 for a token merged away, with the gradient of both
-        unit = F.normalize(plan.tokens[:, p:].float(), dim=-1)
-        sim, dst = (unit @ unit.transpose(1, 2)).masked_fill(~keepers.unsqueeze(1), float("-inf")).max(dim=-1)
-        receive = merged.new_zeros(B, n, n).scatter(2, dst.unsqueeze(-1), merged.unsqueeze(-1)).transpose(1, 2)
-        xp = x[:, p:]
-        mean = (xp + receive.to(x.dtype) @ xp) / (1 + receive.sum(-1, keepdim=True)).to(x.dtype)
-        xp = torch.where(keepers.unsqueeze(-1), mean, xp)
-        grown = (patch_size.unsqueeze(-1) + receive @ (sim.clamp_min(0) * patch_size).unsqueeze(-1)).clamp_min(1)
-        held = torch.where(keepers.unsqueeze(-1), grown, patch_size.unsqueeze(-1))
-        patch_size = (keep * stay).unsqueeze(-1) * held * (1 - EPS) + EPS
-        return torch.cat([x[:, :p], xp], dim=1), torch.cat([sizes[:, :p], patch_size], dim=1).to(x.dtype)
 
     def method_loss(self) -> Optional[torch.Tensor]:
         """macs_weight * (share - macs_target)^2 of the last search forward (None without a target or a search
@@ -296,10 +261,46 @@ def macs_share(record: Sequence[Tuple[BlockSetting, torch.Tensor, torch.Tensor]]
     return total / (shape.num_blocks * cost.macs(n, n))
 
 
-class _SearchPlan(NamedTuple):
-    """Training mode: the block's ranking and tokens; the decisions are made in reduce()."""
+@dataclass
+class SearchStepPlan(Plan):
+    """Training (the search): the block's soft prune and merge at the learned rates, every token in place.
+
+    importance: (B, N) the ranking; tokens: (B, N, C) what the matching reads; params: the rates (their record
+    grows)."""
 
     num_prefix: int
     setting: BlockSetting
     importance: torch.Tensor
     tokens: torch.Tensor
+    params: DiffRateParams
+    defines_positions = False  # tokens mix in place: no rotary position for a merged token
+
+    def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
+        """x: (B, N, C), size: (B, N, 1) or None -> (x, size) after the block's decisions, every token in place (see
+        the module docstring); source unchanged."""
+        params, p = self.params, self.num_prefix
+        B, N, _ = x.shape
+        n = N - p
+        sizes = (x.new_ones(B, N, 1) if size is None else size).float()
+        patch_size = sizes[:, p:, 0]
+        alive = patch_size >= 0.5  # (B, n): not dropped or merged away before
+        importance = self.importance[:, p:].float().masked_fill(~alive, float("-inf"))
+        rank = importance.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # (B, n)
+        prune, merge = params.expected(self.setting.block)
+        if self.setting.block == 1:
+            params._record = []
+        params._record.append((self.setting, prune, merge))
+        keepers = (rank < torch.minimum(prune, merge).detach()) & alive
+        keep = hard_through(rank < prune.detach(), params.survival(params.prune[self.setting.block - 1], n)[rank])
+        stay = hard_through(keepers, params.survival(params.merge[self.setting.block - 1], n)[rank])
+        merged = keep * (1 - stay) * alive  # (B, n): 1 for a token merged away, with the gradient of both
+        unit = F.normalize(self.tokens[:, p:].float(), dim=-1)
+        sim, dst = (unit @ unit.transpose(1, 2)).masked_fill(~keepers.unsqueeze(1), float("-inf")).max(dim=-1)
+        receive = merged.new_zeros(B, n, n).scatter(2, dst.unsqueeze(-1), merged.unsqueeze(-1)).transpose(1, 2)
+        xp = x[:, p:]
+        mean = (xp + receive.to(x.dtype) @ xp) / (1 + receive.sum(-1, keepdim=True)).to(x.dtype)
+        xp = torch.where(keepers.unsqueeze(-1), mean, xp)
+        grown = (patch_size.unsqueeze(-1) + receive @ (sim.clamp_min(0) * patch_size).unsqueeze(-1)).clamp_min(1)
+        held = torch.where(keepers.unsqueeze(-1), grown, patch_size.unsqueeze(-1))
+        patch_size = (keep * stay).unsqueeze(-1) * held * (1 - EPS) + EPS
+        return torch.cat([x[:, :p], xp], dim=1), torch.cat([sizes[:, :p], patch_size], dim=1).to(x.dtype), source

@@ -19,6 +19,7 @@ non-prefix tokens,
   4. sorts the active tokens by size, largest first, so that the next block's active prefix holds the tokens that
      eval mode would keep.
 """
+from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..matching import bipartite_soft_matching, max_merges
-from ..plans import gather_tokens
+from ..plans import Plan, Reduced, gather_tokens
 from ..checks import int_list, integer
 from ..schedules import BlockCost
 from .base import LearnedParams, ScheduledReducer, prop_attn_unless_avg_pool
@@ -122,22 +123,26 @@ class DTEM(LearnedParams, ScheduledReducer):
     def plan(self, inputs: torch.Tensor, setting: MergeSetting, num_prefix: int, size: Optional[torch.Tensor]):
         embedding = self.embed_params.layers[str(setting.block)](inputs)
         if self.embed_params.training:
-            return _SoftPlan(num_prefix, setting, embedding)
+            return SoftMergeStepPlan(num_prefix, setting, embedding)
         if max_merges(inputs.shape[1], num_prefix) == 0:
             return None
         plan = bipartite_soft_matching(embedding.detach(), setting.r, num_prefix)
         return plan if plan.r > 0 else None
 
-    def reduce(self, plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
-               setting: MergeSetting):
-        if not isinstance(plan, _SoftPlan):
-            return super().reduce(plan, x, size, source, setting)
-        return self._soft_step(plan, x, size, source)
 
-    def _soft_step(self, plan: "_SoftPlan", x: torch.Tensor, size: Optional[torch.Tensor],
-                   source: Optional[torch.Tensor]):
-        """Training: (x, size, source) after the relaxed merge, every token in place (see the module docstring)."""
-        p, setting = plan.num_prefix, plan.setting
+@dataclass
+class SoftMergeStepPlan(Plan):
+    """Training: the relaxed merge of the block's embedding (B, N, d_e), with its gradient; every token in place."""
+
+    num_prefix: int
+    setting: MergeSetting
+    embedding: torch.Tensor
+    defines_positions = False  # tokens mix in place: no rotary position for a merged token
+
+    def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
+        """x: (B, N, C), size: (B, N, 1) or None, source: (B, N, N0) or None -> the same after the relaxed merge,
+        every token in place (see the module docstring)."""
+        p, setting = self.num_prefix, self.setting
         B, N, _ = x.shape
         active = min(setting.active, N - p)
         sizes = x.new_ones(B, N, 1) if size is None else size
@@ -146,7 +151,7 @@ class DTEM(LearnedParams, ScheduledReducer):
         r = min(setting.r, len(a_pos))
         if r <= 0 or len(b_pos) == 0:
             return x, size, source
-        unit = F.normalize(plan.embedding.float(), dim=-1)
+        unit = F.normalize(self.embedding.float(), dim=-1)
         scores = unit[:, a_pos] @ unit[:, b_pos].transpose(1, 2)  # (B, na, nb)
         top, idx = scores.topk(min(CANDIDATES, len(b_pos)), dim=-1)
         share = scores.new_zeros(scores.shape).scatter(2, idx, soft_selection(top, r))  # (B, na, nb)
@@ -168,12 +173,3 @@ class DTEM(LearnedParams, ScheduledReducer):
         index = torch.cat([keep, p + order, rest], dim=1)
         x, sizes = gather_tokens(x, index), gather_tokens(sizes, index).to(x.dtype)
         return x, sizes, None if source is None else gather_tokens(source, index)
-
-
-class _SoftPlan(NamedTuple):
-    """Training mode: the block's embedding (B, N, d_e), with its gradient; the merge happens in reduce()."""
-
-    num_prefix: int
-    setting: MergeSetting
-    embedding: torch.Tensor
-

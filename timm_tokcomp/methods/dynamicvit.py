@@ -10,6 +10,7 @@ gradients still reach the predictor), and decisions accumulate over the stages. 
 the ratio loss, sum over stages of (keep_rate^s - kept share)^2 averaged over images; the fine-tuning command
 adds it (weight 2, as in the paper) to its KL distillation loss. Prefix tokens are never scored or dropped.
 """
+from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
@@ -17,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checks import int_list, integer
-from ..plans import PrunePlan
-from .base import LearnedParams, Plan, ScheduledReducer
+from ..plans import Plan, PrunePlan, Reduced
+from .base import LearnedParams, ScheduledReducer
 from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param
 
 EPS = 1e-6  # the size a token dropped in training keeps (log-size bias log(EPS) ~ -13.8)
@@ -128,7 +129,7 @@ class DynamicViT(LearnedParams, ScheduledReducer):
         present tokens, the dropped ones being gone)."""
         params = self.predictor_params
         if params.training:
-            return _MaskPlan(num_prefix, setting)  # decisions are sampled in reduce()
+            return MaskPlan(num_prefix, setting, params)  # its apply samples the decisions
         patches = tokens[:, num_prefix:]
         policy = patches.new_ones(patches.shape[0], patches.shape[1], 1)
         score = params.predictors[str(setting.stage)](patches, policy)[..., 0]
@@ -136,28 +137,6 @@ class DynamicViT(LearnedParams, ScheduledReducer):
         with torch.no_grad():
             order = score.argsort(dim=-1, descending=True, stable=True)[:, :keep]
         return PrunePlan(num_prefix, order.sort(dim=-1).values)
-
-    def reduce(self, plan: Plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
-               setting: StageSetting):
-        if not isinstance(plan, _MaskPlan):
-            return super().reduce(plan, x, size, source, setting)
-        return x, self._mask(plan, x, size), source
-
-    def _mask(self, plan: "_MaskPlan", x: torch.Tensor, size: Optional[torch.Tensor]) -> torch.Tensor:
-        """Training: the sizes after this stage's sampled decisions, (B, N, 1) (kept 1, dropped EPS)."""
-        p, params = plan.num_prefix, self.predictor_params
-        patches = x[:, p:]
-        before = patches.new_ones(patches.shape[0], patches.shape[1], 1) if size is None else \
-            (size[:, p:] - EPS) / (1 - EPS)  # 0 / 1 decisions so far, with their gradient
-        log_p = params.predictors[str(plan.setting.stage)](patches, before)
-        keep = F.gumbel_softmax(log_p, hard=True)[..., :1]  # (B, n, 1), straight-through
-        policy = before * keep
-        if plan.setting.stage == 0:
-            params._ratios, params._targets = [], []
-        params._ratios.append(policy[..., 0].mean(dim=1))
-        params._targets.append(plan.setting.ratio)
-        prefix = x.new_ones(x.shape[0], p, 1) if size is None else size[:, :p]
-        return torch.cat([prefix, policy * (1 - EPS) + EPS], dim=1)
 
     def method_loss(self) -> Optional[torch.Tensor]:
         """The ratio loss of the last training forward, weighted by 2 (None if none ran since the last call):
@@ -170,9 +149,29 @@ class DynamicViT(LearnedParams, ScheduledReducer):
         return RATIO_WEIGHT * loss
 
 
-class _MaskPlan(NamedTuple):
-    """Training mode: decisions are sampled in reduce(); no token is removed or moved (positions unchanged)."""
+@dataclass
+class MaskPlan(Plan):
+    """Training: the stage's keep decisions, sampled when the plan applies; no token is removed or moved.
+
+    num_prefix: leading tokens, kept; setting: the stage; params: the predictors (their ratio record grows)."""
 
     num_prefix: int
     setting: StageSetting
+    params: DynamicViTParams
     keeps_positions = True  # every token stays where it is: rotary positions travel unchanged
+
+    def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
+        """x: (B, N, C) unchanged; size (B, N, 1) after the sampled decisions (kept 1, dropped EPS); source unchanged."""
+        p, params, stage = self.num_prefix, self.params, self.setting.stage
+        patches = x[:, p:]
+        before = patches.new_ones(patches.shape[0], patches.shape[1], 1) if size is None else \
+            (size[:, p:] - EPS) / (1 - EPS)  # 0 / 1 decisions so far, with their gradient
+        log_p = params.predictors[str(stage)](patches, before)
+        keep = F.gumbel_softmax(log_p, hard=True)[..., :1]  # (B, n, 1), straight-through
+        policy = before * keep
+        if stage == 0:
+            params._ratios, params._targets = [], []
+        params._ratios.append(policy[..., 0].mean(dim=1))
+        params._targets.append(self.setting.ratio)
+        prefix = x.new_ones(x.shape[0], p, 1) if size is None else size[:, :p]
+        return x, torch.cat([prefix, policy * (1 - EPS) + EPS], dim=1), source

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..matching import merge_top_r
-from ..plans import MergePlan
+from ..plans import MergePlan, Reduced
 from ..checks import integer, is_int
 from ..schedules import BlockCost
 from .base import GridSettings, LearnedParams, TokenReducer
@@ -84,6 +84,21 @@ class SoftMatchPlan(MergePlan):
     matches' gradient in the backward pass (training)."""
 
     soft: Optional[torch.Tensor] = None
+
+    def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
+        """The hard merge; its B tokens also carry the gradient of the matches (the hard ones in the forward pass, the
+        soft ones in the backward pass), not a second gradient of x."""
+        x_out, size_out, source_out = super().apply(x, size, source)
+        p = self.num_prefix
+        sizes = x.new_ones(x.shape[0], x.shape[1], 1) if size is None else size
+        rest, rest_size = x[:, p:].detach(), sizes[:, p:].detach()
+        a, b = rest[:, self.a_idx[0]], rest[:, self.b_idx[0]]
+        a_size, b_size = rest_size[:, self.a_idx[0]], rest_size[:, self.b_idx[0]]
+        soft = self.soft.to(x.dtype).transpose(1, 2)  # (B, Nb, Na)
+        mean = (b_size * b + soft @ (a_size * a)) / (b_size + soft @ a_size)
+        n_b = mean.shape[1]
+        x_out = torch.cat([x_out[:, :-n_b], x_out[:, -n_b:] + mean - mean.detach()], dim=1)
+        return x_out, size_out, source_out
 
 
 def checkerboard(rows: int, cols: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -175,23 +190,4 @@ class FPET(GridSettings, LearnedParams, TokenReducer):
             return hard
         soft = torch.sigmoid(scores - scores.topk(2, dim=-1).values.mean(dim=-1, keepdim=True))
         onehot = F.one_hot(dst, scores.shape[-1]).to(soft.dtype)
-        return SoftMatchPlan(**{f: getattr(hard, f) for f in hard.__dataclass_fields__},
-                             soft=onehot + soft - soft.detach())
-
-    def reduce(self, plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor], setting):
-        """The hard merge; in training its B tokens also carry the gradient of the matches (the hard ones in the
-        forward pass, the soft ones in the backward pass), not a second gradient of x."""
-        x_out, size_out, source_out = super().reduce(plan, x, size, source, setting)
-        if not isinstance(plan, SoftMatchPlan):
-            return x_out, size_out, source_out
-        p = plan.num_prefix
-        sizes = x.new_ones(x.shape[0], x.shape[1], 1) if size is None else size
-        rest, rest_size = x[:, p:].detach(), sizes[:, p:].detach()
-        a, b = rest[:, plan.a_idx[0]], rest[:, plan.b_idx[0]]
-        a_size, b_size = rest_size[:, plan.a_idx[0]], rest_size[:, plan.b_idx[0]]
-        soft = plan.soft.to(x.dtype).transpose(1, 2)  # (B, Nb, Na)
-        mean = (b_size * b + soft @ (a_size * a)) / (b_size + soft @ a_size)
-        n_b = mean.shape[1]
-        x_out = torch.cat([x_out[:, :-n_b], x_out[:, -n_b:] + mean - mean.detach()], dim=1)
-        return x_out, size_out, source_out
-
+        return SoftMatchPlan.of(hard, soft=onehot + soft - soft.detach())

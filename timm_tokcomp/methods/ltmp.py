@@ -21,13 +21,14 @@ are used (the gradient passes the clamp). The prune threshold is stored in thous
 the authors' two (5e-3 for the merge threshold, 5e-6 for the prune threshold).
 """
 import math
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..matching import keep_best
-from ..plans import GroupPlan
+from ..plans import GroupPlan, Plan, Reduced
 from ..checks import check_real, integer, is_real, real
 from ..schedules import BlockCost
 from .base import BlockSetting, LearnedParams, TokenReducer, warn_if_compiling
@@ -170,7 +171,8 @@ class LTMP(MacsTargetTagged, LearnedParams, TokenReducer):
         if n < 2:
             return None
         if self.threshold_params.training:
-            return _TrainingPlan(p, setting, keys.detach(), importance.detach())
+            return ThresholdStepPlan(p, setting, keys.detach(), importance.detach(), self.threshold_params,
+                                     self.tau)
         with torch.no_grad():
             merge_at, prune_at = self.threshold_params.thresholds(setting.block)
             real = torch.ones_like(importance[:, p:], dtype=torch.bool) if size is None else size[:, p:, 0] > 0
@@ -189,47 +191,6 @@ class LTMP(MacsTargetTagged, LearnedParams, TokenReducer):
         if unchanged and count == n:
             return None
         return GroupPlan(p, group, count, leads=keep)  # a slot that stays is its group's lead
-
-    def reduce(self, plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
-               setting: BlockSetting):
-        if not isinstance(plan, _TrainingPlan):
-            return super().reduce(plan, x, size, source, setting)
-        return (*self._training_step(plan, x, size), source)
-
-    def _training_step(self, plan: "_TrainingPlan", x: torch.Tensor, size: Optional[torch.Tensor]
-                       ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Training: (x, size) after the block's decisions, every token in place (see the module docstring)."""
-        params, p, tau = self.threshold_params, plan.num_prefix, self.tau
-        B, N, _ = x.shape
-        n = N - p
-        merge_at, prune_at = params.thresholds(plan.setting.block)
-        sizes = (x.new_ones(B, N, 1) if size is None else size).float()
-        patch_size = sizes[:, p:]  # (B, n, 1)
-        alive = patch_size[..., 0] >= 0.5
-        slot, a_pos, best = _matches(plan.keys, alive, p)
-        a_alive = alive[:, a_pos]
-        a_best = best[:, a_pos]
-        merged = hard_through((a_best > merge_at.detach()) & a_alive, torch.sigmoid((a_best - merge_at) / tau))
-        merged = merged * a_alive  # (B, na): 1 for an A token merged into its best B token
-        receive = merged.new_zeros(B, n, len(a_pos)).scatter(1, slot[:, a_pos].unsqueeze(1), merged.unsqueeze(1))
-        a_size = patch_size[:, a_pos]  # (B, na, 1)
-        xp = x[:, p:].float()
-        gained = receive @ (a_size * xp[:, a_pos])  # (B, n, C): nonzero on B tokens only
-        grown = patch_size + receive @ a_size
-        xp = (patch_size * xp + gained) / grown
-        left = grown.clone()
-        left[:, a_pos] = a_size * (1 - merged).unsqueeze(-1)
-        imp = plan.importance[:, p:].float()
-        held = torch.maximum(imp, (receive.detach() * imp[:, a_pos].unsqueeze(1)).amax(dim=-1))
-        kept = hard_through(held >= prune_at.detach(), torch.sigmoid((held - prune_at) / tau))  # (B, n)
-        stays = alive.float() * kept
-        stays[:, a_pos] = stays[:, a_pos] * (1 - merged)
-        if plan.setting.block == 0:
-            params._record = []
-        params._record.append((plan.setting, stays.mean()))
-        patch_size = left * kept.unsqueeze(-1) * (1 - EPS) + EPS
-        x = torch.cat([x[:, :p], xp.to(x.dtype)], dim=1)
-        return x, torch.cat([sizes[:, :p], patch_size], dim=1).to(x.dtype)
 
     def method_loss(self) -> Optional[torch.Tensor]:
         """macs_weight * (macs_target - share)^2 of the last training forward (None without a target or a training
@@ -269,10 +230,53 @@ def _matches(keys: torch.Tensor, real: torch.Tensor, p: int):
     return slot, a_pos, best
 
 
-class _TrainingPlan(NamedTuple):
-    """Training mode: the block's keys and importance; the decisions are made in reduce()."""
+@dataclass
+class ThresholdStepPlan(Plan):
+    """Training: the block's soft merge and prune decisions against the learned thresholds, every token in place.
+
+    keys: (B, N, d) averaged over heads; importance: (B, N); params: the thresholds (their record grows); tau: the
+    sigmoid's temperature."""
 
     num_prefix: int
     setting: BlockSetting
     keys: torch.Tensor
     importance: torch.Tensor
+    params: "LTMPParams"
+    tau: float
+    defines_positions = False  # tokens mix in place: no rotary position for a merged token
+
+    def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
+        """x: (B, N, C), size: (B, N, 1) or None -> (x, size) after the block's decisions, every token in place (see
+        the module docstring); source unchanged."""
+        params, p, tau = self.params, self.num_prefix, self.tau
+        B, N, _ = x.shape
+        n = N - p
+        merge_at, prune_at = params.thresholds(self.setting.block)
+        sizes = (x.new_ones(B, N, 1) if size is None else size).float()
+        patch_size = sizes[:, p:]  # (B, n, 1)
+        alive = patch_size[..., 0] >= 0.5
+        slot, a_pos, best = _matches(self.keys, alive, p)
+        a_alive = alive[:, a_pos]
+        a_best = best[:, a_pos]
+        merged = hard_through((a_best > merge_at.detach()) & a_alive, torch.sigmoid((a_best - merge_at) / tau))
+        merged = merged * a_alive  # (B, na): 1 for an A token merged into its best B token
+        receive = merged.new_zeros(B, n, len(a_pos)).scatter(1, slot[:, a_pos].unsqueeze(1), merged.unsqueeze(1))
+        a_size = patch_size[:, a_pos]  # (B, na, 1)
+        xp = x[:, p:].float()
+        gained = receive @ (a_size * xp[:, a_pos])  # (B, n, C): nonzero on B tokens only
+        grown = patch_size + receive @ a_size
+        xp = (patch_size * xp + gained) / grown
+        left = grown.clone()
+        left[:, a_pos] = a_size * (1 - merged).unsqueeze(-1)
+        imp = self.importance[:, p:].float()
+        held = torch.maximum(imp, (receive.detach() * imp[:, a_pos].unsqueeze(1)).amax(dim=-1))
+        kept = hard_through(held >= prune_at.detach(), torch.sigmoid((held - prune_at) / tau))  # (B, n)
+        stays = alive.float() * kept
+        stays[:, a_pos] = stays[:, a_pos] * (1 - merged)
+        if self.setting.block == 0:
+            params._record = []
+        params._record.append((self.setting, stays.mean()))
+        patch_size = left * kept.unsqueeze(-1) * (1 - EPS) + EPS
+        x = torch.cat([x[:, :p], xp.to(x.dtype)], dim=1)
+        return x, torch.cat([sizes[:, :p], patch_size], dim=1).to(x.dtype), source
+

@@ -14,15 +14,16 @@ Two forms of the rank weights w_l:
             rho = i / (r - 1), and the weighted sum becomes a weighted mean (divided by r): the same
             parameters run at any r, the channel weights staying on one scale.
 """
+from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..checks import check_choice, int_list, integer
-from ..plans import gather_tokens, split_tokens, MergePlan
+from ..plans import MergePlan, Reduced, gather_tokens, split_tokens
 from ..plans.merge import merge_sum
-from .base import LearnedParams, Plan
+from .base import LearnedParams
 from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param
 from .tome import ToMe, tome_plan
 
@@ -140,6 +141,18 @@ def pyra_merge(x: torch.Tensor, size: Optional[torch.Tensor], plan: MergePlan, p
     return total / new_size, new_size
 
 
+@dataclass
+class PyraMergePlan(MergePlan):
+    """ToMe's matches, merged with PYRA's modulated sources: params, the block's layer of them."""
+
+    params: Optional[PyraParams] = None
+    layer: int = 0
+
+    def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
+        x_out, size_out = pyra_merge(x, size, self, self.params, self.layer)
+        return x_out, size_out, None if source is None else merge_sum(source, self)
+
+
 class PYRA(LearnedParams, ToMe):
     """ToMe with PYRA's learned source modulation (see the module docstring). The parameters are made at
     apply (untrained: equal to ToMe) or given as `pyra_params`, and live on the model as model.tokcomp['pyra'].
@@ -176,12 +189,8 @@ class PYRA(LearnedParams, ToMe):
 
     def plan(self, metric: torch.Tensor, setting: PyraSetting, num_prefix: int,
              size: Optional[torch.Tensor]) -> Optional[MergePlan]:
-        return tome_plan(metric, setting.r, num_prefix)
+        plan = tome_plan(metric, setting.r, num_prefix)
+        return None if plan is None else PyraMergePlan.of(plan, params=self.pyra_params, layer=setting.layer)
 
     def reduce_fused(self, metric, x, size, source, setting, num_prefix, positions=None):
-        return None  # ToMe's fused step has no learned modulation: plan() and reduce() run, compiled or not
-
-    def reduce(self, plan: Plan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
-               setting: PyraSetting):
-        x_out, size_out = pyra_merge(x, size, plan, self.pyra_params, setting.layer)
-        return x_out, size_out, None if source is None else merge_sum(source, plan)
+        return None  # ToMe's fused step has no learned modulation: plan() runs and its plan applies, compiled or not

@@ -2,11 +2,12 @@
 in the early blocks the merged-away tokens are dropped (the destination keeps its value: pruning), in the later
 blocks a group becomes MLERP, its members' mean direction at the largest member norm, so merging does not shrink
 the tokens' norms. Training-free."""
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
 
-from ..plans import MergePlan
+from ..plans import MergePlan, Reduced
 from ..plans.merge import merge_keep_destination, merge_mlerp, merge_sum
 from ..checks import check_int
 from ..schedules import BlockCost
@@ -15,6 +16,21 @@ from .params import COMMON, SCHEDULE, Param, optional
 from .tome import tome_plan
 
 PRUNE, MLERP = "prune", "mlerp"
+
+
+@dataclass
+class FusionPlan(MergePlan):
+    """ToMe's matches, merged by the block's step: 'prune' (the destination keeps its value) or 'mlerp'."""
+
+    step: str = PRUNE
+
+    def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
+        """x: (B, N, C) -> (B, N - r, C) by the block's step; sizes (B, N, 1) and source maps (B, N, N0) summed."""
+        if size is None:
+            size = x.new_ones(x.shape[0], x.shape[1], 1)
+        size, source = merge_sum(size, self), None if source is None else merge_sum(source, self)
+        merged = merge_mlerp(x, self) if self.step == MLERP else merge_keep_destination(x, self)
+        return merged, size, source
 
 
 class ToFu(ScheduledReducer):
@@ -49,13 +65,5 @@ class ToFu(ScheduledReducer):
 
     def plan(self, metric: torch.Tensor, setting: Tuple[int, str], num_prefix: int,
              size: Optional[torch.Tensor]) -> Optional[MergePlan]:
-        return tome_plan(metric, setting[0], num_prefix)
-
-    def reduce(self, plan: MergePlan, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
-               setting: Tuple[int, str]) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """x: (B, N, C) -> (B, N - r, C) by the block's step; sizes (B, N, 1) and source maps (B, N, N0) summed."""
-        if size is None:
-            size = x.new_ones(x.shape[0], x.shape[1], 1)
-        size, source = merge_sum(size, plan), None if source is None else merge_sum(source, plan)
-        merged = merge_mlerp(x, plan) if setting[1] == MLERP else merge_keep_destination(x, plan)
-        return merged, size, source
+        plan = tome_plan(metric, setting[0], num_prefix)
+        return None if plan is None else FusionPlan.of(plan, step=setting[1])

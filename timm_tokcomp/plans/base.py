@@ -3,7 +3,7 @@
 Index conventions: prefix tokens (class / distillation / register) come first and are never reduced; a plan's
 indices index the non-prefix tokens (or ToMe's A / B sets of them), per batch row."""
 from abc import ABC, abstractmethod
-from typing import Optional, Tuple
+from typing import ClassVar, Optional, Tuple
 
 import torch
 
@@ -11,7 +11,15 @@ Reduced = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]  #
 
 
 class Plan(ABC):
-    """One block's reduction, decided by a method (methods/) and carried out by the plan itself."""
+    """One block's reduction, decided by a method (methods/) and carried out by the plan itself. A method's training
+    step is a plan kind too (in its method file): it keeps every token in place and changes sizes softly.
+
+    keeps_positions: no token moves (a training mask): rotary positions travel unchanged.
+    defines_positions: False for a step that mixes tokens softly in place, which defines no rotary position for a
+    merged token (rope models refuse it)."""
+
+    keeps_positions: ClassVar[bool] = False
+    defines_positions: ClassVar[bool] = True
 
     @abstractmethod
     def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:

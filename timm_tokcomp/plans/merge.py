@@ -1,5 +1,5 @@
 """ToMe's bipartite merge and the sums, maxima and means over its groups."""
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
 import torch
@@ -32,6 +32,11 @@ class MergePlan(Plan):
     @property
     def r(self) -> int:
         return self.src_idx.shape[1]
+
+    @classmethod
+    def of(cls, plan: "MergePlan", **extra) -> "MergePlan":
+        """The same matches as plan, as this kind (a subclass carrying its step's data in extra)."""
+        return cls(**{f.name: getattr(plan, f.name) for f in fields(MergePlan)}, **extra)
 
     def at_destinations(self, t: torch.Tensor) -> torch.Tensor:
         """t: (B, n, C) -> (B, n - r, C): a kept A token's own row, a B token's (what merged into it keeps it)."""
