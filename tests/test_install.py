@@ -18,12 +18,13 @@ def test_the_core_install_runs_apply_the_names_and_bench(tmp_path):
     done = _run(f"""
 import timm, torch, timm_tokcomp
 from timm_tokcomp.bench import run_bench
+from timm_tokcomp.kit.grammar import parse_methods
 from timm_tokcomp.cli import main
 from timm_tokcomp.tocom import Compensator, load
 model = timm.create_model("deit_tiny_patch16_224.tome_r8")
 plain = timm_tokcomp.apply(timm.create_model("deit_tiny_patch16_224"), "tome", r=4)
 assert timm_tokcomp.get_reducer(model).params["r"] == 8 and timm_tokcomp.is_reduced(plain)
-rows = run_bench("deit_tiny_patch16_224", ["none", "tome_r8"], batch_size=2, timing_rounds=1, latency_runs=0,
+rows = run_bench("deit_tiny_patch16_224", parse_methods("none,tome_r8"), batch_size=2, timing_rounds=1, latency_runs=0,
                  show_progress=False)
 assert rows[1].gmacs < rows[0].gmacs
 assert main(["bench", "deit_tiny_patch16_224", "--methods", "none,tome_r8", "--batch-size", "2", "--timing-rounds",

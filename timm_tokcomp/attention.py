@@ -16,7 +16,7 @@ same result, so that the fastest one for a device can be chosen (`tokcomp tune`)
 'auto' resolves per device class and dtype from the measured table (timm_tokcomp.device_table), 'mask' where it
 has no entry; the table may name another choice for compiled blocks of models without rope. The pure tensor math
 lives here, and `attend` dispatches the implementation for every model family."""
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +25,14 @@ from torch import nn
 PROP_ATTN_IMPLS = ("mask", "fold", "fold_qkv", "flex")
 
 
-def check_prop_attn(value) -> None:
-    """Raise ValueError unless value is None, True, False, 'auto' or one of PROP_ATTN_IMPLS."""
+def check_prop_attn(value: Any) -> Any:
+    """value, if None, True, False, 'auto' or one of PROP_ATTN_IMPLS; else ValueError naming them."""
     if value is None or isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
-        return
+        return value
     if not isinstance(value, str) or value not in PROP_ATTN_IMPLS:
         raise ValueError(f"prop_attn must be True, False, None (the method's default) or one of 'auto', "
                          f"{', '.join(repr(v) for v in PROP_ATTN_IMPLS)} (an implementation of it), got {value!r}")
+    return value
 
 
 def padded_head_dim(d: int) -> int:

@@ -13,10 +13,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from .checks import check_int
 from .core import apply, is_reduced, last_stats
 from .data import UnlabeledImages, check_num_classes, open_images
 from .extras import pyplot
-from .kit.grammar import BASELINE, MethodItem, parse_methods
+from .kit.grammar import BASELINE, MethodItem
 from .kit import modes as modes_
 from .kit.agreement import NonFiniteScores, evaluate, paired_flags
 from .kit.modes import check_mode, warmup_calls
@@ -24,7 +25,7 @@ from .kit.stats import noise_notes, p90, speedup_interval
 from .measure import count_macs, no_silent_eager_fallback, time_runs
 from .methods import exportable_methods, method_class, tocom_methods
 from .models import build_base_model, eval_transform, weights_source
-from .patch import facade
+from .families import facade
 from .precision import check_dtype, precision
 from .outputs import new_output
 from .tables import text_table
@@ -157,7 +158,7 @@ def paired_change(agrees: Dict[str, torch.Tensor], row: str, reference: str) -> 
 
 def run_bench(
     model_name: str,
-    methods: Sequence[str] = (BASELINE, "tome_r8", "tome_r16"),
+    methods: Sequence[MethodItem],
     checkpoint: Optional[str] = None,
     pretrained: bool = False,
     data: Optional[str] = None,
@@ -175,7 +176,8 @@ def run_bench(
     backend: str = "eager",
     latency_runs: int = 30,
 ) -> List[BenchRow]:
-    """Benchmark methods against the unmodified model in one run. Without data, MACs and timing use
+    """Benchmark methods (--methods items, read once by kit.grammar.parse_methods: the plain model first) against
+    the unmodified model in one run. Without data, MACs and timing use
     one random batch and top1 / agreement are None; with a folder of unlabeled images, top1 is None and
     agreement is measured. tocom: a compensator (folder or Hub repo) for a model trained at ToMe r =
     source_r; adds a '+ToCom' row after each ToMe / EViT row (its scale, or tocom_scale). dtype: 'fp32',
@@ -185,15 +187,14 @@ def run_bench(
     either; the timing batch is the first batch of the data, so no larger than `limit`). latency_runs: single-image
     forwards timed per model (0: none)."""
     check_dtype(dtype)
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
-    if timing_rounds < 0:
-        raise ValueError(f"--timing-rounds must be >= 0 (0: no timing), got {timing_rounds}")
+    check_int("--batch-size", batch_size, 1)
+    check_int("--timing-rounds", timing_rounds, 0, "(0: no timing)")
     if checkpoint and pretrained:
         raise ValueError("give --checkpoint or --pretrained, not both")
-    if latency_runs < 0:
-        raise ValueError(f"--latency-runs must be >= 0, got {latency_runs}")
-    items = parse_methods(",".join(methods), device=device, dtype=dtype, batch_size=batch_size)
+    check_int("--latency-runs", latency_runs, 0, "(0: none)")
+    items = list(methods)
+    if not items or items[0].method != BASELINE:
+        raise ValueError("methods must start with the plain model ('none'), as kit.grammar.parse_methods gives them")
     check_backend(backend, device, dtype, items)
     base = build_base_model(model_name, checkpoint, pretrained, device)
     models = build_method_models(base, items)

@@ -186,8 +186,8 @@ def calibrate_folder(model_name: str, data: str, checkpoint: Optional[str], pret
     from .data import open_images
     from .models import build_base_model, eval_transform
 
-    if limit < 1 or batch_size < 1:
-        raise ValueError(f"--limit and --batch-size must be >= 1, got {limit} and {batch_size}")
+    check_int("--limit", limit, 1)
+    check_int("--batch-size", batch_size, 1)
     base = build_base_model(model_name, checkpoint, pretrained, device)
     dataset = open_images(data, eval_transform(base), limit=limit)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)

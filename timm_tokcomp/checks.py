@@ -76,6 +76,11 @@ def integer(name: str, low: int = 0, note: str = "") -> Callable[[Any], int]:
     return lambda value: check_int(name, value, low, note)
 
 
+def boolean(name: str) -> Callable[[Any], bool]:
+    """check_bool as a one-argument check (a Param's)."""
+    return lambda value: check_bool(name, value)
+
+
 def real(name: str, low: Optional[float] = 0.0, strict: bool = True) -> Callable[[Any], float]:
     """check_real as a one-argument check (a Param's)."""
     return lambda value: check_real(name, value, low, strict)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from . import patch as _patch
+from .families import patched_family, resolve
 from .methods import make_reducer, method_class
 from .methods.base import TokenReducer
 from .state import ReductionStats
@@ -26,20 +27,20 @@ def apply(model: nn.Module, method: str = "tome", **params: Any) -> nn.Module:
     Raises TypeError for unsupported models and ValueError for bad parameters, leaving the model
     untouched.
     """
-    _patch.check_supported(model)
+    family = resolve(model)  # the model's family, found and checked once; patch is handed it
     if method == NO_REDUCTION:  # a tune preset that chose the plain model
         if params:
             raise ValueError(f"method 'none' takes no parameters, got {sorted(params)}")
         return remove(model)
-    params = method_class(method).resolve_params(_patch.facade(model), params)
-    _patch.patch(model, make_reducer(method, **params))
+    params = method_class(method).resolve_params(family.facade(model), params)
+    _patch.patch(model, make_reducer(method, **params), family)
     return model
 
 
 def remove(model: nn.Module) -> nn.Module:
     """Restore the plain timm model (same classes, same weights); returns it. A model without a method is returned
     unchanged."""
-    if _patch.is_patched(model):
+    if patched_family(model) is not None:
         _patch.unpatch(model)
     return model
 
@@ -49,9 +50,10 @@ def set_params(model: nn.Module, **params: Any) -> nn.Module:
     Parameters not given keep their values; giving flops_ratio clears r and vice versa, giving an
     ATM preset replaces the thresholds not given."""
     reducer = _patch.reducer_of(model)
+    family = patched_family(model)
     cls = type(reducer)
-    merged = cls.resolve_params(_patch.facade(model), cls.update_params(reducer.params_for_update(params), params))
-    _patch.patch(model, make_reducer(reducer.name, **merged))
+    merged = cls.resolve_params(family.facade(model), cls.update_params(reducer.params_for_update(params), params))
+    _patch.patch(model, make_reducer(reducer.name, **merged), family)
     return model
 
 
@@ -63,7 +65,7 @@ def get_reducer(model: nn.Module) -> TokenReducer:
 def is_reduced(model: nn.Module) -> bool:
     """Whether `model` runs a token reduction method (apply / a method name); False for a plain timm model,
     and again after remove."""
-    return _patch.is_patched(model)
+    return patched_family(model) is not None
 
 
 def last_stats(model: nn.Module, features: Optional[torch.Tensor] = None) -> Optional[ReductionStats]:

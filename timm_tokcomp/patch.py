@@ -1,77 +1,39 @@
 """Make a timm model reduce tokens, and back: swaps the model's, its blocks' and their attention's classes for the
 static subclasses its family gives (timm_tokcomp.families), so parameters and buffers are never touched and
-state_dict keys and weights stay exactly those of the timm model. Refuses, naming why, what no family serves."""
+state_dict keys and weights stay exactly those of the timm model. It is handed the model's family, found and checked
+once (families.resolve); a patched model's classes name it (families.patched_family)."""
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from .families import Family, family_of, served_classes, unserved_reason
-from .families.eva import ReducingEva
-from .families.vit import (DenseBlock, ReducingAttention, ReducingBlock, ReducingVisionTransformer,
-                           ReducingVisionTransformerDistilled)
+from .families import Family, family_of, patched_family
 from .methods.base import TokenReducer
 from .reducing import feature_stats, forget_last, last_of, patch_grid, prefix_only_last
-from .schedules import BlockCost
 from .state import ReductionStats
-
-__all__ = ["DenseBlock", "ReducingAttention", "ReducingBlock", "ReducingEva", "ReducingVisionTransformer",
-           "ReducingVisionTransformerDistilled", "check_supported", "is_patched", "model_depth", "patch", "unpatch",
-           "reducer_of", "stats_of", "trace_blocks"]
 
 _ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_block_cost", "_tokcomp_pool_stats", "_tokcomp_depth")
 _BLOCK_ATTRS = ("_tokcomp_reducer", "_tokcomp_setting", "_tokcomp_num_prefix")
 
 
 def is_patched(model: nn.Module) -> bool:
-    family = family_of(type(model))
-    return family is not None and type(model) in family.plain_models()
+    return patched_family(model) is not None
 
 
-def facade(model: nn.Module) -> Any:
-    """What the methods and patch read of a served model, under timm's attribute names (Family.facade)."""
-    family = family_of(type(model))
-    return model if family is None else family.facade(model)
-
-
-def _block_cost(model: nn.Module) -> BlockCost:
-    """The MACs of one block of a served model."""
-    return family_of(type(model)).block_cost(facade(model).blocks[0])
-
-
-def check_supported(model: nn.Module) -> None:
-    """Raise TypeError explaining why the model cannot be reduced; return if it can."""
-    family = family_of(type(model))
-    if family is None:
-        served = f"timm_tokcomp reduces tokens in timm's {served_classes()}"
-        inner = getattr(model, "model", None)
-        if hasattr(model, "feature_info") and inner is not None and family_of(type(inner)) is not None:
-            raise TypeError(f"{served}; this is timm's features_only wrapper {type(model).__name__} around one: pass "
-                            f"the method in the name instead, e.g. timm.create_model('vit_small_patch16_224."
-                            f"dense_tome_r8', features_only=True)")
-        why = unserved_reason(type(model))
-        if why is not None:
-            raise TypeError(f"{type(model).__name__} is {why}. {served}")
-        raise TypeError(f"{served}, got {type(model).__name__} from {type(model).__module__}, which it does not "
-                        f"serve yet")
-    family.check_blocks(model)
-    family.check(model)
-
-
-def model_depth(model: nn.Module) -> int:
+def model_depth(model: nn.Module, view: Any) -> int:
     """The blocks a method's schedule is laid over: the model's blocks, or, for a model timm pruned to its
     first blocks (prune_intermediate_layers, as features_only does) before or after the method was applied,
-    the depth it was built with (model._tokcomp_depth), so each kept block does what it does in the full model."""
+    the depth it was built with (model._tokcomp_depth), so each kept block does what it does in the full model.
+    view: the model's facade (Family.facade)."""
     depth = model.__dict__.get("_tokcomp_depth")
-    return len(facade(model).blocks) if depth is None else depth
+    return len(view.blocks) if depth is None else depth
 
 
-def patch(model: nn.Module, reducer: TokenReducer) -> None:
-    """Make `model` reduce tokens with `reducer` (or switch the reducer of a patched model)."""
-    check_supported(model)
-    family = family_of(type(model))
+def patch(model: nn.Module, reducer: TokenReducer, family: Family) -> None:
+    """Make `model` reduce tokens with `reducer` (or switch the reducer of a patched model); family: the one serving
+    it, checked (families.resolve)."""
     view = family.facade(model)
-    depth = model_depth(model)
+    depth = model_depth(model, view)
     reducer.check_depth(depth)
     if reducer.dense:
         _patch_dense(model, reducer, family)
@@ -83,18 +45,17 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
         if refusal is not None:
             raise ValueError(refusal)
     prefix_only_last(view, reducer)  # raises if asked for where it is not exact
-    block_cost = _block_cost(model)
+    block_cost = family.block_cost(view.blocks[0])
     # settings for the model's default input: a budget out of reach (flops_ratio) fails here, not in a forward
     settings = reducer.settings_for(depth, view.patch_embed.num_patches + view.num_prefix_tokens,
                                     view.num_prefix_tokens, block_cost, patch_grid(view))
     # a learned method's parameters are made or checked here
     reducer.bind(view.embed_dim, settings, view.blocks[0].attn.head_dim)
-    if hasattr(reducer, "mark_made"):
-        reducer.mark_made()
+    reducer.mark_made()
     prop_attn = reducer.prop_attn if reducer.prop_attn is not None else reducer.default_prop_attn(view.global_pool)
     prop_attn = "auto" if prop_attn is True else prop_attn  # on: the implementation measured for the device
     if prop_attn == "fold_qkv":
-        refusal = fold_qkv_refusal(model)
+        refusal = family.fold_qkv_refusal(model)
         if refusal is not None:
             raise ValueError(refusal)
     _swap_classes(model, family, dense=False)
@@ -105,13 +66,6 @@ def patch(model: nn.Module, reducer: TokenReducer) -> None:
     model._tokcomp_pool_stats = None
     forget_last(model)
     _attach_learned(model, reducer.learned_module(), reducer.name)
-
-
-def fold_qkv_refusal(model: nn.Module) -> Optional[str]:
-    """Why prop_attn='fold_qkv' cannot serve this model's attention, or None where it can (Family.fold_qkv_refusal)."""
-    family = family_of(type(model))
-    return "prop_attn='fold_qkv' serves timm_tokcomp's families only" if family is None else \
-        family.fold_qkv_refusal(model)
 
 
 def adapter_skip(model: nn.Module) -> Optional[str]:
@@ -157,7 +111,7 @@ def _patch_dense(model: nn.Module, reducer: TokenReducer, family: Family) -> Non
     # a dense method's settings may not depend on the token count: any input size runs the same blocks
     num_prefix = model.num_prefix_tokens
     settings = reducer.settings_for(len(model.blocks), model.patch_embed.num_patches + num_prefix, num_prefix,
-                                    _block_cost(model), patch_grid(model))
+                                    family.block_cost(model.blocks[0]), patch_grid(model))
     _swap_classes(model, family, dense=True)
     for blk, setting in zip(model.blocks, settings):
         blk._tokcomp_reducer = reducer
@@ -169,9 +123,9 @@ def _patch_dense(model: nn.Module, reducer: TokenReducer, family: Family) -> Non
 
 def unpatch(model: nn.Module) -> None:
     """Restore the plain timm classes. Raises ValueError if the model is not patched."""
-    if not is_patched(model):
+    family = patched_family(model)
+    if family is None:
         raise ValueError("model is not patched by timm_tokcomp")
-    family = family_of(type(model))
     for blk in family.facade(model).blocks:
         for name in _BLOCK_ATTRS:
             blk.__dict__.pop(name, None)

@@ -24,11 +24,13 @@ PATCH_DROP_REFUSAL = ("patch dropout (patch_drop_rate > 0) in training is not su
                       "travel with them; set patch_drop_rate=0 or train without a method")
 
 
-def check_rope_merge(value) -> None:
+def check_rope_merge(value: Any) -> str:
+    """value, if one of ROPE_MERGES; else ValueError naming them."""
     if value not in ROPE_MERGES:
         raise ValueError(f"rope_merge must be one of {', '.join(repr(v) for v in ROPE_MERGES)} (a merged token's "
                          f"rotary position: its destination token's, or the size-weighted centroid of its patches), "
                          f"got {value!r}")
+    return value
 
 
 def check_rope(rope: Optional[nn.Module]) -> None:

@@ -17,11 +17,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from .checks import check_int
 from .core import apply, get_reducer, last_stats
 from .models import build_base_model, eval_transform
 from .data import open_images
 from .kit import modes as modes_
-from .kit.grammar import BASELINE, MethodItem, parse_methods
+from .kit.grammar import BASELINE, MethodItem
 from .kit.modes import check_batches, check_modes
 from .kit.stats import noise_notes, speedup_interval
 from .plans import TruncatePlan
@@ -31,6 +32,7 @@ from .methods import method_class
 from .methods.base import TokenReducer
 from .methods.params import REQUIRED, Param
 from .outputs import new_output
+from .families import patched_family
 from .patch import patch
 from .schedules import BlockCost
 from .tables import text_table
@@ -106,7 +108,7 @@ class SpeedRow:
 
 def run_speed(
     model_name: str,
-    methods: Sequence[str] = ("tome_r8", "tome_r16", "evit_r8", "evit_r16"),
+    methods: Sequence[MethodItem],
     batches: Sequence[int] = (1, 32, 64, 256),
     modes: Sequence[str] = ("eager",),
     device: str = "cpu",
@@ -119,18 +121,18 @@ def run_speed(
     show_progress: bool = True,
     on_rows: Optional[Callable[[List[SpeedRow]], None]] = None,
 ) -> List[SpeedRow]:
-    """Forward times of the plain model, every method and every method's limit, interleaved per (mode, batch) so
+    """Forward times of the plain model, every method (--methods items, read once by kit.grammar.parse_methods; the
+    plain model's item is skipped: it is always timed) and every method's limit, interleaved per (mode, batch) so
     that machine noise hits them alike (SpeedRow: medians, and speed-ups with their 95 % intervals).
     Data-dependent methods (ATM, ATS) run in eager mode only. modes: eager, compile, cudagraph (torch.compile
     with CUDA graphs: compiling.compile), graph (the eager forward in a CUDA graph, graphs.GraphedForward). data: a
     folder of images whose first batch is timed (random inputs without it). on_rows: called with all rows so far after
     each (mode, batch), so a run stopped later keeps what it measured (the CLI writes --out there)."""
     check_batches(batches)
-    if rounds < 1:
-        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    check_int("--rounds", rounds, 1)
     check_dtype(dtype)
     check_modes(modes, device)
-    items = parse_methods(",".join(methods))[1:]
+    items = [item for item in methods if item.method != BASELINE]
     base = build_base_model(model_name, checkpoint, pretrained, device)
     inputs = _inputs(data, base, max(batches), device)
     rows: List[SpeedRow] = []
@@ -176,7 +178,8 @@ def _models(base: nn.Module, items: Sequence[MethodItem], x: torch.Tensor, stati
         models[name] = model
         if not get_reducer(model).dense:
             limit = copy.deepcopy(base)
-            patch(limit, LimitReducer(limit_schedule(model, x), after_mlp=get_reducer(model).reduces_at == "after_mlp"))
+            after_mlp = get_reducer(model).reduces_at == "after_mlp"
+            patch(limit, LimitReducer(limit_schedule(model, x), after_mlp=after_mlp), patched_family(model))
             models[name + LIMIT_SUFFIX] = limit
     return models
 

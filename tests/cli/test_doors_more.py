@@ -14,6 +14,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from test_doors import MODEL, _assert_refused, _commands, _images
 from timm_tokcomp import outputs
+from timm_tokcomp.kit.grammar import parse_methods
 
 FILE_COMMANDS = {  # every command writing one file, with the flag naming it
     "bench": ["bench", MODEL, "--methods", "tome_r8", "--no-timing", "--no-progress"],
@@ -200,12 +201,12 @@ def test_finetunes_default_warm_up_fits_a_single_epoch():
 
 
 def test_selfcheck_on_the_cpu_without_the_interpreter_says_how(monkeypatch, capsys):
-    from timm_tokcomp.kernels import selfcheck
+    from timm_tokcomp import selfcheck
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(SystemExit) as e:
         selfcheck.main(["--device", "cpu", "--no-timing"])
-    assert e.value.code == 2 and "TRITON_INTERPRET=1 python -m timm_tokcomp.kernels.selfcheck" in \
+    assert e.value.code == 2 and "TRITON_INTERPRET=1 python -m timm_tokcomp.selfcheck" in \
         capsys.readouterr().err
 
 
@@ -307,7 +308,7 @@ def test_bench_explains_a_none_preset_as_the_plain_model(tmp_path):
 
     preset = tmp_path / "none.json"
     preset.write_text(json.dumps({"format": 1, "method": "none", "params": {}}))
-    rows = run_bench("deit_tiny_patch16_224", methods=["none", str(preset), "tome_r8"], batch_size=1, timing_rounds=0,
+    rows = run_bench("deit_tiny_patch16_224", methods=parse_methods(f"none,{preset},tome_r8"), batch_size=1, timing_rounds=0,
                      show_progress=False)
     assert [r.plain_preset for r in rows] == [False, True, False]
     table = format_table(rows)

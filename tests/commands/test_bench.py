@@ -192,7 +192,7 @@ def test_tocom_rows_count_the_images_whose_agreement_changed(tmp_path):
     plugins = Compensator.init(16, 12, 192, 192)
     plugins.lora_b.normal_(std=3.0)  # large enough to change predictions
     save(plugins, str(tmp_path / "tocom"), "deit_tiny_patch16_224")
-    rows = {r.method: r for r in run_bench("deit_tiny_patch16_224", ["none", "tome_r16"], data=str(tmp_path / "val"),
+    rows = {r.method: r for r in run_bench("deit_tiny_patch16_224", parse_methods("none,tome_r16"), data=str(tmp_path / "val"),
                                            batch_size=8, timing_rounds=1, num_workers=0, show_progress=False,
                                            tocom=str(tmp_path / "tocom"))}
     row, plain = rows["tome_r16+ToCom"], rows["tome_r16"]
@@ -277,7 +277,7 @@ def test_a_preset_is_read_once_per_bench_run(tmp_path, monkeypatch):
     path.write_text(json.dumps({"format": 1, "method": "tome", "params": {"r": 2}, "execution": {"mode": "eager"}}))
     real, reads = presets.read_json, []
     monkeypatch.setattr(presets, "read_json", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
-    rows = run_bench("deit_tiny_patch16_224", ["none", str(path)], batch_size=2, timing_rounds=1, latency_runs=0,
+    rows = run_bench("deit_tiny_patch16_224", parse_methods(f"none,{path}"), batch_size=2, timing_rounds=1, latency_runs=0,
                      show_progress=False)
     assert reads == [str(path)]
     assert rows[1].method == str(path) and rows[1].gmacs < rows[0].gmacs

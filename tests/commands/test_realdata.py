@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 import timm_tokcomp
 from timm_tokcomp.bench import run_bench
 from conftest import REPO, require_data
+from timm_tokcomp.kit.grammar import parse_methods
 
 pytestmark = pytest.mark.realdata
 
@@ -22,7 +23,7 @@ def tome_rows():
     data = require_data()
     rows = run_bench(
         "deit_tiny_patch16_224",
-        methods=["none", "tome_r4", "tome_r8", "tome_r12", "tome_r16", "atm"],
+        methods=parse_methods("none,tome_r4,tome_r8,tome_r12,tome_r16,atm"),
         checkpoint=str(data / "deit_tiny_patch16_224.safetensors"),
         data=str(data / "imagenet-val-1300"),
         batch_size=64,

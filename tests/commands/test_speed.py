@@ -11,8 +11,10 @@ import timm_tokcomp
 from timm_tokcomp import speed
 from timm_tokcomp.kit import modes
 from timm_tokcomp.cli import main
+from timm_tokcomp.families import VIT
 from timm_tokcomp.patch import patch
 from timm_tokcomp.speed import LimitReducer, limit_schedule
+from timm_tokcomp.kit.grammar import parse_methods
 
 FAST = ["--rounds", "1", "--no-progress"]
 
@@ -29,7 +31,7 @@ def test_limit_runs_the_methods_token_schedule_by_dropping_tokens():
         model = timm_tokcomp.apply(copy.deepcopy(base), method, **params)
         kept = limit_schedule(model, x)
         limit = copy.deepcopy(base)
-        patch(limit, LimitReducer(kept))
+        patch(limit, LimitReducer(kept), VIT)
         with torch.no_grad():
             limit(x)
         assert timm_tokcomp.last_stats(limit).tokens_per_block == timm_tokcomp.last_stats(model).tokens_per_block
@@ -40,12 +42,12 @@ def test_limit_keeps_the_first_tokens_and_keeping_all_is_the_plain_model():
     x = torch.randn(2, 3, 224, 224)
     base = _deit_tiny()
     full = copy.deepcopy(base)
-    patch(full, LimitReducer([197] * 12))
+    patch(full, LimitReducer([197] * 12), VIT)
     with torch.no_grad():
         assert torch.equal(full(x), base(x))
         # keeping only the class token after block 0: the rest of the stack sees that one token
         one = copy.deepcopy(base)
-        patch(one, LimitReducer([1] * 12))
+        patch(one, LimitReducer([1] * 12), VIT)
         h = base.norm_pre(base.patch_drop(base._pos_embed(base.patch_embed(x))))
         h = h + base.blocks[0].ls1(base.blocks[0].attn(base.blocks[0].norm1(h)))
         h = h[:, :1]
@@ -61,7 +63,7 @@ def test_limit_reducer_refuses_bad_schedules():
     with pytest.raises(ValueError, match="kept"):
         LimitReducer([4, 0])
     with pytest.raises(ValueError, match="one entry per block"):
-        patch(_deit_tiny(), LimitReducer([100, 50]))
+        patch(_deit_tiny(), LimitReducer([100, 50]), VIT)
 
 
 def test_speed_table_and_csv(tmp_path, capsys):
@@ -112,7 +114,7 @@ def test_speed_csv_keeps_the_batches_measured_before_a_run_stops(tmp_path, monke
 def test_speed_compiled_mode_skips_data_dependent_methods_and_never_falls_back_silently(monkeypatch, capsys):
     # dynamo's capture with the 'eager' backend: the harness's wiring without inductor's minutes on a CPU
     monkeypatch.setattr(modes, "runner", lambda m, mode, x: torch.compile(m, backend="eager", dynamic=False))
-    rows = speed.run_speed("deit_tiny_patch16_224", methods=["tome_r8", "tome_r16", "evit_r8", "atm", "ats_k70"],
+    rows = speed.run_speed("deit_tiny_patch16_224", methods=parse_methods("tome_r8,tome_r16,evit_r8,atm,ats_k70"),
                            batches=[2], modes=["compile"], rounds=1, show_progress=False)
     assert [r.method for r in rows] == ["none", "tome_r8", "tome_r8 limit", "tome_r16", "tome_r16 limit",
                                         "evit_r8", "evit_r8 limit"]
@@ -123,7 +125,7 @@ def test_speed_compares_every_mode_with_the_fastest_plain_model_and_states_first
 
     # the package's compiled mode (regions for the reduced models), traced by dynamo's 'eager' backend
     monkeypatch.setattr(modes, "runner", lambda m, mode, x: m if mode == "eager" else compiling.compile(m, backend="eager"))
-    rows = speed.run_speed("deit_tiny_patch16_224", methods=["tome_r16"], batches=[2], modes=["eager", "compile"],
+    rows = speed.run_speed("deit_tiny_patch16_224", methods=parse_methods("tome_r16"), batches=[2], modes=["eager", "compile"],
                            rounds=2, show_progress=False)
     plain = {r.mode: r for r in rows if r.method == "none"}
     fastest = min(plain.values(), key=lambda r: r.ms)
@@ -153,7 +155,7 @@ def test_limit_of_a_study_method_reduces_where_the_method_does():
     x = torch.randn(1, 3, 224, 224)
     model = timm.create_model("deit_tiny_patch16_224.topk_k70").eval()
     limit = _deit_tiny()
-    patch(limit, LimitReducer(limit_schedule(model, x), after_mlp=True))
+    patch(limit, LimitReducer(limit_schedule(model, x), after_mlp=True), VIT)
     with torch.no_grad():
         limit(x)
     assert timm_tokcomp.last_stats(limit).tokens_per_block == timm_tokcomp.last_stats(model).tokens_per_block

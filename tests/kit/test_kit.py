@@ -18,6 +18,7 @@ from timm_tokcomp.plans import Plan, Reduced
 from timm_tokcomp.methods.base import ScheduledReducer
 from timm_tokcomp.precision import device_description
 from conftest import REPO, make_model
+from timm_tokcomp.kit.grammar import parse_methods
 
 
 def _preset(path, method="tome", params=None, mode="eager", dtype="fp32", device="cpu"):
@@ -107,7 +108,7 @@ def test_bench_times_a_preset_in_its_recorded_mode(tmp_path, monkeypatch):
     preset = _preset(tmp_path / "p.json", params={"r": 4}, mode="compile")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the preset was 'tuned' on a small model at batch 3
-        rows = run_bench("deit_tiny_patch16_224", ["none", "tome_r4", preset], batch_size=2, timing_rounds=1,
+        rows = run_bench("deit_tiny_patch16_224", parse_methods(f"none,tome_r4,{preset}"), batch_size=2, timing_rounds=1,
                          latency_runs=1, show_progress=False)
     # the compiled preset is compared with plain compiled ('none@compile'), every row also with the fastest plain
     assert [(r.method, r.backend, r.plain_row) for r in rows] == [
@@ -213,17 +214,18 @@ def test_a_new_method_is_its_class_and_its_line_in_methods(toy_method, monkeypat
     from timm_tokcomp.tuning import candidate_paths
 
     assert methods.parse_method_tag("toykeep_r2") == ("toykeep", {"r": 2})
-    plain, tagged = run_bench("deit_tiny_patch16_224", ["none", "toykeep_r2"], batch_size=2, timing_rounds=0,
+    plain, tagged = run_bench("deit_tiny_patch16_224", parse_methods("none,toykeep_r2"), batch_size=2, timing_rounds=0,
                               show_progress=False)
     assert tagged.tokens_last_block == 197 - 2 * 11 and tagged.gmacs < plain.gmacs
     with pytest.raises(ValueError, match="toykeep_r2 cannot be exported to ONNX: a toy method for the tests"):
-        run_bench("deit_tiny_patch16_224", ["none", "toykeep_r2"], batch_size=2, backend="onnx", show_progress=False)
+        run_bench("deit_tiny_patch16_224", parse_methods("none,toykeep_r2"), batch_size=2, backend="onnx",
+                  show_progress=False)
     with pytest.raises(ValueError, match="'toykeep' cannot be exported to ONNX: a toy method for the tests"):
         check_exportable(timm_tokcomp.apply(make_model("cls"), "toykeep", r=2))
     assert "toykeep" not in methods.exportable_methods() and "tome" in methods.exportable_methods()
 
     monkeypatch.setattr(modes, "runner", lambda m, mode, x, *a: torch.compile(m, backend="eager", dynamic=False))
-    rows = speed.run_speed("deit_tiny_patch16_224", methods=["tome_r8", "toykeep_r2"], batches=[2],
+    rows = speed.run_speed("deit_tiny_patch16_224", methods=parse_methods("tome_r8,toykeep_r2"), batches=[2],
                            modes=["eager", "compile"], rounds=1, show_progress=False)
     assert [(r.mode, r.method) for r in rows if "toykeep" in r.method] == [("eager", "toykeep_r2"),
                                                                             ("eager", "toykeep_r2 limit")]

@@ -183,3 +183,15 @@ def test_every_prop_attn_implementation_gives_the_float_mask_result(method, impl
         with torch.no_grad():
             results[name] = model(images)
     torch.testing.assert_close(results[impl], results["mask"], atol=1e-5, rtol=0)
+
+
+def test_methods_refuses_a_second_class_of_the_same_name():
+    from timm_tokcomp.methods import METHODS, by_name
+    from timm_tokcomp.methods.topk import TopK
+
+    class Impostor(TopK):
+        name = "tome"
+
+    assert list(by_name(tuple(METHODS.values()))) == list(METHODS)
+    with pytest.raises(ValueError, match="two methods are named 'tome': ToMe and .*Impostor"):
+        by_name((*METHODS.values(), Impostor))

@@ -5,6 +5,7 @@ import timm
 import torch
 
 import timm_tokcomp
+from timm_tokcomp.families import VIT
 from timm_tokcomp.measure import count_macs
 from timm_tokcomp.methods.ats import adaptive_sampling
 from timm_tokcomp.methods.dpcknn import density_peaks
@@ -13,7 +14,6 @@ from timm_tokcomp.methods.topk import top_k_pruning
 from timm_tokcomp.plans import ClusterPlan
 from timm_tokcomp.methods import parse_method_tag
 from timm_tokcomp.methods.radial import centre_order
-from timm_tokcomp.patch import _block_cost
 from timm_tokcomp.schedules import stage_schedule
 from conftest import make_model, real_model_and_images
 
@@ -126,7 +126,7 @@ def test_cluster_plan_is_the_size_weighted_mean_of_each_cluster():
 
 def _analytic_macs(model, plain_macs):
     """MACs from the token counts alone: the plain model's non-block MACs plus every block at its count."""
-    cost, stats = _block_cost(model), timm_tokcomp.last_stats(model)
+    cost, stats = VIT.block_cost(model.blocks[0]), timm_tokcomp.last_stats(model)
     n = stats.tokens_per_block
     non_block = plain_macs - len(n) * cost.macs(n[0], n[0])
     return non_block + sum(cost.macs(t, t) for t in n)

@@ -9,7 +9,7 @@ import torch
 import timm_tokcomp
 from timm_tokcomp.families import UNSERVED_MODULES, family_of
 from timm_tokcomp import registry
-from timm_tokcomp.patch import ReducingVisionTransformer, ReducingVisionTransformerDistilled
+from timm_tokcomp.families.vit import ReducingVisionTransformer, ReducingVisionTransformerDistilled
 
 
 @pytest.mark.parametrize(

@@ -48,7 +48,7 @@ def test_speed_cells_never_run_together():
 
 
 def test_selfcheck_cells_never_run_together():
-    from timm_tokcomp.kernels.selfcheck import StepCheck, format_checks
+    from timm_tokcomp.selfcheck import StepCheck, format_checks
 
     lines = format_checks([StepCheck("tome_merge", "fp32", 1e-7, 1e-5, 12345.678, 0.5),
                            StepCheck("evit_prune", "bf16", 0.5, 1e-2, None, None)]).splitlines()

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..checks import check_int, integer, optional
 from ..core import __version__, apply
 from ..extras import require
 from ..kit.grammar import method_spec
@@ -62,10 +63,8 @@ def run_analysis(model_name: str, methods: Sequence[str], data: str, out: str, l
     for name, (method, _) in specs.items():
         if method_class(method).dense:
             raise ValueError(f"--methods: {name} keeps every token (dense); analyze compares token-reducing methods")
-    if limit is not None and limit < 2:
-        raise ValueError(f"--limit must be >= 2 images, got {limit}")
-    if not 0 <= overlays:
-        raise ValueError(f"--overlays must be >= 0, got {overlays}")
+    optional(integer("--limit", 2, "(images)"))(limit)
+    check_int("--overlays", overlays, 0)
     for module in ("scipy", "sklearn", "matplotlib"):  # before any work
         require(module, "analysis", "tokcomp analyze")
     # resume keeps the recordings (reused where their settings match); the report, metrics and pictures of the

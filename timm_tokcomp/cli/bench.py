@@ -43,21 +43,22 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..bench import check_plot_format, format_table, plot_pareto, run_bench, write_csv
+    from ..checks import check_int
+    from ..kit.grammar import parse_methods
     from ..precision import describe_settings
 
     if args.plot:
         check_plot_format(args.plot)  # before any work, as main() checks every output path
         if args.no_timing and not args.data:
             raise ValueError("--plot needs --data or timing: with --no-timing and random inputs there is nothing to plot")
-    if args.timing_rounds < 1:  # checked with --no-timing too: a flag's value is checked whether or not it is used
-        raise ValueError(f"--timing-rounds must be >= 1 (--no-timing times nothing), got {args.timing_rounds}")
-    if args.latency_runs < 0:
-        raise ValueError(f"--latency-runs must be >= 0 (0: no latency), got {args.latency_runs}")
+    # checked with --no-timing too: a flag's value is checked whether or not it is used
+    check_int("--timing-rounds", args.timing_rounds, 1, "(--no-timing times nothing)")
+    check_int("--latency-runs", args.latency_runs, 0, "(0: no latency)")
     if random_weights(args):
         args.notes.append("no --checkpoint or --pretrained: random weights, accuracy columns are meaningless")
     rows = run_bench(
         args.model,
-        methods=args.methods.split(","),
+        methods=parse_methods(args.methods, device=args.device, dtype=args.dtype, batch_size=args.batch_size),
         checkpoint=args.checkpoint,
         pretrained=args.pretrained,
         data=args.data,

@@ -46,6 +46,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..precision import describe_settings, device_description
     from ..outputs import partial_path
+    from ..kit.grammar import parse_methods
     from ..speed import format_speed, run_speed, write_speed_csv
 
     batches = numbers("--batches", args.batches, int)
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     def save(rows) -> None:  # after each (mode, batch): a run stopped later keeps what it measured, beside --out
         write_speed_csv(rows, str(partial_path(args.out)), args.model, settings, overwrite=True)
 
-    rows = run_speed(args.model, methods=methods.split(","), batches=batches, modes=args.modes.split(","),
+    rows = run_speed(args.model, methods=parse_methods(methods), batches=batches, modes=args.modes.split(","),
                      device=args.device, dtype=args.dtype, tf32=args.tf32, rounds=args.rounds,
                      checkpoint=args.checkpoint, pretrained=args.pretrained, data=args.data,
                      show_progress=not args.no_progress, on_rows=save if args.out else None)

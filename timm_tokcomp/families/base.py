@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from timm.layers import AttentionPoolLatent
+from timm.layers import Attention, AttentionPoolLatent
+from timm.models.vision_transformer import ATTN_LAYERS, Block
 from torch import nn
 
 from ..attention import check_fold_qkv
@@ -129,6 +130,17 @@ class Family:
     plain_skips_qkv_module: Callable[[nn.Module], bool] = lambda model: False  # timm's own forward reads the qkv
     # weight directly (an adapter wrapped around qkv, such as peft's LoRA, would be skipped while nothing is reduced)
 
+    def __post_init__(self) -> None:
+        for patched in self.plain_models():  # a patched model's class names its family: no search (family_of)
+            patched.tokcomp_family = self
+
+    def load(self) -> "Family":
+        return self
+
+    def served(self) -> str:
+        """The classes served, for messages."""
+        return ", ".join(f"{c.__name__} ({c.__module__})" for c in self.models)
+
     def facade(self, model: nn.Module) -> Any:
         """What patch reads of a plain or patched model, with timm's attribute names: blocks (each with .attn,
         .mlp), embed_dim, num_prefix_tokens, global_pool, patch_embed (num_patches, grid_size,
@@ -232,6 +244,26 @@ class Family:
                 return (f"the dense methods do not serve blocks[{i}], a {type(blk).__name__} (served: "
                         f"{', '.join(c.__name__ for c in self.dense_blocks)})")
         return None
+
+
+def vit_block_refusal(args: BuildArgs) -> Optional[str]:
+    """Why timm's VisionTransformer (and NaFlexVit) blocks built with args are not served: blocks or attention of a class the family does not serve (parallel, post-norm or differential ones)."""
+    block = args.arg("block_fn", Block)
+    if block is not Block:
+        return (f"blocks of class {block.__name__}, which timm_tokcomp does not serve (in timm's VisionTransformer: "
+                f"Block)")
+    attn = args.arg("attn_layer", Attention)
+    attn = ATTN_LAYERS.get(attn, attn) if isinstance(attn, str) else attn
+    if attn is not Attention:
+        name = getattr(attn, "__name__", repr(attn))
+        return f"attention of class {name}, which timm_tokcomp does not serve (in timm's VisionTransformer: Attention)"
+    return None
+
+
+def eva_skips_qkv_module(model: nn.Module) -> bool:
+    """Whether the model's forward skips a qkv adapter (Family.plain_skips_qkv_module): timm's EvaAttention with a fused qkv and q / v biases calls F.linear on qkv.weight, not the qkv module."""
+    return any(getattr(blk.attn, "qkv", None) is not None and getattr(blk.attn, "q_bias", None) is not None
+               and not blk.attn.qkv_bias_separate for blk in model.blocks)
 
 
 def check_pool_head(pool: Optional[nn.Module]) -> None:

@@ -16,7 +16,7 @@ from ..dense import DenseBlockMixin, DenseModel
 from ..methods.base import TokenReducer
 from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel
 from ..rope import PATCH_DROP_REFUSAL, TokenPositions, check_rope, grid_coords
-from .base import Family, project_heads, reducer_metric
+from .base import Family, eva_skips_qkv_module, project_heads, reducer_metric
 
 
 def _qkv(attn: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,12 +139,6 @@ def _check(model: nn.Module) -> None:
     check_rope(model.rope)
 
 
-def _plain_skips_qkv_module(model: nn.Module) -> bool:
-    """timm's EvaAttention with a fused qkv and q / v biases calls F.linear on qkv.weight, not the qkv module."""
-    return any(getattr(blk.attn, "qkv", None) is not None and getattr(blk.attn, "q_bias", None) is not None
-               and not blk.attn.qkv_bias_separate for blk in model.blocks)
-
-
 def _attn_dim(attn: nn.Module) -> int:
     return attn.num_heads * attn.head_dim
 
@@ -159,5 +153,5 @@ EVA = Family(
     attentions={EvaAttention: ReducingEvaAttention, AttentionRope: ReducingAttentionRope},
     check=_check,
     attn_dim=_attn_dim,
-    plain_skips_qkv_module=_plain_skips_qkv_module,
+    plain_skips_qkv_module=eva_skips_qkv_module,
 )

@@ -27,10 +27,9 @@ from ..plans import gather_tokens
 from ..reducing import SIZED_POOLS, ReducingModel, remember_last, spread_tokens
 from ..rope import PATCH_DROP_REFUSAL, TokenPositions, check_rope, grid_coords
 from ..state import ReductionStats
-from .base import BuildArgs, Facade, Family
+from .base import BuildArgs, Facade, Family, eva_skips_qkv_module, vit_block_refusal
 from .eva import ReducingAttentionRope, ReducingEvaAttention, ReducingEvaBlock, ReducingEvaBlockPostNorm
-from .eva import _plain_skips_qkv_module
-from .vit import ReducingAttention, ReducingBlock, _arch_refusal as _vit_arch_refusal
+from .vit import ReducingAttention, ReducingBlock
 
 
 @dataclass(frozen=True)
@@ -320,7 +319,7 @@ def _arch_refusal(args: BuildArgs) -> Optional[str]:
     block = block.func if isinstance(block, partial) else block
     if block in (EvaBlock, EvaBlockPostNorm):
         return None
-    return _vit_arch_refusal(BuildArgs(NaFlexVit, {"block_fn": block, "attn_layer": cfg.attn_layer or Attention}))
+    return vit_block_refusal(BuildArgs(NaFlexVit, {"block_fn": block, "attn_layer": cfg.attn_layer or Attention}))
 
 
 def _check(model: nn.Module) -> None:
@@ -364,5 +363,5 @@ NAFLEX = NaFlexFamily(
     check=_check,
     arch_refusal=_arch_refusal,
     fused_qkv_attentions=(Attention,),
-    plain_skips_qkv_module=_plain_skips_qkv_module,
+    plain_skips_qkv_module=eva_skips_qkv_module,
 )

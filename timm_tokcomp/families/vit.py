@@ -5,14 +5,14 @@ from typing import Optional, Tuple
 import torch
 from timm.layers import Attention, LayerScale
 from timm.models.deit import VisionTransformerDistilled
-from timm.models.vision_transformer import ATTN_LAYERS, Block, VisionTransformer
+from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from .. import attention
 from ..dense import DenseBlockMixin, DenseModel
 from ..methods.base import TokenReducer
 from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel
-from .base import BuildArgs, Family, project_heads, reducer_metric
+from .base import Family, project_heads, reducer_metric, vit_block_refusal
 
 
 class ReducingAttention(Attention):
@@ -122,20 +122,6 @@ class DenseVisionTransformerDistilled(DenseModel, VisionTransformerDistilled):
     pass
 
 
-def _arch_refusal(args: BuildArgs) -> Optional[str]:
-    """Blocks or attention of a class the family does not serve (parallel, post-norm or differential ones)."""
-    block = args.arg("block_fn", Block)
-    if block is not Block:
-        return (f"blocks of class {block.__name__}, which timm_tokcomp does not serve (in timm's VisionTransformer: "
-                f"Block)")
-    attn = args.arg("attn_layer", Attention)
-    attn = ATTN_LAYERS.get(attn, attn) if isinstance(attn, str) else attn
-    if attn is not Attention:
-        name = getattr(attn, "__name__", repr(attn))
-        return f"attention of class {name}, which timm_tokcomp does not serve (in timm's VisionTransformer: Attention)"
-    return None
-
-
 VIT = Family(
     name="VisionTransformer",
     timm_modules=("vision_transformer", "deit"),
@@ -148,5 +134,5 @@ VIT = Family(
     attentions={Attention: ReducingAttention},
     fused_qkv_attentions=(Attention,),
     attn_dim=lambda attn: attn.qkv.out_features // 3,
-    arch_refusal=_arch_refusal,
+    arch_refusal=vit_block_refusal,
 )

@@ -11,7 +11,7 @@ from torch import nn
 from .. import kernels
 from ..core import apply, get_reducer
 from ..methods import method_class
-from ..patch import facade, fold_qkv_refusal
+from ..families import facade, resolve
 from ..precision import DTYPES, check_device, check_dtype
 from ..reducing import resolve_prop_attn
 from .modes import TORCH_MODES, check_mode
@@ -51,7 +51,7 @@ def fast_paths(model: nn.Module, method: str, params: Dict[str, Any], device: st
                modes: Sequence[str] = ("eager",)) -> List[FastPath]:
     """Every path this device offers for the setting (method, params) on model (a plain timm model), mode by
     mode: the Triton kernels on CUDA for methods with fused kernels (compiled too, as custom operators:
-    kernels.library; the dense variant's merge kernels in eager mode only); 'mask' and 'fold' wherever the setting weighs token sizes, 'fold_qkv' where the attention allows it (patch.fold_qkv_refusal),
+    kernels.library; the dense variant's merge kernels in eager mode only); 'mask' and 'fold' wherever the setting weighs token sizes, 'fold_qkv' where the attention allows it (Family.fold_qkv_refusal),
     'flex' compiled on CUDA (on the CPU its compiled form falls back to the mask); data-dependent methods in eager
     mode only."""
     check_device(device)
@@ -70,7 +70,7 @@ def fast_paths(model: nn.Module, method: str, params: Dict[str, Any], device: st
             kernel_choices = ["torch"] + (["triton"] if cuda and not (compiled and cls.dense) else [])
         impls: List[Union[bool, str]] = [False]
         if prop:
-            impls = ["mask", "fold"] + (["fold_qkv"] if fold_qkv_refusal(model) is None else [])
+            impls = ["mask", "fold"] + (["fold_qkv"] if resolve(model).fold_qkv_refusal(model) is None else [])
             impls += ["flex"] if compiled and cuda else []
         out += [FastPath(mode, kernel, impl) for kernel in kernel_choices for impl in impls]
     return out

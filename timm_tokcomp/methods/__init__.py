@@ -29,10 +29,20 @@ from .tofu import ToFu
 from .tome import ToMe
 from .topk import TopK
 
-METHODS: Dict[str, Type[TokenReducer]] = {
-    cls.name: cls for cls in (ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids,
-                               DPCKNN, PYRA, PatchMerger, DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF,
-                               DiffRate, LTMP, FPET, DTEM)}
+def by_name(classes: Tuple[Type[TokenReducer], ...]) -> Dict[str, Type[TokenReducer]]:
+    """{name: class}; ValueError where two classes declare one name (the second would replace the first)."""
+    table: Dict[str, Type[TokenReducer]] = {}
+    for cls in classes:
+        if cls.name in table:
+            raise ValueError(f"two methods are named {cls.name!r}: {table[cls.name].__qualname__} and "
+                             f"{cls.__qualname__} ({cls.__module__})")
+        table[cls.name] = cls
+    return table
+
+
+METHODS: Dict[str, Type[TokenReducer]] = by_name((
+    ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids, DPCKNN, PYRA, PatchMerger,
+    DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF, DiffRate, LTMP, FPET, DTEM))
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

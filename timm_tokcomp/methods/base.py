@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..plans import ClusterPlan, Plan
+from ..plans import Plan
 from ..schedules import BlockCost, resolve_r, solve_flops_schedule, stage_schedule
 from .params import COMMON, SCHEDULE, Param, bind, kernel_choice, signature
 from .tags import RTagged, parse_keep_tag, parse_r_tag
@@ -249,6 +249,25 @@ class TokenReducer(ABC):
         weighted, to add to the task loss; None if it has none. Reading it clears it."""
         return None
 
+    # The learned-method protocol (LearnedParams implements it): a training-free method learns nothing.
+    learned_class: ClassVar[Optional[type]] = None  # the nn.Module class of its parameters (timm_tokcomp.learned)
+    learned_param: ClassVar[Optional[str]] = None  # the constructor argument that takes saved parameters
+
+    def mark_made(self) -> None:
+        """Called by patch after bind (LearnedParams marks parameters bind made, not given)."""
+
+    @classmethod
+    def learns(cls, params: Dict[str, Any]) -> bool:
+        """Whether the method built from params has learned parameters that train (and a fine-tuning folder holds)."""
+        return False
+
+    @classmethod
+    def trains_in_place(cls, params: Dict[str, Any]) -> bool:
+        """Whether the method built from params, in training mode, keeps every token in place with soft sizes, which
+        defines no rotary position for a merged token: not trained on rope models (see
+        training.finetune.refuse_in_place_training)."""
+        return False
+
 
 class LearnedParams:
     """Mixin for a method with learned parameters: learned_class is their nn.Module class (with config() /
@@ -258,6 +277,7 @@ class LearnedParams:
     learned_class: ClassVar[type]
     learned_param: ClassVar[str]
     params: Dict[str, Any]
+    _learned_given: bool = False
 
     def validate(self) -> None:
         """The learned parameters given are of learned_class (ValueError naming it otherwise)."""
@@ -292,13 +312,6 @@ class LearnedParams:
         if not self._learned_given and not self.learns({**params, **new, self.learned_param: None}):
             params[self.learned_param] = None
         return params
-
-    @classmethod
-    def trains_in_place(cls, params: Dict[str, Any]) -> bool:
-        """Whether the method built from params, in training mode, keeps every token in place with soft sizes, which
-        defines no rotary position for a merged token: not trained on rope models (see
-        training.finetune.refuse_in_place_training)."""
-        return False
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None and k != self.learned_param)
@@ -418,24 +431,3 @@ class PlansOnTokens:
 
     def plan_input(self, metric: Any, x: torch.Tensor) -> torch.Tensor:
         return x.detach()
-
-
-class ClusterMerging(PlansOnTokens, ScheduledReducer):
-    """A method that merges each reducing block's patch tokens (the block's features, not a metric) into as
-    many clusters as tokens stay; every cluster becomes its size-weighted mean. Subclasses give cluster()."""
-
-    default_prop_attn = prop_attn_unless_avg_pool
-
-    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-        return k  # unused: the plan reads the tokens
-
-    @abstractmethod
-    def cluster(self, tokens: torch.Tensor, num_clusters: int) -> torch.Tensor:
-        """tokens: (B, n, C) patch tokens -> (B, n) cluster index in [0, num_clusters), none empty."""
-
-    def plan(self, tokens: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[ClusterPlan]:
-        n = tokens.shape[1] - num_prefix
-        r = max(min(r, n - 1), 0)
-        if r == 0:
-            return None
-        return ClusterPlan(num_prefix, self.cluster(tokens[:, num_prefix:], n - r), n - r)

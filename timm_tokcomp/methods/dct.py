@@ -6,9 +6,10 @@ from typing import Optional
 
 import torch
 
+from ..checks import boolean, optional
 from ..plans import ResamplePlan
 from .base import PlansOnTokens, ScheduledReducer
-from .params import COMMON, SCHEDULE, Param, flag
+from .params import COMMON, SCHEDULE, Param
 
 
 def dct_matrix(n: int, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -44,7 +45,7 @@ class DCT(PlansOnTokens, ScheduledReducer):
     min_keep_rate = 0.5
     reduces_at = "after_mlp"  # always at the end of the block, after its MLP (OpenToMe's place for it; the study's)
     PARAMS = (*SCHEDULE,
-              Param("inflate", False, lambda v: bool(flag("inflate")(v)),
+              Param("inflate", False, lambda v: bool(optional(boolean("inflate"))(v)),
                     "DCT: keep OpenToMe's amplitude inflation, sqrt(n / m) per reduction (default: mean-preserving)"),
               *COMMON)
 

@@ -5,7 +5,7 @@ nearest neighbours), every token joins its nearest centre, and each cluster beco
 import torch
 
 from ..matching import nearest_centre, pairwise_distances
-from .base import ClusterMerging
+from .clustering import ClusterMerging
 
 
 def density_peaks(x: torch.Tensor, num_clusters: int, neighbours: int = 5) -> torch.Tensor:

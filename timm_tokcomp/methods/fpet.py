@@ -23,10 +23,10 @@ from torch import nn
 
 from ..matching import merge_top_r
 from ..plans import MergePlan, Reduced
-from ..checks import integer, is_int
+from ..checks import boolean, integer, is_int
 from ..schedules import BlockCost
 from .base import GridSettings, LearnedParams, TokenReducer
-from .params import COMMON, REQUIRED, FromConfig, Param, flag, optional
+from .params import COMMON, REQUIRED, FromConfig, Param, optional
 
 DROPOUT = 0.1
 
@@ -118,7 +118,7 @@ class FPET(GridSettings, LearnedParams, TokenReducer):
     learned_param = "adapter_params"
     PARAMS = (Param("layer", None, optional(check_layer), "FPET: the block that merges half the patches (None: the "
                                                            "middle block, num_blocks // 2)"),
-              Param("refine", True, flag("refine"), "FPET: learn the 1-bit adapter that refines the matching metric"),
+              Param("refine", True, optional(boolean("refine")), "FPET: learn the 1-bit adapter that refines the matching metric"),
               Param("adapter_params", None, help="FPET's trained adapter (a learned folder)"),
               *COMMON)
 

@@ -4,7 +4,7 @@ each cluster becomes its size-weighted mean (sizes and source maps tracked as fo
 import torch
 
 from ..matching import nearest_centre, pairwise_distances
-from .base import ClusterMerging
+from .clustering import ClusterMerging
 
 
 def k_medoids(x: torch.Tensor, num_clusters: int, iterations: int = 3) -> torch.Tensor:

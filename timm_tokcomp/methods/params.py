@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Sequence, Tuple
 from ..attention import check_prop_attn
 from ..kernels import check_kernel
 from ..rope import check_rope_merge
-from ..checks import check_real, optional
+from ..checks import boolean, check_real, optional
 from ..schedules import STUDY_STAGES, check_keep_rate, check_stages, validate_r
 
 REQUIRED = inspect.Parameter.empty  # a Param default meaning: no default, the caller must give it
@@ -64,25 +64,6 @@ def bind(method: str, params: Sequence[Param], args: Tuple[Any, ...], kwargs: Di
             for p in params}
 
 
-def checked_by(check: Callable[[Any], None]) -> Callable[[Any], Any]:
-    """A Param check from a function that only raises."""
-    def run(value: Any) -> Any:
-        check(value)
-        return value
-
-    return run
-
-
-def flag(name: str) -> Callable[[Any], Any]:
-    """True, False or None (the method's default)."""
-    def check(value: Any) -> Any:
-        if value is not None and not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}")
-        return value
-
-    return check
-
-
 def check_flops_ratio(value: Any) -> float:
     return check_real("flops_ratio", value, 1.0, note="(unreduced MACs / target MACs)")
 
@@ -99,13 +80,13 @@ MACS_TARGET = Param("macs_target", None, optional(check_macs_target),
 
 # the parameters every token-dropping method takes (TokenReducer documents them)
 COMMON: Tuple[Param, ...] = (
-    Param("prop_attn", None, checked_by(check_prop_attn),
+    Param("prop_attn", None, check_prop_attn,
           "add log(token size) to attention scores: True / 'auto' (the measured implementation), 'mask', 'fold', "
           "'fold_qkv', 'flex', False; None: the method's default"),
-    Param("trace_source", False, flag("trace_source"), "keep a (B, N, N0) map of the patches each token holds"),
-    Param("prefix_only_last_block", None, flag("prefix_only_last_block"),
+    Param("trace_source", False, optional(boolean("trace_source")), "keep a (B, N, N0) map of the patches each token holds"),
+    Param("prefix_only_last_block", None, optional(boolean("prefix_only_last_block")),
           "the last block's MLP runs on the prefix tokens alone (exact for class-token heads); None: where exact"),
-    Param("rope_merge", "dst", checked_by(check_rope_merge),
+    Param("rope_merge", "dst", check_rope_merge,
           "rotary models: a merged token's position, 'dst' (its destination's) or 'centroid' (of its patches)"),
 )
 # the r schedule of ScheduledReducer: r per block, a FLOPs ratio, or the study's keep rate at its stages

@@ -36,7 +36,7 @@ class MergePlan(Plan):
     @classmethod
     def of(cls, plan: "MergePlan", **extra) -> "MergePlan":
         """The same matches as plan, as this kind (a subclass carrying its step's data in extra)."""
-        return cls(**{f.name: getattr(plan, f.name) for f in fields(MergePlan)}, **extra)
+        return cls(**{f.name: getattr(plan, f.name) for f in fields(plan)}, **extra)  # fields of the object: dynamo traces it
 
     def at_destinations(self, t: torch.Tensor) -> torch.Tensor:
         """t: (B, n, C) -> (B, n - r, C): a kept A token's own row, a B token's (what merged into it keeps it)."""

@@ -33,6 +33,7 @@ from ..methods import method_class
 from ..extras import require
 from ..identity import data_digest, weights_digest
 from ..kit.agreement import compare
+from ..kit.grammar import MethodItem
 from ..data import check_num_classes, open_dataset, open_images
 from ..models import build_base_model, eval_transform
 from ..outputs import replacing
@@ -90,14 +91,14 @@ class FinetuneTask(TrainingTask):
     and evaluates it."""
 
     def __init__(self, model: nn.Module, base_model: str, train_data: str, eval_data: str, config: FinetuneConfig,
-                 checkpoint: Optional[str], pretrained: bool, device: str, world: int, show_progress: bool,
-                 num_workers: int) -> None:
+                 method: Optional[MethodItem], checkpoint: Optional[str], pretrained: bool, device: str, world: int,
+                 show_progress: bool, num_workers: int) -> None:
         get_peft_model = require("peft", "train", "tokcomp finetune's LoRA").get_peft_model
         self.name = f"fine-tune {config.method}"
         self.config, self.base_model, self.device, self.world = config, base_model, device, world
         self.checkpoint, self.pretrained, self.show_progress = checkpoint, pretrained, show_progress
         self.train_data, self.eval_data, self.num_workers = train_data, eval_data, num_workers
-        self.method = config.method_params()
+        self.method = method  # the config's, parsed once (FinetuneConfig.validate)
         train_tf, eval_tf = _transforms(model, config)
         eval_flag = "--data" if eval_data == train_data else "--eval-data"
         if config.distill:
@@ -117,7 +118,7 @@ class FinetuneTask(TrainingTask):
             raise ValueError(f"--data has {len(train_set)} images, fewer than one global batch (--batch-size "
                              f"{config.batch_size} x {world} processes x --accumulate {config.accumulate})")
         if self.method is not None:
-            apply(model, self.method[0], **self.method[1])
+            apply(model, self.method.method, **self.method.params)
         skip = adapter_skip(model) if config.lora_rank else None
         if skip is not None:
             raise ValueError(f"--method none with --lora-rank {config.lora_rank}: {skip}")
@@ -175,7 +176,8 @@ class FinetuneTask(TrainingTask):
     def finish(self, out: Path, writer: bool, seconds: float) -> Optional[FinetuneResult]:
         if not writer:
             return None
-        saved = save_folder(self.module, self.model, str(out), self.base_model, self.num_classes, self.config)
+        saved = save_folder(self.module, self.model, str(out), self.base_model, self.num_classes, self.config,
+                            self.method)
         trainable = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
         method_parameters = 0 if self.learned is None else sum(p.numel() for p in self.learned.parameters())
         result = _final_evaluation(out, self, seconds, trainable, method_parameters)
@@ -187,9 +189,7 @@ class FinetuneTask(TrainingTask):
 def refuse_in_place_training(model: nn.Module, method: str, params: dict) -> None:
     """ValueError where `method` with `params` would train with in-place soft steps on a model with rotary
     positions (see rope.TokenPositions.reduced), naming the method and what runs instead."""
-    cls = method_class(method)
-    trains_in_place = getattr(cls, "trains_in_place", None)
-    if getattr(model, "rope", None) is not None and trains_in_place is not None and trains_in_place(params):
+    if getattr(model, "rope", None) is not None and method_class(method).trains_in_place(params):
         raise ValueError(f"{method} trains with every token in place and soft sizes, which defines no rotary "
                          f"position for a merged token; {type(model).__name__} has rotary embeddings. Train {method} "
                          "on a model without them (its eval model runs on this one)")
@@ -206,18 +206,18 @@ def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str
     out/training/checkpoint.pt, DDP under torch.distributed with rank 0 writing, AMP, divergence checks).
     Seeded: the same config gives the same run. stop_after_epoch: leave after that epoch with a checkpoint;
     returns None then (and on ranks other than 0), else the final evaluation."""
-    config.validate()
+    method = config.validate()
     require("peft", "train", "tokcomp finetune")  # before any work
     eval_data = eval_data or train_data
     model = build_base_model(base_model, checkpoint, pretrained, "cpu", seed=config.seed)  # without weights, the
     # same random ones every call (a resume needs them)
-    if config.method_params() is not None:  # before the run folder is made
-        refuse_in_place_training(model, *config.method_params())
+    if method is not None:  # before the run folder is made
+        refuse_in_place_training(model, method.method, method.params)
     train_digest = data_digest(train_data, "--data")
     run = {"base_model": base_model, "weights_sha256": weights_digest(model), "data_sha256": train_digest,
            "eval_data_sha256": train_digest if eval_data == train_data else data_digest(eval_data, "--eval-data")}
-    return train(lambda device, world: FinetuneTask(model, base_model, train_data, eval_data, config, checkpoint,
-                                                    pretrained, device, world, show_progress, num_workers),
+    return train(lambda device, world: FinetuneTask(model, base_model, train_data, eval_data, config, method,
+                                                    checkpoint, pretrained, device, world, show_progress, num_workers),
                  out, RUN_ENTRIES, asdict(config), run, resume=resume, overwrite=overwrite, device=device,
                  show_progress=show_progress, num_workers=num_workers, stop_after=stop_after_epoch, stop_unit="epoch",
                  seed=config.seed)

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..core import apply
 from ..extras import require
+from ..kit.grammar import MethodItem
 from ..learned import load_learned, save_learned
 from ..methods import method_class
 from ..models import build_base_model
@@ -28,7 +29,7 @@ RUN_ENTRIES = (*PEFT_FILES, FINETUNE_CONFIG, "README.md", "*.safetensors", "*_co
 
 
 def save_folder(peft_model, model: nn.Module, out: str, base_model: str, num_classes: int,
-                config: FinetuneConfig) -> Dict[str, Any]:
+                config: FinetuneConfig, method: Optional[MethodItem]) -> Dict[str, Any]:
     """The adapter and the method's parameters; tokcomp_finetune.json (without results) last. Returns what
     that file holds."""
     if config.lora_rank:
@@ -38,9 +39,8 @@ def save_folder(peft_model, model: nn.Module, out: str, base_model: str, num_cla
                 os.chmod(Path(staging) / name, FILE_MODE)  # as every other output
                 os.replace(Path(staging) / name, Path(out) / name)
     learned = getattr(model, "tokcomp", None)
-    method = config.method_params()
     if learned is not None:
-        save_learned(learned[method[0]], method[0], out)
+        save_learned(learned[method.method], method.method, out)
     data = {"base_model": base_model, "num_classes": num_classes, "recipe": asdict(config)}
     _write_config(out, data)
     return data
@@ -97,12 +97,12 @@ def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretr
         model = build_base_model(data["base_model"], checkpoint, pretrained, "cpu", seed=recipe.seed)
         if not recipe.distill:  # a distilled model keeps the base model's head
             model.reset_classifier(data["num_classes"])
-        method = recipe.method_params()
+        method = recipe.parse_method()
         if method is not None:
-            name, params = method
-            learned_param = getattr(method_class(name), "learned_param", None)
-            if learned_param is not None and method_class(name).learns(params):
-                params = {**params, learned_param: load_learned(name, folder)}
+            name, params = method.method, method.params
+            cls = method_class(name)
+            if cls.learns(params):
+                params = {**params, cls.learned_param: load_learned(name, folder)}
             apply(model, name, **params)
         if recipe.lora_rank and not merge and adapter_skip(model) is not None:
             raise ValueError(f"merge=False: {adapter_skip(model)}; load it with merge=True (the adapter merged into "

@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
+from ..kit.grammar import MethodItem
 from ..methods import METHODS, make_reducer, method_class, parse_method_tag
 from .config import CROP_SCALE, CheckedFields, bool_field, choice_field, int_field, real_field
 from .engine import check_loop_settings
@@ -46,30 +47,32 @@ class FinetuneConfig(CheckedFields):
               real_field("lr"), real_field("weight_decay", strict=False), real_field("lora_alpha", allow_none=True),
               bool_field("distill"), choice_field("augment", AUGMENTS), CROP_SCALE)
 
-    def validate(self) -> None:
-        """Raise ValueError naming the command-line flag of the first bad setting, before any work."""
+    def validate(self) -> Optional[MethodItem]:
+        """Raise ValueError naming the command-line flag of the first bad setting, before any work; return the
+        method, parsed (parse_method), for the run to carry."""
         self.validate_fields()
         if self.warmup_epochs >= self.epochs:
             raise ValueError(f"--warmup-epochs must be in [0, epochs={self.epochs}), got {self.warmup_epochs}")
         check_loop_settings(self.amp, self.amp_dtype, self.accumulate)
-        method = self.method_params()  # raises for an unknown tag or parameter
-        if method is not None and method[1].get("kernel") == "triton":
+        method = self.parse_method()  # raises for an unknown tag or parameter
+        if method is not None and method.params.get("kernel") == "triton":
             raise ValueError("--method-arg kernel=triton: the Triton kernels are inference-only (no backward); "
                              "training runs kernel=torch or kernel=auto")
         if self.lora_rank == 0 and not (self.distill and method is not None
-                                        and getattr(method_class(method[0]), "learned_param", None)
-                                        and method_class(method[0]).learns(method[1])):
-            learned = ", ".join(name for name, cls in METHODS.items() if getattr(cls, "learned_param", None))
+                                        and method_class(method.method).learns(method.params)):
+            learned = ", ".join(name for name, cls in METHODS.items() if cls.learned_param is not None)
             raise ValueError("--lora-rank 0 (no LoRA: only the method's parameters train) needs --distill and a method "
                              f"with learned parameters ({learned})")
         if method is not None:
             try:  # a bad value (e.g. form='wide') fails here, before --overwrite deletes an earlier run
-                make_reducer(method[0], **method[1])
+                make_reducer(method.method, **method.params)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"--method-arg: {e}") from None
+        return method
 
-    def method_params(self) -> Optional[Tuple[str, Dict[str, Any]]]:
-        """(method, parameters) from the tag and method_args; None for 'none'."""
+    def parse_method(self) -> Optional[MethodItem]:
+        """The method of the tag and method_args, read once where the recipe enters (validate, or a saved folder's
+        recipe) and carried from there; None for 'none'."""
         if self.method == NO_METHOD:
             if self.method_args:
                 raise ValueError(f"--method-arg needs a --method; got {self.method_args} with --method none")
@@ -78,14 +81,14 @@ class FinetuneConfig(CheckedFields):
             name, params = parse_method_tag(self.method)
         except ValueError as e:
             raise ValueError(f"--method: {e}; or '{NO_METHOD}'") from None
-        learned = getattr(method_class(name), "learned_param", None)
-        if learned in self.method_args:
+        learned = method_class(name).learned_param
+        if learned is not None and learned in self.method_args:
             raise ValueError(f"--method-arg {learned} cannot be given: the method's parameters are trained here")
         valid = method_class(name).param_names()
         unknown = sorted(set(self.method_args) - set(valid))
         if unknown:
             raise ValueError(f"--method-arg: unknown parameter(s) {unknown} for {name}; valid: {list(valid)}")
-        return name, {**params, **self.method_args}
+        return MethodItem(self.method, name, {**params, **self.method_args})
 
 
 @dataclass

@@ -21,7 +21,7 @@ from ..core import apply, remove, set_params
 from ..extras import require
 from ..identity import data_digest, weights_digest
 from ..methods import tocom_methods
-from ..patch import check_supported, is_patched
+from ..families import patched_family, resolve
 from .config import CROP_SCALE, CheckedFields, choice_field, int_field, real_field
 from .engine import (Schedule, TrainingDiverged, TrainingTask, check_loop_settings, distill_loss,
                                rank_and_world, train)
@@ -198,10 +198,10 @@ def train_tocom(model: nn.Module, data: str, out: str, base_model: str, config: 
     continues). `model` itself is left as it came (mode, requires_grad, device, a method applied to it): the
     training runs on a copy, without the copy's method."""
     config.validate()
-    check_supported(model)
+    resolve(model)
     require("peft", "tocom", "tokcomp train-tocom")  # what saves the adapters, checked before any work
     model = copy.deepcopy(model)
-    if is_patched(model):
+    if patched_family(model) is not None:
         remove(model)
     run = {"base_model": base_model, "weights_sha256": weights_digest(model), "data_sha256": data_digest(data)}
     return train(lambda device, world: ToComTask(model, data, base_model, config, device, world, show_progress),

@@ -140,11 +140,11 @@ def tune(
         name = model
         base = build_base_model(model, checkpoint, pretrained, device)
     else:
-        from ..patch import check_supported, is_patched
+        from ..families import patched_family, resolve
 
-        check_supported(model)
+        resolve(model)
         check_finite_parameters(model, "model")
-        if is_patched(model):
+        if patched_family(model) is not None:
             raise ValueError("model is already reduced; tune a plain timm model (timm_tokcomp.remove(model) first)")
         name = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", type(model).__name__)
         base = copy.deepcopy(model).to(device).eval()

@@ -8,7 +8,7 @@ from torch import nn
 from ..kit.modes import TORCH_MODES
 from ..kit.paths import fast_paths
 from ..methods import method_class
-from ..patch import facade
+from ..families import facade
 from .rows import Candidate, label
 
 

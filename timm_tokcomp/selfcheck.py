@@ -1,7 +1,7 @@
 """The fused kernels against the torch reference on one device, at DeiT-B's shapes (224 px, and 384 / 512 px
 for the tiled paths), with both paths timed:
 
-    python -m timm_tokcomp.kernels.selfcheck --device cuda --dtypes fp32,bf16,fp16 [--batch 256]
+    python -m timm_tokcomp.selfcheck --device cuda --dtypes fp32,bf16,fp16 [--batch 256]
                                              [--out check.json [--overwrite]]
 
 On a GPU run it without TRITON_INTERPRET (the compiled kernels); on the CPU it needs TRITON_INTERPRET=1 and fp32
@@ -21,12 +21,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import ops
-from ..plans.merge import group_index, merge_mean
-from ..precision import DTYPES, check_device
-from ..outputs import new_output, refuse_existing
-from ..tables import text_table
-from ..matching import (attentive_pruning, batch_adaptive_r, best_matches, bipartite_soft_matching, class_attention,
+from .checks import check_choice, check_int
+from . import ops
+from .plans.merge import group_index, merge_mean
+from .precision import DTYPES, check_device
+from .outputs import new_output, refuse_existing
+from .tables import text_table
+from .matching import (attentive_pruning, batch_adaptive_r, best_matches, bipartite_soft_matching, class_attention,
     count_above, max_merges, merge_top_r)
 
 # on |kernel - reference| / max(1, |reference|): a kernel that rounds an intermediate to the dtype (as the torch path
@@ -77,7 +78,7 @@ def _diff(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float:
 
 def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Dict[str, Tuple[Callable, Callable, Callable]]:
     """step name -> (kernel (), reference in fp32 (), torch path in dtype ()), each returning its outputs."""
-    from . import triton_dense, triton_evit, triton_tome
+    from .kernels import triton_dense, triton_evit, triton_tome
 
     g = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -149,10 +150,9 @@ def run_checks(device: str = "cuda", dtypes: Sequence[str] = ("fp32", "bf16"), b
     check_device(device)
     dev = torch.device(device)
     for name in dtypes:
-        if name not in DTYPES:
-            raise ValueError(f"--dtypes: each must be one of {', '.join(DTYPES)}, got {name!r}")
-    if batch < 1 or rounds < 1:
-        raise ValueError(f"--batch and --rounds must be >= 1, got {batch} and {rounds}")
+        check_choice("--dtypes: each", name, DTYPES)
+    check_int("--batch", batch, 1)
+    check_int("--rounds", rounds, 1)
     time_steps = dev.type == "cuda" if time_steps is None else time_steps
     checks = []
     for name in dtypes:
@@ -188,7 +188,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_device(args.device)
         if torch.device(args.device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("--device cpu runs the kernels in Triton's interpreter, which must be on before Python "
-                             "starts: TRITON_INTERPRET=1 python -m timm_tokcomp.kernels.selfcheck --device cpu")
+                             "starts: TRITON_INTERPRET=1 python -m timm_tokcomp.selfcheck --device cpu")
         checks = run_checks(args.device, args.dtypes.split(","), args.batch, args.rounds,
                             False if args.no_timing else None)
     except (ValueError, FileExistsError) as err:

@@ -1,0 +1,50 @@
+"""`python -m timm_tokcomp.selfcheck`, the GPU check of the fused kernels against their torch references, run here in
+Triton's CPU interpreter (fp32, untimed)."""
+import json
+
+import pytest
+import torch
+
+from timm_tokcomp import selfcheck
+from timm_tokcomp.kernels import triton_tome
+from timm_tokcomp.matching import bipartite_soft_matching
+from timm_tokcomp.plans.merge import merge_mean
+
+
+def test_selfcheck_compares_every_step_and_fails_loudly(tmp_path, monkeypatch, capsys):
+    """`python -m timm_tokcomp.selfcheck`, the GPU check of the kernels, run here in the interpreter (fp32,
+    untimed): every step within tolerance; a step beyond it makes the exit status 1; bad dtypes are refused."""
+    out = tmp_path / "check.json"
+    assert selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--batch", "1", "--no-timing", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # an earlier report is not overwritten without --overwrite
+        selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--batch", "1", "--no-timing", "--out", str(out)])
+    assert f"--out {out} already exists; pass --overwrite to replace it" in capsys.readouterr().err
+    assert json.loads(out.read_text()) == rows
+    assert [r["step"].split(",")[0] for r in rows] == ["tome r16", "tome r256", "atm threshold 0.3", "evit r16",
+                                                       "evit r64", "dense k256"]
+    assert all(r["ok"] and r["max_diff"] <= 1e-5 for r in rows)
+    monkeypatch.setattr(triton_tome, "tome_merge", lambda metric, x, size, r, p: merge_mean(
+        x * 1.001, size, bipartite_soft_matching(metric, r, p)))  # off by about 1e-3
+    assert selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--batch", "1", "--no-timing"]) == 1
+    flagged = [line.split(",")[0] for line in capsys.readouterr().out.splitlines() if line.endswith("OFF")]
+    assert flagged == ["tome r16", "tome r256"]
+    with pytest.raises(SystemExit):
+        selfcheck.main(["--device", "cpu", "--dtypes", "fp8"])
+    assert "--dtypes: each must be one of fp32, bf16, fp16" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # a device the machine lacks: one error line, no traceback
+        with pytest.raises(SystemExit):
+            selfcheck.main(["--device", "cuda", "--dtypes", "fp32"])
+        assert "--device cuda: CUDA is not available on this machine" in \
+            capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_selfcheck_measures_errors_relative_above_magnitude_one():
+    """One bf16 unit in the last place of an output in [4, 8) (2^-5, what rounding an intermediate costs, seen on an
+    H200) is within the bf16 tolerance; the same absolute error on an output below 1 is not."""
+    want = torch.tensor([4.0, 0.5])
+    assert selfcheck._diff([torch.tensor([4.0 + 2 ** -5, 0.5])], [want]) == pytest.approx(2 ** -5 / 4)
+    assert selfcheck._diff([torch.tensor([4.0 + 2 ** -5, 0.5])], [want]) <= selfcheck.TOLERANCE["bf16"]
+    assert selfcheck._diff([torch.tensor([4.0, 0.5 + 2 ** -5])], [want]) == pytest.approx(2 ** -5)
+    assert selfcheck._diff([torch.tensor([4.0, 0.5 + 2 ** -5])], [want]) > selfcheck.TOLERANCE["bf16"]

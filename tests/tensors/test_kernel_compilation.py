@@ -1,0 +1,81 @@
+"""The fused Triton kernels compiled for real GPUs ahead of time (no GPU needed), and the keys Triton would compile
+them under: token counts never cost a recompile."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import timm_tokcomp
+from timm_tokcomp.kernels import triton_dense, triton_evit, triton_tome
+from conftest import make_model
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_kernels_compile_for_real_gpus(arch):
+    """Every kernel of the package compiles to a cubin for sm_80 / sm_90 in fp32, fp16 and bf16, ahead of time
+    and without a GPU: the CPU interpreter accepts programs that the GPU compiler rejects."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_kernels_aot.py")
+    done = subprocess.run([sys.executable, str(script), str(arch)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("cubin") == 3 * 29
+
+
+def _compile_keys(runs):
+    """For each of the package's Triton kernels, the distinct keys a GPU would compile it under (Triton's own
+    specialization of each int and pointer argument, plus the constexprs) over `runs`, a callable doing forwards;
+    grouped by constexprs: {kernel: {constexprs: number of keys}}."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    keys = {}
+    hooks = []
+    for module in (triton_tome, triton_evit, triton_dense):
+        for name in dir(module):
+            kernel = getattr(module, name)
+            if not name.endswith("_kernel"):
+                continue
+            plain = set(kernel.kwargs.get("do_not_specialize") or [])
+            unaligned = set(kernel.kwargs.get("do_not_specialize_on_alignment") or [])
+
+            def hook(*args, _kernel=kernel, _name=f"{module.__name__}.{name}", _plain=plain, _unaligned=unaligned,
+                     **constexprs):
+                key = tuple(native_specialize_impl(BaseBackend, value, False, arg not in _plain, arg not in _unaligned)
+                            for arg, value in zip(_kernel.arg_names, args)
+                            if isinstance(value, (int, torch.Tensor)) and not isinstance(value, bool))
+                keys.setdefault(_name, {}).setdefault(tuple(sorted(constexprs.items())), set()).add(key)
+
+            kernel.add_pre_run_hook(hook)
+            hooks.append((kernel, hook))
+    try:
+        runs()
+    finally:
+        for kernel, hook in hooks:
+            kernel.pre_run_hooks.remove(hook)
+    return {name: {c: len(k) for c, k in by.items()} for name, by in keys.items()}
+
+
+def test_token_counts_never_cost_a_recompile():
+    """Triton compiles a kernel anew for each specialization of its int arguments (== 1, divisible by 16) and
+    pointer alignments. Token counts change from block to block and, for ATM, from batch to batch: they are
+    not specialized, so each kernel compiles once per set of constexprs, whatever the schedule (before: up to 5
+    compilations of the matching kernel on these few forwards)."""
+    def runs():
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for method, params in (("tome", {"r": 13}), ("tome", {"flops_ratio": 2.0}),
+                                   ("evit", {"keep_rate": 0.7, "stages": (2, 3, 4)}),
+                                   ("atm", {"alpha": 0.3, "beta": 0.0, "theta_min": 0.0}), ("dense_tome", {"k": 5})):
+                model = timm_tokcomp.apply(make_model("cls").eval(), method, kernel="triton", **params)
+                for batch in (1, 2, 3, 4):
+                    model(torch.randn(batch, 3, 32, 32))
+
+    counts = _compile_keys(runs)
+    assert set(counts) == {f"timm_tokcomp.kernels.{m}" for m in (
+        "triton_tome._match_and_plan_kernel", "triton_tome._merge_kernel", "triton_evit._class_attention_plan_kernel",
+        "triton_evit._prune_fuse_kernel", "triton_dense._merge_kernel", "triton_dense._unmerge_add_kernel")}
+    assert {name: max(by.values()) for name, by in counts.items()} == dict.fromkeys(counts, 1)
