@@ -1,6 +1,8 @@
 import hashlib
 import os
 import warnings
+from dataclasses import dataclass
+from typing import Optional
 
 # the Triton kernels run in Triton's CPU interpreter in these tests: must be set before they are defined
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -17,6 +19,8 @@ from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
 
 from timm_tokcomp.methods import METHODS
+from timm_tokcomp.methods.base import ScheduledReducer
+from timm_tokcomp.plans import Plan, Reduced
 
 # pytest-xdist's workers share the cores: each takes its part of them for torch's threads
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -207,3 +211,74 @@ def eva_from_deit(deit: torch.nn.Module) -> Eva:
             state[key] = value
     eva.load_state_dict(state)
     return eva
+
+
+# ------------------------------------------------------------------ a new method, declared as the recipe says
+# (CONTRIBUTING.md): its class with its own plan kinds and its line in METHODS (the toy_method fixture). The tests
+# walk it through the stack: bench, speed, tune, export and `tokcomp methods` (tests/kit/test_kit.py), a rope model,
+# and a fine-tuning run through the training engine (tests/commands/test_finetune.py).
+TOY_EPS = 1e-6  # the size a token the training step drops keeps
+
+
+@dataclass
+class KeepLastPlan(Plan):
+    """A toy plan kind (its own apply and at_destinations, no line anywhere else): keep the prefix tokens and the last
+    num_keep others."""
+
+    num_prefix: int
+    num_keep: int
+
+    def _keep(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else torch.cat([t[:, :self.num_prefix], t[:, t.shape[1] - self.num_keep:]], dim=1)
+
+    def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
+        return self._keep(x), self._keep(size), self._keep(source)
+
+    def at_destinations(self, t: torch.Tensor) -> torch.Tensor:
+        return t[:, t.shape[1] - self.num_keep:]
+
+
+@dataclass
+class KeepLastStepPlan(Plan):
+    """The toy's training step: every token stays in place, those KeepLastPlan would drop get size TOY_EPS (the
+    log-size bias keeps them out of attention); counts its applications in `applied`."""
+
+    num_prefix: int
+    num_keep: int
+    keeps_positions = True  # no token moves
+    applied = 0
+
+    def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
+        type(self).applied += 1
+        size = x.new_ones(x.shape[0], x.shape[1], 1) if size is None else size
+        dropped = torch.zeros_like(size, dtype=torch.bool)
+        dropped[:, self.num_prefix:x.shape[1] - self.num_keep] = True
+        return x, size.masked_fill(dropped, TOY_EPS), source
+
+
+class KeepLast(ScheduledReducer):
+    """A toy method with its own plan kinds: each reducing block keeps its last tokens; where gradients flow (training)
+    its step drops the others softly, in place."""
+
+    name = "toykeep"
+    data_dependent = True  # declared so, to see speed and tune keep it to eager mode
+    export_refusal = "a toy method for the tests"
+    tune_space = ({"r": 2},)
+
+    def default_prop_attn(self, global_pool: str) -> bool:
+        return True  # the training step's sizes must reach attention
+
+    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        return k
+
+    def plan(self, metric: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[Plan]:
+        if r <= 0:
+            return None
+        kind = KeepLastStepPlan if torch.is_grad_enabled() and metric.requires_grad else KeepLastPlan
+        return kind(num_prefix, metric.shape[2] - num_prefix - r)
+
+
+@pytest.fixture
+def toy_method(monkeypatch):
+    monkeypatch.setitem(METHODS, KeepLast.name, KeepLast)  # its line in METHODS
+    return KeepLast.name

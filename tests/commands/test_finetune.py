@@ -333,3 +333,22 @@ def test_torchrun_two_processes_match_one_process(labelled, tmp_path):
     assert len(epochs("two")) == 3 and [row[2:] for row in epochs("two")] == [row[2:] for row in epochs("one")]
     for row_two, row_one in zip(epochs("two")[1:], epochs("one")[1:]):
         assert float(row_two[1]) == pytest.approx(float(row_one[1]), abs=1e-4)  # train loss
+
+
+def test_a_new_method_trains_through_the_engine_with_its_own_training_step(toy_method, labelled, tmp_path):
+    """conftest's toy method, declared as the recipe says (its class, its plan kinds, its line in METHODS): a
+    fine-tuning run applies its training step in every training forward (tokens kept in place, sizes dropped softly),
+    its eval plan at evaluation (tokens removed), and the saved folder reloads to its predictions."""
+    from conftest import KeepLastStepPlan
+
+    KeepLastStepPlan.applied = 0
+    out = tmp_path / "toy"
+    result = _run(labelled, out, config=_config(method="toykeep_r4", epochs=1, warmup_epochs=0))
+    assert KeepLastStepPlan.applied == 3 * 12  # 3 batches of 6 images, every block reducing
+    assert result.method_parameters == 0 and result.images == 18 and result.gmacs < 1.26
+    model = load_finetuned(str(out))
+    assert timm_tokcomp.get_reducer(model).name == "toykeep"
+    with torch.no_grad():
+        model(torch.randn(2, 3, 224, 224))
+    assert timm_tokcomp.last_stats(model).tokens_per_block[-1] == 197 - 4 * 11
+    _predictions_are_the_models(model, labelled, out)

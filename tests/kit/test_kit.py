@@ -1,9 +1,8 @@
 """The measuring kit below the commands: deploy (a preset in one call), the fast-path chooser, and a new method
-declared in one file plus its line in METHODS, seen by bench, speed, tune, export and `tokcomp methods`."""
+declared in one file plus its line in METHODS (conftest's toy method), seen by bench, speed, tune, export and
+`tokcomp methods` (its training step: tests/commands/test_finetune.py)."""
 import copy
 import warnings
-from dataclasses import dataclass
-from typing import Optional
 
 import pytest
 import torch
@@ -14,8 +13,6 @@ from timm_tokcomp.cli import main
 from timm_tokcomp.kit import modes
 from timm_tokcomp.kit.paths import FastPath, default_path, fast_paths
 from timm_tokcomp.kit.presets import versions, write_preset
-from timm_tokcomp.plans import Plan, Reduced
-from timm_tokcomp.methods.base import ScheduledReducer
 from timm_tokcomp.precision import device_description
 from conftest import REPO, make_model
 from timm_tokcomp.kit.grammar import parse_methods
@@ -166,45 +163,6 @@ def test_tune_asks_the_chooser():
         paths = fast_paths(model, method, params, "cpu", ("eager", "compile"))
         assert [(c.mode, c.kwargs) for c in candidate_paths(method, params, model, "cpu", ("eager", "compile"))] == \
             [(p.mode, p.params(method, params)) for p in paths]
-
-
-@dataclass
-class KeepLastPlan(Plan):
-    """A toy plan kind, declared as a new kind is (its own apply and at_destinations, no line anywhere else): keep the
-    prefix tokens and the last num_keep others."""
-
-    num_prefix: int
-    num_keep: int
-
-    def _keep(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if t is None else torch.cat([t[:, :self.num_prefix], t[:, t.shape[1] - self.num_keep:]], dim=1)
-
-    def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
-        return self._keep(x), self._keep(size), self._keep(source)
-
-    def at_destinations(self, t: torch.Tensor) -> torch.Tensor:
-        return t[:, t.shape[1] - self.num_keep:]
-
-
-class KeepLast(ScheduledReducer):
-    """A toy method, declared as a new method is, with its own plan kind: each reducing block keeps its last tokens."""
-
-    name = "toykeep"
-    data_dependent = True  # declared so, to see speed and tune keep it to eager mode
-    export_refusal = "a toy method for the tests"
-    tune_space = ({"r": 2},)
-
-    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-        return k
-
-    def plan(self, metric: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[KeepLastPlan]:
-        return KeepLastPlan(num_prefix, metric.shape[2] - num_prefix - r) if r > 0 else None
-
-
-@pytest.fixture
-def toy_method(monkeypatch):
-    monkeypatch.setitem(methods.METHODS, KeepLast.name, KeepLast)  # its line in METHODS
-    return KeepLast.name
 
 
 def test_a_new_method_is_its_class_and_its_line_in_methods(toy_method, monkeypatch, capsys):
