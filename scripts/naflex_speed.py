@@ -16,7 +16,8 @@ from timm.data.naflex_dataset import NaFlexCollator
 from timm.data.naflex_transforms import Patchify
 
 import timm_tokcomp
-from timm_tokcomp.measure import OpCounter, time_side_by_side
+from timm_tokcomp.measure import OpCounter
+from timm_tokcomp.timing import time_side_by_side
 from timm_tokcomp.registry import split_method_tag
 
 # (rows, cols) patch grids of about the same token count, different aspect ratios

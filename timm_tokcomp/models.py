@@ -16,7 +16,8 @@ from .core import is_reduced
 from .extras import require
 from .families import HF_CLASSES
 from .precision import check_device
-from .userfiles import check_safetensors, hub_access, hub_error, load_weights
+from .hub import hub_access, hub_error
+from .userfiles import check_safetensors, load_weights
 
 
 class HFFolder(str):

@@ -19,7 +19,7 @@ from timm.models._pretrained import DefaultCfg
 
 from .families import FAMILIES, UNSERVED_MODULES, served_classes
 from .methods import TAG_SUMMARY, is_method_tag, listed_tags, match_method_tag, method_class, parse_method_tag
-from .userfiles import hub_access, pretrained_unreachable
+from .hub import hub_access, pretrained_unreachable
 
 # timm < 1.0.31 resolves the name inside create_model and drops its tag when pretrained_cfg is also given; the method
 # tag the name carried is remembered here, (name, method tag), for the entrypoint that create_model calls next.

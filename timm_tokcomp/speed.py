@@ -26,7 +26,7 @@ from .kit.grammar import BASELINE, MethodItem
 from .kit.modes import check_batches, check_modes
 from .kit.stats import noise_notes, speedup_interval
 from .plans import TruncatePlan
-from .measure import no_silent_eager_fallback, synchronizer, time_runs
+from .timing import no_silent_eager_fallback, synchronizer, time_runs
 from .precision import check_dtype, precision
 from .methods import method_class
 from .methods.base import TokenReducer

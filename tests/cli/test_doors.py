@@ -192,7 +192,7 @@ def test_an_uncached_pretrained_name_offline_says_what_to_do_in_python(tmp_path)
     import sys
 
     code = ("import timm, timm_tokcomp\n"
-            "from timm_tokcomp.userfiles import HubUnreachableError\n"
+            "from timm_tokcomp.hub import HubUnreachableError\n"
             "for name in ('deit_tiny_patch16_224.tome_r8', 'deit_tiny_patch16_224'):\n"
             "    try:\n"
             "        timm.create_model(name, pretrained=True)\n"

@@ -211,7 +211,7 @@ def test_overwrite_with_a_bad_data_folder_keeps_the_earlier_run(tuned, tmp_path)
 
 @torch.inference_mode()
 def _even_times(models, x, rounds=5, warmup=1, progress=None, stop=None):
-    """Recorded timings (each model still runs once, as measure.time_runs runs it): every candidate as fast as
+    """Recorded timings (each model still runs once, as timing.time_runs runs it): every candidate as fast as
     plain, a contender never settled."""
     for model in models.values():
         model(x)

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 from ..checks import is_int
 from ..extras import require
 from ..outputs import new_output, refuse_existing, replacing, write_text
-from ..userfiles import hub_snapshot, read_safetensors, read_versioned_json
+from ..hub import hub_snapshot
+from ..userfiles import read_safetensors, read_versioned_json
 from .compensator import Compensator, check_scale
 
 FORMAT_VERSION = 1

@@ -228,7 +228,8 @@ def _final_evaluation(out: Path, task: FinetuneTask, train_seconds: float, train
     """Reload the saved folder (LoRA merged), then top-1 (and agreement with the reference predictions),
     per-image predictions, MACs counted from a run and forward throughput on the evaluation images (in fp32, in
     this process only)."""
-    from ..measure import count_macs, time_side_by_side
+    from ..measure import count_macs
+    from ..timing import time_side_by_side
 
     config, eval_set, reference, device = task.config, task.eval_set, task.reference, task.device
     model = load_finetuned(str(out), checkpoint=task.checkpoint, pretrained=task.pretrained, device=device)

@@ -18,7 +18,8 @@ from ..methods import method_class
 from ..models import build_base_model
 from ..outputs import FILE_MODE, write_text
 from ..patch import adapter_skip
-from ..userfiles import check_safetensors, hub_snapshot, read_json, read_versioned_json
+from ..hub import hub_snapshot
+from ..userfiles import check_safetensors, read_json, read_versioned_json
 from .card import model_card
 from .recipe import FinetuneConfig, FinetuneResult
 

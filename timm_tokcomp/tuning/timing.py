@@ -11,7 +11,7 @@ from ..core import NO_REDUCTION
 from ..kit import modes as modes_
 from ..kit.paths import default_path
 from ..kit.stats import speedup_interval
-from ..measure import no_silent_eager_fallback, time_runs
+from ..timing import no_silent_eager_fallback, time_runs
 from .budget import count
 from .rows import NOT_REACHED, Candidate
 
