@@ -74,9 +74,6 @@ class DiffRateParams(FromConfig, nn.Module):
         self.register_load_state_dict_post_hook(_reread_counts)  # a module-level function: the model pickles
         self._read_counts()
 
-    def config(self) -> Dict[str, Any]:
-        return {"depth": self.depth, "num_patches": self.num_patches, "granularity": self.granularity}
-
 
     def expected(self, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Block's (P, M): the ceilings of the expected candidate counts, with their gradient."""

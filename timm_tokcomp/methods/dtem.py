@@ -59,9 +59,6 @@ class DTEMParams(FromConfig, nn.Module):
         self.dim, self.embed_dim, self.blocks = dim, embed_dim, [int(b) for b in blocks]
         self.layers = nn.ModuleDict({str(b): nn.Linear(dim, embed_dim) for b in self.blocks})
 
-    def config(self) -> Dict[str, Any]:
-        return {"dim": self.dim, "embed_dim": self.embed_dim, "blocks": list(self.blocks)}
-
 
 
 def soft_selection(scores: torch.Tensor, r: int) -> torch.Tensor:

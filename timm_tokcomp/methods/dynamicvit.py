@@ -11,7 +11,7 @@ the ratio loss, sum over stages of (keep_rate^s - kept share)^2 averaged over im
 adds it (weight 2, as in the paper) to its KL distillation loss. Prefix tokens are never scored or dropped.
 """
 from dataclasses import dataclass
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -65,9 +65,6 @@ class DynamicViTParams(FromConfig, nn.Module):
         self.predictors = nn.ModuleDict({str(s): Predictor(dim) for s in range(len(self.blocks))})
         self._ratios: List[torch.Tensor] = []  # the last training forward's (B,) kept shares, one per stage
         self._targets: List[float] = []
-
-    def config(self) -> Dict[str, Any]:
-        return {"dim": self.dim, "blocks": list(self.blocks)}
 
 
 

@@ -66,9 +66,6 @@ class FPETParams(FromConfig, nn.Module):
     def forward(self, keys: torch.Tensor) -> torch.Tensor:
         return keys + self.up(self.dropout(F.relu(self.down(keys))))
 
-    def config(self) -> Dict[str, Any]:
-        return {"head_dim": self.head_dim}
-
 
 
 class GridSetting(NamedTuple):

@@ -72,9 +72,6 @@ class LTMPParams(FromConfig, nn.Module):
         self.prune = nn.Parameter(torch.zeros(depth))
         self._record: List[Tuple[BlockSetting, torch.Tensor]] = []  # this training forward's kept fractions
 
-    def config(self) -> Dict[str, Any]:
-        return {"depth": self.depth}
-
 
     def thresholds(self, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Block's (merge, prune) thresholds in [0, 1], with their gradient."""

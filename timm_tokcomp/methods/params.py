@@ -37,6 +37,12 @@ class FromConfig:
 
     CONFIG: Tuple[Param, ...] = ()
 
+    def config(self) -> Dict[str, Any]:
+        """What from_config needs to rebuild these parameters (saved beside them as JSON): each CONFIG value, as the
+        module keeps it under the same name (a sequence as a list)."""
+        values = {p.name: getattr(self, p.name) for p in self.CONFIG}
+        return {name: list(v) if isinstance(v, (list, tuple)) else v for name, v in values.items()}
+
     @classmethod
     def from_config(cls, config: Dict[str, Any]):
         return cls(**{p.name: p.check(config.get(p.name, None if p.default is REQUIRED else p.default))

@@ -11,7 +11,7 @@ The 1 / sqrt(D) scale is ours (as in attention); sizes and source maps are share
 The other learned soft-merging methods of the study (Sinkhorn, SiT) subclass PatchMerger with their own layer:
 everything but how a layer turns its tokens into mixing weights is shared.
 """
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -58,10 +58,6 @@ class PatchMergerParams(FromConfig, nn.Module):
         super().__init__()
         self.dim, self.outputs = dim, [int(m) for m in outputs]
         self.layers = nn.ModuleDict({str(l): self.layer_class(dim, m) for l, m in enumerate(self.outputs) if m > 0})
-
-    def config(self) -> Dict[str, Any]:
-        """What from_config needs to rebuild these parameters (saved beside them as JSON)."""
-        return {"dim": self.dim, "outputs": list(self.outputs)}
 
 
 

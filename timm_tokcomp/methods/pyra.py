@@ -50,9 +50,8 @@ class PyraLayer(nn.Module):
 
 
 def _check_form(form: Any) -> str:
-    if form not in FORMS:
-        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    return form
+    """The one check of form, for the method's parameter and the saved parameters' config."""
+    return check_choice("form", form, FORMS)
 
 
 class PyraParams(FromConfig, nn.Module):
@@ -61,12 +60,10 @@ class PyraParams(FromConfig, nn.Module):
 
     CONFIG = (Param("dim", REQUIRED, integer("dim", 1)),
               Param("ranks", REQUIRED, int_list("ranks", 0, "integers (r per block)")),
-              Param("form", "paper", lambda v: check_choice("form", v, FORMS)))
+              Param("form", "paper", _check_form))
 
     def __init__(self, dim: int, ranks: Sequence[int], form: str = "paper") -> None:
         super().__init__()
-        if form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
         self.form, self.ranks, self.dim = form, [int(r) for r in ranks], dim
         self.layers = nn.ModuleDict({str(l): PyraLayer(dim, r if form == "paper" else KNOTS)
                                      for l, r in enumerate(self.ranks) if r > 0 or form == "pooled"})
@@ -76,8 +73,8 @@ class PyraParams(FromConfig, nn.Module):
         return len(self.ranks)
 
     def config(self) -> Dict[str, Any]:
-        """What from_config needs to rebuild these parameters (saved beside them as JSON)."""
-        return {"form": self.form, "dim": self.dim, "ranks": list(self.ranks), "knots": KNOTS}
+        """FromConfig's, and the 'pooled' form's knots."""
+        return {**super().config(), "knots": KNOTS}
 
     @classmethod
     def from_config(cls, config: Dict[str, Any]) -> "PyraParams":
