@@ -18,13 +18,14 @@ from timm.models._features import FeatureGetterNet
 from timm.models._pretrained import DefaultCfg
 
 from .families import FAMILIES, UNSERVED_MODULES, served_classes
-from .methods import TAG_SUMMARY, is_method_tag, listed_tags, match_method_tag, method_class, parse_method_tag
+from .methods import TAG_SUMMARY, listed_tags, match_method_tag, method_class, parse_method_tag
 from .hub import hub_access, pretrained_unreachable
 
-# timm < 1.0.31 resolves the name inside create_model and drops its tag when pretrained_cfg is also given; the method
-# tag the name carried is remembered here, (name, method tag), for the entrypoint that create_model calls next.
-_NAME_METHOD_TAG: contextvars.ContextVar[Optional[Tuple[str, str]]] = contextvars.ContextVar("tokcomp_name_method_tag",
-                                                                                             default=None)
+# timm drops the name's tag when pretrained_cfg is also given; the method tag the name carried is remembered here,
+# (name, parsed MethodTag), by the door that read it (timm's name split or resolution), for the entrypoint that
+# create_model calls next
+_NAME_METHOD_TAG: contextvars.ContextVar[Optional[Tuple[str, "MethodTag"]]] = contextvars.ContextVar(
+    "tokcomp_name_method_tag", default=None)
 
 SHORT_NAMES = {
     "deit_tiny": "deit_tiny_patch16_224",
@@ -84,20 +85,27 @@ class MethodTag(NamedTuple):
     params: Dict[str, Any]
 
 
-def split_method_tag(arch: str, tag: str) -> Tuple[str, Optional[MethodTag]]:
+def method_tag_of(text: str) -> Optional[MethodTag]:
+    """The method tag ending a name or a tag, parsed ('fb_in1k.tome_r8' -> MethodTag('tome_r8', 'tome', {'r': 8})),
+    or None where it ends in none: the registry's one parse of a method tag."""
+    last = text.rpartition(".")[2]
+    found = match_method_tag(last)
+    return None if found is None else MethodTag(last, *found)
+
+
+def split_method_tag(arch: str, tag: str, parsed: Optional[MethodTag] = None) -> Tuple[str, Optional[MethodTag]]:
     """'fb_in1k.tome_r8' -> ('fb_in1k', MethodTag('tome_r8', 'tome', {'r': 8})); 'tome_r8' -> ('', MethodTag(...));
     'fb_in1k' -> ('fb_in1k', None).
 
+    parsed: the method tag a door already parsed from the model's name (not parsed again where tag ends in it).
     Raises ValueError listing the valid forms for a tag that is neither a pretrained tag of `arch`
     nor ends in a method tag."""
     base, _, last = tag.rpartition(".")
-    found = match_method_tag(last)
-    if found is not None:
-        method_tag = MethodTag(last, *found)
-    elif not base and last in _pretrained_tags(arch):
-        return last, None
-    else:
-        base, method_tag = tag, None
+    method_tag = parsed if parsed is not None and parsed.tag == last else method_tag_of(last)
+    if method_tag is None:
+        if not base and last in _pretrained_tags(arch):
+            return last, None
+        base = tag
     known = _pretrained_tags(arch)
     if base and base not in known:
         shown = ", ".join(t for t in known if t) or "(none)"
@@ -114,11 +122,12 @@ def _wrap_entrypoint(arch: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     def entrypoint(pretrained: bool = False, pretrained_cfg: Any = None, **kwargs: Any):
         name_tag = _NAME_METHOD_TAG.get()
         _NAME_METHOD_TAG.set(None)
-        if name_tag and name_tag[0] == arch and pretrained_cfg is not None:
-            pretrained_cfg = _cfg_keeping_method(f"{arch}.{name_tag[1]}", name_tag[1], pretrained_cfg)
+        parsed = name_tag[1] if name_tag and name_tag[0] == arch else None  # the name's, parsed at timm's door
+        if parsed is not None and pretrained_cfg is not None:
+            pretrained_cfg = _cfg_keeping_method(f"{arch}.{parsed.tag}", parsed, pretrained_cfg)
         method_tag = None
         if isinstance(pretrained_cfg, str):
-            base, method_tag = split_method_tag(arch, pretrained_cfg)
+            base, method_tag = split_method_tag(arch, pretrained_cfg, parsed)
             pretrained_cfg = base or None
         if method_tag and kwargs.get("features_only") and kwargs.get("feature_cls", "getter") != "getter":
             raise ValueError(f"features_only with a method tag ({method_tag.tag}) needs feature_cls='getter' (the "
@@ -156,10 +165,10 @@ def _refusing_entrypoint(arch: str, why: str, fn: Callable[..., Any]) -> Callabl
         name_tag = _NAME_METHOD_TAG.get()
         _NAME_METHOD_TAG.set(None)
         method_tag = name_tag[1] if name_tag and name_tag[0] == arch else None
-        if isinstance(pretrained_cfg, str) and is_method_tag(pretrained_cfg.rpartition(".")[2]):
-            method_tag = pretrained_cfg.rpartition(".")[2]
+        if isinstance(pretrained_cfg, str):
+            method_tag = method_tag_of(pretrained_cfg) or method_tag
         if method_tag:
-            raise TypeError(f"{arch} does not take method tags ({method_tag!r}): it is built from {why}. "
+            raise TypeError(f"{arch} does not take method tags ({method_tag.tag!r}): it is built from {why}. "
                             f"timm_tokcomp reduces tokens in timm's {served_classes()}.")
         return fn(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
 
@@ -167,25 +176,29 @@ def _refusing_entrypoint(arch: str, why: str, fn: Callable[..., Any]) -> Callabl
     return entrypoint
 
 
-def _cfg_keeping_method(model_name: str, method_tag: str, pretrained_cfg: Any) -> Any:
+def _cfg_keeping_method(model_name: str, method_tag: MethodTag, pretrained_cfg: Any) -> Any:
     """The pretrained_cfg to build `model_name` (which carries `method_tag`) with: a tag name gains the method tag;
     any other pretrained_cfg, which timm would use instead of the name's tag, is refused rather than silently
     building a plain model."""
     if not isinstance(pretrained_cfg, str):
-        raise ValueError(f"{model_name!r} carries method tag {method_tag!r}, which timm ignores when "
+        raise ValueError(f"{model_name!r} carries method tag {method_tag.tag!r}, which timm ignores when "
                          f"pretrained_cfg is given as a {type(pretrained_cfg).__name__}; build the model "
                          f"without the method tag and call timm_tokcomp.apply(model, ...)")
-    return pretrained_cfg if is_method_tag(pretrained_cfg.rpartition(".")[2]) else f"{pretrained_cfg}.{method_tag}"
+    if pretrained_cfg.rpartition(".")[2] == method_tag.tag or method_tag_of(pretrained_cfg):
+        return pretrained_cfg  # it carries the name's method tag (or another one) already
+    return f"{pretrained_cfg}.{method_tag.tag}"
 
 
 def _keep_method_tag(resolve: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap timm's name resolution (timm >= 1.0.31), which drops the name's tag when pretrained_cfg is also given."""
     @functools.wraps(resolve)
     def resolve_keeping_method(model_name: Any, pretrained_cfg: Any, *args: Any, **kwargs: Any):
-        tag = treg.split_model_name_tag(model_name)[1] if isinstance(model_name, str) else ""
-        method_tag = tag.rpartition(".")[2]
-        if pretrained_cfg and is_method_tag(method_tag):
-            pretrained_cfg = _cfg_keeping_method(model_name, method_tag, pretrained_cfg)
+        if pretrained_cfg and isinstance(model_name, str):
+            name, tag = treg.split_model_name_tag(model_name)
+            method_tag = method_tag_of(tag)
+            if method_tag:
+                pretrained_cfg = _cfg_keeping_method(model_name, method_tag, pretrained_cfg)
+                _NAME_METHOD_TAG.set((SHORT_NAMES.get(name, name), method_tag))  # parsed: the entrypoint reuses it
         return resolve(model_name, pretrained_cfg, *args, **kwargs)
 
     resolve_keeping_method._tokcomp_original = resolve
@@ -197,8 +210,8 @@ def _remember_method_tag(split: Callable[..., Tuple[str, str]]) -> Callable[...,
     @functools.wraps(split)
     def split_remembering_method(model_name: str, *args: Any, **kwargs: Any) -> Tuple[str, str]:
         name, tag = split(model_name, *args, **kwargs)
-        method_tag = tag.rpartition(".")[2]
-        _NAME_METHOD_TAG.set((SHORT_NAMES.get(name, name), method_tag) if is_method_tag(method_tag) else None)
+        method_tag = method_tag_of(tag)
+        _NAME_METHOD_TAG.set((SHORT_NAMES.get(name, name), method_tag) if method_tag else None)
         return name, tag
 
     split_remembering_method._tokcomp_original = split
@@ -255,7 +268,7 @@ def base_name(name: Any) -> Optional[str]:
     if not isinstance(name, str):
         return None
     base, _, last = name.rpartition(".")
-    if not base or not is_method_tag(last) or treg.split_model_name_tag(base)[0] not in _supported():
+    if not base or method_tag_of(last) is None or treg.split_model_name_tag(base)[0] not in _supported():
         return None
     return base
 

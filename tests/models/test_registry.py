@@ -229,3 +229,19 @@ def test_build_args_reads_what_an_entrypoint_builds_without_building_it():
 
     assert VIT.build_args(failing) is None  # nothing to read: the architecture is not listed
     assert type(timm.create_model("test_vit")) is VisionTransformer
+
+
+@pytest.mark.parametrize("name, kwargs", [("deit_tiny_patch16_224.tome_r8", {}), ("deit_tiny.tome_r8", {}),
+                                          ("deit_tiny_patch16_224.tome_r8", {"pretrained_cfg": "fb_in1k"}),
+                                          ("deit_tiny_patch16_224.fb_in1k.tome_r8", {"pretrained_cfg": "fb_in1k"})])
+def test_a_names_method_tag_is_parsed_once(name, kwargs, monkeypatch):
+    """The door that reads the name parses its method tag; what comes after reuses the parse (a pretrained_cfg the
+    user gives is read once, for a method tag of its own)."""
+    from timm_tokcomp import registry
+
+    parsed = []
+    real = registry.match_method_tag
+    monkeypatch.setattr(registry, "match_method_tag", lambda tag: parsed.append(tag) or real(tag))
+    model = timm.create_model(name, **kwargs)
+    assert timm_tokcomp.get_reducer(model).params["r"] == 8
+    assert sorted(parsed) == sorted(["tome_r8", *kwargs.values()])
