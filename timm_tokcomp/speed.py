@@ -132,7 +132,7 @@ def run_speed(
     check_int("--rounds", rounds, 1)
     check_dtype(dtype)
     check_modes(modes, device)
-    items = [item for item in methods if item.method != BASELINE]
+    items = [item for item in methods if item.name != BASELINE]  # a preset of method none stays: its own row
     base = build_base_model(model_name, checkpoint, pretrained, device)
     inputs = _inputs(data, base, max(batches), device)
     rows: List[SpeedRow] = []

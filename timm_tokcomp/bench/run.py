@@ -190,7 +190,7 @@ def run_bench(
         raise ValueError("give --checkpoint or --pretrained, not both")
     check_int("--latency-runs", latency_runs, 0, "(0: none)")
     items = list(methods)
-    if not items or items[0].method != BASELINE:
+    if not items or items[0].name != BASELINE:
         raise ValueError("methods must start with the plain model ('none'), as kit.grammar.parse_methods gives them")
     check_backend(backend, device, dtype, items)
     base = build_base_model(model_name, checkpoint, pretrained, device)
