@@ -116,7 +116,7 @@ def add_tocom_models(models: Dict[str, nn.Module], items: Sequence[MethodItem], 
                      scale: Optional[float]) -> Dict[str, nn.Module]:
     """After every ToMe / EViT row with an integer r, a '<tag>+ToCom' row: the model with the
     compensator for (source_r -> r) from `tocom` (local folder or Hub repo). Other rows get none."""
-    from .tocom import attach, compensate, load
+    from ..tocom import attach, compensate, load
 
     compensator, config = load(tocom, flag="--tocom")
     compensator.check_degree("--source-r", source_r)
