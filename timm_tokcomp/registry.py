@@ -193,13 +193,19 @@ def _keep_method_tag(resolve: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap timm's name resolution (timm >= 1.0.31), which drops the name's tag when pretrained_cfg is also given."""
     @functools.wraps(resolve)
     def resolve_keeping_method(model_name: Any, pretrained_cfg: Any, *args: Any, **kwargs: Any):
+        remembered = None  # set on every call: a parse never outlives the call that made it
         if pretrained_cfg and isinstance(model_name, str):
             name, tag = treg.split_model_name_tag(model_name)
             method_tag = method_tag_of(tag)
             if method_tag:
                 pretrained_cfg = _cfg_keeping_method(model_name, method_tag, pretrained_cfg)
-                _NAME_METHOD_TAG.set((SHORT_NAMES.get(name, name), method_tag))  # parsed: the entrypoint reuses it
-        return resolve(model_name, pretrained_cfg, *args, **kwargs)
+                remembered = (SHORT_NAMES.get(name, name), method_tag)  # parsed: the entrypoint reuses it
+        _NAME_METHOD_TAG.set(remembered)
+        try:
+            return resolve(model_name, pretrained_cfg, *args, **kwargs)
+        except BaseException:
+            _NAME_METHOD_TAG.set(None)  # no entrypoint follows: the next call must not read this name's tag
+            raise
 
     resolve_keeping_method._tokcomp_original = resolve
     return resolve_keeping_method

@@ -245,3 +245,15 @@ def test_a_names_method_tag_is_parsed_once(name, kwargs, monkeypatch):
     model = timm.create_model(name, **kwargs)
     assert timm_tokcomp.get_reducer(model).params["r"] == 8
     assert sorted(parsed) == sorted(["tome_r8", *kwargs.values()])
+
+
+def test_a_failed_resolution_leaves_no_method_tag_for_the_next_call():
+    """A name whose resolution fails after its method tag was read must not hand that tag to the next model of the
+    architecture built with a pretrained_cfg: it stays plain."""
+    def failing(model_name, pretrained_cfg, *args, **kwargs):
+        raise RuntimeError("resolution failed")
+
+    with pytest.raises(RuntimeError, match="resolution failed"):
+        registry._keep_method_tag(failing)("deit_tiny_patch16_224.tome_r8", "fb_in1k", {})
+    model = timm.models.model_entrypoint("deit_tiny_patch16_224")(pretrained_cfg="fb_in1k")  # the wrapped one
+    assert not timm_tokcomp.is_reduced(model)

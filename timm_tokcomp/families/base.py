@@ -247,7 +247,8 @@ class Family:
 
 
 def vit_block_refusal(args: BuildArgs) -> Optional[str]:
-    """Why timm's VisionTransformer (and NaFlexVit) blocks built with args are not served: blocks or attention of a class the family does not serve (parallel, post-norm or differential ones)."""
+    """Why timm's VisionTransformer (and NaFlexVit) blocks built with args are not served: blocks or attention of a
+    class the family does not serve (parallel, post-norm or differential ones); None where they are."""
     block = args.arg("block_fn", Block)
     if block is not Block:
         return (f"blocks of class {block.__name__}, which timm_tokcomp does not serve (in timm's VisionTransformer: "
@@ -261,7 +262,8 @@ def vit_block_refusal(args: BuildArgs) -> Optional[str]:
 
 
 def eva_skips_qkv_module(model: nn.Module) -> bool:
-    """Whether the model's forward skips a qkv adapter (Family.plain_skips_qkv_module): timm's EvaAttention with a fused qkv and q / v biases calls F.linear on qkv.weight, not the qkv module."""
+    """Whether the model's forward skips a qkv adapter (Family.plain_skips_qkv_module): timm's EvaAttention with a
+    fused qkv and q / v biases calls F.linear on qkv.weight, not the qkv module."""
     return any(getattr(blk.attn, "qkv", None) is not None and getattr(blk.attn, "q_bias", None) is not None
                and not blk.attn.qkv_bias_separate for blk in model.blocks)
 

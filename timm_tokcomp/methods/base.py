@@ -277,7 +277,6 @@ class LearnedParams:
     learned_class: ClassVar[type]
     learned_param: ClassVar[str]
     params: Dict[str, Any]
-    _learned_given: bool = False
 
     def validate(self) -> None:
         """The learned parameters given are of learned_class (ValueError naming it otherwise)."""
