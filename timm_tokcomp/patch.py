@@ -12,7 +12,7 @@ from .methods.base import TokenReducer
 from .reducing import feature_stats, forget_last, last_of, patch_grid, prefix_only_last
 from .state import ReductionStats
 
-_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_block_cost", "_tokcomp_pool_stats", "_tokcomp_depth")
+_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_block_cost", "_tokcomp_pool_sizes", "_tokcomp_depth")
 _BLOCK_ATTRS = ("_tokcomp_reducer", "_tokcomp_setting", "_tokcomp_num_prefix")
 
 
@@ -63,7 +63,7 @@ def patch(model: nn.Module, reducer: TokenReducer, family: Family) -> None:
     model._tokcomp_prop_attn = prop_attn
     model._tokcomp_block_cost = block_cost
     model._tokcomp_depth = depth
-    model._tokcomp_pool_stats = None
+    model._tokcomp_pool_sizes = None
     forget_last(model)
     _attach_learned(model, reducer.learned_module(), reducer.name)
 

@@ -6,7 +6,7 @@ attention-pool head reads the prefix tokens."""
 import contextvars
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from timm.models._features import feature_take_indices
@@ -75,11 +75,44 @@ def spread_tokens(tokens: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     return gather_tokens(tokens, holder) * held
 
 
-# (model, its blocks' compiled forward_reduce(block, ...)) while a regionally compiled call of model runs in this
-# thread (timm_tokcomp.compiling); the model's other callers run their blocks eagerly
-COMPILED_BLOCKS: contextvars.ContextVar = contextvars.ContextVar("timm_tokcomp_compiled_blocks", default=None)
+Carried = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional["TokenPositions"]]
 
-Carried = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[TokenPositions]]
+
+class Regions(NamedTuple):
+    """The three parts of a reduced forward that torch.compile compiles one by one (timm_tokcomp.compiling): each
+    takes the module it runs first, so one compiled function serves every block (and every call) of a model."""
+
+    embed: Callable[..., Tuple[torch.Tensor, Optional[TokenPositions]]]  # (model, images, ...) -> _embed's output
+    block: Callable[..., Carried]  # (block, *ReducingBlockMixin.forward_reduce's arguments) -> its output
+    finish: Callable[..., Any]  # (model, last tokens (B, N', C), sizes (B, N', 1) or None, ...) -> forward's output
+
+
+# (model, its compiled Regions) while a regionally compiled call of model runs in this thread
+# (timm_tokcomp.compiling); the model's other callers run eagerly
+COMPILED_REGIONS: contextvars.ContextVar = contextvars.ContextVar("timm_tokcomp_compiled_regions", default=None)
+
+
+def compiled_regions(model: nn.Module) -> Optional[Regions]:
+    """model's compiled regions while a regionally compiled call of it runs in this thread, else None."""
+    running = COMPILED_REGIONS.get()
+    return running[1] if running is not None and running[0] is model else None
+
+
+def compiled_whole(model: nn.Module) -> bool:
+    """Whether torch.compile is tracing model's forward whole (torch.compile(model), model.compile()) where its
+    method compiles by region: the forward then hands itself to its regional compile (forward_by_region). Never
+    while exporting (torch.export traces the whole forward as it is)."""
+    return (torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+            and model._tokcomp_reducer.compiles_by_region)
+
+
+@torch.compiler.disable
+def forward_by_region(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """model.forward(*args, **kwargs) with its regions compiled (compiling.compiled_forward), outside the caller's
+    trace: one graph break, at the forward's start."""
+    from .compiling import compiled_forward  # compiling builds on this module
+
+    return compiled_forward(model, *args, **kwargs)
 
 
 class BlockBranches:
@@ -215,14 +248,14 @@ class ReducingModel:
     _tokcomp_reducer: TokenReducer
     _tokcomp_prop_attn: Union[bool, str]  # False, or the implementation ('auto' or one of PROP_ATTN_IMPLS)
     _tokcomp_block_cost: BlockCost
-    _tokcomp_pool_stats: Optional[ReductionStats]  # compiled forward only: this call's stats while its head runs
+    _tokcomp_pool_sizes: Optional[Tuple[Optional[torch.Tensor]]]  # traced forwards only: (this call's sizes,)
     _tokcomp_depth: int  # blocks the schedule is laid over (see patch.model_depth)
     map_pool_reads_prefix: bool = False  # the attention-pool head ('map') reads the prefix tokens too
 
     # Per-call state (token sizes, stats, source maps) is never kept where another call of the same model could
     # read it: it travels with the call's own feature tensor (_register_features), so calls from several threads
-    # at once each pool with their own sizes. Under torch.compile the head reads it from a module attribute that
-    # dynamo traces as a value of this call's graph.
+    # at once each pool with their own sizes. Under torch.compile the head reads the sizes from a module attribute
+    # that dynamo traces as a value of this call's graph (_finish).
 
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[TokenPositions]]:
         """x: (B, 3, H, W) -> (tokens (B, N, C) entering the first block, as timm's forward_features makes them,
@@ -230,15 +263,25 @@ class ReducingModel:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, 3, H, W) -> logits; the head pools with this call's token sizes."""
-        x, stats = self._features(x)
-        if not torch.compiler.is_compiling():
+        """x: (B, 3, H, W) -> logits; the head pools with this call's token sizes. Traced whole by torch.compile,
+        it runs compiled by regions instead (compiled_whole)."""
+        if compiled_whole(self):
+            return forward_by_region(self, x)
+        regions = compiled_regions(self)
+        if regions is None and not torch.compiler.is_compiling():
+            x, stats = self._features(x)
             return self.forward_head(self._register_features(x, stats))
-        self._tokcomp_pool_stats = stats
+        x, stats = self._through_blocks(x, regions)
+        return self._finish(x, stats.size) if regions is None else regions.finish(self, x, stats.size)
+
+    def _finish(self, x: torch.Tensor, size: Optional[torch.Tensor]) -> torch.Tensor:
+        """A traced forward's end: the last block's tokens x (B, N', C) with their sizes (B, N', 1) or None ->
+        logits (final norm, the head pooling with size)."""
+        self._tokcomp_pool_sizes = (size,)
         try:
-            return self.forward_head(x)
+            return self.forward_head(self.norm(x))
         finally:
-            self._tokcomp_pool_stats = None
+            self._tokcomp_pool_sizes = None
 
     def forward_features(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
         """x: (B, 3, H, W) -> (B, N', C) with N' <= N tokens (prefix tokens first). The token sizes travel
@@ -248,8 +291,14 @@ class ReducingModel:
         return self._register_features(*self._features(x))
 
     def _features(self, x: torch.Tensor) -> Tuple[torch.Tensor, ReductionStats]:
-        x, stats = self._reduce_blocks(*self._embed(x), grid=patch_grid(self, x.shape[-2:]))
+        x, stats = self._through_blocks(x, compiled_regions(self))
         return self.norm(x), stats
+
+    def _through_blocks(self, x: torch.Tensor, regions: Optional[Regions]) -> Tuple[torch.Tensor, ReductionStats]:
+        """images x (B, 3, H, W) -> (the last block's tokens (B, N', C), this call's stats); regions: the compiled
+        ones to run (None: eager)."""
+        tokens = self._embed(x) if regions is None else regions.embed(self, x)
+        return self._reduce_blocks(*tokens, grid=patch_grid(self, x.shape[-2:]))
 
     def _reduce_blocks(self, x: torch.Tensor, positions: Optional[TokenPositions], for_intermediates: bool = False,
                        num_blocks: Optional[int] = None,
@@ -273,8 +322,8 @@ class ReducingModel:
         use_checkpoint = self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting()
         last = self._tokcomp_depth - 1
         blocks = self.blocks if num_blocks is None else self.blocks[:num_blocks]
-        compiled = COMPILED_BLOCKS.get()
-        compiled = compiled[1] if compiled is not None and compiled[0] is self and not use_checkpoint else None
+        regions = None if use_checkpoint else compiled_regions(self)
+        compiled = None if regions is None else regions.block
         prop_attn = resolve_prop_attn(self._tokcomp_prop_attn, x, compiled=compiled is not None or
                                       torch.compiler.is_compiling(), rope=positions is not None)
         for i, (blk, setting) in enumerate(zip(blocks, settings)):
@@ -297,7 +346,7 @@ class ReducingModel:
             if on_block is not None and not prefix_only:
                 on_block(i, x, source)
         stats.tokens_out = x.shape[1]
-        stats.size = None if size is None else size.detach()
+        stats.size = size.detach() if size is not None and size.requires_grad else size  # no op when no gradient
         stats.source = source.detach() if reducer.trace_source else None
         remember_last(self, stats)
         return x, stats
@@ -333,10 +382,11 @@ class ReducingModel:
 
     def _token_sizes(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """(B, N, 1) sizes of the tokens x: (B, N, C); None when every token has size 1."""
-        stats = self._tokcomp_pool_stats  # set while forward() runs its head
-        if stats is None:
-            stats = feature_stats(self).get(x)
-        if stats is not None:
+        pooled = self._tokcomp_pool_sizes  # set while a traced forward runs its head (_finish)
+        stats = feature_stats(self).get(x) if pooled is None else None
+        if pooled is not None:
+            size = pooled[0]
+        elif stats is not None:
             size = stats.size
         elif x.shape[1] == self.patch_embed.num_patches + self.num_prefix_tokens:
             return None  # nothing was reduced: every token stands for one patch

@@ -32,7 +32,8 @@ from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer, Sigli
 from transformers.models.vit.modeling_vit import ViTForImageClassification, ViTLayer, ViTModel
 
 from ..methods.base import TokenReducer
-from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel, patch_grid
+from ..reducing import (BlockBranches, ReducingBlockMixin, ReducingModel, compiled_regions, compiled_whole,
+                        forward_by_region, patch_grid)
 from .base import Facade, Family, reducer_metric
 from .hf_call import bind_call
 
@@ -183,7 +184,7 @@ class HFReducingModel(ReducingModel):
     """Mixin over a transformers vision model running the shared reducing loop. A class gives layers_at (the dotted
     path of its layer list), embeddings_at, norm_at (its final norm, '' for none), global_pool (timm's sense: 'token'
     where the output reads only the class token, 'map' for an attention-pool head, '' where every token is returned),
-    prefix_tokens(config) and _outputs."""
+    prefix_tokens(config) and _finish."""
 
     layers_at: ClassVar[str]
     embeddings_at: ClassVar[str] = "embeddings"
@@ -221,7 +222,7 @@ class HFReducingModel(ReducingModel):
         return self.get_submodule(self.norm_at) if self.norm_at else nn.Identity()
 
     def _embed(self, pixel_values: torch.Tensor, interpolate_pos_encoding: Optional[bool] = None):
-        embeddings = self.get_submodule(self.embeddings_at)
+        embeddings, pixel_values = self.get_submodule(self.embeddings_at), self._input(pixel_values)
         if interpolate_pos_encoding is None:
             return embeddings(pixel_values), None
         return embeddings(pixel_values, interpolate_pos_encoding=interpolate_pos_encoding), None
@@ -233,13 +234,18 @@ class HFReducingModel(ReducingModel):
     def forward(self, *args: Any, **kwargs: Any):
         """The plain class's forward arguments (pixel_values (B, 3, H, W) first; hf_call.bind_call) -> transformers'
         output of this model class, or its tuple where return_dict (in the call, else the config) is False."""
+        if compiled_whole(self):
+            return forward_by_region(self, *args, **kwargs)
         call = bind_call(self.plain_class(), self, args, kwargs)
-        tokens, positions = self._embed(self._input(call.pixel_values), call.interpolate_pos_encoding)
+        regions = compiled_regions(self)
+        embed, finish = (type(self)._embed, type(self)._finish) if regions is None else (regions.embed, regions.finish)
+        tokens, positions = embed(self, call.pixel_values, call.interpolate_pos_encoding)
         x, stats = self._reduce_blocks(tokens, positions, grid=patch_grid(self, call.pixel_values.shape[-2:]))
-        out = self._outputs(x, stats.size, call.labels)
+        out = finish(self, x, stats.size, call.labels)
         return out if call.return_dict else out.to_tuple()
 
     def _input(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The images as this class's embeddings take them (_embed)."""
         return pixel_values
 
     def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
@@ -252,7 +258,7 @@ class HFReducingModel(ReducingModel):
         finally:
             self.__class__ = patched
 
-    def _outputs(self, x: torch.Tensor, size: Optional[torch.Tensor], labels: Optional[torch.Tensor]):
+    def _finish(self, x: torch.Tensor, size: Optional[torch.Tensor], labels: Optional[torch.Tensor]):
         """The last layer's tokens x: (B, N', C) with their sizes (B, N', 1) or None -> the model's output."""
         raise NotImplementedError
 
@@ -263,7 +269,7 @@ class ReducingHFViTModel(HFReducingModel, ViTModel):
     def _input(self, pixel_values):
         return pixel_values.to(self.embeddings.patch_embeddings.projection.weight.dtype)
 
-    def _outputs(self, x, size, labels):
+    def _finish(self, x, size, labels):
         x = self.layernorm(x)
         return BaseModelOutputWithPooling(last_hidden_state=x,
                                           pooler_output=self.pooler(x) if self.pooler is not None else None)
@@ -278,7 +284,7 @@ class ReducingHFViTForImageClassification(HFReducingModel, ViTForImageClassifica
     def _input(self, pixel_values):
         return pixel_values.to(self.vit.embeddings.patch_embeddings.projection.weight.dtype)
 
-    def _outputs(self, x, size, labels):
+    def _finish(self, x, size, labels):
         logits = self.classifier(self.vit.layernorm(x)[:, 0, :])
         loss = None if labels is None else self.loss_function(labels, logits, self.config)
         return ImageClassifierOutput(loss=loss, logits=logits)
@@ -290,7 +296,7 @@ class ReducingHFDinov2Model(HFReducingModel, Dinov2Model):
     def _embed(self, pixel_values, interpolate_pos_encoding=None):
         return self.embeddings(pixel_values), None  # Dinov2 always interpolates its position embedding
 
-    def _outputs(self, x, size, labels):
+    def _finish(self, x, size, labels):
         x = self.layernorm(x)
         return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=x[:, 0, :])
 
@@ -309,7 +315,7 @@ class ReducingHFCLIPVisionModel(HFReducingModel, CLIPVisionModel):
         tokens = self.embeddings(pixel_values, interpolate_pos_encoding=bool(interpolate_pos_encoding))
         return self.pre_layrnorm(tokens), None
 
-    def _outputs(self, x, size, labels):
+    def _finish(self, x, size, labels):
         return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=self.post_layernorm(x[:, 0, :]))
 
 
@@ -325,7 +331,7 @@ class ReducingHFSiglipVisionModel(HFReducingModel, SiglipVisionModel):
     def _embed(self, pixel_values, interpolate_pos_encoding=None):
         return self.embeddings(pixel_values, interpolate_pos_encoding=bool(interpolate_pos_encoding)), None
 
-    def _outputs(self, x, size, labels):
+    def _finish(self, x, size, labels):
         x = self.post_layernorm(x)
         pooled = None
         if self.use_head:

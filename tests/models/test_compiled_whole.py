@@ -1,0 +1,171 @@
+"""The whole reduced forward compiled (timm_tokcomp.compiling): the embedding (patch convolution, position
+embedding or rope table, prefix tokens) and the end (final norm, pooling with the sizes, head) are compiled regions
+like the blocks, so no aten op of a compiled forward runs eagerly, for every family; and torch.compile(model), the
+way every timm model is compiled, takes the same regions (counted with dynamo's counters)."""
+import warnings
+
+import pytest
+import timm
+import torch
+from timm.models.vision_transformer import VisionTransformer
+from torch._dynamo.utils import counters
+
+import timm_tokcomp
+from conftest import SMALL, family_model, reducing_setting
+from timm_tokcomp import compiling
+from timm_tokcomp.methods import METHODS
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class InGraphs:
+    """A torch.compile backend that runs each captured graph as traced, inside a profiler range, and keeps it; and
+    the aten ops a profiled forward runs outside every such range: the ops it runs eagerly."""
+
+    RANGE = "captured_graph"
+
+    def __init__(self):
+        self.graphs = []
+
+    def backend(self, gm, example):
+        self.graphs.append(gm.graph)
+
+        def run(*args):
+            with torch.profiler.record_function(self.RANGE):
+                return gm.forward(*args)
+
+        return run
+
+    def eager_ops(self, forward):
+        """The aten ops forward() runs outside every captured graph."""
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            forward()
+        return [e.name for e in prof.events() if e.name.startswith("aten::") and not self._in_graph(e)]
+
+    def _in_graph(self, event) -> bool:
+        while event is not None:
+            if event.name == self.RANGE:
+                return True
+            event = event.cpu_parent
+        return False
+
+    def graph_with(self, parameter: str, op: str) -> bool:
+        """Whether some captured graph takes a parameter whose path holds `parameter` and calls an op named op."""
+        return any(any(parameter in node.name for node in graph.nodes if node.op == "placeholder")
+                   and any(op in str(node.target) for node in graph.nodes) for graph in self.graphs)
+
+
+def _vit(method="tome", **params):
+    torch.manual_seed(0)
+    return timm_tokcomp.apply(VisionTransformer(**dict(SMALL, depth=6)).eval(), method, **params)
+
+
+def _naflex():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = timm.create_model("naflexvit_base_patch16_gap", img_size=32, patch_size=8, embed_dim=64, depth=3,
+                                  num_heads=2, num_classes=10).eval()
+    return timm_tokcomp.apply(model, "tome", r=2)
+
+
+def _hf():
+    from test_hf import hf_model
+
+    return timm_tokcomp.apply(hf_model("vit_classifier"), "tome", r=8)
+
+
+CONV = ("patch", "conv2d")
+MODELS = {  # name -> (a reduced model, (the patch embedding's parameter path, its op), the head's parameter path)
+    "vit_tome": (lambda: _vit("tome", r=8), CONV, "head"),
+    "vit_evit": (lambda: _vit("evit", r=8), CONV, "head"),
+    "eva02_rope_tome": (lambda: timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "tome", r=2), CONV, "head"),
+    "siglip_map_tome": (lambda: timm_tokcomp.apply(family_model("siglip_map"), "tome", r=2), CONV, "attn_pool"),
+    "naflex_images_tome": (_naflex, ("embeds", "linear"), "head"),  # NaFlex embeds patches by a linear
+    "transformers_vit_tome": (_hf, CONV, "classifier"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_no_aten_op_of_a_compiled_forward_runs_eagerly(name):
+    make, embed, head = MODELS[name]
+    model, recorder = make(), InGraphs()
+    fast = compiling.compile(model, backend=recorder.backend)
+    x = _images(2)
+    with torch.no_grad():
+        want = model(x)
+        fast(x)  # compiles
+        assert recorder.eager_ops(lambda: fast(x)) == []
+        got = fast(x)
+    unwrap = (lambda out: out) if torch.is_tensor(want) else (lambda out: out.logits)
+    torch.testing.assert_close(unwrap(got), unwrap(want), rtol=1e-5, atol=1e-5)
+    assert recorder.graph_with(*embed)  # the patch embedding
+    assert recorder.graph_with(head, "linear")  # the head (or the attention pool) of the end region
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def _eager_regions(monkeypatch):
+    """torch.compile(model)'s regions with the 'eager' backend (what is captured, without Inductor's code)."""
+    make = compiling.compile_regions
+    monkeypatch.setattr(compiling, "compile_regions", lambda model: make(model, backend="eager"))
+
+
+def _images(batch, seed=1):
+    return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def test_torch_compile_of_a_reduced_model_runs_its_regions_for_every_batch_and_r(monkeypatch):
+    _eager_regions(monkeypatch)
+    model = _vit("tome", r=8)
+    fast = torch.compile(model, backend="eager")
+    with torch.no_grad(), pytest.warns(UserWarning, match="runs it compiled by regions") as said:
+        torch.testing.assert_close(fast(_images(2)), model(_images(2)), rtol=0, atol=0)
+    assert len(said) == 1
+    regions = counters["stats"]["unique_graphs"]
+    assert regions == 4  # the embedding, block 0 (no sizes yet), blocks 1-5, the end: the regional graphs
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        for batch in (3, 7):
+            torch.testing.assert_close(fast(_images(batch)), model(_images(batch)), rtol=0, atol=0)
+        for params in ({"r": 4}, {"r": 12}, {"flops_ratio": 2.0}):
+            timm_tokcomp.set_params(model, **params)
+            torch.testing.assert_close(fast(_images(3)), model(_images(3)), rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == regions  # nothing compiled again
+
+
+def test_module_compile_and_a_model_compiled_whole_keep_their_forms(monkeypatch):
+    _eager_regions(monkeypatch)
+    model = _vit("tome", r=8)
+    model.compile(backend="eager")  # the module's own compile: its forward calls itself without looping
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(model(_images(2)), _vit("tome", r=8)(_images(2)), rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == 4
+    torch._dynamo.reset()
+    counters.clear()
+    whole = _vit("diffrate", **reducing_setting(METHODS["diffrate"], 4, {}))  # a method that does not compile by region: traced whole, no break
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(whole, backend="eager")(_images(2)), whole(_images(2)),
+                                   rtol=1e-5, atol=1e-5)
+    assert (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())) == (1, 0)
+
+
+def test_torch_compile_of_a_transformers_and_a_naflex_model_runs_their_regions(monkeypatch):
+    from test_naflex import naflex_batch
+
+    _eager_regions(monkeypatch)
+    hf, naflex = _hf(), _naflex()
+    batch = naflex_batch([torch.randn(3, 32, 32), torch.randn(3, 16, 32)], width=16)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(torch.compile(hf, backend="eager")(_images(2)).logits, hf(_images(2)).logits,
+                                   rtol=1e-5, atol=1e-5)
+        compiled = torch.compile(naflex, backend="eager")
+        torch.testing.assert_close(compiled(_images(2)), naflex(_images(2)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(compiled(batch), naflex(batch), rtol=1e-5, atol=1e-5)
