@@ -4,7 +4,7 @@ CPU seconds to the first output. Each row compiles in a fresh process with an em
 first run does. The package's compiled modes (timm_tokcomp.compiling) build each row.
 
     python scripts/compile_counts.py deit_tiny_patch16_224 --settings none tome_r16 evit_r16 --batches 2 4
-    python scripts/compile_counts.py deit_tiny_patch16_224 --settings tome_r16 --whole   # the whole-model compile
+    python scripts/compile_counts.py deit_tiny_patch16_224 --settings none tome_r16 --torch-compile  # as users do
 
 Columns: graphs (unique graphs after the first batch), breaks, +batch and +r (graphs compiled again for the second
 batch size / for set_params to the next r), kernels (Inductor kernels generated for the first batch), wall_s and
@@ -31,9 +31,9 @@ def one_row(model_name: str, setting: str, batches, new_r: int, whole: bool) -> 
     torch.manual_seed(0)
     name = model_name if setting == "none" else f"{model_name}.{setting}"
     model = timm.create_model(name).eval()
-    run = torch.compile(model, dynamic=False) if whole else compiling.compile(model)
-    row = {"model": model_name, "setting": setting, "compile": "whole" if whole else
-           ("regions" if compiling.by_region(model) else "whole")}
+    run = torch.compile(model) if whole else compiling.compile(model)
+    form = "regions" if compiling.by_region(model) else "whole"
+    row = {"model": model_name, "setting": setting, "compile": f"torch.compile(model): {form}" if whole else form}
 
     def graphs() -> int:
         return counters["stats"]["unique_graphs"]
@@ -62,7 +62,8 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=["none", "tome_r16"])
     parser.add_argument("--batches", nargs=2, type=int, default=[2, 4])
     parser.add_argument("--new-r", type=int, default=8, help="r for set_params after the batches (0: skip)")
-    parser.add_argument("--whole", action="store_true", help="compile the reduced models whole (torch.compile)")
+    parser.add_argument("--torch-compile", dest="whole", action="store_true",
+                        help="compile each model as users do, torch.compile(model) (default mode and dynamism)")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one setting, in a child process
     args = parser.parse_args()
     if args.row is not None:
@@ -72,7 +73,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
             cmd = [sys.executable, __file__, args.model, "--row", setting, "--new-r", str(args.new_r),
-                   "--batches", *map(str, args.batches)] + (["--whole"] if args.whole else [])
+                   "--batches", *map(str, args.batches)] + (["--torch-compile"] if args.whole else [])
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode != 0:
                 sys.exit(f"{setting}: {done.stderr.strip().splitlines()[-1]}")

@@ -3,10 +3,9 @@ token sizes -> head, and the per-call state (sizes, source maps, rotary position
 A family (timm_tokcomp.families) gives what differs: how its model embeds (`_embed`), how its blocks' attention
 takes the log-size bias and the rotary rows (`_attn_branch`), its MLP branch (`_mlp_branch`), and whether its
 attention-pool head reads the prefix tokens."""
-import contextvars
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from timm.models._features import feature_take_indices
@@ -17,6 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .device_table import measured
 from .rope import TokenPositions
 from .plans import gather_tokens
+from .regions import Regions, compiled_regions, compiled_whole, forward_by_region
 from .methods.base import TokenReducer
 from .schedules import BlockCost
 from .state import ReductionStats
@@ -76,43 +76,6 @@ def spread_tokens(tokens: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 
 
 Carried = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional["TokenPositions"]]
-
-
-class Regions(NamedTuple):
-    """The three parts of a reduced forward that torch.compile compiles one by one (timm_tokcomp.compiling): each
-    takes the module it runs first, so one compiled function serves every block (and every call) of a model."""
-
-    embed: Callable[..., Tuple[torch.Tensor, Optional[TokenPositions]]]  # (model, images, ...) -> _embed's output
-    block: Callable[..., Carried]  # (block, *ReducingBlockMixin.forward_reduce's arguments) -> its output
-    finish: Callable[..., Any]  # (model, last tokens (B, N', C), sizes (B, N', 1) or None, ...) -> forward's output
-
-
-# (model, its compiled Regions) while a regionally compiled call of model runs in this thread
-# (timm_tokcomp.compiling); the model's other callers run eagerly
-COMPILED_REGIONS: contextvars.ContextVar = contextvars.ContextVar("timm_tokcomp_compiled_regions", default=None)
-
-
-def compiled_regions(model: nn.Module) -> Optional[Regions]:
-    """model's compiled regions while a regionally compiled call of it runs in this thread, else None."""
-    running = COMPILED_REGIONS.get()
-    return running[1] if running is not None and running[0] is model else None
-
-
-def compiled_whole(model: nn.Module) -> bool:
-    """Whether torch.compile is tracing model's forward whole (torch.compile(model), model.compile()) where its
-    method compiles by region: the forward then hands itself to its regional compile (forward_by_region). Never
-    while exporting (torch.export traces the whole forward as it is)."""
-    return (torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-            and model._tokcomp_reducer.compiles_by_region)
-
-
-@torch.compiler.disable
-def forward_by_region(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """model.forward(*args, **kwargs) with its regions compiled (compiling.compiled_forward), outside the caller's
-    trace: one graph break, at the forward's start."""
-    from .compiling import compiled_forward  # compiling builds on this module
-
-    return compiled_forward(model, *args, **kwargs)
 
 
 class BlockBranches:

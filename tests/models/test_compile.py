@@ -1,20 +1,28 @@
-"""torch.compile of reduced models: several models with different settings compile in one process as whole
-graphs (no graph break on torch >= 2.10, no recompile-limit fallback to eager) and give the eager outputs. The 'eager'
-backend checks what dynamo captures without the minutes inductor takes on a CPU."""
+"""torch.compile of reduced models traced whole (compiling.traced_whole: one graph, as fullgraph=True, explain and
+export trace them; torch.compile(model) alone takes the regions, tests/models/test_compiled_whole.py): several models
+with different settings compile in one process as whole graphs (no graph break on torch >= 2.10, no recompile-limit
+fallback to eager) and give the eager outputs. The 'eager' backend checks what dynamo captures without the minutes
+inductor takes on a CPU."""
 import pytest
 import timm
 import torch
 
 import timm_tokcomp
 from conftest import reducing_setting
+from timm_tokcomp.compiling import traced_whole
 from timm_tokcomp.methods import METHODS
+
+
+@pytest.fixture(autouse=True)
+def whole():
+    with traced_whole():
+        yield
 
 
 def _deit_tiny(method=None, **params):
     torch.manual_seed(0)
     model = timm.create_model("deit_tiny_patch16_224").eval()
     return timm_tokcomp.apply(model, method, **params) if method else model
-
 
 
 def test_three_reduced_models_compile_whole_in_one_process():

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 import timm_tokcomp
 from conftest import SMALL, family_model, reducing_setting
-from timm_tokcomp import compiling
+from timm_tokcomp import compiling, regions
 from timm_tokcomp.methods import METHODS
 
 
@@ -112,8 +112,8 @@ def test_no_aten_op_of_a_compiled_forward_runs_eagerly(name):
 
 def _eager_regions(monkeypatch):
     """torch.compile(model)'s regions with the 'eager' backend (what is captured, without Inductor's code)."""
-    make = compiling.compile_regions
-    monkeypatch.setattr(compiling, "compile_regions", lambda model: make(model, backend="eager"))
+    make = regions.compile_regions
+    monkeypatch.setattr(regions, "compile_regions", lambda model: make(model, backend="eager"))
 
 
 def _images(batch, seed=1):

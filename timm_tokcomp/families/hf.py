@@ -32,8 +32,8 @@ from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer, Sigli
 from transformers.models.vit.modeling_vit import ViTForImageClassification, ViTLayer, ViTModel
 
 from ..methods.base import TokenReducer
-from ..reducing import (BlockBranches, ReducingBlockMixin, ReducingModel, compiled_regions, compiled_whole,
-                        forward_by_region, patch_grid)
+from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel, patch_grid
+from ..regions import compiled_regions, compiled_whole, forward_by_region
 from .base import Facade, Family, reducer_metric
 from .hf_call import bind_call
 
