@@ -121,6 +121,17 @@ def image_folder(tmp_path_factory):
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """dynamo's caches and counters (torch._dynamo.utils.counters) emptied before the test, the caches after it."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def images():
     torch.manual_seed(1)
     return torch.randn(3, 3, 32, 32)

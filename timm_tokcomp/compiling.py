@@ -25,7 +25,9 @@ from torch import nn
 
 from .graphs import GraphedByShape
 from .reducing import ReducingModel
-from .regions import compile_regions, running, traced_whole  # noqa: F401  (traced_whole: the whole form)
+from .regions import compile_regions, running, traced_whole
+
+__all__ = ["COMPILE_MODES", "RegionallyCompiled", "by_region", "compile", "traced_whole"]
 
 COMPILE_MODES = {"compile": None, "cudagraph": "reduce-overhead"}  # package mode -> torch.compile's mode
 

@@ -16,12 +16,7 @@ from timm_tokcomp import compiling, regions
 from timm_tokcomp.methods import METHODS
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # dynamo's caches and counters emptied around each test
 
 
 class InGraphs:

@@ -22,12 +22,7 @@ DEEP = dict(SMALL, depth=6)  # 65 tokens, six blocks: five that share the middle
 STUDY = {"keep_rate": 0.7, "stages": (2, 4, 5)}
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # dynamo's caches and counters emptied around each test
 
 
 def _graphs() -> int:
