@@ -75,7 +75,7 @@ def spread_tokens(tokens: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     return gather_tokens(tokens, holder) * held
 
 
-Carried = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional["TokenPositions"]]
+Carried = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[TokenPositions]]
 
 
 class BlockBranches:
