@@ -28,8 +28,8 @@ TORCH_COMPILE_NOTE = (
 
 
 class Regions(NamedTuple):
-    """A reduced forward's three parts, each compiled on its own (or the eager functions): each takes the module it
-    runs first, so one compiled function serves every block and every call of a model."""
+    """A reduced forward's three parts, each compiled on its own: each takes the module it runs first, so one
+    compiled function serves every block and every call of a model (the eager forward calls the methods instead)."""
 
     embed: Callable[..., Any]  # (model, images, ...) -> (tokens (B, N, C), rope.TokenPositions or None)
     block: Callable[..., Any]  # (block, *ReducingBlockMixin.forward_reduce's arguments) -> its output
