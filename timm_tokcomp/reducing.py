@@ -145,8 +145,12 @@ class ReducingBlockMixin:
             x, h, size, source = self._lookahead_branch(x, size, source, attn_bias, setting, reducer, num_prefix)
             x = x + h
             return x + self._mlp_branch(x), size, source, positions
-        h, metric = self._attn_branch(x, attn_bias, rope, reducer if active else None, prop_attn or "mask")
+        branches = active and reducer.reads_branches  # the metric from the branch outputs, attention untouched
+        h, metric = self._attn_branch(x, attn_bias, rope, reducer if active and not branches else None,
+                                      prop_attn or "mask")
         x = x + h
+        if branches and where == "after_attention":
+            metric = reducer.branch_metric(h, None)
         if prefix_only:
             x = x[:, :num_prefix]
             size = None if size is None else size[:, :num_prefix]
@@ -154,7 +158,10 @@ class ReducingBlockMixin:
             positions = None if positions is None else positions.prefix_only()
         elif metric is not None and where == "after_attention":
             x, size, source, positions = self._reduce(x, size, source, positions, metric, setting, reducer, num_prefix)
-        x = x + self._mlp_branch(x)
+        m = self._mlp_branch(x)
+        x = x + m
+        if branches and where == "after_mlp":
+            metric = reducer.branch_metric(h, m)
         if metric is not None and where == "after_mlp":
             x, size, source, positions = self._reduce(x, size, source, positions, metric, setting, reducer, num_prefix)
         return x, size, source, positions

@@ -54,7 +54,8 @@ def _fixed_settings():
     settings = [(name, reducing_setting(cls, 2 if cls.dense else 8, {"keep_rate": 0.7}))
                 for name, cls in METHODS.items() if not cls.data_dependent]
     return settings + [("tome", {"r": 16}), ("tome", {"flops_ratio": 2.0}), ("evit", {"r": 8}), ("pyra", {"r": 16}),
-                       *[(name, {"r": 8}) for name in ("tofu", "pitome", "dct", "atc", "mctf")]]
+                       *[(name, {"r": 8}) for name in ("tofu", "pitome", "dct", "atc", "mctf")],
+                       ("repshift", {"r": 8, "shift_at": "attn"})]
 
 
 @pytest.mark.parametrize("method, params", _fixed_settings())

@@ -38,7 +38,8 @@ def _exportable_settings():
     settings = [(name, reducing_setting(cls, 2 if cls.dense else 4, STAGES))
                 for name, cls in METHODS.items() if cls.exportable()]
     return settings + [("evit", {"r": 3}), ("dense_tome", {"k": 8}), ("pyra", {"r": 4, "form": "pooled"}),
-                       *[(name, {"r": 4}) for name in ("tome", "pyra", "tofu", "pitome", "dct", "atc", "mctf")]]
+                       *[(name, {"r": 4}) for name in ("tome", "pyra", "tofu", "pitome", "dct", "atc", "mctf")],
+                       ("repshift", {"r": 4, "shift_at": "attn"})]
 
 
 @pytest.mark.parametrize("method, params", _exportable_settings())

@@ -23,6 +23,7 @@ from .patchmerger import PatchMerger
 from .pitome import PiToMe
 from .pyra import PYRA
 from .radial import RadialL1, RadialL2, RadialLInf
+from .repshift import RepShift
 from .sinkhorn import Sinkhorn
 from .sit import SiT
 from .tofu import ToFu
@@ -42,7 +43,7 @@ def by_name(classes: Tuple[Type[TokenReducer], ...]) -> Dict[str, Type[TokenRedu
 
 METHODS: Dict[str, Type[TokenReducer]] = by_name((
     ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids, DPCKNN, PYRA, PatchMerger,
-    DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF, DiffRate, LTMP, FPET, DTEM))
+    DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF, RepShift, DiffRate, LTMP, FPET, DTEM))
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

@@ -4,6 +4,7 @@ reducing loop (timm_tokcomp.reducing) calls, the same for every method:
   settings = reducer.settings_for(L, N, num_prefix, cost, grid)    # once per shape: per-block settings (None: nothing)
   reducer.record_block(stats, x, size)                              # each block: what the stats keep
   metric = reducer.attention_metric(q, k, v, bias, scale, inputs)  # inside attention of an active block (metric())
+  metric = reducer.branch_metric(attn_out, mlp_out)                # instead, for a method that reads_branches
   plan = reducer.plan(reducer.plan_input(metric, x), settings[l], num_prefix, size)  # None: no reduction
   x, size, source = plan.apply(x, size, source)                    # the plan carries itself out (plans/)
 
@@ -72,6 +73,7 @@ class TokenReducer(ABC):
     holds_patches: ClassVar[str] = "whole"
     batch_adaptive: ClassVar[bool] = False  # the token count is decided per batch, so a batch differs from its images
     reads_grid: ClassVar[bool] = False  # its settings read the input's patch grid (GridSettings)
+    reads_branches: ClassVar[bool] = False  # its plan reads the block's branch outputs (branch_metric), not attention
     PARAMS: ClassVar[Tuple[Param, ...]] = COMMON
     # traits the commands read (bench, speed, tune, export, the registry, ToCom), declared beside the method
     data_dependent: ClassVar[bool] = False  # token counts read from the data (a host-side count per block):
@@ -174,6 +176,12 @@ class TokenReducer(ABC):
         """What the plan reads from a reducing block's attention: q, k, v (B, H, N, d) as attention uses them,
         attn_bias (B, 1, 1, N) or None, inputs: the attention's input (B, N, C). metric() of q and k by default."""
         return self.metric(q, k, attn_bias, scale)
+
+    def branch_metric(self, attn_out: torch.Tensor, mlp_out: Optional[torch.Tensor]) -> Any:
+        """For a method that reads_branches (its attention then runs untouched): what plan() reads from a reducing
+        block's branch outputs, what attention and MLP add to the residual stream, (B, N, C) each; mlp_out is None
+        where the block reduces between them."""
+        raise NotImplementedError(f"{self.name} reads attention (attention_metric), not the branch outputs")
 
     def plan_input(self, metric: Any, x: torch.Tensor) -> Any:
         """What plan() gets: the block's metric, by default; a method that plans on the block's tokens x (B, N, C)
