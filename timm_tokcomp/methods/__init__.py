@@ -7,6 +7,7 @@ from .ats import ATS
 from .atc import ATC
 from .atm import ATM
 from .base import TokenReducer
+from .crossget import CrossGET
 from .dct import DCT
 from .diffrate import DiffRate
 from .dtem import DTEM
@@ -43,7 +44,7 @@ def by_name(classes: Tuple[Type[TokenReducer], ...]) -> Dict[str, Type[TokenRedu
 
 METHODS: Dict[str, Type[TokenReducer]] = by_name((
     ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids, DPCKNN, PYRA, PatchMerger,
-    DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF, RepShift, DiffRate, LTMP, FPET, DTEM))
+    DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF, RepShift, CrossGET, DiffRate, LTMP, FPET, DTEM))
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 
