@@ -66,3 +66,28 @@ def test_weights_and_sizes_together(images):
     stats = timm_tokcomp.last_stats(model)
     assert torch.equal(stats.size[:, 4:, 0], stats.source[:, 4:].sum(dim=-1))
     assert torch.equal(stats.source.sum(dim=1)[:, 4:], torch.ones(3, 64))
+
+
+@pytest.mark.parametrize("method, params", [("crossget", {"r": 8}), ("repshift", {"r": 8}),
+                                            ("cubist", {"r_rows": 2, "r_cols": 2})])
+def test_edge_sizes_of_the_methods_of_2024_2025(method, params, images):
+    """An empty batch, a single patch token, bf16, and a torch.save round trip (the methods of issue 'beyond')."""
+    import io
+
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = timm_tokcomp.apply(make_model("cls"), method, **params)
+    with torch.no_grad():
+        assert model(torch.zeros(0, 3, 32, 32)).shape == (0, 10)
+        one_patch = timm_tokcomp.apply(VisionTransformer(img_size=8, patch_size=8, embed_dim=48, depth=2, num_heads=3,
+                                                         num_classes=10).eval(), method, **params)
+        assert torch.isfinite(one_patch(torch.randn(2, 3, 8, 8))).all()
+        assert timm_tokcomp.last_stats(one_patch).tokens_per_block == [2, 2]
+        expected = model(images)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            half = model(images)
+        assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        assert torch.equal(torch.load(buffer, weights_only=False)(images), expected)

@@ -8,6 +8,7 @@ from .atc import ATC
 from .atm import ATM
 from .base import TokenReducer
 from .crossget import CrossGET
+from .cubist import CubistMerge
 from .dct import DCT
 from .diffrate import DiffRate
 from .dtem import DTEM
@@ -44,7 +45,7 @@ def by_name(classes: Tuple[Type[TokenReducer], ...]) -> Dict[str, Type[TokenRedu
 
 METHODS: Dict[str, Type[TokenReducer]] = by_name((
     ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids, DPCKNN, PYRA, PatchMerger,
-    DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF, RepShift, CrossGET, DiffRate, LTMP, FPET, DTEM))
+    DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF, RepShift, CrossGET, CubistMerge, DiffRate, LTMP, FPET, DTEM))
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

@@ -3,6 +3,7 @@
 a method (methods/) decides a plan, the plan carries itself out. A new kind of plan is a new file here."""
 from .base import Plan, Reduced, gather_tokens, split_tokens
 from .cluster import ClusterPlan
+from .grid import GridMergePlan
 from .group import GroupPlan
 from .keep_merge import KeepMergePlan
 from .merge import MergePlan
@@ -11,5 +12,5 @@ from .resample import ResamplePlan
 from .soft import SoftPlan
 from .truncate import TruncatePlan
 
-__all__ = ["Plan", "Reduced", "gather_tokens", "split_tokens", "ClusterPlan", "GroupPlan", "KeepMergePlan",
+__all__ = ["Plan", "Reduced", "gather_tokens", "split_tokens", "ClusterPlan", "GridMergePlan", "GroupPlan", "KeepMergePlan",
            "MergePlan", "PrunePlan", "ResamplePlan", "SoftPlan", "TruncatePlan"]
