@@ -62,8 +62,8 @@ def test_padding_ranks_below_every_real_token():
 
 
 def test_shift_at_is_checked():
-    with pytest.raises(ValueError, match="shift_at must be one of mlp, attn, block"):
+    with pytest.raises(ValueError, match="shift_at must be one of block, mlp, attn"):
         RepShift(r=4, shift_at="qkv")
     assert RepShift(r=4, shift_at="attn").reduces_at == "after_attention"
     assert RepShift(keep_rate=0.7, shift_at="attn").reduces_at == "after_mlp"  # the study's place
-    assert RepShift(r=4).reduces_at == "after_mlp"
+    assert RepShift(r=4).reduces_at == "after_mlp" and RepShift(r=4).shift_at == "block"

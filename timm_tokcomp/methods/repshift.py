@@ -11,7 +11,7 @@ from ..plans import PrunePlan
 from .base import ScheduledReducer
 from .params import COMMON, SCHEDULE, Param
 
-SHIFT_AT = ("mlp", "attn", "block")
+SHIFT_AT = ("block", "mlp", "attn")
 
 
 def shift_pruning(shift: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> PrunePlan:
@@ -28,8 +28,10 @@ def shift_pruning(shift: torch.Tensor, r: int, num_prefix: int, size: Optional[t
 
 
 class RepShift(ScheduledReducer):
-    """shift_at: which layer's shift ranks the tokens: 'mlp' (default; the authors' figure measures the MLP), 'attn'
-    (the attention branch; the block then reduces between attention and MLP) or 'block' (both branches together).
+    """shift_at: which layer's shift ranks the tokens: 'block' (default: both branches together, the whole block's
+    change), 'mlp' (the authors' figure measures the MLP) or 'attn' (the attention branch; the block then reduces
+    between attention and MLP). The default was chosen on photos-3000 (agreement with the plain DeiT-Tiny at keep rate
+    0.7: block 80.4 %, attn 78.6 %, mlp 76.2 %; not a reported set).
     The reduction runs right after the layer measured (after the MLP for 'mlp' and 'block'); under keep_rate (the
     study's protocol) at the end of the block, as every method there. Pruned tokens are dropped; the prefix tokens
     are never pruned. Proportional attention is off unless asked (kept tokens keep their sizes)."""
@@ -40,8 +42,8 @@ class RepShift(ScheduledReducer):
     reads_branches = True
     tune_space = ({"keep_rate": 0.9}, {"keep_rate": 0.7})
     PARAMS = (*SCHEDULE,
-              Param("shift_at", "mlp", lambda v: check_choice("shift_at", v, SHIFT_AT),
-                    "RepShift: the layer whose shift ranks the tokens, 'mlp', 'attn' or 'block' (both branches)"),
+              Param("shift_at", "block", lambda v: check_choice("shift_at", v, SHIFT_AT),
+                    "RepShift: the layer whose shift ranks the tokens, 'block' (both branches), 'mlp' or 'attn'"),
               *COMMON)
 
     @property
