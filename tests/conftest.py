@@ -71,7 +71,8 @@ def thresholds(depth: int, merge: float, prune: float = 0.0):
 # the token-reducing methods, and a setting of each that reduces a small model (the tests run over every method)
 TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.dense)
 _REDUCING_PARAMS = {"atm": dict(alpha=0.2, beta=0.0, theta_min=0.2, prefix_only_last_block=False),
-                    "ltmp": lambda depth: dict(threshold_params=thresholds(depth, merge=0.0, prune=2.0))}
+                    "ltmp": lambda depth: dict(threshold_params=thresholds(depth, merge=0.0, prune=2.0)),
+                    "dymu": lambda depth: dict(thresholds=[0.0] * depth)}
 
 
 def reducing_params(method: str, depth: int) -> dict:

@@ -1,5 +1,6 @@
 """`tokcomp calibrate`: ATM thresholds (alpha, beta, theta_min) that hit a GMACs budget on given images
-(labels not needed) while agreeing most with the unmodified model; presets saved as JSON.
+(labels not needed) while agreeing most with the unmodified model, or DyMU's per-block thresholds for an r schedule
+(calibrate_dymu); presets saved as JSON.
 
 Search: alpha is fixed (1.0 by default: the first block never merges, as in the paper's presets).
 For each decay rate beta of a grid, theta_min is bisected between the last block's unfloored
@@ -18,8 +19,10 @@ from torch import nn
 from .core import apply, get_reducer, is_reduced, set_params
 from .kit.presets import write_preset
 from .kit.agreement import compare, predict
-from .checks import check_int, check_real, is_real
+from .checks import check_choice, check_int, check_real, is_real
 from .methods.atm import threshold_schedule
+from .methods.dymu import Calibration
+from .schedules import resolve_r, validate_r
 
 DEFAULT_BETAS = (0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15)
 
@@ -33,7 +36,7 @@ class CalibrationResult:
     params: Dict[str, Any]
     gmacs: float
     agreement: float
-    target_gmacs: float
+    target_gmacs: Optional[float]  # None for DyMU (its thresholds follow an r schedule)
     baseline_gmacs: float
     images: int
     evaluations: int
@@ -48,27 +51,31 @@ def save_preset(result: CalibrationResult, path: str, overwrite: bool = False) -
 
 
 class _Probe:
-    """Runs ATM settings over cached batches: (GMACs per image, agreement % with the unmodified model)."""
+    """Runs a reduced copy `model` of `base` (its settings changed between runs) over cached batches: (GMACs per image,
+    agreement % with the unmodified model)."""
 
-    def __init__(self, base: nn.Module, batches: Sequence[torch.Tensor], split_layer: Optional[int]) -> None:
-
+    def __init__(self, base: nn.Module, batches: Sequence[torch.Tensor], model: nn.Module) -> None:
         self.batches = batches
         self.images = sum(len(x) for x in batches)
         self.reference, macs = self._run(base)
         self.baseline_gmacs = macs
-        self.model = apply(copy.deepcopy(base), "atm", alpha=1.0, beta=0.0, theta_min=1.0, split_layer=split_layer)
+        self.model = model
         self.evaluations = 0
 
     def _run(self, model: nn.Module) -> Tuple[torch.Tensor, float]:
         preds, macs = predict(model, self.batches, count_macs=True)
         return preds, sum(m * len(x) for m, x in zip(macs, self.batches)) / self.images / 1e9
 
-    def __call__(self, alpha: float, beta: float, theta_min: float) -> Tuple[float, float]:
-
-        set_params(self.model, alpha=alpha, beta=beta, theta_min=theta_min)
+    def measure(self) -> Tuple[float, float]:
+        """The model as it is set now: (GMACs per image, agreement %)."""
         preds, gmacs = self._run(self.model)
         self.evaluations += 1
         return gmacs, compare(preds, self.reference).agreement
+
+    def __call__(self, alpha: float, beta: float, theta_min: float) -> Tuple[float, float]:
+        """An ATM setting (the model is ATM-reduced)."""
+        set_params(self.model, alpha=alpha, beta=beta, theta_min=theta_min)
+        return self.measure()
 
 
 def calibrate(
@@ -93,9 +100,7 @@ def calibrate(
     progress(msg) is called after every evaluation.
     """
 
-    if is_reduced(base):
-        raise ValueError(f"calibrate needs the unmodified model as its reference, got one reduced by "
-                         f"{get_reducer(base)!r}; pass timm_tokcomp.remove(model) (or a fresh model) instead")
+    _check_unreduced(base)
     if (target_gmacs is None) == (target_ratio is None):
         raise ValueError("give exactly one of --target-gmacs and --target-ratio")
     if target_ratio is not None and not (is_real(target_ratio) and 0.0 < target_ratio < 1.0):
@@ -109,14 +114,10 @@ def calibrate(
     if isinstance(betas, (str, bytes)) or not betas or not all(is_real(b) and 0 <= b < math.inf for b in betas):
         raise ValueError(f"betas must be a non-empty list of finite numbers >= 0, got {betas!r}")
     check_int("max_bisections", max_bisections, low=1)
-    if not batches:
-        raise ValueError("--data: no calibration images")
-    for i, x in enumerate(batches):
-        if not torch.is_tensor(x) or x.dim() != 4 or x.shape[0] == 0 or x.shape[1] != 3:
-            raise ValueError(f"batches[{i}] must be a (B, 3, H, W) tensor of B >= 1 images, got "
-                             f"{tuple(x.shape) if torch.is_tensor(x) else type(x).__name__}")
+    _check_batches(batches)
 
-    probe = _Probe(base, batches, split_layer)
+    probe = _Probe(base, batches, apply(copy.deepcopy(base), "atm", alpha=1.0, beta=0.0, theta_min=1.0,
+                                        split_layer=split_layer))
     target = target_gmacs if target_gmacs is not None else target_ratio * probe.baseline_gmacs
     low, high = target * (1 - tolerance), target * (1 + tolerance)
 
@@ -174,11 +175,57 @@ def calibrate(
     )
 
 
+def _check_unreduced(base: nn.Module) -> None:
+    if is_reduced(base):
+        raise ValueError(f"calibrate needs the unmodified model as its reference, got one reduced by "
+                         f"{get_reducer(base)!r}; pass timm_tokcomp.remove(model) (or a fresh model) instead")
+
+
+def _check_batches(batches: Sequence[torch.Tensor]) -> None:
+    if not batches:
+        raise ValueError("--data: no calibration images")
+    for i, x in enumerate(batches):
+        if not torch.is_tensor(x) or x.dim() != 4 or x.shape[0] == 0 or x.shape[1] != 3:
+            raise ValueError(f"batches[{i}] must be a (B, 3, H, W) tensor of B >= 1 images, got "
+                             f"{tuple(x.shape) if torch.is_tensor(x) else type(x).__name__}")
+
+
+def calibrate_dymu(base: nn.Module, batches: Sequence[torch.Tensor], model_name: str, r: Any,
+                   progress: Callable[[str], None] = lambda msg: None) -> CalibrationResult:
+    """DyMU's thresholds for `base` (an unmodified timm ViT in eval mode): r, the merges per image and block to
+    calibrate for (an int, a per-block list, or (r, inflection) as ToMe's schedules), gives each block its r_l; every
+    batch of `batches` ((B, 3, H, W) each) merges, per block, its B * r_l best A-token edges, and the block's threshold
+    is the mean over the batches of the best edge not taken (methods.dymu). Then the calibrated model runs once more on
+    the same images for its GMACs per image and agreement with `base`. progress(msg) after every batch."""
+    _check_unreduced(base)
+    _check_batches(batches)
+    schedule = resolve_r(validate_r(r), len(base.blocks))
+    if not any(schedule):
+        raise ValueError(f"--r must merge in at least one block, got {r!r}")
+    model = apply(copy.deepcopy(base), "dymu", thresholds=[1.0 if r_l else None for r_l in schedule])
+    reducer = get_reducer(model)
+    reducer.calibration = Calibration(schedule)
+    with torch.no_grad():
+        for i, x in enumerate(batches):
+            model(x)
+            progress(f"batch {i + 1} / {len(batches)}")
+    thresholds = reducer.calibration.thresholds()
+    reducer.calibration = None
+    set_params(model, thresholds=thresholds)
+    probe = _Probe(base, batches, model)
+    gmacs, agreement = probe.measure()
+    return CalibrationResult(model=model_name, params={"thresholds": thresholds}, gmacs=gmacs, agreement=agreement,
+                             target_gmacs=None, baseline_gmacs=probe.baseline_gmacs, images=probe.images,
+                             evaluations=len(batches) + 1, method="dymu")
+
+
 def calibrate_folder(model_name: str, data: str, checkpoint: Optional[str], pretrained: bool, device: str, limit: int,
-                     batch_size: int, num_workers: int, show_progress: bool, **search: Any) -> CalibrationResult:
-    """calibrate() on the first `limit` images of a folder, read once in batches of batch_size onto the device (with
-    progress bars), for the model timm builds by name (weights from checkpoint or pretrained); search: calibrate's
-    target_gmacs / target_ratio, tolerance, alpha, split_layer."""
+                     batch_size: int, num_workers: int, show_progress: bool, method: str = "atm",
+                     **search: Any) -> CalibrationResult:
+    """calibrate() (method 'atm') or calibrate_dymu() (method 'dymu') on the first `limit` images of a folder, read
+    once in batches of batch_size onto the device (with progress bars), for the model timm builds by name (weights
+    from checkpoint or pretrained); search: calibrate's target_gmacs / target_ratio, tolerance, alpha, split_layer, or
+    calibrate_dymu's r."""
     import sys
 
     from tqdm import tqdm
@@ -186,6 +233,7 @@ def calibrate_folder(model_name: str, data: str, checkpoint: Optional[str], pret
     from .data import open_images
     from .models import build_base_model, eval_transform
 
+    check_choice("--method", method, ("atm", "dymu"))
     check_int("--limit", limit, 1)
     check_int("--batch-size", batch_size, 1)
     base = build_base_model(model_name, checkpoint, pretrained, device)
@@ -197,4 +245,6 @@ def calibrate_folder(model_name: str, data: str, checkpoint: Optional[str], pret
             bar.set_postfix_str(msg, refresh=False)
             bar.update(1)
 
+        if method == "dymu":
+            return calibrate_dymu(base, batches, model_name, progress=step, **search)
         return calibrate(base, batches, model_name, progress=step, **search)

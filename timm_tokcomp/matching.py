@@ -102,6 +102,26 @@ def keep_best(keep: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     return keep.scatter(1, best, True)
 
 
+def alternate_matches(keys: torch.Tensor, real: torch.Tensor, p: int):
+    """ToMe's alternate split of the non-prefix tokens of keys (B, N, d), B tokens that are not real (B, n) excluded:
+    (slot (B, n): an A token's best B token, a B token itself; the A positions (na,); best (B, n): an A token's best
+    cosine similarity, -inf for a B token). For the methods that merge every A token above a threshold (LTMP, DyMU)."""
+    n = keys.shape[1] - p
+    a_start = p % 2
+    positions = torch.arange(n, device=keys.device)
+    a_pos, b_pos = positions[a_start::2], positions[1 - a_start::2]
+    with torch.no_grad():
+        unit = torch.nn.functional.normalize(keys[:, p:].float(), dim=-1)
+        sim = unit[:, a_pos] @ unit[:, b_pos].transpose(1, 2)
+        sim = sim.masked_fill(~real[:, b_pos].unsqueeze(1), float("-inf"))
+        a_best, a_dst = sim.max(dim=-1)
+        slot = positions.expand(keys.shape[0], n).clone()
+        slot[:, a_pos] = b_pos[a_dst]
+        best = sim.new_full((keys.shape[0], n), float("-inf"))
+        best[:, a_pos] = a_best
+    return slot, a_pos, best
+
+
 def count_above(node_max: torch.Tensor, threshold: float) -> torch.Tensor:
     """(B, Na) best-match similarities -> (B,) number of A tokens whose similarity exceeds threshold."""
     return (node_max > threshold).sum(dim=-1)

@@ -15,10 +15,12 @@ from conftest import SMALL, VARIANTS, make_model, reducing_setting, thresholds
 N_PATCH = (SMALL["img_size"] // SMALL["patch_size"]) ** 2  # 64
 NOTHING = {"atm": dict(alpha=1.0, beta=0.0, theta_min=1.0, prefix_only_last_block=False)}  # no merge, full last MLP
 NOTHING["cubist"] = dict(r_rows=0, r_cols=0)
+NOTHING["dymu"] = dict(thresholds=[None] * SMALL["depth"])
 NOTHING["diffrate"] = dict(schedule={"prune": [N_PATCH] * SMALL["depth"], "merge": [N_PATCH] * SMALL["depth"]})
 NOTHING["ltmp"] = lambda: dict(threshold_params=thresholds(SMALL["depth"], merge=1.0))  # no cosine exceeds 1; no importance is < 0
 REDUCING = {"atm": dict(alpha=0.5, beta=0.0, theta_min=0.5, prefix_only_last_block=False),
-            "ltmp": lambda: dict(threshold_params=thresholds(SMALL["depth"], merge=0.5, prune=2.0))}
+            "ltmp": lambda: dict(threshold_params=thresholds(SMALL["depth"], merge=0.5, prune=2.0)),
+            "dymu": dict(thresholds=[0.0] * SMALL["depth"])}
 TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.dense)
 
 

@@ -1,26 +1,33 @@
-"""`tokcomp calibrate`: ATM thresholds that hit a GMACs budget on the user's images."""
+"""`tokcomp calibrate`: ATM thresholds that hit a GMACs budget on the user's images, or DyMU's per-block thresholds
+for an r schedule."""
 import argparse
 
 from .flags import FILE_OUT, device_flag, progress_flag, random_weights, weights_flags
 
 
 def add(sub: argparse._SubParsersAction) -> None:
-    cal = sub.add_parser("calibrate", help="find ATM thresholds that hit a GMACs budget on your images (no labels)")
+    cal = sub.add_parser("calibrate", help="find ATM thresholds that hit a GMACs budget, or DyMU's per-block "
+                                          "thresholds, on your images (no labels)")
     cal.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
-    target = cal.add_mutually_exclusive_group(required=True)
-    target.add_argument("--target-gmacs", type=float, help="GMACs per image to reach")
-    target.add_argument("--target-ratio", type=float, help="fraction of the unmodified model's GMACs, in (0, 1)")
+    cal.add_argument("--method", choices=("atm", "dymu"), default="atm",
+                     help="atm: thresholds for a GMACs target (--target-gmacs / --target-ratio); dymu: DyMU's "
+                          "thresholds for --r merges per image and block (default: %(default)s)")
+    target = cal.add_mutually_exclusive_group()
+    target.add_argument("--target-gmacs", type=float, help="atm: GMACs per image to reach")
+    target.add_argument("--target-ratio", type=float, help="atm: fraction of the unmodified model's GMACs, in (0, 1)")
+    target.add_argument("--r", type=int, help="dymu: merges per image and block the thresholds are calibrated for")
     cal.add_argument("--data", required=True, help="folder of images (plain, labels.csv or ImageFolder; labels unused)")
     weights_flags(cal)
     cal.add_argument("--limit", type=int, default=512, help="calibrate on the first N images (default: %(default)s)")
     cal.add_argument("--tolerance", type=float, default=0.02, help="relative GMACs tolerance (default: %(default)s)")
-    cal.add_argument("--alpha", type=float, default=1.0, help="initial threshold, kept fixed (default: %(default)s)")
-    cal.add_argument("--split-layer", type=int, help="blocks after it use size-distinctive matching "
+    cal.add_argument("--alpha", type=float, default=1.0, help="atm: initial threshold, kept fixed (default: "
+                                                              "%(default)s)")
+    cal.add_argument("--split-layer", type=int, help="atm: blocks after it use size-distinctive matching "
                                                     "(default: three quarters of the depth)")
     cal.add_argument("--batch-size", type=int, default=64)
     device_flag(cal)
     cal.add_argument("--num-workers", type=int, default=2, help="data loading workers")
-    cal.add_argument("--out", default="atm_preset.json", help="where to save the preset (default: %(default)s)")
+    cal.add_argument("--out", help="where to save the preset (default: <method>_preset.json)")
     cal.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     progress_flag(cal)
     cal.set_defaults(func=run, outputs=(FILE_OUT,))
@@ -29,18 +36,39 @@ def add(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..calibrate import calibrate_folder, save_preset
 
+    if args.method == "dymu" and args.r is None:
+        raise ValueError("--r is needed with --method dymu (the merges per image and block to calibrate for)")
+    if args.method == "atm" and args.r is not None:
+        raise ValueError("--r is for --method dymu; --method atm takes --target-gmacs or --target-ratio")
+    if args.method == "atm" and args.target_gmacs is None and args.target_ratio is None:
+        raise ValueError("give one of --target-gmacs and --target-ratio (or --method dymu with --r)")
+    out = args.out
+    if out is None:  # the default path depends on --method: checked here as main() checks a given one
+        from ..outputs import check_output
+
+        out = f"{args.method}_preset.json"
+        check_output(out, "--out", args.overwrite)
     if random_weights(args):
         args.notes.append("no --checkpoint or --pretrained: the thresholds were calibrated for random weights")
+    search = dict(r=args.r) if args.method == "dymu" else dict(
+        target_gmacs=args.target_gmacs, target_ratio=args.target_ratio, tolerance=args.tolerance, alpha=args.alpha,
+        split_layer=args.split_layer)
     result = calibrate_folder(args.model, args.data, args.checkpoint, args.pretrained, args.device, args.limit,
-                              args.batch_size, args.num_workers, not args.no_progress, target_gmacs=args.target_gmacs,
-                              target_ratio=args.target_ratio, tolerance=args.tolerance, alpha=args.alpha,
-                              split_layer=args.split_layer)
+                              args.batch_size, args.num_workers, not args.no_progress, args.method, **search)
+    if args.method == "dymu":
+        shown = ", ".join("-" if t is None else f"{t:.4f}" for t in result.params["thresholds"])
+        print(f"{args.model}: dymu thresholds per block [{shown}] (r={args.r})")
+        print(f"on {result.images} images: {result.gmacs:.4f} GMACs per image ({result.gmacs / result.baseline_gmacs:.3f}x "
+              f"of {result.baseline_gmacs:.4f}), agreement with the unmodified model {result.agreement:.2f}%")
+        save_preset(result, out, overwrite=args.overwrite)
+        print(f"saved {out}; compare it with `tokcomp bench {args.model} --methods none,{out} --data ...`")
+        return 0
     p = result.params
     print(f"{args.model}: atm alpha={p['alpha']:g} beta={p['beta']:g} theta_min={p['theta_min']:.6f}"
           + ("" if p["split_layer"] is None else f" split_layer={p['split_layer']}"))
     print(f"on {result.images} images: {result.gmacs:.4f} GMACs per image ({result.gmacs / result.baseline_gmacs:.3f}x "
           f"of {result.baseline_gmacs:.4f}; target {result.target_gmacs:.4f}), agreement with the unmodified model "
           f"{result.agreement:.2f}% ({result.evaluations} evaluations)")
-    save_preset(result, args.out, overwrite=args.overwrite)
-    print(f"saved {args.out}; compare it with `tokcomp bench {args.model} --methods none,{args.out} --data ...`")
+    save_preset(result, out, overwrite=args.overwrite)
+    print(f"saved {out}; compare it with `tokcomp bench {args.model} --methods none,{out} --data ...`")
     return 0

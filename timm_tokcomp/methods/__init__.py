@@ -12,6 +12,7 @@ from .cubist import CubistMerge
 from .dct import DCT
 from .diffrate import DiffRate
 from .dtem import DTEM
+from .dymu import DyMU
 from .params import REQUIRED
 from .dense_tome import DenseToMe
 from .dpcknn import DPCKNN
@@ -45,7 +46,7 @@ def by_name(classes: Tuple[Type[TokenReducer], ...]) -> Dict[str, Type[TokenRedu
 
 METHODS: Dict[str, Type[TokenReducer]] = by_name((
     ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids, DPCKNN, PYRA, PatchMerger,
-    DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF, RepShift, CrossGET, CubistMerge, DiffRate, LTMP, FPET, DTEM))
+    DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF, RepShift, CrossGET, CubistMerge, DyMU, DiffRate, LTMP, FPET, DTEM))
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..matching import keep_best
+from ..matching import alternate_matches, keep_best
 from ..plans import GroupPlan, Plan, Reduced
 from ..checks import check_real, integer, is_real, real
 from ..schedules import BlockCost
@@ -173,7 +173,7 @@ class LTMP(MacsTargetTagged, LearnedParams, TokenReducer):
         with torch.no_grad():
             merge_at, prune_at = self.threshold_params.thresholds(setting.block)
             real = torch.ones_like(importance[:, p:], dtype=torch.bool) if size is None else size[:, p:, 0] > 0
-            slot, _, best = _matches(keys, real, p)
+            slot, _, best = alternate_matches(keys, real, p)
             slot = torch.where(best > merge_at, slot, torch.arange(n, device=slot.device))  # (B, n) own index or dst
             slot = torch.where(real, slot, n)  # padding goes to a slot past the end
             imp = importance[:, p:].float().masked_fill(~real, float("-inf"))
@@ -207,26 +207,6 @@ class LTMP(MacsTargetTagged, LearnedParams, TokenReducer):
         return self.macs_weight * (self.macs_target - torch.stack(shares).mean()) ** 2
 
 
-def _matches(keys: torch.Tensor, real: torch.Tensor, p: int):
-    """ToMe's alternate split of the non-prefix tokens of keys (B, N, d), B tokens that are not real (B, n) excluded:
-    (slot (B, n): an A token's best B token, a B token itself; the A positions (na,); best (B, n): an A token's best
-    cosine similarity, -inf for a B token)."""
-    n = keys.shape[1] - p
-    a_start = p % 2
-    positions = torch.arange(n, device=keys.device)
-    a_pos, b_pos = positions[a_start::2], positions[1 - a_start::2]
-    with torch.no_grad():
-        unit = torch.nn.functional.normalize(keys[:, p:].float(), dim=-1)
-        sim = unit[:, a_pos] @ unit[:, b_pos].transpose(1, 2)
-        sim = sim.masked_fill(~real[:, b_pos].unsqueeze(1), float("-inf"))
-        a_best, a_dst = sim.max(dim=-1)
-        slot = positions.expand(keys.shape[0], n).clone()
-        slot[:, a_pos] = b_pos[a_dst]
-        best = sim.new_full((keys.shape[0], n), float("-inf"))
-        best[:, a_pos] = a_best
-    return slot, a_pos, best
-
-
 @dataclass
 class ThresholdStepPlan(Plan):
     """Training: the block's soft merge and prune decisions against the learned thresholds, every token in place.
@@ -252,7 +232,7 @@ class ThresholdStepPlan(Plan):
         sizes = (x.new_ones(B, N, 1) if size is None else size).float()
         patch_size = sizes[:, p:]  # (B, n, 1)
         alive = patch_size[..., 0] >= 0.5
-        slot, a_pos, best = _matches(self.keys, alive, p)
+        slot, a_pos, best = alternate_matches(self.keys, alive, p)
         a_alive = alive[:, a_pos]
         a_best = best[:, a_pos]
         merged = hard_through((a_best > merge_at.detach()) & a_alive, torch.sigmoid((a_best - merge_at) / tau))
