@@ -40,7 +40,7 @@ class RepShift(ScheduledReducer):
     holds_patches = "dropped"
     export_refusal = None
     reads_branches = True
-    tune_space = ({"keep_rate": 0.9}, {"keep_rate": 0.7})
+    tune_space = ()  # not in tune's default space: below ToMe and DPC-KNN at matched GMACs (docs/study.md)
     PARAMS = (*SCHEDULE,
               Param("shift_at", "block", lambda v: check_choice("shift_at", v, SHIFT_AT),
                     "RepShift: the layer whose shift ranks the tokens, 'block' (both branches), 'mlp' or 'attn'"),
