@@ -19,7 +19,7 @@ import torch
 import timm_tokcomp
 from timm_tokcomp.attention import PROP_ATTN_IMPLS
 from timm_tokcomp.measure import OpCounter
-from timm_tokcomp.methods import parse_method_tag
+from timm_tokcomp.kit.grammar import method_spec
 from timm_tokcomp.models import load_hf_model
 
 VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias", "permute", "transpose", "t", "expand", "unsqueeze",
@@ -64,7 +64,7 @@ def main() -> None:
     print(f"| (plain model) | | {count(plain, x)} | {count(plain, x)} |")
     impls = PROP_ATTN_IMPLS if args.prop_attn == "all" else ("default",)
     for tag in args.methods.split(","):
-        method, params = parse_method_tag(tag)
+        method, params = method_spec(tag)
         for impl in impls:
             kwargs = params if impl == "default" else {**params, "prop_attn": impl}
             model = timm_tokcomp.apply(build(), method, **kwargs)
