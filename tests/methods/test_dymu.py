@@ -58,3 +58,12 @@ def test_calibrate_command_names_the_flags_a_method_needs(tmp_path, capsys, args
                  *args])
     assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_tokcomp_methods_lists_a_method_without_tags(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert "\ndymu\n  tags: none\n  legend: dymu has no tag" in out
+    from timm_tokcomp.methods import METHODS
+
+    assert all(f"{name}\n  tags: " in out for name in METHODS)

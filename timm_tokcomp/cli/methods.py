@@ -12,7 +12,8 @@ def run(args: argparse.Namespace) -> int:
     from ..methods import METHODS, listed_tags, parameter_table
 
     for name, cls in METHODS.items():
-        print(textwrap.fill(", ".join(cls.tag_forms()), 110, initial_indent=f"{name}\n  tags: ",
+        print(name)
+        print(textwrap.fill(", ".join(cls.tag_forms()) or "none", 110, initial_indent="  tags: ",
                             subsequent_indent="    "))
         if cls.tag_legend():
             print(textwrap.fill(cls.tag_legend(), 110, initial_indent="  legend: ", subsequent_indent="    "))

@@ -64,6 +64,11 @@ class DyMU(TokenReducer):
               *COMMON)
     calibration: Optional[Calibration] = None  # set only while calibrate.calibrate_dymu runs
 
+    @classmethod
+    def tag_legend(cls) -> str:
+        return ("dymu has no tag: its thresholds belong to one model; `tokcomp calibrate MODEL --method dymu --r R` "
+                "writes them as a preset file, which every --methods takes")
+
     def default_prop_attn(self, global_pool: str) -> bool:
         return True
 
