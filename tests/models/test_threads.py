@@ -8,30 +8,29 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 import timm_tokcomp
-from conftest import SMALL
-from timm_tokcomp.methods import METHODS, parse_method_tag
+from conftest import SMALL, reducing_params
+from timm_tokcomp.methods import METHODS
 
-# every method in METHODS (a new one included), each with a setting that reduces on the small model (16 patches + a
-# class token, 4 blocks): its keep rate form where it has one, else r
-TAGS = [f"{name}_k70" if "keep_rate" in cls.param_names() else name if "r" not in cls.param_names()
-        else f"{name}_r{2 if cls.dense else 4}" for name, cls in METHODS.items()]
+# every method in METHODS (a new one included), each with a setting that reduces on the small model (64 patches + a
+# class token, 4 blocks): its keep rate form where it has one (the study's three stages), else r, else the setting
+# conftest.reducing_params gives it (its defaults, or the parameters it cannot do without: DyMU's thresholds)
+SETTINGS = {name: {"keep_rate": 0.7, "stages": (2, 3, 4)} if "keep_rate" in cls.param_names()
+            else {"r": 2 if cls.dense else 4} if "r" in cls.param_names() else reducing_params(name, SMALL["depth"])
+            for name, cls in METHODS.items()}
 
 
-def _avg_pooled(tag):
+def _avg_pooled(method, params):
     """The small model with avg pooling (which weighs each token by its size: the per-call state the head reads),
-    reduced by the method of `tag`."""
-    method, params = parse_method_tag(tag)
-    if "keep_rate" in params:
-        params["stages"] = (2, 3, 4)  # the study's three stages, on 4 blocks
+    reduced by method with params."""
     torch.manual_seed(0)
     return timm_tokcomp.apply(VisionTransformer(**{**SMALL, "global_pool": "avg"}).eval(), method, **params)
 
 
-@pytest.mark.parametrize("tag", TAGS)
-def test_a_call_overtaken_by_another_thread_keeps_its_own_sizes(tag):
+@pytest.mark.parametrize("method", SETTINGS)
+def test_a_call_overtaken_by_another_thread_keeps_its_own_sizes(method):
     """Thread A stops after its blocks (in the final norm) until thread B has run a whole forward of the same model
     on other images; A's logits and last_stats are still its own."""
-    model = _avg_pooled(tag)
+    model = _avg_pooled(method, SETTINGS[method])
     a, b = torch.randn(2, 3, 32, 32), torch.randn(2, 3, 32, 32) * 3
     with torch.no_grad():
         want_b = model(b)
@@ -74,7 +73,7 @@ def test_a_call_overtaken_by_another_thread_keeps_its_own_sizes(tag):
 def test_many_concurrent_calls_each_return_their_own_result():
     """Two threads, 40 calls each on different images of one avg-pooled ToMe model: every result is the serial
     one (before the fix, some calls returned logits pooled with another call's sizes)."""
-    model = _avg_pooled("tome_r4")
+    model = _avg_pooled("tome", {"r": 4})
     inputs = [torch.randn(1, 3, 32, 32) * (1 + i % 5) for i in range(8)]
     with torch.no_grad():
         want = [model(x) for x in inputs]
