@@ -21,7 +21,7 @@ def _reference_line(line, r):
     return [kept.index(choice[t][1]) if t in merged else kept.index(t) for t in range(W)]
 
 
-@pytest.mark.parametrize("width, r", [(7, 2), (8, 4), (8, 1), (5, 2), (2, 1)])
+@pytest.mark.parametrize("width, r", [(7, 2), (8, 4), (8, 1), (5, 2), (2, 1), (6, 0)])
 def test_line_step_equals_a_token_by_token_reference(width, r):
     torch.manual_seed(width * 10 + r)
     tokens = torch.randn(2, 3, width, 6)

@@ -33,7 +33,7 @@ class CubistSetting(NamedTuple):
 
 def line_merge(tokens: torch.Tensor, r: int) -> torch.Tensor:
     """One CubistMerge step along the last grid axis: tokens (B, L, W, C), each of the L lines of W tokens loses r
-    (0 < r <= W // 2) -> (B, L, W) int64, each token's position in its line after the merge, in [0, W - r)."""
+    (0 <= r <= W // 2; r = 0 leaves every token in place) -> (B, L, W) int64, each token's position in its line after the merge, in [0, W - r)."""
     B, L, W, _ = tokens.shape
     unit = F.normalize(tokens.float(), dim=-1)
     n_src, n_right = W // 2, (W - 1) // 2  # sources at 1, 3, ...; those with a right neighbour
@@ -59,13 +59,11 @@ def grid_merge(tokens: torch.Tensor, setting: CubistSetting, num_prefix: int) ->
     rows, cols = setting.rows, setting.cols
     grid = tokens[:, num_prefix:].reshape(B, rows, cols, C)
     new_cols, new_rows = cols - setting.r_cols, rows - setting.r_rows
-    in_row = line_merge(grid, setting.r_cols) if setting.r_cols else torch.arange(cols, device=tokens.device).expand(
-        B, rows, -1)  # (B, rows, cols): each token's column after step 1
+    in_row = line_merge(grid, setting.r_cols)  # (B, rows, cols): each token's column after step 1
     row_cells = in_row + torch.arange(rows, device=tokens.device).view(1, rows, 1) * new_cols
     narrowed = max_magnitude(grid.reshape(B, rows * cols, C), row_cells.reshape(B, -1), rows * new_cols)
     columns = narrowed.reshape(B, rows, new_cols, C).transpose(1, 2)  # (B, new_cols, rows, C)
-    in_col = line_merge(columns, setting.r_rows) if setting.r_rows else torch.arange(rows, device=tokens.device).expand(
-        B, new_cols, -1)  # (B, new_cols, rows): each row's place after step 2
+    in_col = line_merge(columns, setting.r_rows)  # (B, new_cols, rows): each row's place after step 2
     new_row = in_col.transpose(1, 2).gather(-1, in_row)  # (B, rows, cols)
     return GridMergePlan(num_prefix, (new_row * new_cols + in_row).reshape(B, rows * cols), new_rows * new_cols)
 
