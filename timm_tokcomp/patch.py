@@ -32,11 +32,14 @@ def model_depth(model: nn.Module, view: Any) -> int:
 def patch(model: nn.Module, reducer: TokenReducer, family: Family) -> None:
     """Make `model` reduce tokens with `reducer` (or switch the reducer of a patched model); family: the one serving
     it, checked (families.resolve)."""
+    refusal = family.method_refusal(type(reducer))
+    if refusal is not None:
+        raise ValueError(refusal)
     view = family.facade(model)
     depth = model_depth(model, view)
     reducer.check_depth(depth)
     if reducer.dense:
-        _patch_dense(model, reducer, family)
+        _patch_dense(model, reducer, family, view)
         return
     if reducer.needs_class_token and not family.has_class_token(model):
         raise ValueError(f"{reducer.name} ranks tokens by class-token attention and needs a model with a class token")
@@ -104,16 +107,16 @@ def _swap_classes(model: nn.Module, family: Family, dense: bool) -> None:
         family.swap(model, dense)
 
 
-def _patch_dense(model: nn.Module, reducer: TokenReducer, family: Family) -> None:
+def _patch_dense(model: nn.Module, reducer: TokenReducer, family: Family, view: Any) -> None:
     refusal = family.dense_refusal(model)
     if refusal is not None:
         raise TypeError(refusal)
     # a dense method's settings may not depend on the token count: any input size runs the same blocks
-    num_prefix = model.num_prefix_tokens
-    settings = reducer.settings_for(len(model.blocks), model.patch_embed.num_patches + num_prefix, num_prefix,
-                                    family.block_cost(model.blocks[0]), patch_grid(model))
+    num_prefix = view.num_prefix_tokens
+    settings = reducer.settings_for(len(view.blocks), view.patch_embed.num_patches + num_prefix, num_prefix,
+                                    family.block_cost(view.blocks[0]), patch_grid(view))
     _swap_classes(model, family, dense=True)
-    for blk, setting in zip(model.blocks, settings):
+    for blk, setting in zip(view.blocks, settings):
         blk._tokcomp_reducer = reducer
         blk._tokcomp_setting = setting
         blk._tokcomp_num_prefix = num_prefix
@@ -136,16 +139,16 @@ def unpatch(model: nn.Module) -> None:
 
 
 def trace_blocks(model: nn.Module, x: torch.Tensor,
-                 on_block: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+                 on_block: Callable[[int, torch.Tensor, torch.Tensor, Any], None]) -> torch.Tensor:
     """Run a token-reducing model's features on x: (B, 3, H, W) with the source map traced, calling
-    on_block(i, tokens (B, N_i, C), source (B, N_i, N0)) after every block i. Returns what forward_features
-    returns (B, N', C), registered so that forward_head / pool on it use its token sizes."""
+    on_block(i, tokens (B, N_i, C), source (B, N_i, N0), positions) after every block i. Returns what
+    forward_features returns, registered so that forward_head / pool on it use its token sizes."""
     reducer_of(model)  # raises if not patched
     if model._tokcomp_reducer.dense:
         raise ValueError("dense methods keep every token (nothing to trace); trace a token-reducing method")
     tokens, stats = model._reduce_blocks(*model._embed(x), for_intermediates=True, on_block=on_block,
                                          grid=patch_grid(model, x.shape[-2:]))
-    return model._register_features(model.norm(tokens), stats)
+    return model._register_features(model._features_from(tokens, stats), stats)
 
 
 def reducer_of(model: nn.Module) -> TokenReducer:

@@ -262,7 +262,11 @@ class ReducingModel:
 
     def _features(self, x: torch.Tensor) -> Tuple[torch.Tensor, ReductionStats]:
         x, stats = self._through_blocks(x, compiled_regions(self))
-        return self.norm(x), stats
+        return self._features_from(x, stats), stats
+
+    def _features_from(self, x: torch.Tensor, stats: ReductionStats) -> torch.Tensor:
+        """The last block's tokens x (B, N', C) -> what forward_features returns: the final norm of them."""
+        return self.norm(x)
 
     def _through_blocks(self, x: torch.Tensor, regions: Optional[Regions]) -> Tuple[torch.Tensor, ReductionStats]:
         """images x (B, 3, H, W) -> (the last block's tokens (B, N', C), this call's stats); regions: the compiled
@@ -272,11 +276,11 @@ class ReducingModel:
 
     def _reduce_blocks(self, x: torch.Tensor, positions: Optional[TokenPositions], for_intermediates: bool = False,
                        num_blocks: Optional[int] = None,
-                       on_block: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None,
+                       on_block: Optional[Callable[[int, torch.Tensor, Optional[torch.Tensor], Any], None]] = None,
                        final: bool = True, *, grid: Tuple[int, int]) -> Tuple[torch.Tensor, ReductionStats]:
         """x: (B, N, C) -> (B, N', C) through the first num_blocks blocks (all: None), with this call's stats.
-        positions: the patch tokens' rotary positions (None without rope). for_intermediates: trace the source map;
-        on_block(i, x, source) sees each block's output, every token of it. final: the returned tokens are the final
+        positions: where the tokens sit as the family carries it (rope.TokenPositions; None without). for_intermediates:
+        trace the source map; on_block(i, x, source, positions) sees each block's output, every token of it. final: the returned tokens are the final
         features, computed as forward_features computes them (a last block that keeps only the prefix tokens runs its
         MLP on those alone; for on_block it runs once more on every token); False: every block keeps its tokens to
         the end. grid: (rows, cols) of the patch tokens (patch_grid)."""
@@ -310,14 +314,15 @@ class ReducingModel:
 
             prefix_only = prefix_only_last_block and i == last
             if on_block is not None and prefix_only:
-                every, _, every_source, _ = run(False)
-                on_block(i, every, every_source)
+                every, _, every_source, every_positions = run(False)
+                on_block(i, every, every_source, every_positions)
             x, size, source, positions = run(prefix_only)
             if on_block is not None and not prefix_only:
-                on_block(i, x, source)
+                on_block(i, x, source, positions)
         stats.tokens_out = x.shape[1]
         stats.size = size.detach() if size is not None and size.requires_grad else size  # no op when no gradient
         stats.source = source.detach() if reducer.trace_source else None
+        stats.positions = positions
         remember_last(self, stats)
         return x, stats
 
@@ -397,7 +402,7 @@ class ReducingModel:
         B, _, height, width = x.shape
         grids: List[torch.Tensor] = []
 
-        def on_block(i: int, tokens: torch.Tensor, source: torch.Tensor) -> None:
+        def on_block(i: int, tokens: torch.Tensor, source: torch.Tensor, positions: Any) -> None:
             if i in take_indices:
                 grids.append(spread_tokens(self.norm(tokens) if norm else tokens, source))
 

@@ -17,7 +17,7 @@ from timm.models import _registry as treg
 from timm.models._features import FeatureGetterNet
 from timm.models._pretrained import DefaultCfg
 
-from .families import FAMILIES, UNSERVED_MODULES, served_classes
+from .families import FAMILIES, UNSERVED_MODULES, Family, served_classes
 from .methods import TAG_SUMMARY, listed_tags, match_method_tag, method_class, parse_method_tag
 from .hub import hub_access, pretrained_unreachable
 
@@ -45,10 +45,12 @@ def architecture_of(name: str) -> str:
 class ArchFacts(NamedTuple):
     """What the registry needs of an architecture, read from the arguments timm builds it with (Family.build_args,
     nothing built): why its family refuses it (None: served), and whether it has a class token (the methods that
-    rank by class attention, such as EViT, are not listed without one)."""
+    rank by class attention, such as EViT, are not listed without one), and its family (which may refuse a method
+    on all its models: Family.method_refusal)."""
 
     refusal: Optional[str]
     class_token: bool
+    family: Family
 
 
 _FACTS: Dict[str, Optional[ArchFacts]] = {}
@@ -63,7 +65,8 @@ def arch_facts(arch: str) -> Optional[ArchFacts]:
         family = next((f for f in FAMILIES if module in f.timm_modules), None)
         fn = treg._model_entrypoints.get(arch)
         args = None if family is None or fn is None else family.build_args(getattr(fn, "_tokcomp_original", fn))
-        _FACTS[arch] = None if args is None else ArchFacts(family.arch_refusal(args), family.builds_class_token(args))
+        _FACTS[arch] = None if args is None else ArchFacts(family.arch_refusal(args), family.builds_class_token(args),
+                                                           family)
     return _FACTS[arch]
 
 
@@ -256,8 +259,10 @@ def _list_method_names(arch: str) -> None:
         if base_name not in treg._model_has_pretrained:
             continue
         cfg = treg._model_pretrained_cfgs[base_name]
+        facts = arch_facts(arch)
         for method_tag in listed_tags():
-            if not arch_facts(arch).class_token and method_class(parse_method_tag(method_tag)[0]).needs_class_token:
+            method = method_class(parse_method_tag(method_tag)[0])
+            if (not facts.class_token and method.needs_class_token) or facts.family.method_refusal(method):
                 continue  # a name that could not be built
             name = f"{base_name}.{method_tag}"
             if name in treg._model_pretrained_cfgs:

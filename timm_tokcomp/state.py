@@ -1,6 +1,6 @@
 """Per-forward token bookkeeping, created fresh by every forward of the block stack."""
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -19,6 +19,8 @@ class ReductionStats:
         back to) tokens_per_block, the rest size-0 tokens that attention and pooling ignore. Empty otherwise.
     rope_merge: on a model with rotary positions, where a merged token's rope sits ('dst': its destination
         token's; 'centroid': the size-weighted centroid of its patches); None on a model without rope.
+    positions: where the output tokens sit, as the model's family carries it (rope.TokenPositions; a SAM encoder's
+        grid, families.sam.GridPositions); None for a family that carries none.
     """
 
     tokens_per_block: List[int] = field(default_factory=list)
@@ -28,3 +30,4 @@ class ReductionStats:
     num_prefix: int = 0
     real_tokens_per_block: List[torch.Tensor] = field(default_factory=list)
     rope_merge: Optional[str] = None
+    positions: Any = None

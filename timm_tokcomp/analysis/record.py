@@ -85,7 +85,7 @@ def record(model: nn.Module, method: str, batches: Iterable[torch.Tensor],
         depth = torch.ones(x.shape[0], grid[0] * grid[1], dtype=torch.int64)  # every patch enters block 0 alone
         last = len(model.blocks) - 1
 
-        def on_block(i: int, tokens: torch.Tensor, source: torch.Tensor) -> None:
+        def on_block(i: int, tokens: torch.Tensor, source: torch.Tensor, positions) -> None:
             assign, own = block_assignment(source.float(), num_prefix)
             per_block.append(assign.cpu())
             if i < last:

@@ -10,6 +10,7 @@ from torch import nn
 from .base import Family
 from .eva import EVA
 from .naflex import NAFLEX
+from .sam import SAM
 from .vit import VIT
 
 
@@ -41,7 +42,7 @@ HF_ENTRY = LazyFamily(".hf", "HF", "transformers", ("transformers.",), (
     "ViTModel", "ViTForImageClassification", "Dinov2Model", "Dinov2WithRegistersModel", "CLIPVisionModel",
     "SiglipVisionModel"))
 HF_CLASSES = HF_ENTRY.class_names
-FAMILIES: Tuple[Union[Family, LazyFamily], ...] = (VIT, EVA, NAFLEX, HF_ENTRY)
+FAMILIES: Tuple[Union[Family, LazyFamily], ...] = (VIT, EVA, NAFLEX, SAM, HF_ENTRY)
 
 
 def family_of(model_class: type) -> Optional[Family]:

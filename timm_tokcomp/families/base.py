@@ -5,7 +5,7 @@ with), and the MACs of one block; and the attention helpers the adapters share. 
 import inspect
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Type
 
 import torch
 from timm.layers import Attention, AttentionPoolLatent
@@ -236,6 +236,10 @@ class Family:
                 raise TypeError(f"blocks[{i}].attn is of class {type(blk.attn).__name__}; in timm's {self.name} "
                                 f"timm_tokcomp serves {served}")
         check_pool_head(getattr(model, "attn_pool", None))
+
+    def method_refusal(self, method: Type[TokenReducer]) -> Optional[str]:
+        """Why this family cannot run a method (its class) on any of its models, or None."""
+        return None
 
     def dense_refusal(self, model: nn.Module) -> Optional[str]:
         """Why the dense variant cannot serve this model, or None."""

@@ -184,7 +184,7 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
             columns = torch.cat([torch.arange(p, device=x.device).expand(len(images), -1), tokens + p], dim=1)
             group = torch.cat([x[idx, :p], gather_tokens(x[idx, p:], tokens)], dim=1)
 
-            def on_block(i: int, out: torch.Tensor, source: torch.Tensor, idx=idx, columns=columns) -> None:
+            def on_block(i: int, out: torch.Tensor, source: torch.Tensor, positions, idx=idx, columns=columns) -> None:
                 if i in take:
                     held = spread_tokens(self.norm(out) if norm else out, source)  # (k, p + n, C)
                     at = spread.setdefault(i, held.new_zeros(B, width_in, C))

@@ -74,6 +74,8 @@ class TokenReducer(ABC):
     batch_adaptive: ClassVar[bool] = False  # the token count is decided per batch, so a batch differs from its images
     reads_grid: ClassVar[bool] = False  # its settings read the input's patch grid (GridSettings)
     reads_branches: ClassVar[bool] = False  # its plan reads the block's branch outputs (branch_metric), not attention
+    keeps_grid: ClassVar[bool] = False  # its plans keep the patch tokens a complete grid (Plan.grid_cells): what a
+    # windowed encoder (timm's SAM) needs
     PARAMS: ClassVar[Tuple[Param, ...]] = COMMON
     # traits the commands read (bench, speed, tune, export, the registry, ToCom), declared beside the method
     data_dependent: ClassVar[bool] = False  # token counts read from the data (a host-side count per block):

@@ -65,7 +65,7 @@ def grid_merge(tokens: torch.Tensor, setting: CubistSetting, num_prefix: int) ->
     columns = narrowed.reshape(B, rows, new_cols, C).transpose(1, 2)  # (B, new_cols, rows, C)
     in_col = line_merge(columns, setting.r_rows)  # (B, new_cols, rows): each row's place after step 2
     new_row = in_col.transpose(1, 2).gather(-1, in_row)  # (B, rows, cols)
-    return GridMergePlan(num_prefix, (new_row * new_cols + in_row).reshape(B, rows * cols), new_rows * new_cols)
+    return GridMergePlan(num_prefix, (new_row * new_cols + in_row).reshape(B, rows * cols), (new_rows, new_cols))
 
 
 class CubistMerge(GridSettings, PlansOnTokens, TokenReducer):
@@ -76,6 +76,8 @@ class CubistMerge(GridSettings, PlansOnTokens, TokenReducer):
     name = "cubist"
     export_refusal = None
     reduces_at = "after_mlp"  # of block layer - 1: the input of block layer
+    reads_branches = True  # nothing from attention (it runs untouched): the plan reads the block's tokens
+    keeps_grid = True
     PARAMS = (Param("r_rows", 1, integer("r_rows"), "CubistMerge: grid rows the merge removes (each column loses that "
                                                     "many tokens)"),
               Param("r_cols", 1, integer("r_cols"), "CubistMerge: grid columns the merge removes"),
@@ -114,8 +116,8 @@ class CubistMerge(GridSettings, PlansOnTokens, TokenReducer):
         active = setting.r_rows > 0 or setting.r_cols > 0
         return [setting if active and block == self.layer - 1 else None for block in range(num_blocks)]
 
-    def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-        return k  # unused: the plan reads the block's tokens
+    def branch_metric(self, attn_out: torch.Tensor, mlp_out: Optional[torch.Tensor]) -> torch.Tensor:
+        return attn_out  # unused: the plan reads the block's tokens (plan_input)
 
     def plan(self, tokens: torch.Tensor, setting: CubistSetting, num_prefix: int, size: Optional[torch.Tensor]
              ) -> Optional[GridMergePlan]:

@@ -3,7 +3,7 @@
 Index conventions: prefix tokens (class / distillation / register) come first and are never reduced; a plan's
 indices index the non-prefix tokens (or ToMe's A / B sets of them), per batch row."""
 from abc import ABC, abstractmethod
-from typing import ClassVar, Optional, Tuple
+from typing import ClassVar, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -32,6 +32,19 @@ class Plan(ABC):
         rope_merge='dst' keeps; None where an output has no destination (a cluster, a soft mix, a resampled or fused
         token: it sits at the centroid of what it holds)."""
         return None
+
+    def grid_cells(self) -> Optional["GridCells"]:
+        """For a plan whose output keeps the patch tokens a complete row-major grid: that grid and the cell of each
+        patch token (GridCells); None for any other plan (windowed encoders refuse it)."""
+        return None
+
+
+class GridCells(NamedTuple):
+    """Where a grid-keeping plan puts the patch tokens: shape (rows, cols) of the grid after it; cell (B, n) int64,
+    the output cell in [0, rows * cols) of each of the n patch tokens before it (raster order)."""
+
+    shape: Tuple[int, int]
+    cell: torch.Tensor
 
 
 def ones_like_size(x: torch.Tensor, size: Optional[torch.Tensor]) -> torch.Tensor:

@@ -1,26 +1,34 @@
 """Grid-preserving merges (CubistMerge): the patch tokens stay a complete row-major grid, smaller."""
 from dataclasses import dataclass
+from typing import Tuple
 
 import torch
 
-from .base import Plan, Reduced, ones_like_size
+from .base import GridCells, Plan, Reduced, ones_like_size
 
 
 @dataclass
 class GridMergePlan(Plan):
-    """Merge the patch tokens of a rows x cols grid into a smaller grid of num_groups cells (row-major), each cell the
+    """Merge the patch tokens of a rows x cols grid into a smaller grid (row-major), each cell the
     per-channel value of largest magnitude among its members (the larger of the group's max and -min; ties to the
     positive), sizes and source maps summed.
 
     num_prefix: leading tokens copied unchanged.
     group: (B, n) int64, the output cell in [0, num_groups) of each patch token (n = rows * cols, raster order).
-    num_groups: the cells of the smaller grid.
+    shape: (rows, cols) of the smaller grid, num_groups = rows * cols cells.
     Output order: prefix tokens, then the cells in raster order. A cell has no single destination (its value mixes
     members channel by channel): on rope models it sits at the centroid of what it holds."""
 
     num_prefix: int
     group: torch.Tensor
-    num_groups: int
+    shape: Tuple[int, int]
+
+    @property
+    def num_groups(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def grid_cells(self) -> GridCells:
+        return GridCells(self.shape, self.group)
 
     def apply(self, x: torch.Tensor, size, source) -> Reduced:
         p = self.num_prefix
