@@ -61,7 +61,7 @@ def test_every_method_reduces_every_family(name, method, images):
 def _kept_after_each_block(model, images):
     """For a dropping pruner: per block, (B, N0) bool of the original tokens still present after it."""
     kept = []
-    timm_tokcomp.patch.trace_blocks(model, images, lambda i, tokens, source: kept.append(source.sum(1) > 0.5))
+    timm_tokcomp.patch.trace_blocks(model, images, lambda i, tokens, source, positions: kept.append(source.sum(1) > 0.5))
     return kept
 
 

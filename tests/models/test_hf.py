@@ -132,7 +132,7 @@ def test_pruning_is_the_plain_model_with_the_pruned_tokens_masked(impl):
     x = _images()
     kept = []
     with torch.no_grad():
-        timm_tokcomp.patch.trace_blocks(model, x, lambda i, tokens, source: kept.append(source.sum(1) > 0.5))
+        timm_tokcomp.patch.trace_blocks(model, x, lambda i, tokens, source, positions: kept.append(source.sum(1) > 0.5))
         assert kept[-1].sum() < kept[0].numel()
         torch.testing.assert_close(model(x).logits, _masked_plain(plain, x, kept), atol=1e-5, rtol=1e-5)
 
