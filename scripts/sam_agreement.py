@@ -11,6 +11,7 @@ tables zero, as timm starts them): a trained ViT's token statistics at SAM's siz
         --data $TOKCOMP_DATA/photos-3000 --limit 48 --methods cubist_r4,cubist_r8,dense_tome_r4
 """
 import argparse
+import copy
 import sys
 
 import timm
@@ -32,12 +33,15 @@ def sam_from_deit(checkpoint: str, img_size: int) -> torch.nn.Module:
                               num_classes=0)
     grid = model.patch_embed.grid_size
     pos = resample_abs_pos_embed(deit["pos_embed"], list(grid), num_prefix_tokens=1)
-    state = {"pos_embed": pos.reshape(1, *grid, -1)}
+    state = {"pos_embed": pos[:, 1:].reshape(1, *grid, -1)}  # the class token's row dropped
     for key, value in deit.items():
         if key.startswith(("patch_embed.", "blocks.")):
             state[key] = value
+    for key, value in model.state_dict().items():
+        if key.endswith(("rel_pos_h", "rel_pos_w")):
+            state[key] = torch.zeros_like(value)  # DeiT has no relative positions: no bias
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or any(not k.endswith(("rel_pos_h", "rel_pos_w")) and not k.startswith("neck.") for k in missing):
+    if unexpected or any(not k.startswith("neck.") for k in missing):
         raise ValueError(f"transplant mismatch: missing {missing}, unexpected {unexpected}")
     return model.eval()
 
@@ -65,7 +69,7 @@ def main() -> None:
     print("method | GMACs | of plain | cosine per position: mean | 5th percentile | images' worst mean")
     for item in args.methods.split(","):
         method, params = method_spec(item)
-        model = timm_tokcomp.apply(sam_from_deit(args.checkpoint, args.img_size), method, **params)
+        model = timm_tokcomp.apply(copy.deepcopy(plain), method, **params)
         cosines, image_means, macs = [], [], 0.0
         for x, ref in zip(tqdm(images, desc=item, file=sys.stderr), reference):
             out = model.forward_features(x)

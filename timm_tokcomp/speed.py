@@ -164,7 +164,8 @@ def _inputs(data: Optional[str], model: nn.Module, count: int, device: str) -> t
 
 
 def _models(base: nn.Module, items: Sequence[MethodItem], x: torch.Tensor, static: bool) -> Dict[str, nn.Module]:
-    """plain, then each method followed by its limit (the token schedule its forward on x ran); static (compiled
+    """plain, then each method followed by its limit (the token schedule its forward on x ran; none for a dense method
+    or on SAM's windowed encoders); static (compiled
     or graph modes): without the data-dependent methods. A preset of method 'none' (tune declined) is a row of its
     own, the plain model."""
     models = {BASELINE: base}
@@ -176,7 +177,9 @@ def _models(base: nn.Module, items: Sequence[MethodItem], x: torch.Tensor, stati
             continue
         model = apply(copy.deepcopy(base), method, **params)
         models[name] = model
-        if not get_reducer(model).dense:
+        # no limit for a dense method (it keeps every token) nor on a family that keeps the grid (SAM): dropping
+        # tokens to the schedule would break the grid its blocks read
+        if not get_reducer(model).dense and patched_family(model).method_refusal(LimitReducer) is None:
             limit = copy.deepcopy(base)
             after_mlp = get_reducer(model).reduces_at == "after_mlp"
             patch(limit, LimitReducer(limit_schedule(model, x), after_mlp=after_mlp), patched_family(model))

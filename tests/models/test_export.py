@@ -99,3 +99,15 @@ def test_the_newer_families_export(tmp_path, name, method, params):
     path = export_onnx(model, str(tmp_path / "m.onnx"), torch.randn(2, 3, 32, 32))
     diff, shape = compare_onnxruntime(model, path, torch.randn(5, 3, 32, 32))
     assert shape == (5, 10) and diff < 1e-4
+
+
+@pytest.mark.parametrize("method, params", [("cubist", {"r_rows": 2, "r_cols": 3}), ("dense_tome", {"k": 8})])
+def test_sam_encoders_export(tmp_path, method, params):
+    """SAM's windows, padding and relative positions on the merged grid, and the cells spread back before the neck."""
+    torch.manual_seed(0)
+    model = timm.create_model("samvit_base_patch16", img_size=224, embed_dim=32, depth=4, num_heads=2,
+                              global_attn_indexes=(1, 3), neck_chans=16, num_classes=10)
+    model = timm_tokcomp.apply(model, method, **params)
+    path = export_onnx(model, str(tmp_path / "m.onnx"), torch.randn(2, 3, 224, 224))
+    diff, shape = compare_onnxruntime(model, path, torch.randn(3, 3, 224, 224))
+    assert shape == (3, 10) and diff < 1e-4

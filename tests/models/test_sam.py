@@ -179,3 +179,14 @@ def test_proportional_attention_adds_log_sizes_to_the_relative_position_bias():
         ones = timm_tokcomp.apply(copy.deepcopy(plain), "cubist", r_rows=0, r_cols=0, prop_attn=True)
         assert torch.equal(ones(x), plain(x))
     assert sizes.max() > 1
+
+
+def test_speed_times_sam_without_a_limit_that_would_break_the_grid():
+    """tokcomp speed's limit (the schedule with no matching) drops tokens, which SAM's grid cannot take: no limit row
+    for it there; the method itself is timed."""
+    from timm_tokcomp.kit.grammar import parse_methods
+    from timm_tokcomp.speed import LIMIT_SUFFIX, _models
+
+    models = _models(sam(), parse_methods("cubist_r2,dense_tome_r2"), images(1), static=False)
+    assert sorted(models) == ["cubist_r2", "dense_tome_r2", "none"]
+    assert not any(name.endswith(LIMIT_SUFFIX) for name in models)
