@@ -52,6 +52,9 @@ def test_thresholds_are_checked():
     (["--method", "dymu"], "--r is needed with --method dymu"),
     (["--r", "4"], "--r is for --method dymu"),
     ([], "give one of --target-gmacs and --target-ratio"),
+    (["--method", "dymu", "--r", "4", "--alpha", "1", "--split-layer", "3"],
+     "--alpha, --split-layer: ATM's calibration flags (--method atm); --method dymu takes --r"),
+    (["--method", "dymu", "--r", "4", "--tolerance", "0.02"], "--tolerance: ATM's calibration flags"),
 ])
 def test_calibrate_command_names_the_flags_a_method_needs(tmp_path, capsys, args, message):
     code = main(["calibrate", "deit_tiny_patch16_224", "--data", str(tmp_path), "--out", str(tmp_path / "p.json"),

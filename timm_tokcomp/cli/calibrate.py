@@ -5,6 +5,10 @@ import argparse
 from .flags import FILE_OUT, device_flag, progress_flag, random_weights, weights_flags
 
 
+ATM_TOLERANCE, ATM_ALPHA = 0.02, 1.0
+ATM_FLAGS = (("tolerance", "--tolerance"), ("alpha", "--alpha"), ("split_layer", "--split-layer"))
+
+
 def add(sub: argparse._SubParsersAction) -> None:
     cal = sub.add_parser("calibrate", help="find ATM thresholds that hit a GMACs budget, or DyMU's per-block "
                                           "thresholds, on your images (no labels)")
@@ -19,9 +23,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--data", required=True, help="folder of images (plain, labels.csv or ImageFolder; labels unused)")
     weights_flags(cal)
     cal.add_argument("--limit", type=int, default=512, help="calibrate on the first N images (default: %(default)s)")
-    cal.add_argument("--tolerance", type=float, default=0.02, help="relative GMACs tolerance (default: %(default)s)")
-    cal.add_argument("--alpha", type=float, default=1.0, help="atm: initial threshold, kept fixed (default: "
-                                                              "%(default)s)")
+    cal.add_argument("--tolerance", type=float, help=f"atm: relative GMACs tolerance (default: {ATM_TOLERANCE})")
+    cal.add_argument("--alpha", type=float, help=f"atm: initial threshold, kept fixed (default: {ATM_ALPHA})")
     cal.add_argument("--split-layer", type=int, help="atm: blocks after it use size-distinctive matching "
                                                     "(default: three quarters of the depth)")
     cal.add_argument("--batch-size", type=int, default=64)
@@ -38,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.method == "dymu" and args.r is None:
         raise ValueError("--r is needed with --method dymu (the merges per image and block to calibrate for)")
+    given = [flag for name, flag in ATM_FLAGS if getattr(args, name) is not None]
+    if args.method == "dymu" and given:
+        raise ValueError(f"{', '.join(given)}: ATM's calibration flags (--method atm); --method dymu takes --r")
     if args.method == "atm" and args.r is not None:
         raise ValueError("--r is for --method dymu; --method atm takes --target-gmacs or --target-ratio")
     if args.method == "atm" and args.target_gmacs is None and args.target_ratio is None:
@@ -51,8 +57,9 @@ def run(args: argparse.Namespace) -> int:
     if random_weights(args):
         args.notes.append("no --checkpoint or --pretrained: the thresholds were calibrated for random weights")
     search = dict(r=args.r) if args.method == "dymu" else dict(
-        target_gmacs=args.target_gmacs, target_ratio=args.target_ratio, tolerance=args.tolerance, alpha=args.alpha,
-        split_layer=args.split_layer)
+        target_gmacs=args.target_gmacs, target_ratio=args.target_ratio,
+        tolerance=ATM_TOLERANCE if args.tolerance is None else args.tolerance,
+        alpha=ATM_ALPHA if args.alpha is None else args.alpha, split_layer=args.split_layer)
     result = calibrate_folder(args.model, args.data, args.checkpoint, args.pretrained, args.device, args.limit,
                               args.batch_size, args.num_workers, not args.no_progress, args.method, **search)
     if args.method == "dymu":
