@@ -221,6 +221,7 @@ class ReducingModel:
     _tokcomp_pool_sizes: Optional[Tuple[Optional[torch.Tensor]]]  # traced forwards only: (this call's sizes,)
     _tokcomp_depth: int  # blocks the schedule is laid over (see patch.model_depth)
     map_pool_reads_prefix: bool = False  # the attention-pool head ('map') reads the prefix tokens too
+    compiles_by_region: bool = True  # False: timm_tokcomp.compile compiles it whole, static shapes (families.sam)
 
     # Per-call state (token sizes, stats, source maps) is never kept where another call of the same model could
     # read it: it travels with the call's own feature tensor (_register_features), so calls from several threads

@@ -190,3 +190,16 @@ def test_speed_times_sam_without_a_limit_that_would_break_the_grid():
     models = _models(sam(), parse_methods("cubist_r2,dense_tome_r2"), images(1), static=False)
     assert sorted(models) == ["cubist_r2", "dense_tome_r2", "none"]
     assert not any(name.endswith(LIMIT_SUFFIX) for name in models)
+
+
+def test_sam_compiles_whole():
+    """timm's windows read the grid as Python ints: timm_tokcomp.compile traces a SAM encoder whole (static shapes),
+    not by region, and gets the eager outputs."""
+    from timm_tokcomp.compiling import by_region
+
+    model = timm_tokcomp.apply(sam(), "cubist", r_rows=2, r_cols=3)
+    assert not by_region(model)
+    x = images()
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(timm_tokcomp.compile(model, backend="eager")(x), expected, atol=1e-5, rtol=1e-5)

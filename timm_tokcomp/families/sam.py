@@ -22,7 +22,6 @@ from ..dense import DenseBlockMixin, DenseModel
 from ..methods.base import TokenReducer
 from ..plans import Plan, gather_tokens
 from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel, patch_grid
-from ..regions import compiled_whole, forward_by_region
 from ..state import ReductionStats
 from .base import BuildArgs, Facade, Family, reducer_metric
 
@@ -164,6 +163,9 @@ class ReducingSam(ReducingModel, VisionTransformerSAM):
 
     num_prefix_tokens = 0
     dynamic_img_size = True  # timm's SAM embeds any input size (its absolute positions resampled)
+    # timm's windows and relative positions read the grid as Python ints, so a block region would be traced again for
+    # every grid and block kind: timm_tokcomp.compile and torch.compile compile the forward whole, static shapes
+    compiles_by_region = False
 
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, GridPositions]:
         x = self.patch_embed(x)
@@ -177,9 +179,8 @@ class ReducingSam(ReducingModel, VisionTransformerSAM):
         return x.reshape(B, H * W, C), GridPositions(H, W, (H, W))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, 3, H, W) -> timm's head on the neck's output (ReducingModel.forward_features)."""
-        if compiled_whole(self):
-            return forward_by_region(self, x)
+        """x: (B, 3, H, W) -> timm's head on the neck's output (ReducingModel.forward_features); traced whole by
+        torch.compile."""
         return self.forward_head(self.forward_features(x))
 
     def _features_from(self, x: torch.Tensor, stats: ReductionStats) -> torch.Tensor:
