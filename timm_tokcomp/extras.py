@@ -6,6 +6,7 @@ the extra to install:
   analysis       scipy, scikit-learn, matplotlib (tokcomp analyze)
   export         onnx, onnxscript, onnxruntime (tokcomp export, bench --backend onnx)
   hf             transformers (its vision encoders as models to reduce; peft brings it too)
+  open_clip      open-clip-torch (its image towers as models to reduce)
   all            every one of them
 """
 import importlib

@@ -111,3 +111,16 @@ def test_sam_encoders_export(tmp_path, method, params):
     path = export_onnx(model, str(tmp_path / "m.onnx"), torch.randn(2, 3, 224, 224))
     diff, shape = compare_onnxruntime(model, path, torch.randn(3, 3, 224, 224))
     assert shape == (3, 10) and diff < 1e-4
+
+
+def test_an_open_clip_tower_exports(tmp_path):
+    """open_clip's MultiheadAttention run through SDPA with the log-size bias, the class-token pool and proj."""
+    pytest.importorskip("open_clip", reason="open_clip is not installed (pip install 'timm-tokcomp[open_clip]')")
+    from open_clip.transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    visual = VisionTransformer(image_size=64, patch_size=16, width=32, layers=3, heads=2, mlp_ratio=4., output_dim=24)
+    model = timm_tokcomp.apply(visual, "tome", r=3)
+    path = export_onnx(model, str(tmp_path / "m.onnx"), torch.randn(2, 3, 64, 64))
+    diff, shape = compare_onnxruntime(model, path, torch.randn(3, 3, 64, 64))
+    assert shape == (3, 24) and diff < 1e-4

@@ -1,7 +1,8 @@
 """The model families timm_tokcomp serves, one adapter each (what differs: embedding, attention with the log-size
 bias and rotary positions, pooling); the reducing loop they share is timm_tokcomp.reducing. A new family is one
-module here with its Family and a line in FAMILIES. Hugging Face transformers' vision encoders (families.hf) are
-served where transformers is installed: their entry is a LazyFamily, the adapter imported on first use."""
+module here with its Family and a line in FAMILIES. Hugging Face transformers' vision encoders (families.hf) and
+open_clip's image towers (families.openclip) are served where their library is installed: their entries are
+LazyFamily, the adapter imported on first use."""
 from importlib import import_module
 from typing import Any, NamedTuple, Optional, Tuple, Union
 
@@ -34,7 +35,8 @@ class LazyFamily(NamedTuple):
         return getattr(import_module(self.module, __name__), self.attr)
 
     def served(self) -> str:
-        return f"{self.library}' {', '.join(self.class_names)}"
+        owner = f"{self.library}'" if self.library.endswith("s") else f"{self.library}'s"
+        return f"{owner} {', '.join(self.class_names)}"
 
 
 # tests/models/test_hf.py checks class_names against hf.MODELS
@@ -42,7 +44,8 @@ HF_ENTRY = LazyFamily(".hf", "HF", "transformers", ("transformers.",), (
     "ViTModel", "ViTForImageClassification", "Dinov2Model", "Dinov2WithRegistersModel", "CLIPVisionModel",
     "SiglipVisionModel"))
 HF_CLASSES = HF_ENTRY.class_names
-FAMILIES: Tuple[Union[Family, LazyFamily], ...] = (VIT, EVA, NAFLEX, SAM, HF_ENTRY)
+OPEN_CLIP_ENTRY = LazyFamily(".openclip", "OPEN_CLIP", "open_clip", ("open_clip.",), ("VisionTransformer",))
+FAMILIES: Tuple[Union[Family, LazyFamily], ...] = (VIT, EVA, NAFLEX, SAM, HF_ENTRY, OPEN_CLIP_ENTRY)
 
 
 def family_of(model_class: type) -> Optional[Family]:

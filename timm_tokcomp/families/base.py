@@ -108,6 +108,41 @@ class Facade:
 
 
 @dataclass(frozen=True)
+class PatchGrid:
+    """timm's patch_embed facts of another library's vision model: the patch grid at the configured image size, and
+    at another (H, W)."""
+
+    image_size: Tuple[int, int]
+    patch_size: int
+
+    @classmethod
+    def of(cls, config: Any) -> "PatchGrid":
+        """From a transformers vision config."""
+        size = config.image_size
+        return cls(tuple(size) if isinstance(size, (tuple, list)) else (size, size), int(config.patch_size))
+
+    @property
+    def grid_size(self) -> Tuple[int, int]:
+        return self.dynamic_feat_size(self.image_size)
+
+    @property
+    def num_patches(self) -> int:
+        rows, cols = self.grid_size
+        return rows * cols
+
+    def dynamic_feat_size(self, image_size: Tuple[int, int]) -> Tuple[int, int]:
+        return image_size[0] // self.patch_size, image_size[1] // self.patch_size
+
+
+@dataclass(frozen=True)
+class BlockView:
+    """Another library's layer as patch reads a timm block: its attention and MLP modules."""
+
+    attn: nn.Module
+    mlp: nn.Module
+
+
+@dataclass(frozen=True)
 class Family:
     """One timm model family, served in timm's model modules timm_modules. Each table maps a plain timm class to its
     patched subclass (same parameters and buffers, so state_dict keys never change). dense_blocks may miss a block

@@ -34,7 +34,7 @@ from transformers.models.vit.modeling_vit import ViTForImageClassification, ViTL
 from ..methods.base import TokenReducer
 from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel, patch_grid
 from ..regions import compiled_regions, compiled_whole, forward_by_region
-from .base import Facade, Family, reducer_metric
+from .base import BlockView, Facade, Family, PatchGrid, reducer_metric
 from .hf_call import bind_call
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")  # transformers' attention functions that take an additive float mask
@@ -144,40 +144,6 @@ class ReducingSiglipEncoderLayer(ReducingBlockMixin, EncoderLayerBranches, Sigli
 
 def layer_attention(layer: nn.Module) -> nn.Module:
     return layer.attention if hasattr(layer, "attention") else layer.self_attn
-
-
-@dataclass(frozen=True)
-class PatchGrid:
-    """timm's patch_embed facts of a transformers vision config: the patch grid at the configured image size, and
-    at another (H, W)."""
-
-    image_size: Tuple[int, int]
-    patch_size: int
-
-    @classmethod
-    def of(cls, config: Any) -> "PatchGrid":
-        size = config.image_size
-        return cls(tuple(size) if isinstance(size, (tuple, list)) else (size, size), int(config.patch_size))
-
-    @property
-    def grid_size(self) -> Tuple[int, int]:
-        return self.dynamic_feat_size(self.image_size)
-
-    @property
-    def num_patches(self) -> int:
-        rows, cols = self.grid_size
-        return rows * cols
-
-    def dynamic_feat_size(self, image_size: Tuple[int, int]) -> Tuple[int, int]:
-        return image_size[0] // self.patch_size, image_size[1] // self.patch_size
-
-
-@dataclass(frozen=True)
-class BlockView:
-    """A transformers layer as patch reads a timm block: its attention and MLP modules."""
-
-    attn: nn.Module
-    mlp: nn.Module
 
 
 class HFReducingModel(ReducingModel):
