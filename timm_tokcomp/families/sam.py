@@ -15,15 +15,16 @@ from timm.models.vision_transformer_sam import Attention as SamAttention
 from timm.models.vision_transformer_sam import Block as SamBlock
 from timm.models.vision_transformer_sam import (VisionTransformerSAM, get_decomposed_rel_pos_bias, window_partition,
                                                 window_unpartition)
-from timm.layers import LayerScale, resample_abs_pos_embed_nhwc
+from timm.layers import resample_abs_pos_embed_nhwc
 from torch import nn
 
 from ..dense import DenseBlockMixin, DenseModel
 from ..methods.base import TokenReducer
 from ..plans import Plan, gather_tokens
-from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel, patch_grid
+from ..reducing import ReducingBlockMixin, ReducingModel, patch_grid
 from ..state import ReductionStats
 from .base import BuildArgs, Facade, Family, reducer_metric
+from .vit import BlockBranchesVit
 
 GRID_REFUSAL = ("does not keep the patch tokens a complete grid, which the windowed blocks and the neck of timm's "
                 "VisionTransformerSAM read: on this model use cubist (grid-preserving merging) or a dense method "
@@ -108,9 +109,9 @@ class ReducingSamAttention(SamAttention):
         return self.proj_drop(self.proj(x)).view(B, H, W, -1), metric
 
 
-class BlockBranchesSam(BlockBranches):
+class BlockBranchesSam(BlockBranchesVit):
     """SAM Block's branches on tokens (B, H * W, C) of a grid: attention windowed as timm windows it (ls1 and drop
-    path per window, as timm applies them), MLP on the tokens."""
+    path per window, as timm applies them); the MLP side is timm's ViT Block's (same modules)."""
 
     def _attn_branch(self, x, attn_bias, grid, reducer, prop_impl):
         B, N, C = x.shape
@@ -132,17 +133,6 @@ class BlockBranchesSam(BlockBranches):
             h = window_unpartition(h, self.window_size, (H, W), padded)
             metric = unwindow(metric, self.window_size, (H, W), padded)
         return h.reshape(B, N, C), metric
-
-    def _mlp_branch(self, x):
-        return self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-
-    def _mlp_scale(self):
-        if isinstance(self.ls2, LayerScale):
-            return not self.ls2.inplace, self.ls2.gamma
-        return isinstance(self.ls2, nn.Identity), None
-
-    def _mlp_out(self, h):
-        return self.drop_path2(self.ls2(h))
 
 
 class ReducingSamBlock(ReducingBlockMixin, BlockBranchesSam, SamBlock):
