@@ -280,11 +280,12 @@ class ReducingModel:
                        on_block: Optional[Callable[[int, torch.Tensor, Optional[torch.Tensor], Any], None]] = None,
                        final: bool = True, *, grid: Tuple[int, int]) -> Tuple[torch.Tensor, ReductionStats]:
         """x: (B, N, C) -> (B, N', C) through the first num_blocks blocks (all: None), with this call's stats.
-        positions: where the tokens sit as the family carries it (rope.TokenPositions; None without). for_intermediates:
-        trace the source map; on_block(i, x, source, positions) sees each block's output, every token of it. final: the returned tokens are the final
-        features, computed as forward_features computes them (a last block that keeps only the prefix tokens runs its
-        MLP on those alone; for on_block it runs once more on every token); False: every block keeps its tokens to
-        the end. grid: (rows, cols) of the patch tokens (patch_grid)."""
+        positions: where the tokens sit as the family carries it (rope.TokenPositions, SAM's grid; None without).
+        for_intermediates: trace the source map; on_block(i, x, source, positions) sees each block's output, every
+        token of it. final: the returned tokens are the final features, computed as forward_features computes them (a
+        last block that keeps only the prefix tokens runs its MLP on those alone; for on_block it runs once more on
+        every token); False: every block keeps its tokens to the end. grid: (rows, cols) of the patch tokens
+        (patch_grid)."""
         refuse_fx_tracing()
         reducer, num_prefix = self._tokcomp_reducer, self.num_prefix_tokens
         settings = reducer.settings_for(self._tokcomp_depth, x.shape[1], num_prefix, self._tokcomp_block_cost, grid)
