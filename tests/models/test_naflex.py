@@ -189,7 +189,7 @@ def test_pruning_is_the_plain_model_with_the_padding_and_the_pruned_tokens_maske
         for i, image in enumerate(images):  # each image's kept tokens per block, traced on the image itself
             n = (image.shape[1] // 8) * (image.shape[2] // 8)
             seen = []
-            trace_blocks(model, image[None], lambda b, tokens, source: seen.append(source.sum(dim=1)[0] > 0.5))
+            trace_blocks(model, image[None], lambda b, tokens, source, positions: seen.append(source.sum(dim=1)[0] > 0.5))
             for block, mask in enumerate(seen):
                 kept[block][i, :p + n] = mask
         assert kept[-1].sum() < kept[0].sum()  # something was pruned
