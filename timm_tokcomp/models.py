@@ -17,6 +17,7 @@ from .extras import require
 from .families import HF_CLASSES
 from .precision import check_device
 from .hub import hub_access, hub_error
+from .open_clip_models import is_open_clip_name, load_open_clip
 from .userfiles import check_safetensors, load_weights
 
 
@@ -138,14 +139,19 @@ def _image_processor(transformers: Any, folder: Path, image_size: int) -> Any:
 
 
 def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: bool, device: str,
-                     seed: int = 0) -> nn.Module:
+                     seed: int = 0, trains: Optional[str] = None) -> nn.Module:
     """The unmodified timm model, with weights from checkpoint (safetensors / torch file) or timm (model_name a
-    folder saved by transformers: its model, load_hf_model); without either, timm's random initialisation drawn
-    from `seed` (the caller's random stream left as it was), so every command that resumes (tune, analyze,
-    finetune, train-tocom) meets the same random weights again.
+    folder saved by transformers: its model, load_hf_model; 'open_clip:ARCH': open_clip's image tower with a
+    zero-shot head, load_open_clip); without either, the random initialisation drawn from `seed` (the caller's
+    random stream left as it was), so every command that resumes (tune, analyze, finetune, train-tocom) meets the
+    same random weights again. trains: the training command asking (it refuses open_clip towers).
     Raises ValueError / FileNotFoundError naming the argument for an unknown model, a missing checkpoint
     or a device this machine does not have."""
     check_device(device)
+    if trains and is_open_clip_name(model_name):
+        raise ValueError(f"MODEL {model_name}: {trains} does not train open_clip towers (their attention's "
+                         "in_proj is no Linear for LoRA, and they have no classifier to train); they serve bench, "
+                         "speed, tune, calibrate and export")
     if is_hf_folder(model_name):
         if checkpoint or pretrained:
             raise ValueError(f"--hf-model {model_name} holds its own weights: give no --checkpoint or --pretrained")
@@ -153,6 +159,9 @@ def build_base_model(model_name: str, checkpoint: Optional[str], pretrained: boo
             device).eval()
     if checkpoint and not Path(checkpoint).is_file():
         raise FileNotFoundError(f"--checkpoint {checkpoint} not found")
+    if is_open_clip_name(model_name):
+        return check_finite_parameters(load_open_clip(model_name, checkpoint, pretrained, seed),
+                                       weights_source(model_name, checkpoint, pretrained)).to(device).eval()
     try:
         with hub_access() if pretrained else contextlib.nullcontext(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -178,6 +187,8 @@ def weights_source(model_name: str, checkpoint: Optional[str], pretrained: bool)
         return f"--hf-model {model_name}"
     if checkpoint:
         return f"--checkpoint {checkpoint}"
+    if is_open_clip_name(model_name):
+        return f"open_clip's random weights of {model_name!r}"
     return f"timm's {'pretrained' if pretrained else 'random'} weights of {model_name!r}"
 
 

@@ -7,7 +7,8 @@ from .flags import FILE_OUT, device_flag, hf_model_flag, precision_flags, progre
 
 def add(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="GMACs / throughput / accuracy table of several methods, side by side")
-    bench.add_argument("model", nargs="?", help="timm architecture (default: deit_tiny_patch16_224; or --hf-model)")
+    bench.add_argument("model", nargs="?", help="timm architecture (default: deit_tiny_patch16_224), --hf-model, or "
+                                               "open_clip:ARCH (its image tower, zero-shot ImageNet head)")
     bench.add_argument("--methods", default="none,tome_r8,tome_r16",
                        help=f"comma list of 'none' and method tags ({FAMILIES}); default: %(default)s")
     weights_flags(bench)

@@ -12,7 +12,7 @@ ATM_FLAGS = (("tolerance", "--tolerance"), ("alpha", "--alpha"), ("split_layer",
 def add(sub: argparse._SubParsersAction) -> None:
     cal = sub.add_parser("calibrate", help="find ATM thresholds that hit a GMACs budget, or DyMU's per-block "
                                           "thresholds, on your images (no labels)")
-    cal.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
+    cal.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224, or open_clip:ARCH")
     cal.add_argument("--method", choices=("atm", "dymu"), default="atm",
                      help="atm: thresholds for a GMACs target (--target-gmacs / --target-ratio); dymu: DyMU's "
                           "thresholds for --r merges per image and block (default: %(default)s)")

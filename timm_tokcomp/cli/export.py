@@ -10,7 +10,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     exportable = exportable_methods()
     ex = sub.add_parser("export", help=f"write a plain or reduced model ({', '.join(exportable)}) as ONNX (dynamic "
                                        f"batch) and check it in onnxruntime")
-    ex.add_argument("model", help="timm architecture, or a tagged name such as deit_tiny_patch16_224.tome_r16")
+    ex.add_argument("model", help="timm architecture (or open_clip:ARCH), or a tagged name such as "
+                                        "deit_tiny_patch16_224.tome_r16")
     ex.add_argument("--method", help=f"method tag of {', '.join(exportable)} (atm, ats and kmedoids do not export: "
                                      f"their token counts or round-off depend on the data)")
     weights_flags(ex)

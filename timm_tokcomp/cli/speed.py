@@ -16,7 +16,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("speed", help="forward time of each method against the plain model and against its limit "
                                       "(no matching), per batch size, in eager / compiled / CUDA-graph mode")
     sp.add_argument("model", nargs="?", help="timm architecture (default: deit_tiny_patch16_224, as bench; the GPU "
-                                             "tables use deit_base_patch16_224; or --hf-model)")
+                                             "tables use deit_base_patch16_224; or --hf-model, or open_clip:ARCH)")
     sp.add_argument("--methods", help=f"comma list of method tags ({FAMILIES}), '<tag>@<path>' "
                                       f"(a kernel, a prop_attn implementation or both: tome_r16@triton, "
                                       f"tome_r16@fold_qkv, tome_r16@triton+fold) or presets; default: "

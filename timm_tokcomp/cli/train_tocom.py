@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         writer = rank_and_world()[0] == 0
         if random_weights(args) and writer:
             args.notes.append("no --checkpoint or --pretrained: the plugins were trained for random weights")
-        model = build_base_model(args.model, args.checkpoint, args.pretrained, "cpu", seed=args.seed)
+        model = build_base_model(args.model, args.checkpoint, args.pretrained, "cpu", seed=args.seed,
+                                 trains="tokcomp train-tocom")
         _, report = train_tocom(model, args.data, args.out, args.model, config, resume=args.resume, device=device,
                                 show_progress=not args.no_progress, num_workers=args.num_workers,
                                 stop_after=args.stop_after, overwrite=args.overwrite)

@@ -10,7 +10,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     tu = sub.add_parser("tune", help="measure the training-free methods on this device and choose the fastest that "
                                       "keeps accuracy within a budget (top-1 with labels, agreement without), or no "
                                       "reduction")
-    tu.add_argument("model", nargs="?", help="timm architecture, e.g. deit_small_patch16_224 (or --hf-model)")
+    tu.add_argument("model", nargs="?", help="timm architecture, e.g. deit_small_patch16_224 (or --hf-model, or "
+                                            "open_clip:ARCH)")
     tu.add_argument("--data", required=True, help="folder of images (labels not needed; with labels top-1 is reported)")
     tu.add_argument("--out", required=True, help="folder for tune.csv, table.md, pareto.png and preset.json "
                                                  "(preset_b<B>.json per batch size when several)")
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from ..tuning import preset_paths, tune
 
     if args.model is None:
-        raise ValueError("give MODEL (a timm architecture) or --hf-model FOLDER")
+        raise ValueError("give MODEL (a timm architecture or open_clip:ARCH) or --hf-model FOLDER")
     if random_weights(args):
         args.notes.append("no --checkpoint or --pretrained: random weights were tuned, whose agreement says nothing")
     space = None if args.methods is None else parse_space(args.methods)

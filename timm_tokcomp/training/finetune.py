@@ -209,8 +209,8 @@ def finetune(base_model: str, train_data: str, out: str, eval_data: Optional[str
     method = config.validate()
     require("peft", "train", "tokcomp finetune")  # before any work
     eval_data = eval_data or train_data
-    model = build_base_model(base_model, checkpoint, pretrained, "cpu", seed=config.seed)  # without weights, the
-    # same random ones every call (a resume needs them)
+    # without weights, the same random ones every call (a resume needs them)
+    model = build_base_model(base_model, checkpoint, pretrained, "cpu", seed=config.seed, trains="tokcomp finetune")
     if method is not None:  # before the run folder is made
         refuse_in_place_training(model, method.method, method.params)
     train_digest = data_digest(train_data, "--data")
