@@ -398,25 +398,9 @@ class ReducingModel:
         with every block keeping its tokens to the end."""
         if attn_mask is not None or is_causal:
             raise ValueError("attn_mask / is_causal are not supported while tokens are reduced (token count changes)")
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        B, _, height, width = x.shape
-        grids: List[torch.Tensor] = []
-
-        def on_block(i: int, tokens: torch.Tensor, source: torch.Tensor, positions: Any) -> None:
-            if i in take_indices:
-                grids.append(spread_tokens(self.norm(tokens) if norm else tokens, source))
-
-        x, stats = self._reduce_blocks(*self._embed(x), for_intermediates=True, grid=patch_grid(self, (height, width)),
-                                       num_blocks=max_index + 1 if stop_early else None,
-                                       on_block=on_block, final=not intermediates_only)
-        p = self.num_prefix_tokens
-        prefix = [g[:, :p] for g in grids] if p else None
-        spatial = [g[:, p:] for g in grids]
-        if output_fmt == "NCHW":
-            H, W = self.patch_embed.dynamic_feat_size((height, width))
-            spatial = [g.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for g in spatial]
+        x, stats, prefix, spatial = self._grid_intermediates(x, indices, stop_early, intermediates_only, output_fmt,
+                                                             self.norm if norm else None)
+        prefix = prefix if self.num_prefix_tokens else None
         final = None if intermediates_only else self._register_features(self.norm(x), stats)
         if output_dict:
             out: Dict[str, Any] = {"image_intermediates": spatial}
@@ -428,6 +412,44 @@ class ReducingModel:
         if return_prefix_tokens and prefix is not None:
             spatial = list(zip(spatial, prefix))
         return spatial if intermediates_only else (final, spatial)
+
+    def _grid_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]], stop_early: bool,
+                            intermediates_only: bool, output_fmt: str, norm: Optional[nn.Module]
+                            ) -> Tuple[torch.Tensor, ReductionStats, List[torch.Tensor], List[torch.Tensor]]:
+        """The run behind a token family's forward_intermediates: x (B, 3, H, W) through the blocks (to the last
+        chosen one where stop_early; the final features computed unless intermediates_only) with the source map
+        traced -> (last tokens, their stats, per chosen block (timm's feature_take_indices) its prefix tokens
+        (B, p, C) and its patch tokens spread onto the full grid (spread_tokens; through norm where given):
+        (B, C, H, W) for output_fmt 'NCHW', (B, H * W, C) for 'NLC')."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        grid = patch_grid(self, x.shape[-2:])
+        tokens, stats, grids = self._traced_blocks(
+            x, indices, stop_early, not intermediates_only,
+            lambda out, source, positions: spread_tokens(norm(out) if norm is not None else out, source))
+        p = self.num_prefix_tokens
+        spatial = [g[:, p:] for g in grids]
+        if output_fmt == "NCHW":
+            spatial = [g.reshape(len(x), *grid, -1).permute(0, 3, 1, 2).contiguous() for g in spatial]
+        return tokens, stats, [g[:, :p] for g in grids], spatial
+
+    def _traced_blocks(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]], stop_early: bool,
+                       final: bool, keep: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor],
+                       trace_source: bool = True) -> Tuple[torch.Tensor, ReductionStats, List[torch.Tensor]]:
+        """x (B, 3, H, W) through the blocks (to the last one indices choose where stop_early) -> (last tokens,
+        stats, keep(tokens (B, N_i, C), source (B, N_i, N0) or None without trace_source, positions) of each
+        chosen block i)."""
+        take, max_index = feature_take_indices(len(self.blocks), indices)
+        kept: List[torch.Tensor] = []
+
+        def on_block(i: int, tokens: torch.Tensor, source: torch.Tensor, positions: Any) -> None:
+            if i in take:
+                kept.append(keep(tokens, source, positions))
+
+        tokens, stats = self._reduce_blocks(*self._embed(x), for_intermediates=trace_source, on_block=on_block,
+                                            num_blocks=max_index + 1 if stop_early else None, final=final,
+                                            grid=patch_grid(self, x.shape[-2:]))
+        return tokens, stats, kept
 
     def _register_features(self, x: torch.Tensor, stats: ReductionStats) -> torch.Tensor:
         """Remember the stats of the call that made x: (B, N', C), so that pool / forward_head on x use its sizes."""

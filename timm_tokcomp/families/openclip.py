@@ -21,7 +21,7 @@ from open_clip.transformer import ResidualAttentionBlock, VisionTransformer
 from torch import nn
 
 from ..methods.base import TokenReducer
-from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel, patch_grid, spread_tokens
+from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel, patch_grid
 from ..schedules import BlockCost
 from ..state import ReductionStats
 from .base import BlockView, Facade, Family, PatchGrid, linear_macs, reducer_metric
@@ -179,27 +179,11 @@ class ReducingOpenClipVisual(ReducingModel, VisionTransformer):
                               output_extra_tokens: bool = False) -> Dict[str, Any]:
         """open_clip's forward_intermediates on the full patch grid: each chosen block's tokens mapped back through the
         source map (a merged token at every patch it holds; zeros where a dropping pruner removed the patch)."""
-        from timm.models._features import feature_take_indices
-
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take, max_index = feature_take_indices(len(self.blocks), indices)
-        B, _, height, width = x.shape
-        grids: List[torch.Tensor] = []
-
-        def on_block(i: int, tokens: torch.Tensor, source: torch.Tensor, positions: Any) -> None:
-            if i in take:
-                grids.append(spread_tokens(self.ln_post(tokens) if normalize_intermediates else tokens, source))
-
-        tokens, stats = self._blocks(x, for_intermediates=True, on_block=on_block, final=not intermediates_only,
-                                     num_blocks=max_index + 1 if stop_early else None)
-        spatial = [g[:, 1:] for g in grids]
-        if output_fmt == "NCHW":
-            H, W = patch_grid(self, (height, width))
-            spatial = [g.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for g in spatial]
+        tokens, stats, prefix, spatial = self._grid_intermediates(
+            x, indices, stop_early, intermediates_only, output_fmt, self.ln_post if normalize_intermediates else None)
         out: Dict[str, Any] = {"image_intermediates": spatial}
         if output_extra_tokens:
-            out["image_intermediates_prefix"] = [g[:, :1] for g in grids]
+            out["image_intermediates_prefix"] = prefix
         if not intermediates_only:
             pooled, _ = self._sized_pool(tokens, stats.size)
             out["image_features"] = pooled if self.proj is None else pooled @ self.proj

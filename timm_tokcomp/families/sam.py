@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple, Type, Union
 
 import torch
-from timm.models._features import feature_take_indices
 from timm.models.vision_transformer_sam import Attention as SamAttention
 from timm.models.vision_transformer_sam import Block as SamBlock
 from timm.models.vision_transformer_sam import (VisionTransformerSAM, get_decomposed_rel_pos_bias, window_partition,
@@ -21,7 +20,7 @@ from torch import nn
 from ..dense import DenseBlockMixin, DenseModel
 from ..methods.base import TokenReducer
 from ..plans import Plan, gather_tokens
-from ..reducing import ReducingBlockMixin, ReducingModel, patch_grid
+from ..reducing import ReducingBlockMixin, ReducingModel
 from ..state import ReductionStats
 from .base import BuildArgs, Facade, Family, reducer_metric
 from .vit import BlockBranchesVit
@@ -184,16 +183,11 @@ class ReducingSam(ReducingModel, VisionTransformerSAM):
         merged cell at every patch it holds; through the neck where norm), and the neck's output."""
         if output_fmt != "NCHW":
             raise ValueError(f"output_fmt must be 'NCHW' for timm's VisionTransformerSAM, got {output_fmt!r}")
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        grids: List[torch.Tensor] = []
+        def on_grid(tokens: torch.Tensor, source: None, positions: GridPositions) -> torch.Tensor:
+            full = positions.spread(tokens).permute(0, 3, 1, 2)
+            return self.neck(full) if norm else full
 
-        def on_block(i: int, tokens: torch.Tensor, source, positions: GridPositions) -> None:
-            if i in take_indices:
-                full = positions.spread(tokens).permute(0, 3, 1, 2)
-                grids.append(self.neck(full) if norm else full)
-
-        tokens, stats = self._reduce_blocks(*self._embed(x), num_blocks=max_index + 1 if stop_early else None,
-                                            on_block=on_block, grid=patch_grid(self, x.shape[-2:]))
+        tokens, stats, grids = self._traced_blocks(x, indices, stop_early, True, on_grid, trace_source=False)
         return grids if intermediates_only else (self._features_from(tokens, stats), grids)
 
 
