@@ -182,19 +182,26 @@ class Family:
         dynamic_feat_size). A timm model is its own facade."""
         return model
 
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        """The model's transformer blocks in order, the modules whose classes swap (timm: model.blocks)."""
+        return model.blocks
+
     def swap(self, model: nn.Module, dense: bool) -> None:
-        """Give a plain model, its blocks and their attention the patched classes of one kind."""
+        """Give a plain model, its blocks and (where the family patches attention classes) their attention the
+        patched classes of one kind."""
         blocks = self.dense_blocks if dense else self.blocks
-        for blk in model.blocks:
+        for blk in self.layers(model):
             blk.__class__ = blocks[type(blk)]
-            blk.attn.__class__ = self.attentions[type(blk.attn)]
+            if self.attentions:
+                blk.attn.__class__ = self.attentions[type(blk.attn)]
         model.__class__ = (self.dense_models if dense else self.models)[type(model)]
 
     def restore(self, model: nn.Module) -> None:
         """Give a patched model, its blocks and their attention their plain classes back."""
-        for blk in model.blocks:
+        for blk in self.layers(model):
             blk.__class__ = self.plain_block(type(blk))
-            blk.attn.__class__ = self.plain_attention(type(blk.attn))
+            if self.attentions:
+                blk.attn.__class__ = self.plain_attention(type(blk.attn))
         model.__class__ = self.plain_models()[type(model)]
 
     def serves(self, model_class: type) -> bool:

@@ -349,16 +349,6 @@ class HFFamily(Family):
                       embed_dim=model.config.hidden_size, num_prefix_tokens=cls.prefix_tokens(model.config),
                       global_pool=cls.global_pool, patch_embed=PatchGrid.of(model.config))
 
-    def swap(self, model: nn.Module, dense: bool) -> None:
-        for layer in self.layers(model):
-            layer.__class__ = self.blocks[type(layer)]
-        model.__class__ = self.models[type(model)]
-
-    def restore(self, model: nn.Module) -> None:
-        for layer in self.layers(model):
-            layer.__class__ = self.plain_block(type(layer))
-        model.__class__ = self.plain_models()[type(model)]
-
     def check_blocks(self, model: nn.Module) -> None:
         for i, layer in enumerate(self.layers(model)):
             if self.plain_block(type(layer)) is None:

@@ -196,23 +196,16 @@ class OpenClipFamily(Family):
     nn.MultiheadAttention stays)."""
 
     def facade(self, model: nn.Module) -> Facade:
-        return Facade(blocks=[BlockView(blk.attn, blk.mlp) for blk in model.transformer.resblocks],
+        return Facade(blocks=[BlockView(blk.attn, blk.mlp) for blk in self.layers(model)],
                       embed_dim=model.transformer.width, num_prefix_tokens=1,
                       global_pool=pool_of(model),
                       patch_embed=PatchGrid(tuple(model.image_size), int(model.patch_size[0])))
 
-    def swap(self, model: nn.Module, dense: bool) -> None:
-        for blk in model.transformer.resblocks:
-            blk.__class__ = self.blocks[type(blk)]
-        model.__class__ = self.models[type(model)]
-
-    def restore(self, model: nn.Module) -> None:
-        for blk in model.transformer.resblocks:
-            blk.__class__ = self.plain_block(type(blk))
-        model.__class__ = self.plain_models()[type(model)]
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        return model.transformer.resblocks
 
     def check_blocks(self, model: nn.Module) -> None:
-        for i, blk in enumerate(model.transformer.resblocks):
+        for i, blk in enumerate(self.layers(model)):
             if self.plain_block(type(blk)) is None:
                 raise TypeError(f"transformer.resblocks[{i}] is of class {type(blk).__name__}; timm_tokcomp serves "
                                 f"open_clip's ResidualAttentionBlock (qk_norm / scaled attention blocks are "
