@@ -1,4 +1,5 @@
 import hashlib
+import io
 import os
 import warnings
 from dataclasses import dataclass
@@ -294,3 +295,23 @@ class KeepLast(ScheduledReducer):
 def toy_method(monkeypatch):
     monkeypatch.setitem(METHODS, KeepLast.name, KeepLast)  # its line in METHODS
     return KeepLast.name
+
+
+def check_edges(model: torch.nn.Module, x: torch.Tensor, empty_shape: tuple,
+                bf16_within: Optional[float] = None) -> torch.Tensor:
+    """The edge checks a family's or method's test shares, on a model in eval mode: an empty batch gives
+    empty_shape; under bf16 autocast the output is finite (and within bf16_within of fp32's where given);
+    torch.save / torch.load of the whole model gives the same output. Returns the fp32 output on x."""
+    with torch.no_grad():
+        out = model(x)
+        assert model(x[:0]).shape == empty_shape
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(x)
+        assert low.dtype == torch.bfloat16 and torch.isfinite(low).all()
+        if bf16_within is not None:
+            assert (low.float() - out).abs().max() < bf16_within
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        assert torch.equal(torch.load(buffer, weights_only=False)(x), out)
+    return out
