@@ -6,6 +6,8 @@ proportional-attention implementation (timm_tokcomp.measure.OpCounter; random we
     python scripts/count_ops.py --model deit_small_patch16_224 --methods tome_r8 --batch-size 2
     python scripts/count_ops.py --methods tome_r16,evit_r8,atm,dense_tome_r8 --prop-attn default
     python scripts/count_ops.py --hf-model path/to/folder --prop-attn default   # a transformers model folder
+    python scripts/count_ops.py --model open_clip:ViT-B-32 --prop-attn default  # open_clip's tower (zero-shot head)
+    python scripts/count_ops.py --model samvit_base_patch16_224 --methods cubist_r2 --prop-attn default
 
 Eager FlexAttention runs through torch.compile, which refuses a dispatch mode; this script switches on torch's
 debug path for it (the higher-order operator called directly), so its row counts the operator as one call and the
@@ -20,7 +22,7 @@ import timm_tokcomp
 from timm_tokcomp.attention import PROP_ATTN_IMPLS
 from timm_tokcomp.measure import OpCounter
 from timm_tokcomp.kit.grammar import method_spec
-from timm_tokcomp.models import load_hf_model
+from timm_tokcomp.models import HFFolder, build_base_model
 
 VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias", "permute", "transpose", "t", "expand", "unsqueeze",
          "squeeze", "select", "slice", "unbind", "split", "split_with_sizes", "alias", "as_strided", "detach",
@@ -37,7 +39,7 @@ def count(model: torch.nn.Module, x: torch.Tensor) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="deit_tiny_patch16_224")
+    parser.add_argument("--model", default="deit_tiny_patch16_224", help="a timm name or open_clip:ARCH")
     parser.add_argument("--hf-model", help="a transformers model folder (save_pretrained) instead of --model")
     parser.add_argument("--methods", default="tome_r16",
                         help="comma-separated method tags, as tokcomp bench --methods takes them")
@@ -52,8 +54,8 @@ def main() -> None:
     flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
     torch.manual_seed(0)
 
-    def build() -> torch.nn.Module:
-        return load_hf_model(args.hf_model).eval() if args.hf_model else timm.create_model(args.model).eval()
+    def build() -> torch.nn.Module:  # the same random weights each time (the commands' seed)
+        return build_base_model(HFFolder(args.hf_model) if args.hf_model else args.model, None, False, "cpu")
 
     plain = build()
     x = torch.randn(args.batch_size, *timm.data.resolve_model_data_config(plain)["input_size"])
