@@ -68,11 +68,11 @@ def test_limit_reducer_refuses_bad_schedules():
 
 def test_speed_table_and_csv(tmp_path, capsys):
     out = tmp_path / "speed.csv"
-    assert main(["speed", "deit_tiny_patch16_224", "--methods", "tome_r8,atm,dense_tome_r1,tome_r16@triton",
+    assert main(["speed", "test_vit", "--methods", "tome_r8,atm,dense_tome_r1,tome_r16@triton",
                  "--batches", "1,2",
                  "--out", str(out)] + FAST) == 0
     printed = capsys.readouterr().out
-    assert "deit_tiny_patch16_224 on CPU" in printed and "fp32 (no autocast)" in printed
+    assert "test_vit on CPU" in printed and "fp32 (no autocast)" in printed
     assert "tome_r8 limit" in printed and "batch 2" in printed
     rows = list(csv.DictReader(open(out)))
     assert [(r["batch"], r["method"]) for r in rows[:6]] == [
