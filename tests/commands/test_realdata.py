@@ -18,12 +18,13 @@ SHIPPED_TOCOM = REPO / "hub_cards" / "deit_tiny_patch16_224-tocom"
 
 @pytest.fixture(scope="module")
 def tome_rows():
-    """ToMe r = 4..16, the shipped compensator's (0 -> r) rows and ATM's default preset: one bench run on the 1,300
-    images at batch 64 (ATM's adaptive cost is per batch; ToMe's and ToCom's figures are per image), no timing."""
+    """ToMe r = 8 and 16, the shipped compensator's (0 -> r) rows and ATM's default preset: one bench run on the
+    1,300 images at batch 64 (ATM's adaptive cost is per batch; ToMe's and ToCom's figures are per image), no
+    timing. (r = 4 and 12 are left to the hub card's figures: the run takes 6 forwards of every image, not 10.)"""
     data = require_data()
     rows = run_bench(
         "deit_tiny_patch16_224",
-        methods=parse_methods("none,tome_r4,tome_r8,tome_r12,tome_r16,atm"),
+        methods=parse_methods("none,tome_r8,tome_r16,atm"),
         checkpoint=str(data / "deit_tiny_patch16_224.safetensors"),
         data=str(data / "imagenet-val-1300"),
         batch_size=64,
@@ -49,20 +50,19 @@ def test_tome_reproduces_reference_figures(tome_rows):
 
 def test_shipped_tocom_compensates_deit_tiny(tome_rows):
     """The shipped compensator (hub_cards/.../README.md figures): 0 -> 16 agreement >= plain ToMe + 1.5
-    with top-1 not below it (issue 5's bar, met: +2.31). 0 -> 4 / 8 / 12: issue 5 asks for agreement at
-    most 0.2 below plain ToMe; measured -0.08 / -0.23 / -0.46, so this checks the measured state (at most
-    0.5 below, top-1 not below) and the gap is reported on the issue. Image by image, the r = 16 gain is
-    significant (measured +62 / -32 images, p = 0.003) and the r = 4 / 8 / 12 changes are not (p >= 0.44)."""
+    with top-1 not below it (issue 5's bar, met: +2.31). 0 -> 8: issue 5 asks for agreement at most 0.2 below
+    plain ToMe; measured -0.23 (r = 4 / 12: -0.08 / -0.46, the hub card), so this checks the measured state (at
+    most 0.5 below, top-1 not below) and the gap is reported on the issue. Image by image, the r = 16 gain is
+    significant (measured +62 / -32 images, p = 0.003) and the r = 8 change is not (p >= 0.44)."""
     by = tome_rows
     assert by["tome_r16+ToCom"].agreement >= by["tome_r16"].agreement + 1.5
     assert by["tome_r16+ToCom"].top1 >= by["tome_r16"].top1
     assert by["tome_r16+ToCom"].agree_change_p < 0.01
-    for r in (4, 8, 12):
-        row = by[f"tome_r{r}+ToCom"]
-        assert row.agreement >= by[f"tome_r{r}"].agreement - 0.5
-        assert row.top1 >= by[f"tome_r{r}"].top1
-        assert row.agree_lost <= row.agree_gained or row.agree_change_p > 0.2  # no significant loss
-    for r in (4, 8, 12, 16):
+    row = by["tome_r8+ToCom"]
+    assert row.agreement >= by["tome_r8"].agreement - 0.5
+    assert row.top1 >= by["tome_r8"].top1
+    assert row.agree_lost <= row.agree_gained or row.agree_change_p > 0.2  # no significant loss
+    for r in (8, 16):
         assert by[f"tome_r{r}+ToCom"].gmacs == pytest.approx(by[f"tome_r{r}"].gmacs, rel=1e-6)
 
 
