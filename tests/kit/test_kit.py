@@ -105,7 +105,7 @@ def test_bench_times_a_preset_in_its_recorded_mode(tmp_path, monkeypatch):
     preset = _preset(tmp_path / "p.json", params={"r": 4}, mode="compile")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the preset was 'tuned' on a small model at batch 3
-        rows = run_bench("deit_tiny_patch16_224", parse_methods(f"none,tome_r4,{preset}"), batch_size=2, timing_rounds=1,
+        rows = run_bench("test_vit", parse_methods(f"none,tome_r4,{preset}"), batch_size=2, timing_rounds=1,
                          latency_runs=1, show_progress=False)
     # the compiled preset is compared with plain compiled ('none@compile'), every row also with the fastest plain
     assert [(r.method, r.backend, r.plain_row) for r in rows] == [
