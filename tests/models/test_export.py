@@ -74,7 +74,7 @@ def test_export_refuses_what_it_cannot_do(tmp_path, capsys):
 
 def test_bench_onnx_backend_reports_throughput_and_latency(tmp_path, capsys):
     out = tmp_path / "r.csv"
-    assert main(["bench", "deit_tiny_patch16_224", "--methods", "tome_r16", "--backend", "onnx", "--batch-size", "2",
+    assert main(["bench", "test_vit", "--methods", "tome_r8", "--backend", "onnx", "--batch-size", "2",
                  "--timing-rounds", "1", "--latency-runs", "3", "--no-progress", "--out", str(out)]) == 0
     assert "backend onnx, latency: 3 single-image forwards" in capsys.readouterr().out
     rows = list(csv.DictReader(open(out)))
