@@ -122,6 +122,16 @@ def image_folder(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def unlabelled_folder(tmp_path_factory):
+    """100 random 40 x 40 JPEGs, no labels: a folder for --data that needs no real data."""
+    folder = tmp_path_factory.mktemp("unlabelled")
+    g = torch.Generator().manual_seed(0)
+    for i in range(100):
+        Image.fromarray((torch.rand(40, 40, 3, generator=g) * 255).to(torch.uint8).numpy()).save(folder / f"{i}.jpg")
+    return folder
+
+
 @pytest.fixture
 def fresh_dynamo():
     """dynamo's caches and counters (torch._dynamo.utils.counters) emptied before the test, the caches after it."""

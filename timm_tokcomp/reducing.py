@@ -375,19 +375,10 @@ class ReducingModel:
             raise RuntimeError(f"pool got tokens {tuple(x.shape[:2])} whose sizes are {tuple(size.shape[:2])}")
         return size
 
-    def forward_intermediates(
-        self,
-        x: torch.Tensor,
-        indices: Optional[Union[int, List[int]]] = None,
-        return_prefix_tokens: bool = False,
-        norm: bool = False,
-        stop_early: bool = False,
-        output_fmt: str = "NCHW",
-        intermediates_only: bool = False,
-        output_dict: bool = False,
-        attn_mask: Optional[torch.Tensor] = None,
-        is_causal: bool = False,
-    ):
+    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
+                              return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
+                              output_fmt: str = "NCHW", intermediates_only: bool = False, output_dict: bool = False,
+                              attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False):
         """timm's forward_intermediates (same arguments and return forms) on the full patch grid: each chosen
         block's output tokens are mapped back through the source map, so every patch position carries the
         features of the token that holds it after that block (a merged token at every patch it holds; a
@@ -416,11 +407,9 @@ class ReducingModel:
     def _grid_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]], stop_early: bool,
                             intermediates_only: bool, output_fmt: str, norm: Optional[nn.Module]
                             ) -> Tuple[torch.Tensor, ReductionStats, List[torch.Tensor], List[torch.Tensor]]:
-        """The run behind a token family's forward_intermediates: x (B, 3, H, W) through the blocks (to the last
-        chosen one where stop_early; the final features computed unless intermediates_only) with the source map
-        traced -> (last tokens, their stats, per chosen block (timm's feature_take_indices) its prefix tokens
-        (B, p, C) and its patch tokens spread onto the full grid (spread_tokens; through norm where given):
-        (B, C, H, W) for output_fmt 'NCHW', (B, H * W, C) for 'NLC')."""
+        """forward_intermediates' run (_traced_blocks; final features unless intermediates_only) -> (last tokens,
+        stats, per chosen block its prefix tokens (B, p, C) and its patch tokens spread onto the full grid through
+        norm where given: (B, C, H, W) for output_fmt 'NCHW', (B, H * W, C) for 'NLC')."""
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         grid = patch_grid(self, x.shape[-2:])

@@ -39,18 +39,6 @@ def _images(batch=2, seed=1, size=32):
     return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module")
-def unlabelled_folder(tmp_path_factory):
-    """100 random 40 x 40 JPEGs, no labels: a folder for --data that needs no real data."""
-    from PIL import Image
-
-    folder = tmp_path_factory.mktemp("unlabelled")
-    g = torch.Generator().manual_seed(0)
-    for i in range(100):
-        Image.fromarray((torch.rand(40, 40, 3, generator=g) * 255).to(torch.uint8).numpy()).save(folder / f"{i}.jpg")
-    return folder
-
-
 def _fields(out):
     return {k: v for k, v in out.items() if v is not None}
 

@@ -100,17 +100,6 @@ def test_what_the_door_cannot_serve_is_refused_by_name(tmp_path, capsys, monkeyp
     assert f"MODEL {NAME} needs open_clip" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def unlabelled_folder(tmp_path_factory):
-    from PIL import Image
-
-    folder = tmp_path_factory.mktemp("unlabelled")
-    g = torch.Generator().manual_seed(0)
-    for i in range(48):
-        Image.fromarray((torch.rand(40, 40, 3, generator=g) * 255).to(torch.uint8).numpy()).save(folder / f"{i}.jpg")
-    return folder
-
-
 def test_speed_bench_tune_and_export_take_an_open_clip_name(tmp_path, capsys, unlabelled_folder):
     from timm_tokcomp.cli import main
 
