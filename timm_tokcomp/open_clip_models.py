@@ -7,6 +7,7 @@ model's own text tower and tokenizer, computed once at loading; a forward hook o
 embedding (B, D) into class scores (B, 1000) = logit_scale * cos(image, class). The hook survives `apply` /
 `remove`, compiling and ONNX export (it is part of the tower's call). The tower keeps its preprocessing as timm's
 data config (`pretrained_cfg`: open_clip resizes the short side, center-crops, normalises with its mean / std)."""
+import math
 from typing import Any, Dict, Optional
 
 import torch
@@ -46,7 +47,8 @@ def load_open_clip(name: str, checkpoint: Optional[str], pretrained: bool, seed:
     """The image tower of open_clip's architecture name[len('open_clip:'):] classifying ImageNet-1k zero-shot: its
     weights from checkpoint (an open_clip state dict of the whole model, e.g. the Hub's open_clip_pytorch_model
     file), else open_clip's random initialisation drawn from seed. ValueError naming MODEL / --pretrained for an
-    unknown architecture, one that is not a ViT, or --pretrained (open_clip's weights come by --checkpoint)."""
+    unknown architecture, one that is not a ViT, or --pretrained (open_clip's weights come by --checkpoint), and
+    naming --checkpoint for text-tower weights whose class embeddings are not finite."""
     open_clip = require("open_clip", "open_clip", f"MODEL {name}")
     from open_clip.transformer import VisionTransformer
     from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
@@ -72,6 +74,9 @@ def load_open_clip(name: str, checkpoint: Optional[str], pretrained: bool, seed:
         classes = open_clip.build_zero_shot_classifier(model, open_clip.get_tokenizer(arch), IMAGENET_CLASSNAMES,
                                                        (TEMPLATE,), num_classes_per_batch=100, device="cpu")
         scale = float(model.logit_scale.exp())
+    if not (torch.isfinite(classes).all() and math.isfinite(scale)):  # the tower's own weights: build_base_model
+        raise ValueError(f"--checkpoint {checkpoint}: the text tower's class embeddings or logit scale hold NaN or "
+                         "inf; the weights are broken (the zero-shot scores would mean nothing)")
     tower = model.visual
     tower.zero_shot = ZeroShotHead(classes.T.contiguous(), scale)
     tower.register_forward_hook(_zero_shot_scores)

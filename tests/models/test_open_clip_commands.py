@@ -82,6 +82,16 @@ def test_weights_come_from_the_checkpoint(tmp_path):
     torch.save({"visual.proj": torch.zeros(3)}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="--checkpoint .*other.pt.*holds weights of another model"):
         build_base_model(NAME, str(tmp_path / "other.pt"), False, "cpu")
+    state = trained.state_dict()
+    state["text_projection"] = torch.full_like(state["text_projection"], float("nan"))  # the tower itself finite
+    torch.save(state, tmp_path / "nan_text.pt")
+    with pytest.raises(ValueError, match="--checkpoint .*nan_text.pt: the text tower's class embeddings"):
+        build_base_model(NAME, str(tmp_path / "nan_text.pt"), False, "cpu")
+    state = trained.state_dict()
+    state["visual.proj"] = torch.full_like(state["visual.proj"], float("inf"))
+    torch.save(state, tmp_path / "inf_image.pt")
+    with pytest.raises(ValueError, match="--checkpoint .*inf_image.pt: parameter 'proj' holds NaN or inf"):
+        build_base_model(NAME, str(tmp_path / "inf_image.pt"), False, "cpu")
 
 
 def test_what_the_door_cannot_serve_is_refused_by_name(tmp_path, capsys, monkeypatch):
@@ -127,6 +137,7 @@ def test_bench_on_real_images_scores_the_imagenet_labels(tmp_path):
     from timm_tokcomp.cli import main
 
     assert main(["bench", NAME, "--data", str(require_data() / "nips17-1000"), "--limit", "32", "--methods",
-                 "none,tome_r2", "--no-timing", "--batch-size", "16", "--out", str(tmp_path / "b.csv"), "--no-progress"]) == 0
+                 "none,tome_r2", "--no-timing", "--batch-size", "16", "--out", str(tmp_path / "b.csv"),
+                 "--no-progress"]) == 0
     rows = {r["method"]: r for r in csv.DictReader(open(tmp_path / "b.csv"))}
     assert float(rows["none"]["agreement"]) == 100.0 and 0 <= float(rows["tome_r2"]["top1"]) <= 100
