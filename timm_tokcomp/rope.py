@@ -8,7 +8,7 @@ Pure tensor math on the rope module's buffers; the model surgery lives in timm_t
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -33,30 +33,63 @@ def check_rope_merge(value: Any) -> str:
     return value
 
 
+class RotaryEmbeddingDinoV3Once(RotaryEmbeddingDinoV3):
+    """timm's DINOv3 rope (same buffers) whose table for a grid is made once (dinov3_table) where no coordinate
+    augmentation draws it anew: what a patched model's DINOv3 rope module becomes (families' other_classes)."""
+
+    def get_embed(self, shape: Optional[List[int]] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        if shape is None or (self.training and self.aug_active):
+            return super().get_embed(shape=shape, dtype=dtype)
+        table = dinov3_table(self, tuple(shape))
+        return table if dtype is None else table.to(dtype=dtype)
+
+
+ROPE_CLASSES = {RotaryEmbeddingDinoV3: RotaryEmbeddingDinoV3Once}  # plain timm rope class -> a patched model's
+
+
 def check_rope(rope: Optional[nn.Module]) -> None:
     """Raise TypeError for a rope module whose positions cannot travel with tokens."""
-    if rope is not None and type(rope) not in SERVED_ROPES:
+    if rope is not None and type(rope) not in SERVED_ROPES + tuple(ROPE_CLASSES.values()):
         raise TypeError(f"the model's rotary embedding is of class {type(rope).__name__}; timm_tokcomp serves the 2-D "
                         f"types {', '.join(c.__name__ for c in SERVED_ROPES)} (rope_type 'cat', 'dinov3', 'mixed')")
 
 
-# rope module -> {(feat_shape, device): its grid coordinates on that device}: made once, so an eager forward copies
-# nothing from the host (a CUDA graph cannot capture such a copy; outside one it is a host-to-device transfer)
+# rope module -> {(kind, feat_shape, device, settings): its grid coordinates or (DINOv3) its table on that device}:
+# made once, so an eager forward copies nothing from the host (a CUDA graph cannot capture such a copy; outside one
+# it is a host-to-device transfer)
 _GRIDS: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
 def grid_coords(rope: nn.Module, feat_shape: Tuple[int, int], device: torch.device) -> torch.Tensor:
     """(H * W, 2) float32 coordinates of the patch grid in the rope module's own units (row-major, as its table);
-    outside torch.compile made once per rope module, grid and device (treat it as read-only)."""
+    outside torch.compile made once per rope module, grid and device (treat it as read-only); under torch.compile
+    built on the device itself, so a compiled graph holds no host tensor and no copy to the device."""
     if torch.compiler.is_compiling():
-        return _grid_coords(rope, feat_shape, device)
+        return _grid_coords(rope, feat_shape, device, on_device=True)
+    return _made_once(rope, "coords", feat_shape, device, lambda: _grid_coords(rope, feat_shape, device))
+
+
+def dinov3_table(rope: RotaryEmbeddingDinoV3, feat_shape: Tuple[int, int]) -> torch.Tensor:
+    """timm's DINOv3 rope table for the grid, (H * W, 2 * dim) sin || cos as its get_embed(shape) gives it without
+    coordinate augmentation. timm builds the grid on the host and copies it to the device in every forward (a copy
+    a CUDA graph cannot capture); here it is made once per rope module, grid and device (treat it as read-only), and
+    under torch.compile computed from a grid built on the device."""
+    device = rope.periods.device
+    if torch.compiler.is_compiling():
+        return torch.cat(rope._get_pos_embed_from_coords(_grid_coords(rope, feat_shape, device, on_device=True)), -1)
+    return _made_once(rope, "table", feat_shape, device,
+                      lambda: RotaryEmbeddingDinoV3.get_embed(rope, shape=list(feat_shape)))
+
+
+def _made_once(rope: nn.Module, kind: str, feat_shape: Tuple[int, int], device: torch.device, make) -> torch.Tensor:
+    """make()'s tensor, kept per rope module, kind, grid, device and the rope's grid settings."""
     cache = _GRIDS.setdefault(rope, {})
     # the rope module's grid settings are part of the key: one changed after a forward never meets a stale grid
     settings = tuple(_hashable(getattr(rope, name, None)) for name in _GRID_SETTINGS)
-    key = (tuple(feat_shape), torch.device(device), settings)
+    key = (kind, tuple(feat_shape), torch.device(device), settings)
     if key not in cache:
         with torch.inference_mode(False):  # a normal tensor, usable later with autograd too
-            cache[key] = _grid_coords(rope, feat_shape, device)
+            cache[key] = make()
     return cache[key]
 
 
@@ -67,16 +100,20 @@ def _hashable(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-def _grid_coords(rope: nn.Module, feat_shape: Tuple[int, int], device: torch.device) -> torch.Tensor:
+def _grid_coords(rope: nn.Module, feat_shape: Tuple[int, int], device: torch.device, on_device: bool = False
+                 ) -> torch.Tensor:
+    """The grid built on the host, as timm builds it, and moved to device; on_device: built on device itself."""
+    built_on = device if on_device else None
     if isinstance(rope, RotaryEmbeddingMixed):
-        grid = _build_grid(list(feat_shape), grid_indexing=rope.grid_indexing, ndim=2)
+        grid = _build_grid(list(feat_shape), grid_indexing=rope.grid_indexing, device=built_on, ndim=2)
     elif isinstance(rope, RotaryEmbeddingDinoV3):
         grid = _build_grid(list(feat_shape), grid_type="centered", grid_offset=rope.grid_offset,
-                           grid_indexing=rope.grid_indexing, normalize_coords=rope.normalize_coords, ndim=2)
+                           grid_indexing=rope.grid_indexing, normalize_coords=rope.normalize_coords, device=built_on,
+                           ndim=2)
     else:
         grid = _build_grid(list(feat_shape), grid_type=rope.grid_type, ref_feat_shape=rope.ref_feat_shape,
                            grid_offset=rope.grid_offset, grid_indexing=rope.grid_indexing,
-                           normalize_coords=rope.normalize_coords)
+                           normalize_coords=rope.normalize_coords, device=built_on)
     return grid.reshape(-1, 2).to(device)
 
 

@@ -4,7 +4,7 @@ with), and the MACs of one block; and the attention helpers the adapters share. 
 (timm_tokcomp.reducing); patch.py swaps classes by these tables."""
 import inspect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Type
 
 import torch
@@ -164,6 +164,8 @@ class Family:
     # what the lookahead methods (MCTF) and prop_attn='fold_qkv' need
     plain_skips_qkv_module: Callable[[nn.Module], bool] = lambda model: False  # timm's own forward reads the qkv
     # weight directly (an adapter wrapped around qkv, such as peft's LoRA, would be skipped while nothing is reduced)
+    other_classes: Dict[type, type] = field(default_factory=dict)  # other submodules' plain class -> patched class,
+    # swapped wherever they sit in the model, for both kinds (Eva: DINOv3's rope, its table made once per grid)
 
     def __post_init__(self) -> None:
         for patched in self.plain_models():  # a patched model's class names its family: no search (family_of)
@@ -194,6 +196,7 @@ class Family:
             blk.__class__ = blocks[type(blk)]
             if self.attentions:
                 blk.attn.__class__ = self.attentions[type(blk.attn)]
+        self._swap_others(model, self.other_classes)
         model.__class__ = (self.dense_models if dense else self.models)[type(model)]
 
     def restore(self, model: nn.Module) -> None:
@@ -202,7 +205,14 @@ class Family:
             blk.__class__ = self.plain_block(type(blk))
             if self.attentions:
                 blk.attn.__class__ = self.plain_attention(type(blk.attn))
+        self._swap_others(model, {patched: plain for plain, patched in self.other_classes.items()})
         model.__class__ = self.plain_models()[type(model)]
+
+    @staticmethod
+    def _swap_others(model: nn.Module, classes: Dict[type, type]) -> None:
+        for module in model.modules() if classes else ():
+            if type(module) in classes:
+                module.__class__ = classes[type(module)]
 
     def serves(self, model_class: type) -> bool:
         return model_class in self.models or model_class in self.plain_models()

@@ -15,7 +15,7 @@ from .. import attention
 from ..dense import DenseBlockMixin, DenseModel
 from ..methods.base import TokenReducer
 from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel
-from ..rope import PATCH_DROP_REFUSAL, TokenPositions, check_rope, grid_coords
+from ..rope import PATCH_DROP_REFUSAL, ROPE_CLASSES, TokenPositions, check_rope, grid_coords
 from .base import Family, eva_skips_qkv_module, project_heads, reducer_metric
 
 
@@ -154,4 +154,5 @@ EVA = Family(
     check=_check,
     attn_dim=_attn_dim,
     plain_skips_qkv_module=eva_skips_qkv_module,
+    other_classes=ROPE_CLASSES,
 )

@@ -26,7 +26,7 @@ from torch import nn
 from ..plans import gather_tokens
 from ..reducing import SIZED_POOLS, ReducingModel, remember_last, spread_tokens
 from ..regions import compiled_whole, forward_by_region
-from ..rope import PATCH_DROP_REFUSAL, TokenPositions, check_rope, grid_coords
+from ..rope import PATCH_DROP_REFUSAL, ROPE_CLASSES, TokenPositions, check_rope, grid_coords
 from ..state import ReductionStats
 from .base import BuildArgs, Facade, Family, eva_skips_qkv_module, vit_block_refusal
 from .eva import ReducingAttentionRope, ReducingEvaAttention, ReducingEvaBlock, ReducingEvaBlockPostNorm
@@ -368,4 +368,5 @@ NAFLEX = NaFlexFamily(
     arch_refusal=_arch_refusal,
     fused_qkv_attentions=(Attention,),
     plain_skips_qkv_module=eva_skips_qkv_module,
+    other_classes=ROPE_CLASSES,
 )
