@@ -7,6 +7,8 @@ model's own text tower and tokenizer, computed once at loading; a forward hook o
 embedding (B, D) into class scores (B, 1000) = logit_scale * cos(image, class). The hook survives `apply` /
 `remove`, compiling and ONNX export (it is part of the tower's call). The tower keeps its preprocessing as timm's
 data config (`pretrained_cfg`: open_clip resizes the short side, center-crops, normalises with its mean / std)."""
+import contextlib
+import logging
 import math
 from typing import Any, Dict, Optional
 
@@ -61,7 +63,7 @@ def load_open_clip(name: str, checkpoint: Optional[str], pretrained: bool, seed:
         raise ValueError(f"MODEL {name!r} takes its weights from --checkpoint FILE, not --pretrained: give the "
                          "open_clip state dict (open_clip_pytorch_model.bin / .safetensors from the Hub, or "
                          "torch.save(model.state_dict()) of open_clip.create_model(ARCH, pretrained=TAG))")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _unsaid(RANDOM_INIT_NOTE) if checkpoint else contextlib.nullcontext():
         torch.manual_seed(seed)
         model = open_clip.create_model(arch)
     if not isinstance(model.visual, VisionTransformer):
@@ -83,6 +85,25 @@ def load_open_clip(name: str, checkpoint: Optional[str], pretrained: bool, seed:
     tower.num_classes = len(IMAGENET_CLASSNAMES)
     tower.pretrained_cfg = {"architecture": name, **data_config(tower.preprocess_cfg)}
     return tower
+
+
+RANDOM_INIT_NOTE = "No pretrained weights loaded"  # open_clip's warning for a model built without its weights
+
+
+@contextlib.contextmanager
+def _unsaid(note: str):
+    """Within it, the root logger drops records whose message holds note (open_clip logs there): a note that the
+    --checkpoint loaded right after create_model makes untrue."""
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return note not in record.getMessage()
+
+    drop = Drop()
+    logging.getLogger().addFilter(drop)
+    try:
+        yield
+    finally:
+        logging.getLogger().removeFilter(drop)
 
 
 def data_config(preprocess: Dict[str, Any]) -> Dict[str, Any]:

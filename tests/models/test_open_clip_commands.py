@@ -2,6 +2,7 @@
 CLIP's zero-shot ImageNet head, its weights from --checkpoint, through bench, speed, tune and export; a small
 architecture registered with open_clip for the tests."""
 import json
+import logging
 import sys
 
 import pytest
@@ -68,12 +69,17 @@ def test_the_head_stays_through_apply_and_remove():
         torch.testing.assert_close(tower(x), plain, atol=0, rtol=0)
 
 
-def test_weights_come_from_the_checkpoint(tmp_path):
+def test_weights_come_from_the_checkpoint(tmp_path, caplog):
     from timm_tokcomp.models import build_base_model
 
     trained = clip_model(seed=5)
     torch.save(trained.state_dict(), tmp_path / "clip.pt")
-    tower = build_base_model(NAME, str(tmp_path / "clip.pt"), False, "cpu")
+    caplog.clear()  # open_clip said it of the model just made
+    with caplog.at_level(logging.WARNING):
+        tower = build_base_model(NAME, str(tmp_path / "clip.pt"), False, "cpu")
+        assert "No pretrained weights loaded" not in caplog.text  # open_clip's note, untrue once they are loaded
+        build_base_model(NAME, None, False, "cpu")
+        assert "No pretrained weights loaded" in caplog.text  # random weights: open_clip says so
     x = images()
     with torch.no_grad():
         torch.testing.assert_close(tower.zero_shot.scale * torch.nn.functional.normalize(trained.encode_image(x))
