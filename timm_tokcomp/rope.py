@@ -77,11 +77,12 @@ def dinov3_table(rope: RotaryEmbeddingDinoV3, feat_shape: Tuple[int, int]) -> to
     device = rope.periods.device
     if torch.compiler.is_compiling():
         return torch.cat(rope._get_pos_embed_from_coords(_grid_coords(rope, feat_shape, device, on_device=True)), -1)
-    return _made_once(rope, "table", feat_shape, device,
+    # the table follows the periods' dtype and any change made to them in place
+    return _made_once(rope, ("table", rope.periods.dtype, rope.periods._version), feat_shape, device,
                       lambda: RotaryEmbeddingDinoV3.get_embed(rope, shape=list(feat_shape)))
 
 
-def _made_once(rope: nn.Module, kind: str, feat_shape: Tuple[int, int], device: torch.device, make) -> torch.Tensor:
+def _made_once(rope: nn.Module, kind: Any, feat_shape: Tuple[int, int], device: torch.device, make) -> torch.Tensor:
     """make()'s tensor, kept per rope module, kind, grid, device and the rope's grid settings."""
     cache = _GRIDS.setdefault(rope, {})
     # the rope module's grid settings are part of the key: one changed after a forward never meets a stale grid

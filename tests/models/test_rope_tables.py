@@ -38,6 +38,15 @@ def test_a_patched_dinov3_makes_its_rope_table_once_and_stays_timms_model_bit_fo
         for _ in range(2):
             torch.testing.assert_close(model(other), plain(other), rtol=0, atol=0)
         assert len(made) == 2 + 2  # once for the patched model, twice for the plain one
+    model.rope.periods.mul_(2.0)  # a change in place: the next table is made anew, as timm's would be
+    plain.rope.periods.mul_(2.0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(images), plain(images), rtol=0, atol=0)
+    model.to(torch.float64), plain.to(torch.float64)  # the table in the periods' new dtype, as timm's
+    with torch.no_grad():
+        torch.testing.assert_close(model(images.double()), plain(images.double()), rtol=0, atol=0)
+    model.float(), plain.float()
+    model.rope.periods.div_(2.0)  # back as built (exact: a power of two)
     timm_tokcomp.remove(model)
     assert type(model.rope) is RotaryEmbeddingDinoV3
     with torch.no_grad():
