@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 import timm_tokcomp
 from conftest import SMALL, family_model, reducing_setting
-from timm_tokcomp import compiling, regions
+from timm_tokcomp import compiling
 from timm_tokcomp.methods import METHODS
 
 
@@ -105,18 +105,11 @@ def test_no_aten_op_of_a_compiled_forward_runs_eagerly(name):
     assert sum(counters["graph_break"].values()) == 0
 
 
-def _eager_regions(monkeypatch):
-    """torch.compile(model)'s regions with the 'eager' backend (what is captured, without Inductor's code)."""
-    make = regions.compile_regions
-    monkeypatch.setattr(regions, "compile_regions", lambda model: make(model, backend="eager"))
-
-
 def _images(batch, seed=1):
     return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
 
 
-def test_torch_compile_of_a_reduced_model_runs_its_regions_for_every_batch_and_r(monkeypatch):
-    _eager_regions(monkeypatch)
+def test_torch_compile_of_a_reduced_model_runs_its_regions_for_every_batch_and_r(eager_regions):
     model = _vit("tome", r=8)
     fast = torch.compile(model, backend="eager")
     with torch.no_grad(), pytest.warns(UserWarning, match="runs it compiled by regions") as said:
@@ -134,8 +127,7 @@ def test_torch_compile_of_a_reduced_model_runs_its_regions_for_every_batch_and_r
     assert counters["stats"]["unique_graphs"] == regions  # nothing compiled again
 
 
-def test_module_compile_and_a_model_compiled_whole_keep_their_forms(monkeypatch):
-    _eager_regions(monkeypatch)
+def test_module_compile_and_a_model_compiled_whole_keep_their_forms(eager_regions):
     model = _vit("tome", r=8)
     model.compile(backend="eager")  # the module's own compile: its forward calls itself without looping
     with torch.no_grad(), warnings.catch_warnings():
@@ -151,10 +143,9 @@ def test_module_compile_and_a_model_compiled_whole_keep_their_forms(monkeypatch)
     assert (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())) == (1, 0)
 
 
-def test_torch_compile_of_a_transformers_and_a_naflex_model_runs_their_regions(monkeypatch):
+def test_torch_compile_of_a_transformers_and_a_naflex_model_runs_their_regions(eager_regions):
     from test_naflex import naflex_batch
 
-    _eager_regions(monkeypatch)
     hf, naflex = _hf(), _naflex()
     batch = naflex_batch([torch.randn(3, 32, 32), torch.randn(3, 16, 32)], width=16)
     with torch.no_grad(), warnings.catch_warnings():
