@@ -324,7 +324,7 @@ class ReducingModel:
         stats.tokens_out = x.shape[1]
         stats.size = size.detach() if size is not None and size.requires_grad else size  # no op when no gradient
         stats.source = source.detach() if reducer.trace_source else None
-        stats.positions = positions
+        stats.positions = None if positions is None else positions.settled()
         remember_last(self, stats)
         return x, stats
 

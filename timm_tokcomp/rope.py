@@ -201,3 +201,8 @@ class TokenPositions:
 
     def prefix_only(self) -> "TokenPositions":
         return TokenPositions(self.rope, self.coords[:, :0], None, self.merge)
+
+    def settled(self) -> "TokenPositions":
+        """These positions without the rope rows computed for the blocks: what a forward's stats keep after it (the
+        rows, (B, heads, n, 2 * head_dim) a block for 'mixed', would stay on the device until the next forward)."""
+        return TokenPositions(self.rope, self.coords, self.table, self.merge)

@@ -77,3 +77,14 @@ def test_a_compiled_rope_model_builds_its_grid_on_the_images_device(fresh_dynamo
     made = [node for graph in recorder.graphs for node in graph.nodes
             if node.op == "call_function" and getattr(node.target, "__name__", "") in ("arange", "linspace")]
     assert made and all(node.kwargs.get("device") is not None for node in made)
+
+
+def test_the_stats_kept_after_a_forward_hold_no_rope_rows(images):
+    """last_stats keeps where the tokens sit, not the rope rows the blocks after the last reduction computed (for a
+    'mixed' rope a (B, heads, n, 2 * head_dim) tensor a block, held until the next forward)."""
+    model = timm_tokcomp.apply(family_model("ropevit_mixed"), "evit", keep_rate=0.7, stages=(2,))
+    with torch.no_grad():
+        model(images)
+    positions = timm_tokcomp.last_stats(model).positions
+    assert positions.coords.shape[:2] == (3, 11) and positions._rows == {}  # 16 patches, 5 pruned before block 2
+    torch.testing.assert_close(positions.rows(2), positions.settled().rows(2), rtol=0, atol=0)  # computed on demand

@@ -58,6 +58,9 @@ class GridPositions:
     def prefix_only(self) -> "GridPositions":
         return self
 
+    def settled(self) -> "GridPositions":
+        return self
+
     def spread(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, height * width, C) -> (B, rows, cols, C) on the input's grid, each patch the cell holding it."""
         if self.holder is not None:
