@@ -210,7 +210,7 @@ class Family:
 
     @staticmethod
     def _swap_others(model: nn.Module, classes: Dict[type, type]) -> None:
-        for module in model.modules() if classes else ():
+        for module in model.modules():
             if type(module) in classes:
                 module.__class__ = classes[type(module)]
 
