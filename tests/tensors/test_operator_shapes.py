@@ -28,12 +28,12 @@ def test_tome_operators_fake_shapes_match_for_every_small_shape(backend):
     for b, n, p, r in SHAPES:
         t = _tensors(b, n)
         coords = torch.rand(b, n - p, 2) * 4
-        for size in (t["size"], None):
-            torch.library.opcheck(torch.ops.timm_tokcomp.tome_merge, (t["metric"], t["x"], size, r, p, backend),
+        for metric, size in ((t["metric"], t["size"]), (t["metric"], None), (t["k"], t["size"])):  # k: ToMe's keys
+            torch.library.opcheck(torch.ops.timm_tokcomp.tome_merge, (metric, t["x"], size, r, p, backend),
                                   test_utils=FAKE)
-        for coords_merge in ("dst", "centroid"):
+        for metric, coords_merge in ((t["metric"], "dst"), (t["metric"], "centroid"), (t["k"], "dst")):
             torch.library.opcheck(torch.ops.timm_tokcomp.tome_merge_rope,
-                                  (t["metric"], t["x"], t["size"], coords, r, p, coords_merge, backend),
+                                  (metric, t["x"], t["size"], coords, r, p, coords_merge, backend),
                                   test_utils=FAKE)
         out, _ = torch.ops.timm_tokcomp.tome_merge(t["metric"], t["x"], None, r, p, backend)
         assert out.shape[1] == n - merged_count(n, p, r)

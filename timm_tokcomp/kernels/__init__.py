@@ -72,8 +72,9 @@ def unmerge_add(x: torch.Tensor, y: torch.Tensor, group: torch.Tensor, gamma: Op
 
 def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
                coords: Optional[torch.Tensor] = None, coords_merge: str = "dst"):
-    """ToMe's bipartite matching of r merges on metric (B, N, D) and the size-weighted merge of x (B, N, C),
-    size (B, N, 1) or None, in two Triton launches (four above 128 A tokens):
+    """ToMe's bipartite matching of r merges on metric (B, N, D), or keys (B, H, N, D) averaged over heads inside
+    the match kernel, and the size-weighted merge of x (B, N, C), size (B, N, 1) or None, in two Triton launches
+    (five above 128 A tokens):
     -> x (B, N - r, C), size (B, N - r, 1); with coords (B, N - num_prefix, 2), the patch tokens' rotary
     positions, also those moved by the same plan (triton_tome.tome_merge)."""
     from . import triton_tome
@@ -84,7 +85,7 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
 
 
 def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ToMe's matching of r merges on metric (B, N, D) as the dense variant's groups, in one Triton launch (three
+    """ToMe's matching of r merges on metric (B, N, D) as the dense variant's groups, in one Triton launch (four
     above 128 A tokens): group (B, N) (as plans.merge.group_index), and the members (order (B, N), starts
     (B, N - r + 1)) merge_normed takes."""
     from . import triton_tome
@@ -95,7 +96,7 @@ def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Te
 def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], threshold: float, num_prefix: int,
               split: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """ATM's matching, batch-adaptive merge count (one host synchronisation) and merge in three Triton launches
-    (five above 128 A tokens): -> x (B, N - r, C), size (B, N - r, 1), or None when nothing merges. split:
+    (six above 128 A tokens): -> x (B, N - r, C), size (B, N - r, 1), or None when nothing merges. split:
     (a_idx, b_idx) or None."""
     from . import triton_tome
 

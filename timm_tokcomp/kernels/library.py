@@ -41,6 +41,11 @@ def _unreduced(x: torch.Tensor, size: Optional[torch.Tensor]) -> Tuple[torch.Ten
     return x.clone(), (x.new_ones(*x.shape[:2], 1) if size is None else size.clone())
 
 
+def _head_mean(metric: torch.Tensor) -> torch.Tensor:
+    """A metric (B, N, D) as it is; keys (B, H, N, D) averaged over heads."""
+    return metric.mean(dim=1) if metric.dim() == 4 else metric
+
+
 def uses_library_op(x: torch.Tensor) -> bool:
     """Whether a method runs its step as the custom operator on x: while compiling, and with no gradient to carry."""
     return torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
@@ -49,9 +54,10 @@ def uses_library_op(x: torch.Tensor) -> bool:
 @torch.library.custom_op("timm_tokcomp::tome_merge", mutates_args=())
 def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
                backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """ToMe's step: bipartite matching of r merges on metric (B, N, D) (0 < r <= matching.max_merges(N, num_prefix))
-    and the size-weighted merge of x (B, N, C), size (B, N, 1) or None (all ones) -> x (B, N - r, C),
-    size (B, N - r, 1). backend: 'triton' (kernels.tome_merge's two launches) or 'torch' (the plan)."""
+    """ToMe's step: bipartite matching of r merges on metric (B, N, D), or keys (B, H, N, D) averaged over heads,
+    (0 < r <= matching.max_merges(N, num_prefix)) and the size-weighted merge of x (B, N, C), size (B, N, 1) or None
+    (all ones) -> x (B, N - r, C), size (B, N - r, 1). backend: 'triton' (kernels.tome_merge's two launches) or
+    'torch' (the plan)."""
     r = merged_count(x.shape[1], num_prefix, r)
     if r == 0:
         return _unreduced(x, size)
@@ -60,7 +66,7 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
 
         merged, merged_size = triton_tome.tome_merge(metric, x, size, r, num_prefix)
     else:
-        merged, merged_size, _ = bipartite_soft_matching(metric, r, num_prefix).apply(x, size, None)
+        merged, merged_size, _ = bipartite_soft_matching(_head_mean(metric), r, num_prefix).apply(x, size, None)
     return _fresh(merged, merged_size)
 
 
@@ -75,7 +81,7 @@ def _(metric, x, size, r, num_prefix, backend):
 def tome_merge_rope(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], coords: torch.Tensor, r: int,
                     num_prefix: int, coords_merge: str, backend: str
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tome_merge on a rope model: also the patch tokens' rotary coordinates coords (B, N - num_prefix, 2), float32,
+    """tome_merge (metric (B, N, D) or keys (B, H, N, D)) on a rope model: also the patch tokens' rotary coordinates coords (B, N - num_prefix, 2), float32,
     moved by the same plan (coords_merge 'dst': each merged token at its destination's; 'centroid': at the
     size-weighted centroid, rope.moved_coords) -> x (B, N - r, C), size (B, N - r, 1), coords (B, N - r - num_prefix,
     2). backend: 'triton' (kernels.tome_merge with coords) or 'torch' (the plan)."""
@@ -90,7 +96,7 @@ def tome_merge_rope(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.
     else:
         from ..rope import moved_coords
 
-        plan = bipartite_soft_matching(metric, r, num_prefix)
+        plan = bipartite_soft_matching(_head_mean(metric), r, num_prefix)
         merged, merged_size, _ = plan.apply(x, size, None)
         moved = moved_coords(plan, coords, size, num_prefix, coords_merge)
     return _fresh(merged, merged_size, moved)

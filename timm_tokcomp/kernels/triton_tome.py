@@ -1,11 +1,13 @@
 """Fused Triton kernels of ToMe's reduction step (bipartite soft matching, then the size-weighted merge),
 implementing the contract of matching.best_matches + merge_top_r + plans.merge.merge_mean in two launches per block
-(four above MATCH_TILES_IN_ONE_PROGRAM tiles of A tokens) instead of about 16 kernels and 15 views:
+(five above MATCH_TILES_IN_ONE_PROGRAM tiles of A tokens) instead of about 16 kernels and 15 views:
 
-1. `_match_and_plan_kernel`: every A token's best cosine similarity to a B token (fp32, IEEE dot products; the
-   lowest B index on ties), each A token's rank by it, then the plan as the torch reference makes it (the r
-   best-matched A tokens merge, ties to the lower index), written as index lists into an int32 workspace.
-   Up to MATCH_TILES_IN_ONE_PROGRAM tiles of A tokens (224 px ViTs), one program per batch row runs all three
+1. `_match_and_plan_kernel`: the metric of every token, normalized (a metric (B, N, D) as given, or ToMe's keys
+   (B, H, N, D) averaged over heads as `k.mean(dim=1)` averages them: fp32 sum in head order, divided by H, rounded
+   to the keys' dtype) into an fp32 scratch, every A token's best cosine similarity to a B token (fp32, IEEE dot
+   products; the lowest B index on ties), each A token's rank by it, then the plan as the torch reference makes it
+   (the r best-matched A tokens merge, ties to the lower index), written as index lists into an int32 workspace.
+   Up to MATCH_TILES_IN_ONE_PROGRAM tiles of A tokens (224 px ViTs), one program per batch row runs all four
    phases; above that (larger images, where one program per image would leave most of the GPU idle) each phase
    is a launch of one program per (batch row, tile). ATM launches the matching alone (with each image's count of
    similarities above its threshold), then, once the host has the batch's merge count, the rest.
@@ -41,30 +43,44 @@ def _positions(pos_row, first, idx, mask, num_prefix, HAS_SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(base, positions, mask, stride_n, stride_d, dcols, dmask):
-    """fp32 rows of the metric at positions, each divided by its L2 norm: (BLOCK, BLOCK_D)."""
-    rows = tl.load(base + positions[:, None] * stride_n + dcols[None, :] * stride_d,
-                   mask=mask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+def _normalize_rows(base, out, tokens, mask, heads, stride_h, stride_n, stride_d, D, dcols, dmask):
+    """The metric rows of tokens (BLOCK,): the mean over heads of base's rows (heads = 1: the rows themselves) in
+    base's dtype, each divided by its L2 norm in fp32, stored at out (rows of D fp32)."""
+    at = tokens[:, None] * stride_n + dcols[None, :] * stride_d
+    rmask = mask[:, None] & dmask[None, :]
+    rows = tl.load(base + at, mask=rmask, other=0.0).to(tl.float32)
+    for h in range(1, heads):
+        rows += tl.load(base + h * stride_h + at, mask=rmask, other=0.0).to(tl.float32)
+    if heads > 1:
+        rows = (rows / heads).to(base.dtype.element_ty).to(tl.float32)
     norm = tl.sqrt(tl.sum(rows * rows, axis=1))
-    return rows / tl.where(mask, norm, 1.0)[:, None]
+    tl.store(out + tokens[:, None] * D + dcols[None, :], rows / tl.where(mask, norm, 1.0)[:, None], mask=rmask)
+
+
+@triton.jit
+def _load_rows(base, positions, mask, D, dcols, dmask):
+    """The normalized fp32 rows at positions (rows of D): (BLOCK, BLOCK_D)."""
+    return tl.load(base + positions[:, None] * D + dcols[None, :], mask=mask[:, None] & dmask[None, :], other=0.0)
 
 
 # token counts (and what follows them: widths, strides, slice offsets) change per block and, for ATM, per batch:
 # not specialized, so that each kernel compiles once per set of constexprs
-@triton.jit(do_not_specialize=["n_a", "n_b", "r", "W", "groups_width", "stride_pos_a", "stride_pos_b"])
+@triton.jit(do_not_specialize=["n_a", "n_b", "r", "W", "groups_width", "stride_pos_a", "stride_pos_b", "stride_mb",
+                             "stride_mh", "stride_mn"])
 def _match_and_plan_kernel(
-    METRIC, WS, A_POS, B_POS, GROUPS,
-    n_a, n_b, r, D, W, num_prefix, groups_width,
-    stride_mb, stride_mn, stride_md, stride_pos_a, stride_pos_b,
+    METRIC, NORMED, WS, A_POS, B_POS, GROUPS,
+    n_a, n_b, r, D, W, num_prefix, groups_width, heads,
+    stride_mb, stride_mh, stride_mn, stride_md, stride_pos_a, stride_pos_b,
     a_first, b_first, threshold,
-    MATCH: tl.constexpr, RANK: tl.constexpr, LISTS: tl.constexpr, HAS_SPLIT: tl.constexpr,
+    NORM: tl.constexpr, MATCH: tl.constexpr, RANK: tl.constexpr, LISTS: tl.constexpr, HAS_SPLIT: tl.constexpr,
     GROUP_LISTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid (batch, programs): program p of a row runs tiles p, p + programs, ... of each phase it is given."""
     b = tl.program_id(0).to(tl.int64)  # row offsets in 64 bits: B * N * C may pass 2 ** 31
     p = tl.program_id(1)
     step = tl.num_programs(1) * BLOCK
-    base = METRIC + b * stride_mb
+    num_tokens = num_prefix + n_a + n_b
+    base = NORMED + b * num_tokens * D
     ws = WS + b * W
     a_pos_row = A_POS + b * stride_pos_a
     b_pos_row = B_POS + b * stride_pos_b
@@ -79,6 +95,13 @@ def _match_and_plan_kernel(
     dcols = tl.arange(0, BLOCK_D)
     dmask = dcols < D
 
+    # 0. the normalized metric of every token
+    if NORM:
+        for t0 in range(p * BLOCK, num_tokens, step):
+            tt = t0 + lane
+            _normalize_rows(METRIC + b * stride_mb, base, tt, tt < num_tokens, heads, stride_mh, stride_mn,
+                            stride_md, D, dcols, dmask)
+        tl.debug_barrier()
     # 1. best match of every A token among the B tokens (and how many exceed the threshold)
     if MATCH:
         above = tl.zeros([], tl.int32)
@@ -86,14 +109,14 @@ def _match_and_plan_kernel(
             ai = a0 + lane
             amask = ai < n_a
             a_at = _positions(a_pos_row, a_first, ai, amask, num_prefix, HAS_SPLIT)
-            a = _load_rows(base, a_at, amask, stride_mn, stride_md, dcols, dmask)
+            a = _load_rows(base, a_at, amask, D, dcols, dmask)
             best = tl.full([BLOCK], float("-inf"), tl.float32)
             best_idx = tl.zeros([BLOCK], tl.int32)
             for b0 in range(0, n_b, BLOCK):
                 bj = b0 + lane
                 bmask = bj < n_b
                 b_at = _positions(b_pos_row, b_first, bj, bmask, num_prefix, HAS_SPLIT)
-                bt = _load_rows(base, b_at, bmask, stride_mn, stride_md, dcols, dmask)
+                bt = _load_rows(base, b_at, bmask, D, dcols, dmask)
                 sim = tl.dot(a, tl.trans(bt), input_precision="ieee")
                 sim = tl.where(bmask[None, :], sim, float("-inf"))
                 tile_max = tl.max(sim, axis=1)
@@ -256,34 +279,47 @@ def _layout(num_tokens: int, num_prefix: int) -> _Layout:
                    4 * n_a + (n - n_a) + 1 + programs)
 
 
+def _heads_view(metric: torch.Tensor) -> Tuple[int, Tuple[int, int, int, int]]:
+    """(heads, strides (batch, head, token, channel)) of a metric (B, N, D) (one head) or keys (B, H, N, D)."""
+    if metric.dim() == 4:
+        return metric.shape[1], metric.stride()
+    return 1, (metric.stride(0), 0, metric.stride(1), metric.stride(2))
+
+
 def _match_and_plan(metric: torch.Tensor, ws: torch.Tensor, lay: _Layout, r: int, num_prefix: int,
                     split: Optional[Tuple[torch.Tensor, torch.Tensor]], threshold: float, match: bool, plan: bool,
                     name: str, groups: Optional[torch.Tensor] = None) -> None:
-    """The matching (match) and / or the plan (plan: ranks, then lists) into ws: one launch with one program per
-    batch row, or, on a layout of several programs, one launch per phase."""
-    B, _, D = metric.shape
+    """The matching (match: the normalized metric, then the best matches) and / or the plan (plan: ranks, then lists)
+    into ws, on metric (B, N, D) or keys (B, H, N, D) (averaged over heads): one launch with one program per batch
+    row, or, on a layout of several programs, one launch per phase."""
+    B, D = metric.shape[0], metric.shape[-1]
+    heads, strides = _heads_view(metric)
+    num_tokens = num_prefix + lay.n_a + lay.n_b
+    # the normalized rows, written by the matching launch and read by it: a placeholder for a plan-only launch
+    normed = torch.empty(B, num_tokens, D, dtype=torch.float32, device=metric.device) if match else ws
     a_pos, b_pos = split if split is not None else (ws, ws)  # placeholders never read without a split
 
     def launch(phase_name: str, programs: int, macs: int, **phases: bool) -> None:
         with kernel_launch(phase_name, macs=macs):
             _match_and_plan_kernel[(B, programs)](
-                metric, ws, a_pos, b_pos, groups if groups is not None else ws,
-                lay.n_a, lay.n_b, r, D, lay.width, num_prefix, groups.shape[1] if groups is not None else 0,
-                *metric.stride(), a_pos.stride(0), b_pos.stride(0), lay.a_first, lay.b_first, threshold,
+                metric, normed, ws, a_pos, b_pos, groups if groups is not None else ws,
+                lay.n_a, lay.n_b, r, D, lay.width, num_prefix, groups.shape[1] if groups is not None else 0, heads,
+                *strides, a_pos.stride(0), b_pos.stride(0), lay.a_first, lay.b_first, threshold,
                 **phases, HAS_SPLIT=split is not None, GROUP_LISTS=groups is not None,
                 BLOCK=BLOCK, BLOCK_D=max(16, triton.next_power_of_2(D)),
             )
 
     macs = B * lay.n_a * lay.n_b * D if match else 0
     if lay.programs == 1:
-        launch(name, 1, macs, MATCH=match, RANK=plan, LISTS=plan)
+        launch(name, 1, macs, NORM=match, MATCH=match, RANK=plan, LISTS=plan)
         return
     if match:
-        launch(f"{name}.match", lay.programs, macs, MATCH=True, RANK=False, LISTS=False)
+        launch(f"{name}.metric", lay.programs, 0, NORM=True, MATCH=False, RANK=False, LISTS=False)
+        launch(f"{name}.match", lay.programs, macs, NORM=False, MATCH=True, RANK=False, LISTS=False)
     if plan:
-        launch(f"{name}.rank", lay.programs, 0, MATCH=False, RANK=True, LISTS=False)
+        launch(f"{name}.rank", lay.programs, 0, NORM=False, MATCH=False, RANK=True, LISTS=False)
         list_programs = max(lay.programs, triton.cdiv(lay.n_b + 1, BLOCK), triton.cdiv(num_prefix, BLOCK))
-        launch(f"{name}.lists", list_programs, 0, MATCH=False, RANK=False, LISTS=True)
+        launch(f"{name}.lists", list_programs, 0, NORM=False, MATCH=False, RANK=False, LISTS=True)
 
 
 def _merge(ws: torch.Tensor, lay: _Layout, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
@@ -305,7 +341,8 @@ def _merge(ws: torch.Tensor, lay: _Layout, x: torch.Tensor, size: Optional[torch
 
 def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
                split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """ToMe's reduction step: metric (B, N, D), x (B, N, C), size (B, N, 1) or None (all ones),
+    """ToMe's reduction step: metric (B, N, D) or keys (B, H, N, D) (the metric: their mean over heads),
+    x (B, N, C), size (B, N, 1) or None (all ones),
     0 < r <= max_merges(N, num_prefix), split (a_idx, b_idx) from matching.size_distinctive_split or None (the
     alternate split) -> x (B, N - r, C), size (B, N - r, 1) in x's dtype, in merge_mean's order (prefix tokens,
     kept A tokens, B tokens)."""
@@ -315,8 +352,9 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
 
 def _planned(metric: torch.Tensor, r: int, num_prefix: int, split: Optional[Tuple[torch.Tensor, torch.Tensor]]
              ) -> Tuple[_Layout, torch.Tensor]:
-    """ToMe's matching and plan of r merges on metric (B, N, D) -> (its layout, the workspace holding the plan)."""
-    lay = _layout(metric.shape[1], num_prefix)
+    """ToMe's matching and plan of r merges on metric (B, N, D) or keys (B, H, N, D) -> (its layout, the workspace
+    holding the plan)."""
+    lay = _layout(metric.shape[-2], num_prefix)
     ws = torch.empty(metric.shape[0], lay.width, dtype=torch.int32, device=metric.device)
     _match_and_plan(metric, ws, lay, r, num_prefix, split, 0.0, True, True, "tome_match_and_plan")
     return lay, ws
@@ -363,7 +401,7 @@ def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Te
     """ToMe's matching of r merges on metric (B, N, D) (alternate split, 0 < r <= max_merges), as the groups the
     dense variant merges: group (B, N) int32, each token's group in merge_mean's output order (as
     plans.merge.group_index); order (B, N) int32, the tokens grouped, each group's B token first; starts (B, N - r + 1)
-    int32, where each group begins in order (the last entry N). One launch (three on larger images)."""
+    int32, where each group begins in order (the last entry N). One launch (four on larger images)."""
     B, N, _ = metric.shape
     lay = _layout(N, num_prefix)
     ws = torch.empty(B, lay.width, dtype=torch.int32, device=metric.device)

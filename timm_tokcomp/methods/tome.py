@@ -1,5 +1,5 @@
 """ToMe (Bolya et al.): merge the r most similar token pairs of each block by bipartite soft matching."""
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -11,13 +11,24 @@ from .base import FusedScheduledReducer, prop_attn_unless_avg_pool
 from .tags import parse_named_schedule_tag
 
 
+class HeadKeys(NamedTuple):
+    """What the fused step reads instead of the metric: the keys k (B, H, N, d), averaged over heads inside the
+    match kernel (kernels.tome_merge)."""
+
+    k: torch.Tensor
+
+    def mean(self) -> torch.Tensor:
+        """(B, N, d): the metric the torch plan uses."""
+        return self.k.mean(dim=1)
+
+
 class ToMe(FusedScheduledReducer):
     """Metric: keys averaged over heads (cosine similarity). Merge: size-weighted mean.
     Proportional attention is on by default, off for avg-pooled (MAE-style) models. Tags also name
     PYRA's 12-block schedules: '<name>_low', '<name>_high' (schedules.NAMED_SCHEDULES).
 
-    kernel (FusedScheduledReducer): the Triton path fuses each block's matching and merging into two launches
-    (kernels.tome_merge)."""
+    kernel (FusedScheduledReducer): the Triton path fuses each block's metric, matching and merging into two
+    launches (kernels.tome_merge, on the keys: HeadKeys)."""
 
     name = "tome"
     export_refusal = None
@@ -39,7 +50,14 @@ class ToMe(FusedScheduledReducer):
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k.mean(dim=1)
 
-    def plan(self, metric: torch.Tensor, r: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[MergePlan]:
+    def attention_metric(self, q, k, v, attn_bias, scale, inputs) -> Union[torch.Tensor, HeadKeys]:
+        """The keys themselves (HeadKeys) where the fused step or its operator runs (the kernel averages them),
+        metric() otherwise."""
+        fused = kernels.use_triton(self.kernel, k) or library.uses_library_op(k)
+        return HeadKeys(k) if fused else self.metric(q, k, attn_bias, scale)
+
+    def plan(self, metric: Union[torch.Tensor, HeadKeys], r: int, num_prefix: int,
+             size: Optional[torch.Tensor]) -> Optional[MergePlan]:
         return tome_plan(metric, r, num_prefix)
 
     def reduce_fused(self, metric, x, size, source, r, num_prefix, positions=None):
@@ -47,8 +65,10 @@ class ToMe(FusedScheduledReducer):
         same plan: kernels.tome_merge's coords); compiled, the step as one custom operator (kernels.library, the
         rotary positions moved inside it) on the resolved backend."""
         compiled = library.uses_library_op(x)
-        if source is not None or not (compiled or kernels.use_triton(self.kernel, x)):
+        if not isinstance(metric, HeadKeys) or source is not None or not (compiled
+                                                                          or kernels.use_triton(self.kernel, x)):
             return None
+        metric = metric.k
         r = min(r, max_merges(x.shape[1], num_prefix))
         if r <= 0:
             return x, size, source, positions
@@ -65,8 +85,11 @@ class ToMe(FusedScheduledReducer):
         return x, size, None, positions.moved(coords)
 
 
-def tome_plan(metric: torch.Tensor, r: int, num_prefix: int) -> Optional[MergePlan]:
-    """Bipartite soft matching of r merges on metric (B, N, C), or None when nothing merges."""
+def tome_plan(metric: Union[torch.Tensor, HeadKeys], r: int, num_prefix: int) -> Optional[MergePlan]:
+    """Bipartite soft matching of r merges on metric (B, N, C) (HeadKeys: their mean), or None when nothing
+    merges."""
+    if isinstance(metric, HeadKeys):  # the fused step declined (a source map is traced) or is not this method's
+        metric = metric.mean()
     if max_merges(metric.shape[1], num_prefix) == 0:
         return None
     plan = bipartite_soft_matching(metric, r, num_prefix)
