@@ -13,18 +13,23 @@ from timm_tokcomp.kernels import triton_dense, triton_evit, triton_tome
 
 def kernels(dtype):
     ptr = "*" + dtype
-    # the phases one program per image runs (ToMe, ATM's matching, ATM's plan), then those of a launch per phase
-    phases = ((True, True, True), (True, False, False), (False, True, True), (False, True, False), (False, False, True))
-    for (match, rank, lists), split in itertools.product(phases, (False, True)):
-        pos = "*i64" if split else "*i32"  # a size-distinctive split's index lists, or the workspace as placeholder
+    # the phases (norm, match, rank, lists) one program per image runs (ToMe, ATM's matching, ATM's plan), then
+    # those of a launch per phase
+    phases = ((True, True, True, True), (True, True, False, False), (False, False, True, True),
+              (True, False, False, False), (False, True, False, False), (False, False, True, False),
+              (False, False, False, True))
+    for (norm, match, rank, lists), split in itertools.product(phases, (False, True)):
+        pos = "*i64" if split else "*i32"  # a size-distinctive split's index lists, or an unused placeholder
         yield (triton_tome._match_and_plan_kernel,
-               {"METRIC": ptr, "WS": "*i32", "A_POS": pos, "B_POS": pos, "GROUPS": "*i32", "threshold": "fp32"},
-               {"MATCH": match, "RANK": rank, "LISTS": lists, "HAS_SPLIT": split, "GROUP_LISTS": False,
+               {"METRIC": ptr, "NORMED": "*fp32", "WS": "*i32", "A_POS": pos, "B_POS": pos, "GROUPS": "*i32",
+                "threshold": "fp32"},
+               {"NORM": norm, "MATCH": match, "RANK": rank, "LISTS": lists, "HAS_SPLIT": split, "GROUP_LISTS": False,
                 "BLOCK": 32, "BLOCK_D": 64})
-    for match, rank, lists in (phases[0], phases[-1]):  # the dense variant's groups
+    for norm, match, rank, lists in (phases[0], phases[-1]):  # the dense variant's groups
         yield (triton_tome._match_and_plan_kernel,
-               {"METRIC": ptr, "WS": "*i32", "A_POS": "*i32", "B_POS": "*i32", "GROUPS": "*i32", "threshold": "fp32"},
-               {"MATCH": match, "RANK": rank, "LISTS": lists, "HAS_SPLIT": False, "GROUP_LISTS": True,
+               {"METRIC": ptr, "NORMED": "*fp32", "WS": "*i32", "A_POS": "*i32", "B_POS": "*i32", "GROUPS": "*i32",
+                "threshold": "fp32"},
+               {"NORM": norm, "MATCH": match, "RANK": rank, "LISTS": lists, "HAS_SPLIT": False, "GROUP_LISTS": True,
                 "BLOCK": 32, "BLOCK_D": 64})
     for has_size in (True, False):
         for split in (True, False):

@@ -22,7 +22,7 @@ def test_kernels_compile_for_real_gpus(arch):
     done = subprocess.run([sys.executable, str(script), str(arch)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("cubin") == 3 * 29
+    assert done.stdout.count("cubin") == 3 * 33
 
 
 def _compile_keys(runs):
@@ -79,3 +79,29 @@ def test_token_counts_never_cost_a_recompile():
         "triton_tome._match_and_plan_kernel", "triton_tome._merge_kernel", "triton_evit._class_attention_plan_kernel",
         "triton_evit._prune_fuse_kernel", "triton_dense._merge_kernel", "triton_dense._unmerge_add_kernel")}
     assert {name: max(by.values()) for name, by in counts.items()} == dict.fromkeys(counts, 1)
+
+
+def test_compiled_steps_are_kernel_launches_that_inductor_makes():
+    """Where Triton compiles the kernels, a compiled forward's step is a triton_op (library.compiled_step) that
+    torch.compile decomposes, before Inductor, into its kernels' launches: a ToMe or EViT reducing block adds two
+    launches (ToMe's metric inside its match kernel) and allocations, and no Python dispatch. Each launch writes only
+    its own outputs and scratch, so nothing of the step's inputs is copied for it. Traced on the CPU without a GPU
+    (tests/tensors/trace_launched_steps.py)."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("trace_launched_steps.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = {line["step"]: line for line in map(json.loads, done.stdout.splitlines())}
+    allocations = {"aten.empty.memory_format", "aten.new_empty.default"}
+    assert set(steps) == {"tome_merge", "tome_merge_rope", "evit_prune"}
+    for name, step in steps.items():
+        assert len(step["launches"]) == 2, (name, step)
+        assert not any(launch["writes_input"] for launch in step["launches"]), (name, step)
+    assert steps["tome_merge"]["launches"][0]["writes"] == ["NORMED", "WS"]
+    assert set(steps["tome_merge"]["others"]) | set(steps["evit_prune"]["others"]) <= allocations
+    # the rope step's 'dst' coordinates: each output's destination row, gathered by torch
+    assert set(steps["tome_merge_rope"]["others"]) - allocations <= {
+        "aten.slice.Tensor", "aten._to_copy.default", "aten.unsqueeze.default", "aten.expand.default",
+        "aten.gather.default", "aten.cat.default"}

@@ -7,13 +7,20 @@ Triton kernels run inside the compiled graph (and its CUDA graphs) where the bac
     x, size, coords = torch.ops.timm_tokcomp.tome_merge_rope(metric, x, size, coords, r, num_prefix, "dst", "triton")
     x, size = torch.ops.timm_tokcomp.evit_prune(q, k, attn_bias, scale, x, size, r, num_prefix, "triton")
 
+Where Triton compiles the kernels (not under TRITON_INTERPRET=1), the 'triton' backend of each step is also
+registered as a torch.library.triton_op, `<name>_launched`, which compiled_step calls instead: torch.compile sees
+inside it, and Inductor launches its kernels from its generated code, with no Python dispatch per call. Under the
+interpreter the custom operators run the kernels (a traced interpreted kernel would meet fake tensors).
+
 Eager forwards call the same steps directly (kernels.tome_merge, or the method's plan): the operators add nothing
 there. No backward: a forward that needs gradients traces the torch plan instead (uses_library_op).
 
 Each operator clamps r as its plan does (merged_count, pruned_count: shape facts only), so its fake implementation
 states the real output's shape for every (N, num_prefix, r), and returns fresh contiguous tensors (storage offset 0),
 as the fake's new_empty does."""
-from typing import Optional, Tuple
+import importlib.util
+import os
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -51,8 +58,7 @@ def uses_library_op(x: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
 
 
-@torch.library.custom_op("timm_tokcomp::tome_merge", mutates_args=())
-def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
+def _tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
                backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """ToMe's step: bipartite matching of r merges on metric (B, N, D), or keys (B, H, N, D) averaged over heads,
     (0 < r <= matching.max_merges(N, num_prefix)) and the size-weighted merge of x (B, N, C), size (B, N, 1) or None
@@ -70,6 +76,9 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
     return _fresh(merged, merged_size)
 
 
+tome_merge = torch.library.custom_op("timm_tokcomp::tome_merge", _tome_merge, mutates_args=())
+
+
 @tome_merge.register_fake
 def _(metric, x, size, r, num_prefix, backend):
     B, N, C = x.shape
@@ -77,8 +86,7 @@ def _(metric, x, size, r, num_prefix, backend):
     return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1)
 
 
-@torch.library.custom_op("timm_tokcomp::tome_merge_rope", mutates_args=())
-def tome_merge_rope(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], coords: torch.Tensor, r: int,
+def _tome_merge_rope(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], coords: torch.Tensor, r: int,
                     num_prefix: int, coords_merge: str, backend: str
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """tome_merge (metric (B, N, D) or keys (B, H, N, D)) on a rope model: also the patch tokens' rotary coordinates coords (B, N - num_prefix, 2), float32,
@@ -102,6 +110,9 @@ def tome_merge_rope(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.
     return _fresh(merged, merged_size, moved)
 
 
+tome_merge_rope = torch.library.custom_op("timm_tokcomp::tome_merge_rope", _tome_merge_rope, mutates_args=())
+
+
 @tome_merge_rope.register_fake
 def _(metric, x, size, coords, r, num_prefix, coords_merge, backend):
     B, N, C = x.shape
@@ -109,8 +120,7 @@ def _(metric, x, size, coords, r, num_prefix, coords_merge, backend):
     return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1), coords.new_empty(B, coords.shape[1] - r, 2)
 
 
-@torch.library.custom_op("timm_tokcomp::evit_prune", mutates_args=())
-def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, x: torch.Tensor,
+def _evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, x: torch.Tensor,
                size: Optional[torch.Tensor], r: int, num_prefix: int, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """EViT's step: the class token's attention from q, k (B, H, N, d), attn_bias (B, 1, 1, N) or None, the r + 1
     least attended patch tokens of x (B, N, C) fused into one (0 < r <= N - num_prefix - 1), size (B, N, 1) or None
@@ -126,6 +136,9 @@ def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tenso
         plan = attentive_pruning(class_attention(q, k, attn_bias, scale).mean(dim=1), r, num_prefix)
         pruned, pruned_size, _ = plan.apply(x, size, None)
     return _fresh(pruned, pruned_size)
+
+
+evit_prune = torch.library.custom_op("timm_tokcomp::evit_prune", _evit_prune, mutates_args=())
 
 
 @evit_prune.register_fake
@@ -159,3 +172,39 @@ def _(q, k, attn_bias, scale, x, size, coords, r, num_prefix, coords_merge):
     B, N, C = x.shape
     r = pruned_count(N, num_prefix, r)
     return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1), coords.new_empty(B, coords.shape[1] - r, 2)
+
+
+# Inductor launches the kernels itself where Triton compiles them (a GPU build, not the interpreter)
+LAUNCHED_BY_INDUCTOR = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") != "1"
+_LAUNCHED: Dict[str, Callable] = {}
+
+
+def _register_launched(name: str, step: Callable) -> None:
+    """step's 'triton' backend (its last argument) as the triton_op timm_tokcomp::<name>_launched, with step's
+    schema less that argument."""
+    from .triton_common import launches_in_graph
+
+    args, result = torch.library.infer_schema(step, mutates_args=()).rsplit(") -> ", 1)
+    if not args.endswith(", str backend"):
+        raise AssertionError(f"{name}: the backend must be the last argument, got {args})")
+
+    def run(*args):
+        with launches_in_graph():
+            return step(*args, "triton")
+
+    _LAUNCHED[name] = torch.library.triton_op(f"timm_tokcomp::{name}_launched", run, mutates_args=(),
+                                              schema=f"{args[:-len(', str backend')]}) -> {result}")
+
+
+if LAUNCHED_BY_INDUCTOR:
+    for _name, _step in (("tome_merge", _tome_merge), ("tome_merge_rope", _tome_merge_rope),
+                         ("evit_prune", _evit_prune)):
+        _register_launched(_name, _step)
+
+
+def compiled_step(name: str, *args, backend: str):
+    """A compiled forward's step: timm_tokcomp::<name>(*args, backend), or, on the 'triton' backend where Inductor
+    launches the kernels, its triton_op <name>_launched(*args)."""
+    if backend == "triton" and name in _LAUNCHED:
+        return _LAUNCHED[name](*args)
+    return getattr(torch.ops.timm_tokcomp, name)(*args, backend)

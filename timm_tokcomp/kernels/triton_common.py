@@ -1,4 +1,8 @@
-"""Triton helpers shared by the fused reduction kernels."""
+"""Triton helpers shared by the fused reduction kernels, and how they launch inside a traced operator."""
+import contextlib
+import threading
+
+import torch
 import triton
 import triton.language as tl
 
@@ -16,3 +20,27 @@ def descending_rank(values_ptr, ii, imask, n, lane, BLOCK: tl.constexpr):
         before = (vj[None, :] > vi[:, None]) | ((vj[None, :] == vi[:, None]) & (jj[None, :] < ii[:, None]))
         ahead += tl.sum((before & jmask[None, :]).to(tl.int32), axis=1)
     return ahead
+
+
+_IN_GRAPH = threading.local()
+
+
+@contextlib.contextmanager
+def launches_in_graph():
+    """Within: the package's kernels launch through torch.library.wrap_triton (launched), so that a triton_op body
+    traced by torch.compile records each launch in its graph and Inductor makes it from its generated code; run
+    eagerly, the wrapper calls the kernel as it is."""
+    prior = getattr(_IN_GRAPH, "on", False)
+    _IN_GRAPH.on = True
+    try:
+        yield
+    finally:
+        _IN_GRAPH.on = prior
+
+
+# A traced launch is functionalized: the tensors it writes are copied and the copies returned, so a launch never passes
+# a tensor it writes as another argument too (a placeholder for an unused pointer is an input it only reads, or
+# an empty tensor of its own).
+def launched(kernel):
+    """A @triton.jit kernel as launches_in_graph wants it (its wrap_triton wrapper), or itself outside."""
+    return torch.library.wrap_triton(kernel) if getattr(_IN_GRAPH, "on", False) else kernel

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..measure import kernel_launch
-from .triton_common import descending_rank
+from .triton_common import descending_rank, launched
 
 # workspace row (int32): attention (float32 bits) [n] | rank [n] | kept [n - f] | fused, by rank [f] |
 # per-head softmax max and sum (float32 bits) [2 H] | fused attention sum, per list program (float32 bits) [parts]
@@ -210,7 +210,7 @@ def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tenso
     def launch(name: str, programs: int, macs: int, **phases: bool) -> None:
         reads_scores = phases["STATS"] or phases["ATTN"]  # ranking and listing never read the bias
         with kernel_launch(name, macs=macs):
-            _class_attention_plan_kernel[(B, programs)](
+            launched(_class_attention_plan_kernel)[(B, programs)](
                 q, k, bias, ws, H, N, D, width, num_prefix, num_fused, scale,
                 q.stride(0), q.stride(1), q.stride(3), *k.stride(), bias.stride(0), bias.stride(-1),
                 **phases, HAS_BIAS=attn_bias is not None and reads_scores, BLOCK=BLOCK,
@@ -226,10 +226,10 @@ def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tenso
         launch("evit_class_attention_plan.lists", tiles, 0, STATS=False, ATTN=False, RANK=False, LISTS=True)
     y = torch.empty(B, N - r, C, dtype=x.dtype, device=x.device)
     size_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)
-    s = size if size is not None else size_out  # a placeholder never read when HAS_SIZE is False
+    s = size if size is not None else x  # never read when HAS_SIZE is False (no output: see triton_common)
     block_c = triton.next_power_of_2(C)
     with kernel_launch("evit_prune_fuse", macs=0):
-        _prune_fuse_kernel[(B, N - r)](
+        launched(_prune_fuse_kernel)[(B, N - r)](
             x, s, ws, y, size_out, C, N, H, width, num_prefix, num_fused, parts,
             *x.stride(), s.stride(0), s.stride(1), *y.stride(), size_out.stride(0), size_out.stride(1),
             HAS_SIZE=size is not None, BLOCK_C=block_c, FUSE_ROWS=max(1, min(8, 8192 // block_c)),

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..measure import kernel_launch
-from .triton_common import descending_rank
+from .triton_common import descending_rank, launched
 
 # workspace row (int32): node_max (float32 bits) [n_a] | node_idx [n_a] | rank [n_a] | kept A [n_a - r] |
 # merged A sorted by (destination, index) [r] | per-B offsets into that list [n_b + 1] |
@@ -295,14 +295,15 @@ def _match_and_plan(metric: torch.Tensor, ws: torch.Tensor, lay: _Layout, r: int
     B, D = metric.shape[0], metric.shape[-1]
     heads, strides = _heads_view(metric)
     num_tokens = num_prefix + lay.n_a + lay.n_b
-    # the normalized rows, written by the matching launch and read by it: a placeholder for a plan-only launch
-    normed = torch.empty(B, num_tokens, D, dtype=torch.float32, device=metric.device) if match else ws
-    a_pos, b_pos = split if split is not None else (ws, ws)  # placeholders never read without a split
+    unused = ws.new_empty(0)  # for the pointers a launch never touches (no output: see triton_common)
+    # the normalized rows, written by the matching launch and read by it
+    normed = torch.empty(B, num_tokens, D, dtype=torch.float32, device=metric.device) if match else unused
+    a_pos, b_pos = split if split is not None else (unused, unused)
 
     def launch(phase_name: str, programs: int, macs: int, **phases: bool) -> None:
         with kernel_launch(phase_name, macs=macs):
-            _match_and_plan_kernel[(B, programs)](
-                metric, normed, ws, a_pos, b_pos, groups if groups is not None else ws,
+            launched(_match_and_plan_kernel)[(B, programs)](
+                metric, normed, ws, a_pos, b_pos, groups if groups is not None else unused,
                 lay.n_a, lay.n_b, r, D, lay.width, num_prefix, groups.shape[1] if groups is not None else 0, heads,
                 *strides, a_pos.stride(0), b_pos.stride(0), lay.a_first, lay.b_first, threshold,
                 **phases, HAS_SPLIT=split is not None, GROUP_LISTS=groups is not None,
@@ -327,10 +328,10 @@ def _merge(ws: torch.Tensor, lay: _Layout, x: torch.Tensor, size: Optional[torch
     B, N, C = x.shape
     y = torch.empty(B, N - r, C, dtype=x.dtype, device=x.device)
     size_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)
-    s = size if size is not None else size_out  # a placeholder never read when HAS_SIZE is False
+    s = size if size is not None else x  # never read when HAS_SIZE is False (no output: see triton_common)
     a_pos, b_pos = split if split is not None else (ws, ws)
     with kernel_launch("tome_merge", macs=0):
-        _merge_kernel[(B, N - r)](
+        launched(_merge_kernel)[(B, N - r)](
             x, s, ws, y, size_out, a_pos, b_pos, C, lay.n_a, r, lay.width, num_prefix, lay.a_first, lay.b_first,
             *x.stride(), s.stride(0), s.stride(1), *y.stride(), size_out.stride(0), size_out.stride(1),
             a_pos.stride(0), b_pos.stride(0),

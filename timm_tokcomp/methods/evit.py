@@ -70,6 +70,6 @@ class EViT(FusedScheduledReducer):
                                                       positions.merge)
             return x, size, None, positions.moved(coords)
         if compiled:
-            return (*library.evit_prune(*metric, x, size, r, num_prefix, kernels.resolve_backend(self.kernel, x)),
-                    None, None)
+            return (*library.compiled_step("evit_prune", *metric, x, size, r, num_prefix,
+                                           backend=kernels.resolve_backend(self.kernel, x)), None, None)
         return (*kernels.evit_prune(*metric, x, size, r, num_prefix), None, None)

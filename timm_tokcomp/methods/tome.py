@@ -62,22 +62,21 @@ class ToMe(FusedScheduledReducer):
 
     def reduce_fused(self, metric, x, size, source, r, num_prefix, positions=None):
         """The Triton kernels in eager inference where the backend is 'triton' (the rotary positions moved by the
-        same plan: kernels.tome_merge's coords); compiled, the step as one custom operator (kernels.library, the
-        rotary positions moved inside it) on the resolved backend."""
-        compiled = library.uses_library_op(x)
-        if not isinstance(metric, HeadKeys) or source is not None or not (compiled
-                                                                          or kernels.use_triton(self.kernel, x)):
+        same plan: kernels.tome_merge's coords); compiled, the step as one operator (kernels.library.compiled_step,
+        the rotary positions moved inside it) on the resolved backend."""
+        if not isinstance(metric, HeadKeys) or source is not None:  # keys: attention_metric chose the fused step
             return None
-        metric = metric.k
+        compiled, metric = library.uses_library_op(x), metric.k
         r = min(r, max_merges(x.shape[1], num_prefix))
         if r <= 0:
             return x, size, source, positions
         if compiled:
             backend = kernels.resolve_backend(self.kernel, x)
             if positions is None:
-                return (*library.tome_merge(metric, x, size, r, num_prefix, backend), None, None)
-            x, size, coords = library.tome_merge_rope(metric, x, size, positions.coords, r, num_prefix,
-                                                      positions.merge, backend)
+                return (*library.compiled_step("tome_merge", metric, x, size, r, num_prefix, backend=backend),
+                        None, None)
+            x, size, coords = library.compiled_step("tome_merge_rope", metric, x, size, positions.coords, r,
+                                                    num_prefix, positions.merge, backend=backend)
             return x, size, None, positions.moved(coords)
         if positions is None:
             return (*kernels.tome_merge(metric, x, size, r, num_prefix), None, None)

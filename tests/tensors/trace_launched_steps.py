@@ -1,0 +1,73 @@
+"""Trace the reduction steps' triton_ops (kernels.library.compiled_step on the 'triton' backend) as torch.compile
+does before Inductor, on CPU tensors and without a GPU: `python tests/tensors/trace_launched_steps.py`. Run without
+TRITON_INTERPRET (an interpreted kernel is not traced). Triton is pointed at an sm_90 target so that torch can read
+which tensors each kernel writes. Prints, per step, one JSON line: the kernel launches in the graph, for each the
+arguments it writes and whether one of them is the step's input, and the graph's other ops."""
+import json
+
+import torch
+import triton
+from torch._dynamo.backends.common import aot_autograd
+from triton.backends.compiler import GPUTarget
+
+from timm_tokcomp.kernels import library
+
+
+class _Sm90:
+    """The one thing torch's analysis of a kernel asks of the driver: the target to compile its IR for."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+def trace(name, *args):
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm  # never run: the graph holds GPU kernel launches on CPU tensors
+
+    def step(*tensors):  # the graph's inputs: args' tensors, in order
+        given = iter(tensors)
+        return library.compiled_step(name, *(next(given) if isinstance(a, torch.Tensor) else a for a in args),
+                                     backend="triton")
+
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    compiled = torch.compile(step, backend=aot_autograd(fw_compiler=record), fullgraph=True)
+    torch._dynamo.reset()  # each step traced afresh, with static shapes
+    try:
+        compiled(*tensors)
+    except Exception:  # the recorded graph's kernels cannot run on the CPU; its capture is what is read
+        if not graphs:
+            raise
+    (gm,) = graphs
+    inputs = {n for n in gm.graph.nodes if n.op == "placeholder"}
+    launches, others = [], []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if "triton_kernel_wrapper" in str(node.target):
+            written = node.kwargs["tensors_to_clone"]
+            launches.append({"writes": sorted(written),
+                             "writes_input": any(node.kwargs["kwargs"][w] in inputs for w in written)})
+        elif "getitem" not in str(node.target):
+            others.append(str(node.target))
+    print(json.dumps({"step": name, "launches": launches, "others": others}))
+
+
+def main():
+    assert library.LAUNCHED_BY_INDUCTOR, "run without TRITON_INTERPRET"
+    triton.runtime.driver.set_active(_Sm90())
+    g = torch.Generator().manual_seed(0)
+    b, heads, n, d, c = 2, 4, 197, 16, 24
+    q, k = torch.randn(2, b, heads, n, d, generator=g)
+    x, size = torch.randn(b, n, c, generator=g), torch.rand(b, n, 1, generator=g) + 0.5
+    coords = torch.rand(b, n - 1, 2, generator=g)
+    bias = size.log().view(b, 1, 1, n)
+    trace("tome_merge", k, x, size, 16, 1)
+    trace("tome_merge_rope", k, x, size, coords, 16, 1, "dst")
+    trace("evit_prune", q, k, bias, 0.25, x, size, 16, 1)
+
+
+if __name__ == "__main__":
+    main()
