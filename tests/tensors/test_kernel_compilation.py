@@ -95,10 +95,15 @@ def test_compiled_steps_are_kernel_launches_that_inductor_makes():
     assert done.returncode == 0, done.stderr[-3000:]
     steps = {line["step"]: line for line in map(json.loads, done.stdout.splitlines())}
     allocations = {"aten.empty.memory_format", "aten.new_empty.default"}
+    block = steps.pop("block")
     assert set(steps) == {"tome_merge", "tome_merge_rope", "evit_prune"}
     for name, step in steps.items():
         assert len(step["launches"]) == 2, (name, step)
         assert not any(launch["writes_input"] for launch in step["launches"]), (name, step)
+    # a reduced ViT's block graph (compiled by regions, the batch symbolic): the step is two launches, no metric op
+    assert [launch["writes"] for launch in block["launches"]] == [["NORMED", "WS"], ["SIZE_OUT", "Y"]]
+    assert not block["launches"][0]["grid"][0].isdigit()
+    assert not any("mean" in op for op in block["others"])
     assert steps["tome_merge"]["launches"][0]["writes"] == ["NORMED", "WS"]
     assert set(steps["tome_merge"]["others"]) | set(steps["evit_prune"]["others"]) <= allocations
     # the rope step's 'dst' coordinates: each output's destination row, gathered by torch

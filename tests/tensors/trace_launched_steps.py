@@ -2,14 +2,18 @@
 does before Inductor, on CPU tensors and without a GPU: `python tests/tensors/trace_launched_steps.py`. Run without
 TRITON_INTERPRET (an interpreted kernel is not traced). Triton is pointed at an sm_90 target so that torch can read
 which tensors each kernel writes. Prints, per step, one JSON line: the kernel launches in the graph, for each the
-arguments it writes and whether one of them is the step's input, and the graph's other ops."""
+arguments it writes and whether one of them is the step's input, and the graph's other ops; then one for the first
+block's graph of a reduced ViT compiled by regions (timm_tokcomp.compile; the batch and token count symbolic)."""
 import json
 
+import timm
 import torch
 import triton
 from torch._dynamo.backends.common import aot_autograd
 from triton.backends.compiler import GPUTarget
 
+import timm_tokcomp
+from timm_tokcomp import kernels
 from timm_tokcomp.kernels import library
 
 
@@ -55,6 +59,39 @@ def trace(name, *args):
     print(json.dumps({"step": name, "launches": launches, "others": others}))
 
 
+class _Traced(Exception):
+    """Raised by a recorded graph that launches kernels, in place of running them on the CPU."""
+
+
+def trace_block():
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        if not any("triton_kernel_wrapper" in str(node.target) for node in gm.graph.nodes):
+            return gm  # the embedding runs
+
+        def traced(*args):
+            raise _Traced
+
+        return traced
+
+    kernels.resolve_backend = lambda kernel, x: "triton"  # as on a GPU
+    model = timm_tokcomp.apply(timm.create_model("vit_tiny_patch16_224", img_size=64, depth=3).eval(), "tome", r=4)
+    try:
+        with torch.no_grad():
+            timm_tokcomp.compile(model, backend=aot_autograd(fw_compiler=record))(torch.randn(2, 3, 64, 64))
+    except _Traced:
+        pass
+    block = graphs[-1]
+    ops = [str(node.target) for node in block.graph.nodes if node.op == "call_function"]
+    launches = [node for node in block.graph.nodes if "triton_kernel_wrapper" in str(node.target)]
+    print(json.dumps({"step": "block", "launches": [{"writes": sorted(n.kwargs["tensors_to_clone"]),
+                                                     "grid": [str(g) for g in n.kwargs["grid"][0]]}
+                                                    for n in launches],
+                      "others": [op for op in ops if "triton_kernel_wrapper" not in op]}))
+
+
 def main():
     assert library.LAUNCHED_BY_INDUCTOR, "run without TRITON_INTERPRET"
     triton.runtime.driver.set_active(_Sm90())
@@ -67,6 +104,7 @@ def main():
     trace("tome_merge", k, x, size, 16, 1)
     trace("tome_merge_rope", k, x, size, coords, 16, 1, "dst")
     trace("evit_prune", q, k, bias, 0.25, x, size, 16, 1)
+    trace_block()
 
 
 if __name__ == "__main__":
