@@ -19,6 +19,7 @@ Each operator clamps r as its plan does (merged_count, pruned_count: shape facts
 states the real output's shape for every (N, num_prefix, r), and returns fresh contiguous tensors (storage offset 0),
 as the fake's new_empty does."""
 import importlib.util
+import inspect
 import os
 from typing import Callable, Dict, Optional, Tuple
 
@@ -181,19 +182,20 @@ _LAUNCHED: Dict[str, Callable] = {}
 
 def _register_launched(name: str, step: Callable) -> None:
     """step's 'triton' backend (its last argument) as the triton_op timm_tokcomp::<name>_launched, with step's
-    schema less that argument."""
+    signature less that argument (the schema torch infers from it)."""
     from .triton_common import launches_in_graph
 
-    args, result = torch.library.infer_schema(step, mutates_args=()).rsplit(") -> ", 1)
-    if not args.endswith(", str backend"):
-        raise AssertionError(f"{name}: the backend must be the last argument, got {args})")
+    signature = inspect.signature(step)
+    *args, backend = signature.parameters.values()
+    if backend.name != "backend":
+        raise AssertionError(f"{name}: the backend must be the last argument, got {backend.name}")
 
     def run(*args):
         with launches_in_graph():
             return step(*args, "triton")
 
-    _LAUNCHED[name] = torch.library.triton_op(f"timm_tokcomp::{name}_launched", run, mutates_args=(),
-                                              schema=f"{args[:-len(', str backend')]}) -> {result}")
+    run.__signature__ = signature.replace(parameters=args)
+    _LAUNCHED[name] = torch.library.triton_op(f"timm_tokcomp::{name}_launched", run, mutates_args=())
 
 
 if LAUNCHED_BY_INDUCTOR:
