@@ -1,5 +1,6 @@
 """The fused kernels against the torch reference on one device, at DeiT-B's shapes (224 px, and 384 / 512 px
-for the tiled paths), with both paths timed:
+for the tiled paths), with both paths timed; ToMe's step on the keys also eagerly and compiled (torch.compile of
+the step as a compiled forward runs it: Inductor launching the kernels where Triton compiles them):
 
     python -m timm_tokcomp.selfcheck --device cuda --dtypes fp32,bf16,fp16 [--batch 256]
                                              [--out check.json [--overwrite]]
@@ -78,7 +79,7 @@ def _diff(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float:
 
 def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Dict[str, Tuple[Callable, Callable, Callable]]:
     """step name -> (kernel (), reference in fp32 (), torch path in dtype ()), each returning its outputs."""
-    from .kernels import triton_dense, triton_evit, triton_tome
+    from .kernels import library, triton_dense, triton_evit, triton_tome
 
     g = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -97,6 +98,14 @@ def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) 
     def tome(cast, metric, x, size, r):
         return merge_mean(cast(x), cast(size), bipartite_soft_matching(cast(metric), r, 1))
 
+    def head_mean(k):
+        """k (B, H, N, d) averaged over heads as the match kernel averages them: fp32 sum in head order, / H, in
+        k's dtype (elementwise, so exact on every device)."""
+        total = k[:, 0].float()
+        for h in range(1, k.shape[1]):
+            total = total + k[:, h].float()
+        return (total / k.shape[1]).to(k.dtype)
+
     def atm(cast, metric, x, size, threshold):
         node_max, node_idx = best_matches(cast(metric), 1)
         r = min(batch_adaptive_r(count_above(node_max, threshold)), max_merges(metric.shape[1], 1))
@@ -110,6 +119,16 @@ def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) 
     for tokens, r, label in ((197, 16, "tome r16, 197 tokens"), (1025, 256, "tome r256, 1025 tokens (tiled)")):
         args = (randn(batch, tokens, 64), randn(batch, tokens, 768), sizes(tokens), r)
         steps[label] = (partial(triton_tome.tome_merge, *args, 1), partial(tome, fp32, *args), partial(tome, same, *args))
+
+    k, x, size = randn(batch, 12, 197, 64), randn(batch, 197, 768), sizes(197)
+    on_mean = (head_mean(k), x, size, 16)
+    steps["tome r16 on keys (B, 12, N, 64), 197 tokens"] = (
+        partial(triton_tome.tome_merge, k, x, size, 16, 1), partial(tome, fp32, *on_mean),
+        partial(tome, same, k.mean(dim=1), x, size, 16))
+    compiled_step = torch.compile(partial(library.compiled_step, "tome_merge", backend="triton"), dynamic=True)
+    steps["tome r16 on keys compiled, 197 tokens"] = (
+        partial(compiled_step, k, x, size, 16, 1), partial(tome, fp32, *on_mean),
+        partial(tome, same, k.mean(dim=1), x, size, 16))
 
     args = (randn(batch, 197, 64), randn(batch, 197, 768), sizes(197), 0.3)
     steps["atm threshold 0.3, 197 tokens"] = (partial(triton_tome.atm_merge, *args, 1, None), partial(atm, fp32, *args),

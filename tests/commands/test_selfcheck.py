@@ -22,14 +22,15 @@ def test_selfcheck_compares_every_step_and_fails_loudly(tmp_path, monkeypatch, c
         selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--batch", "1", "--no-timing", "--out", str(out)])
     assert f"--out {out} already exists; pass --overwrite to replace it" in capsys.readouterr().err
     assert json.loads(out.read_text()) == rows
-    assert [r["step"].split(",")[0] for r in rows] == ["tome r16", "tome r256", "atm threshold 0.3", "evit r16",
+    assert [r["step"].split(",")[0] for r in rows] == ["tome r16", "tome r256", "tome r16 on keys (B",
+                                                       "tome r16 on keys compiled", "atm threshold 0.3", "evit r16",
                                                        "evit r64", "dense k256"]
     assert all(r["ok"] and r["max_diff"] <= 1e-5 for r in rows)
     monkeypatch.setattr(triton_tome, "tome_merge", lambda metric, x, size, r, p: merge_mean(
-        x * 1.001, size, bipartite_soft_matching(metric, r, p)))  # off by about 1e-3
+        x * 1.001, size, bipartite_soft_matching(metric.mean(1) if metric.dim() == 4 else metric, r, p)))  # off 1e-3
     assert selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--batch", "1", "--no-timing"]) == 1
     flagged = [line.split(",")[0] for line in capsys.readouterr().out.splitlines() if line.endswith("OFF")]
-    assert flagged == ["tome r16", "tome r256"]
+    assert flagged == ["tome r16", "tome r256", "tome r16 on keys (B", "tome r16 on keys compiled"]
     with pytest.raises(SystemExit):
         selfcheck.main(["--device", "cpu", "--dtypes", "fp8"])
     assert "--dtypes: each must be one of fp32, bf16, fp16" in capsys.readouterr().err

@@ -19,16 +19,16 @@ def kernels(dtype):
               (True, False, False, False), (False, True, False, False), (False, False, True, False),
               (False, False, False, True))
     for (norm, match, rank, lists), split in itertools.product(phases, (False, True)):
-        pos = "*i64" if split else "*i32"  # a size-distinctive split's index lists, or an unused placeholder
+        pos = "*i64" if split else ptr  # a size-distinctive split's index lists, or the metric as placeholder
         yield (triton_tome._match_and_plan_kernel,
-               {"METRIC": ptr, "NORMED": "*fp32", "WS": "*i32", "A_POS": pos, "B_POS": pos, "GROUPS": "*i32",
-                "threshold": "fp32"},
+               {"METRIC": ptr, "NORMED": "*fp32" if norm or match else ptr, "WS": "*i32", "A_POS": pos, "B_POS": pos,
+                "GROUPS": ptr, "threshold": "fp32"},
                {"NORM": norm, "MATCH": match, "RANK": rank, "LISTS": lists, "HAS_SPLIT": split, "GROUP_LISTS": False,
                 "BLOCK": 32, "BLOCK_D": 64})
     for norm, match, rank, lists in (phases[0], phases[-1]):  # the dense variant's groups
         yield (triton_tome._match_and_plan_kernel,
-               {"METRIC": ptr, "NORMED": "*fp32", "WS": "*i32", "A_POS": "*i32", "B_POS": "*i32", "GROUPS": "*i32",
-                "threshold": "fp32"},
+               {"METRIC": ptr, "NORMED": "*fp32" if norm or match else ptr, "WS": "*i32", "A_POS": ptr, "B_POS": ptr,
+                "GROUPS": "*i32", "threshold": "fp32"},
                {"NORM": norm, "MATCH": match, "RANK": rank, "LISTS": lists, "HAS_SPLIT": False, "GROUP_LISTS": True,
                 "BLOCK": 32, "BLOCK_D": 64})
     for has_size in (True, False):
