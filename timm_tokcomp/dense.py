@@ -9,20 +9,22 @@ from torch import nn
 from . import kernels
 from .matching import max_merges
 from .methods.base import TokenReducer
+from .methods.tome import HeadKeys
 from .ops import unmerge
 from .plans.merge import group_index
 from .reducing import NOT_SCRIPTABLE, refuse_fx_tracing
 
 
-def dense_groups(x: torch.Tensor, metric: torch.Tensor, reducer: TokenReducer, setting: Any, num_prefix: int):
+def dense_groups(x: torch.Tensor, metric: Any, reducer: TokenReducer, setting: Any, num_prefix: int):
     """(group (B, N), number of groups, members for the merge kernel or None), or None when nothing merges.
-    kernel='triton' matches and lists the groups in one launch (three on large images); otherwise torch plans,
-    then indexes ('auto' too: its matching in fp32 CUDA-core dots is not yet timed against torch's)."""
-    if reducer.kernel == "triton" and kernels.use_triton(reducer.kernel, x):
+    kernel='triton' matches and lists the groups in one launch (four on large images) on the keys (metric: HeadKeys,
+    DenseToMe.attention_metric); otherwise torch plans, then indexes ('auto' too: its matching in fp32 CUDA-core dots
+    is not yet timed against torch's)."""
+    if isinstance(metric, HeadKeys):
         r = min(setting, max_merges(x.shape[1], num_prefix))
         if r <= 0:
             return None
-        group, *members = kernels.tome_groups(metric, r, num_prefix)
+        group, *members = kernels.tome_groups(metric.k, r, num_prefix)
         return group, x.shape[1] - r, tuple(members)
     plan = reducer.plan(metric, setting, num_prefix, None)
     return None if plan is None else (*group_index(plan, x.shape[1]), None)

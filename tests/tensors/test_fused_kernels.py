@@ -77,6 +77,17 @@ def test_fused_step_on_keys_averages_the_heads_as_torch_does(batch, tokens, num_
     torch.testing.assert_close(got_size, want_size, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [197, 301])  # one program per image; a launch per phase
+def test_atm_step_and_dense_groups_on_keys_as_on_their_mean(tokens):
+    """ATM's step and the dense variant's groups read the keys too: the same outputs as on k.mean(dim=1)."""
+    _, x, size = _inputs(2, tokens, 16, 24)
+    k = _keys(2, 3, tokens, 16)
+    got, want = triton_tome.atm_merge(k, x, size, 0.1, 1), triton_tome.atm_merge(k.mean(dim=1), x, size, 0.1, 1)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    got, want = triton_tome.tome_groups(k, 40, 1), triton_tome.tome_groups(k.mean(dim=1), 40, 1)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_fused_step_on_fp16_keys_within_rounding():
     _, x, size = _inputs(2, 197, 64, 48, dtype=torch.float16)
     k = _keys(2, 4, 197, 64, dtype=torch.float16)
@@ -375,8 +386,8 @@ def test_rope_models_tome_r16_counts_on_the_fused_path():
 def test_deit_tiny_atm_counts_on_real_images():
     """ATM (the lossless preset) on real weights and images, which decide its merge counts: the same token counts
     and logits on both paths, one host synchronisation per merging block. Measured: torch path 742 ops, Triton
-    path 488 (1.46x plain; of which 38 allocations, one a merging block the match kernel's normalized-metric
-    scratch), both with 10 synchronisations."""
+    path 478 (1.43x plain; of which 38 allocations, one a merging block the match kernel's normalized-metric
+    scratch; no metric op: the kernel averages the keys), both with 10 synchronisations."""
     plain, x = real_model_and_images("deit_tiny_patch16_224", 2)
     plain_ops = _ops(plain, x)
     model = timm_tokcomp.apply(copy.deepcopy(plain), "atm")
@@ -393,13 +404,15 @@ def test_deit_tiny_atm_counts_on_real_images():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     merging = sum(b > a for a, b in zip(tokens_want[1:] + [None], tokens_want) if a is not None)
     assert fused.host_syncs <= merging + 1 and fused.host_syncs == torch_ops.host_syncs
-    assert fused.total <= 1.5 * plain_ops.total
+    assert fused.total <= 1.5 * plain_ops.total and "aten.mean.dim" not in fused.counts
 
 
 def test_deit_tiny_dense_tome_counts():
-    """dense_tome r1 (32 merges per block): torch path 874 ops, Triton path 418 (1.25x plain; batch 1 and 2)."""
+    """dense_tome r1 (32 merges per block): torch path 874 ops, Triton path 418 (1.25x plain; batch 1 and 2), no
+    metric op (the matching kernel averages the keys)."""
     plain_ops, fused, torch_macs, fused_macs = _deit_tiny_both_paths("deit_tiny_patch16_224.dense_tome_r1")
     assert fused.host_syncs == 0 and fused.total <= 1.3 * plain_ops.total
+    assert "aten.mean.dim" not in fused.counts
     assert fused_macs == torch_macs
 
 

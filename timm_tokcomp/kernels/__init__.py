@@ -85,9 +85,9 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
 
 
 def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ToMe's matching of r merges on metric (B, N, D) as the dense variant's groups, in one Triton launch (four
-    above 128 A tokens): group (B, N) (as plans.merge.group_index), and the members (order (B, N), starts
-    (B, N - r + 1)) merge_normed takes."""
+    """ToMe's matching of r merges on metric (B, N, D) or keys (B, H, N, D) as the dense variant's groups, in one
+    Triton launch (four above 128 A tokens): group (B, N) (as plans.merge.group_index), and the members (order
+    (B, N), starts (B, N - r + 1)) merge_normed takes."""
     from . import triton_tome
 
     return triton_tome.tome_groups(metric, r, num_prefix)
@@ -95,8 +95,8 @@ def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Te
 
 def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], threshold: float, num_prefix: int,
               split: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """ATM's matching, batch-adaptive merge count (one host synchronisation) and merge in three Triton launches
-    (six above 128 A tokens): -> x (B, N - r, C), size (B, N - r, 1), or None when nothing merges. split:
+    """ATM's matching on metric (B, N, D) or keys (B, H, N, D) (averaged over heads in the kernel), batch-adaptive
+    merge count (one host synchronisation) and merge in three Triton launches (six above 128 A tokens): -> x (B, N - r, C), size (B, N - r, 1), or None when nothing merges. split:
     (a_idx, b_idx) or None."""
     from . import triton_tome
 

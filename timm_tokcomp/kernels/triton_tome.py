@@ -384,7 +384,7 @@ def tome_merge_with_coords(metric: torch.Tensor, x: torch.Tensor, size: Optional
 def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], threshold: float, num_prefix: int,
               split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
               ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """ATM's reduction step, as tome_merge with r = the batch-adaptive count of best similarities above threshold
+    """ATM's reduction step on metric (B, N, D) or keys (B, H, N, D), as tome_merge with r = the batch-adaptive count of best similarities above threshold
     (matching.batch_adaptive_r, at most max_merges): one host synchronisation, for that count. None when r = 0.
     B >= 1."""
     B = x.shape[0]
@@ -399,11 +399,12 @@ def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor
 
 
 def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ToMe's matching of r merges on metric (B, N, D) (alternate split, 0 < r <= max_merges), as the groups the
+    """ToMe's matching of r merges on metric (B, N, D) or keys (B, H, N, D) (alternate split, 0 < r <= max_merges),
+    as the groups the
     dense variant merges: group (B, N) int32, each token's group in merge_mean's output order (as
     plans.merge.group_index); order (B, N) int32, the tokens grouped, each group's B token first; starts (B, N - r + 1)
     int32, where each group begins in order (the last entry N). One launch (four on larger images)."""
-    B, N, _ = metric.shape
+    B, N = metric.shape[0], metric.shape[-2]
     lay = _layout(N, num_prefix)
     ws = torch.empty(B, lay.width, dtype=torch.int32, device=metric.device)
     groups = torch.empty(B, 3 * N - r + 1, dtype=torch.int32, device=metric.device)

@@ -17,7 +17,7 @@ import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from ..checks import check_int, real
 from ..schedules import BlockCost
 from .base import TokenReducer, warn_if_compiling
 from .params import COMMON, REQUIRED, Param, kernel_choice
-from .tome import ToMe
+from .tome import HeadKeys, ToMe
 
 
 @dataclass(frozen=True)
@@ -186,6 +186,11 @@ class ATM(TokenReducer):
     default_prop_attn = ToMe.default_prop_attn
     metric = ToMe.metric
 
+    def attention_metric(self, q, k, v, attn_bias, scale, inputs) -> Union[torch.Tensor, HeadKeys]:
+        """The keys themselves (HeadKeys) where the Triton step may run (kernels.atm_merge averages them), metric()
+        otherwise."""
+        return HeadKeys(k) if kernels.use_triton(self.kernel, k) else self.metric(q, k, attn_bias, scale)
+
     def check_depth(self, num_blocks: int) -> None:
         if self.split_layer is not None and self.split_layer > num_blocks:
             raise ValueError(f"split_layer must be in [0, {num_blocks}] for a {num_blocks}-block model, "
@@ -204,7 +209,10 @@ class ATM(TokenReducer):
             ]
         return cache[num_blocks]
 
-    def plan(self, metric: torch.Tensor, step: ATMStep, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[MergePlan]:
+    def plan(self, metric: Union[torch.Tensor, HeadKeys], step: ATMStep, num_prefix: int,
+             size: Optional[torch.Tensor]) -> Optional[MergePlan]:
+        if isinstance(metric, HeadKeys):  # the Triton step declined (a rope model, a source map, an empty batch)
+            metric = metric.mean()
         cap = max_merges(metric.shape[1], num_prefix)
         if cap == 0:
             return None
@@ -216,10 +224,10 @@ class ATM(TokenReducer):
         return merge_top_r(node_max, node_idx, r, num_prefix, split) if r > 0 else None
 
     def reduce_fused(self, metric, x, size, source, step, num_prefix, positions=None):
-        if source is not None or positions is not None or x.shape[0] == 0 or not kernels.use_triton(self.kernel, x):
+        if not isinstance(metric, HeadKeys) or source is not None or positions is not None or x.shape[0] == 0:
             return None
         if max_merges(x.shape[1], num_prefix) == 0:
             return x, size, source, None
         split = size_distinctive_split(size, num_prefix) if step.size_split and size is not None else None
-        merged = kernels.atm_merge(metric, x, size, step.threshold, num_prefix, split)
+        merged = kernels.atm_merge(metric.k, x, size, step.threshold, num_prefix, split)
         return (x, size, source, None) if merged is None else (*merged, None, None)

@@ -1,17 +1,18 @@
 """Dense-prediction ToMe (as in the ToCom paper's segmentation experiments): attention sees every token;
 k tokens are merged (bipartite soft matching on the keys) before each block's MLP and unmerged after
 it, so every block keeps its input shape. k = 32 r by default."""
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 
+from .. import kernels
 from ..plans import MergePlan
 from ..checks import check_int
 from ..schedules import BlockCost
 from .base import TokenReducer
 from .tags import RTagged
 from .params import Param, kernel_choice, optional
-from .tome import ToMe, tome_plan
+from .tome import HeadKeys, ToMe, tome_plan
 
 MERGES_PER_R = 32
 
@@ -38,6 +39,12 @@ class DenseToMe(RTagged, TokenReducer):
         return [self.merges if self.merges > 0 else None] * num_blocks
 
     metric = ToMe.metric
+
+    def attention_metric(self, q, k, v, attn_bias, scale, inputs) -> Union[torch.Tensor, HeadKeys]:
+        """The keys themselves (HeadKeys) where kernel='triton' lists the groups (kernels.tome_groups averages
+        them), metric() otherwise."""
+        fused = self.kernel == "triton" and kernels.use_triton(self.kernel, k)
+        return HeadKeys(k) if fused else self.metric(q, k, attn_bias, scale)
 
     def plan(self, metric: torch.Tensor, k: int, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[MergePlan]:
         return tome_plan(metric, k, num_prefix)
