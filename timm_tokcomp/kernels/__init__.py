@@ -96,8 +96,8 @@ def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Te
 def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], threshold: float, num_prefix: int,
               split: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """ATM's matching on metric (B, N, D) or keys (B, H, N, D) (averaged over heads in the kernel), batch-adaptive
-    merge count (one host synchronisation) and merge in three Triton launches (six above 128 A tokens): -> x (B, N - r, C), size (B, N - r, 1), or None when nothing merges. split:
-    (a_idx, b_idx) or None."""
+    merge count (one host synchronisation) and merge in three Triton launches (six above 128 A tokens):
+    -> x (B, N - r, C), size (B, N - r, 1), or None when nothing merges. split: (a_idx, b_idx) or None."""
     from . import triton_tome
 
     return triton_tome.atm_merge(metric, x, size, threshold, num_prefix, split)

@@ -60,7 +60,7 @@ def uses_library_op(x: torch.Tensor) -> bool:
 
 
 def _tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
-               backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+                backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """ToMe's step: bipartite matching of r merges on metric (B, N, D), or keys (B, H, N, D) averaged over heads,
     (0 < r <= matching.max_merges(N, num_prefix)) and the size-weighted merge of x (B, N, C), size (B, N, 1) or None
     (all ones) -> x (B, N - r, C), size (B, N - r, 1). backend: 'triton' (kernels.tome_merge's two launches) or
@@ -87,13 +87,14 @@ def _(metric, x, size, r, num_prefix, backend):
     return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1)
 
 
-def _tome_merge_rope(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], coords: torch.Tensor, r: int,
-                    num_prefix: int, coords_merge: str, backend: str
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tome_merge (metric (B, N, D) or keys (B, H, N, D)) on a rope model: also the patch tokens' rotary coordinates coords (B, N - num_prefix, 2), float32,
-    moved by the same plan (coords_merge 'dst': each merged token at its destination's; 'centroid': at the
-    size-weighted centroid, rope.moved_coords) -> x (B, N - r, C), size (B, N - r, 1), coords (B, N - r - num_prefix,
-    2). backend: 'triton' (kernels.tome_merge with coords) or 'torch' (the plan)."""
+def _tome_merge_rope(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], coords: torch.Tensor,
+                     r: int, num_prefix: int, coords_merge: str, backend: str
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tome_merge (metric (B, N, D) or keys (B, H, N, D)) on a rope model: also the patch tokens' rotary
+    coordinates coords (B, N - num_prefix, 2), float32, moved by the same plan (coords_merge 'dst': each merged token
+    at its destination's; 'centroid': at the size-weighted centroid, rope.moved_coords) -> x (B, N - r, C),
+    size (B, N - r, 1), coords (B, N - r - num_prefix, 2). backend: 'triton' (kernels.tome_merge with coords) or
+    'torch' (the plan)."""
     r = merged_count(x.shape[1], num_prefix, r)
     if r == 0:
         return (*_unreduced(x, size), coords.clone())
@@ -122,7 +123,8 @@ def _(metric, x, size, coords, r, num_prefix, coords_merge, backend):
 
 
 def _evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, x: torch.Tensor,
-               size: Optional[torch.Tensor], r: int, num_prefix: int, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+                size: Optional[torch.Tensor], r: int, num_prefix: int, backend: str
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """EViT's step: the class token's attention from q, k (B, H, N, d), attn_bias (B, 1, 1, N) or None, the r + 1
     least attended patch tokens of x (B, N, C) fused into one (0 < r <= N - num_prefix - 1), size (B, N, 1) or None
     -> x (B, N - r, C), size (B, N - r, 1). backend: 'triton' (kernels.evit_prune's two launches) or 'torch'."""

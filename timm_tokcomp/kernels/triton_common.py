@@ -39,8 +39,7 @@ def launches_in_graph():
 
 
 # A traced launch is functionalized: the tensors it writes are copied and the copies returned, so a launch never passes
-# a tensor it writes as another argument too (a placeholder for an unused pointer is an input it only reads, or
-# an empty tensor of its own).
+# a tensor it writes as another argument too (a placeholder for an unused pointer is an input it only reads).
 def launched(kernel):
     """A @triton.jit kernel as launches_in_graph wants it (its wrap_triton wrapper), or itself outside."""
     return torch.library.wrap_triton(kernel) if getattr(_IN_GRAPH, "on", False) else kernel

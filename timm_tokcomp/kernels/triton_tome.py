@@ -343,10 +343,9 @@ def _merge(ws: torch.Tensor, lay: _Layout, x: torch.Tensor, size: Optional[torch
 def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
                split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """ToMe's reduction step: metric (B, N, D) or keys (B, H, N, D) (the metric: their mean over heads),
-    x (B, N, C), size (B, N, 1) or None (all ones),
-    0 < r <= max_merges(N, num_prefix), split (a_idx, b_idx) from matching.size_distinctive_split or None (the
-    alternate split) -> x (B, N - r, C), size (B, N - r, 1) in x's dtype, in merge_mean's order (prefix tokens,
-    kept A tokens, B tokens)."""
+    x (B, N, C), size (B, N, 1) or None (all ones), 0 < r <= max_merges(N, num_prefix), split (a_idx, b_idx) from
+    matching.size_distinctive_split or None (the alternate split) -> x (B, N - r, C), size (B, N - r, 1) in x's
+    dtype, in merge_mean's order (prefix tokens, kept A tokens, B tokens)."""
     lay, ws = _planned(metric, r, num_prefix, split)
     return _merge(ws, lay, x, size, r, num_prefix, split)
 
@@ -384,9 +383,9 @@ def tome_merge_with_coords(metric: torch.Tensor, x: torch.Tensor, size: Optional
 def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], threshold: float, num_prefix: int,
               split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
               ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """ATM's reduction step on metric (B, N, D) or keys (B, H, N, D), as tome_merge with r = the batch-adaptive count of best similarities above threshold
-    (matching.batch_adaptive_r, at most max_merges): one host synchronisation, for that count. None when r = 0.
-    B >= 1."""
+    """ATM's reduction step on metric (B, N, D) or keys (B, H, N, D), as tome_merge with r = the batch-adaptive
+    count of best similarities above threshold (matching.batch_adaptive_r, at most max_merges): one host
+    synchronisation, for that count. None when r = 0. B >= 1."""
     B = x.shape[0]
     lay = _layout(x.shape[1], num_prefix)
     ws = torch.empty(B, lay.width, dtype=torch.int32, device=x.device)
@@ -400,8 +399,7 @@ def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor
 
 def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ToMe's matching of r merges on metric (B, N, D) or keys (B, H, N, D) (alternate split, 0 < r <= max_merges),
-    as the groups the
-    dense variant merges: group (B, N) int32, each token's group in merge_mean's output order (as
+    as the groups the dense variant merges: group (B, N) int32, each token's group in merge_mean's output order (as
     plans.merge.group_index); order (B, N) int32, the tokens grouped, each group's B token first; starts (B, N - r + 1)
     int32, where each group begins in order (the last entry N). One launch (four on larger images)."""
     B, N = metric.shape[0], metric.shape[-2]
