@@ -29,7 +29,7 @@ from ..checks import check_int, real
 from ..schedules import BlockCost
 from .base import TokenReducer, warn_if_compiling
 from .params import COMMON, REQUIRED, Param, kernel_choice
-from .tome import HeadKeys, ToMe
+from .tome import HeadKeys, ToMe, key_metric
 
 
 @dataclass(frozen=True)
@@ -211,8 +211,7 @@ class ATM(TokenReducer):
 
     def plan(self, metric: Union[torch.Tensor, HeadKeys], step: ATMStep, num_prefix: int,
              size: Optional[torch.Tensor]) -> Optional[MergePlan]:
-        if isinstance(metric, HeadKeys):  # the Triton step declined (a rope model, a source map, an empty batch)
-            metric = metric.mean()
+        metric = key_metric(metric)  # keys: the Triton step declined (a rope model, a source map, an empty batch)
         cap = max_merges(metric.shape[1], num_prefix)
         if cap == 0:
             return None

@@ -22,6 +22,12 @@ class HeadKeys(NamedTuple):
         return self.k.mean(dim=1)
 
 
+def key_metric(metric: Union[torch.Tensor, HeadKeys]) -> torch.Tensor:
+    """The metric (B, N, d) a torch plan reads: metric itself, or the mean of HeadKeys (where a fused step that would
+    have read the keys declined)."""
+    return metric.mean() if isinstance(metric, HeadKeys) else metric
+
+
 class ToMe(FusedScheduledReducer):
     """Metric: keys averaged over heads (cosine similarity). Merge: size-weighted mean.
     Proportional attention is on by default, off for avg-pooled (MAE-style) models. Tags also name
@@ -87,8 +93,7 @@ class ToMe(FusedScheduledReducer):
 def tome_plan(metric: Union[torch.Tensor, HeadKeys], r: int, num_prefix: int) -> Optional[MergePlan]:
     """Bipartite soft matching of r merges on metric (B, N, C) (HeadKeys: their mean), or None when nothing
     merges."""
-    if isinstance(metric, HeadKeys):  # the fused step declined (a source map is traced) or is not this method's
-        metric = metric.mean()
+    metric = key_metric(metric)  # keys: the fused step declined (a source map is traced) or is not this method's
     if max_merges(metric.shape[1], num_prefix) == 0:
         return None
     plan = bipartite_soft_matching(metric, r, num_prefix)
