@@ -1,6 +1,8 @@
 """`python -m timm_tokcomp.selfcheck`, the GPU check of the fused kernels against their torch references, run here in
 Triton's CPU interpreter (fp32, untimed)."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -49,3 +51,12 @@ def test_selfcheck_measures_errors_relative_above_magnitude_one():
     assert selfcheck._diff([torch.tensor([4.0 + 2 ** -5, 0.5])], [want]) <= selfcheck.TOLERANCE["bf16"]
     assert selfcheck._diff([torch.tensor([4.0, 0.5 + 2 ** -5])], [want]) == pytest.approx(2 ** -5)
     assert selfcheck._diff([torch.tensor([4.0, 0.5 + 2 ** -5])], [want]) > selfcheck.TOLERANCE["bf16"]
+
+
+def test_selfcheck_runs_by_the_gpu_kits_name():
+    """The shared GPU kit's part 1 runs `python -m timm_tokcomp.kernels.selfcheck`: that name is the same command
+    (here its refusal of a bad --dtypes, which runs no check)."""
+    done = subprocess.run([sys.executable, "-m", "timm_tokcomp.kernels.selfcheck", "--device", "cpu", "--dtypes",
+                           "fp8"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--dtypes: each must be one of fp32, bf16, fp16" in done.stderr
