@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .families import Family, family_of, patched_family
+from .families import Family, family_of, patched_family, resolve
 from .methods.base import TokenReducer
 from .reducing import feature_stats, forget_last, last_of, patch_grid, prefix_only_last
 from .state import ReductionStats
@@ -29,9 +29,12 @@ def model_depth(model: nn.Module, view: Any) -> int:
     return len(view.blocks) if depth is None else depth
 
 
-def patch(model: nn.Module, reducer: TokenReducer, family: Family) -> None:
+def patch(model: nn.Module, reducer: TokenReducer, family: Optional[Family] = None) -> None:
     """Make `model` reduce tokens with `reducer` (or switch the reducer of a patched model); family: the one serving
-    it, checked (families.resolve)."""
+    it, checked (families.resolve; found here when not given, as by scripts that call patch alone, e.g. the shared
+    GPU kit's limit model)."""
+    if family is None:
+        family = resolve(model)
     refusal = family.method_refusal(type(reducer))
     if refusal is not None:
         raise ValueError(refusal)

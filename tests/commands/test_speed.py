@@ -47,7 +47,8 @@ def test_limit_keeps_the_first_tokens_and_keeping_all_is_the_plain_model():
         assert torch.equal(full(x), base(x))
         # keeping only the class token after block 0: the rest of the stack sees that one token
         one = copy.deepcopy(base)
-        patch(one, LimitReducer([1] * 12), VIT)
+        patch(one, LimitReducer([1] * 12))  # the family found by patch, as the shared GPU kit's limit calls it
+        assert type(one).tokcomp_family is VIT
         h = base.norm_pre(base.patch_drop(base._pos_embed(base.patch_embed(x))))
         h = h + base.blocks[0].ls1(base.blocks[0].attn(base.blocks[0].norm1(h)))
         h = h[:, :1]
@@ -64,6 +65,8 @@ def test_limit_reducer_refuses_bad_schedules():
         LimitReducer([4, 0])
     with pytest.raises(ValueError, match="one entry per block"):
         patch(_deit_tiny(), LimitReducer([100, 50]), VIT)
+    with pytest.raises(TypeError, match="timm_tokcomp reduces tokens in timm's"):  # no family serves it
+        patch(torch.nn.Linear(2, 2), LimitReducer([1]))
 
 
 def test_speed_table_and_csv(tmp_path, capsys):
