@@ -42,7 +42,10 @@ COMPILED_REGIONS: contextvars.ContextVar = contextvars.ContextVar("timm_tokcomp_
 
 
 def compiled_regions(model: nn.Module) -> Optional[Regions]:
-    """model's compiled regions while a regionally compiled call of it runs in this thread, else None."""
+    """model's compiled regions while a regionally compiled call of it runs in this thread, else None. None in a
+    traced forward: the regions run from an eager forward (and torch 2.11's dynamo cannot trace ContextVar.get)."""
+    if torch.compiler.is_compiling():
+        return None
     current = COMPILED_REGIONS.get()
     return current[1] if current is not None and current[0] is model else None
 
@@ -94,8 +97,14 @@ def compiled_whole(model: nn.Module) -> bool:
     """Whether torch.compile is tracing model's forward whole (torch.compile(model), model.compile()) where its
     method compiles by region: the forward then hands itself to its regions (forward_by_region). Never while
     exporting (torch.export traces the whole forward as it is) or within traced_whole()."""
-    return (torch.compiler.is_compiling() and not torch.compiler.is_exporting() and not _TRACED_WHOLE
+    return (torch.compiler.is_compiling() and not _exporting() and not _TRACED_WHOLE
             and model._tokcomp_reducer.compiles_by_region)
+
+
+def _exporting() -> bool:
+    """Whether torch.export is tracing. Read from its flag: torch 2.11's dynamo answers torch.compiler.is_exporting()
+    True in every trace (torch.compile's too); later versions read this flag."""
+    return torch.compiler._is_exporting_flag
 
 
 # model -> its regions compiled for torch.compile(model) (forward_by_region); the regions hold no reference to it
