@@ -84,7 +84,8 @@ def test_token_counts_never_cost_a_recompile():
 def test_compiled_steps_are_kernel_launches_that_inductor_makes():
     """Where Triton compiles the kernels, a compiled forward's step is a triton_op (library.compiled_step) that
     torch.compile decomposes, before Inductor, into its kernels' launches: a ToMe or EViT reducing block adds two
-    launches (ToMe's metric inside its match kernel) and allocations, and no Python dispatch. Each launch writes only
+    launches (ToMe's metric inside its match kernel) and allocations, and no Python dispatch; beyond the limit's
+    block, also the log of the sizes. Each launch writes only
     its own outputs and scratch, so nothing of the step's inputs is copied for it. Traced on the CPU without a GPU
     (tests/tensors/trace_launched_steps.py)."""
     import json
@@ -95,7 +96,7 @@ def test_compiled_steps_are_kernel_launches_that_inductor_makes():
     assert done.returncode == 0, done.stderr[-3000:]
     steps = {line["step"]: line for line in map(json.loads, done.stdout.splitlines())}
     allocations = {"aten.empty.memory_format", "aten.new_empty.default"}
-    block = steps.pop("block")
+    block, against_limit = steps.pop("block"), steps.pop("block_vs_limit")
     assert set(steps) == {"tome_merge", "tome_merge_rope", "evit_prune"}
     for name, step in steps.items():
         assert len(step["launches"]) == 2, (name, step)
@@ -104,6 +105,13 @@ def test_compiled_steps_are_kernel_launches_that_inductor_makes():
     assert [launch["writes"] for launch in block["launches"]] == [["NORMED", "WS"], ["SIZE_OUT", "Y"]]
     assert not block["launches"][0]["grid"][0].isdigit()
     assert not any("mean" in op for op in block["others"])
+    # a later block (sizes given) against the limit's (same token counts, no matching): the step's two launches,
+    # their allocations, and one kernel more, the sizes' log for proportional attention (pointwise over (B, N));
+    # the limit only slices
+    assert against_limit["only_reduced"] == {"launch NORMED,WS": 1, "launch SIZE_OUT,Y": 1,
+                                             "aten.empty.memory_format": 4, "aten.log.default": 1,
+                                             "aten.view.default": 1}
+    assert against_limit["only_limit"] == {"aten.slice.Tensor": 4}
     assert steps["tome_merge"]["launches"][0]["writes"] == ["NORMED", "WS"]
     assert set(steps["tome_merge"]["others"]) | set(steps["evit_prune"]["others"]) <= allocations
     # the rope step's 'dst' coordinates: each output's destination row, gathered by torch

@@ -3,7 +3,10 @@ does before Inductor, on CPU tensors and without a GPU: `python tests/tensors/tr
 TRITON_INTERPRET (an interpreted kernel is not traced). Triton is pointed at an sm_90 target so that torch can read
 which tensors each kernel writes. Prints, per step, one JSON line: the kernel launches in the graph, for each the
 arguments it writes and whether one of them is the step's input, and the graph's other ops; then one for the first
-block's graph of a reduced ViT compiled by regions (timm_tokcomp.compile; the batch and token count symbolic)."""
+block's graph of a reduced ViT compiled by regions (timm_tokcomp.compile; the batch and token count symbolic); then
+the ops a later block's graph (token sizes given) holds beyond the limit's block graph (speed.LimitReducer: the
+same token counts, no matching), and the limit's beyond it."""
+import collections
 import json
 
 import timm
@@ -14,7 +17,11 @@ from triton.backends.compiler import GPUTarget
 
 import timm_tokcomp
 from timm_tokcomp import kernels
+from timm_tokcomp import regions
 from timm_tokcomp.kernels import library
+from timm_tokcomp.patch import patch
+from timm_tokcomp.reducing import resolve_prop_attn
+from timm_tokcomp.speed import LimitReducer
 
 
 class _Sm90:
@@ -92,6 +99,45 @@ def trace_block():
                       "others": [op for op in ops if "triton_kernel_wrapper" not in op]}))
 
 
+def _later_block_ops(model, setting):
+    """The ops (launches by what they write) of model's compiled block graph for block 1 entering with sizes, 17
+    tokens."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+
+        def traced(*args):
+            raise _Traced
+
+        return traced
+
+    compiled = regions.compile_regions(model, backend=aot_autograd(fw_compiler=record))
+    x, size = torch.randn(2, 17, model.embed_dim), torch.full((2, 17, 1), 2.0)
+    prop_attn = resolve_prop_attn(model._tokcomp_prop_attn, x, compiled=True)  # as the loop resolves it
+    try:
+        with torch.no_grad(), regions.running(model, compiled):
+            compiled.block(model.blocks[1], x, size, None, None, setting, model._tokcomp_reducer, prop_attn, 1, 1)
+    except _Traced:
+        pass
+    ops = collections.Counter()
+    for node in graphs[-1].graph.nodes:
+        name = str(node.target)
+        if node.op != "call_function" or "getitem" in name or "built-in" in name or "sym_" in name:
+            continue
+        ops["launch " + ",".join(sorted(node.kwargs["tensors_to_clone"])) if "triton_kernel_wrapper" in name
+            else name] += 1
+    return ops
+
+
+def trace_block_against_limit():
+    vit = lambda: timm.create_model("vit_tiny_patch16_224", img_size=64, depth=3).eval()  # noqa: E731
+    reduced, limit = timm_tokcomp.apply(vit(), "tome", r=4), vit()
+    patch(limit, LimitReducer([17, 13, 9]))
+    ours, theirs = _later_block_ops(reduced, 4), _later_block_ops(limit, 13)
+    print(json.dumps({"step": "block_vs_limit", "only_reduced": ours - theirs, "only_limit": theirs - ours}))
+
+
 def main():
     assert library.LAUNCHED_BY_INDUCTOR, "run without TRITON_INTERPRET"
     triton.runtime.driver.set_active(_Sm90())
@@ -105,6 +151,7 @@ def main():
     trace("tome_merge_rope", k, x, size, coords, 16, 1, "dst")
     trace("evit_prune", q, k, bias, 0.25, x, size, 16, 1)
     trace_block()
+    trace_block_against_limit()
 
 
 if __name__ == "__main__":
