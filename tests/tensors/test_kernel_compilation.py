@@ -85,9 +85,8 @@ def test_compiled_steps_are_kernel_launches_that_inductor_makes():
     """Where Triton compiles the kernels, a compiled forward's step is a triton_op (library.compiled_step) that
     torch.compile decomposes, before Inductor, into its kernels' launches: a ToMe or EViT reducing block adds two
     launches (ToMe's metric inside its match kernel) and allocations, and no Python dispatch; beyond the limit's
-    block, also the log of the sizes. Each launch writes only
-    its own outputs and scratch, so nothing of the step's inputs is copied for it. Traced on the CPU without a GPU
-    (tests/tensors/trace_launched_steps.py)."""
+    block, also the log of the sizes. Each launch writes only its own outputs and scratch, so nothing of the step's
+    inputs is copied for it. Traced on the CPU without a GPU (tests/tensors/trace_launched_steps.py)."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
