@@ -103,8 +103,9 @@ def compiled_whole(model: nn.Module) -> bool:
 
 def _exporting() -> bool:
     """Whether torch.export is tracing. Read from its flag: torch 2.11's dynamo answers torch.compiler.is_exporting()
-    True in every trace (torch.compile's too); later versions read this flag."""
-    return torch.compiler._is_exporting_flag
+    True in every trace (torch.compile's too); later versions read this flag (is_exporting() where it is gone)."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else flag
 
 
 # model -> its regions compiled for torch.compile(model) (forward_by_region); the regions hold no reference to it
