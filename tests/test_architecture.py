@@ -88,7 +88,8 @@ FLOORS = (
     ("models", ("regions", "reducing", "dense", "compiling", "families", "patch", "core", "registry", "open_clip_models",
                 "models", "export", "learned", "tocom", "tocom.compensator", "tocom.hub", "tocom.plugins")),
     ("kit", ("kit",)),
-    ("commands", ("bench", "speed", "tuning", "calibrate", "analysis", "training", "selfcheck")),
+    ("commands", ("bench", "speed", "tuning", "calibrate", "analysis", "training", "selfcheck",
+                  "kernels.selfcheck")),  # the GPU kit's name for `python -m timm_tokcomp.selfcheck`
     ("command line", ("cli",)),
 )
 COMMANDS = ("bench", "speed", "tuning", "calibrate", "analysis", "selfcheck", "cli")  # they stand side by side; the CLI ties them
