@@ -19,7 +19,8 @@ venv=${1:-/tmp/tokcomp-gpu-image}
 export PYTHONPATH=$root
 py=$venv/bin/python
 $py -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-$py tests/tensors/trace_launched_steps.py > /dev/null && echo "launched kernels traced"
+$py tests/tensors/trace_launched_steps.py > /dev/null  # set -e: a failure stops here
+echo "launched kernels traced"
 if [[ -d ../shared/gpu ]]; then
     bash ../shared/gpu/prepare.sh > /dev/null
     for section in "deitb 4" "attn 4" "eva 4" "prof 4"; do
