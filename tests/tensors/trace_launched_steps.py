@@ -70,24 +70,28 @@ class _Traced(Exception):
     """Raised by a recorded graph that launches kernels, in place of running them on the CPU."""
 
 
-def trace_block():
-    graphs = []
-
+def _recording(graphs):
+    """A torch.compile backend appending each graph Inductor would receive to graphs: a graph without kernel
+    launches runs, one with them raises _Traced."""
     def record(gm, example_inputs):
         graphs.append(gm)
         if not any("triton_kernel_wrapper" in str(node.target) for node in gm.graph.nodes):
-            return gm  # the embedding runs
+            return gm
 
         def traced(*args):
             raise _Traced
 
         return traced
 
-    kernels.resolve_backend = lambda kernel, x: "triton"  # as on a GPU
+    return aot_autograd(fw_compiler=record)
+
+
+def trace_block():
+    graphs = []
     model = timm_tokcomp.apply(timm.create_model("vit_tiny_patch16_224", img_size=64, depth=3).eval(), "tome", r=4)
     try:
-        with torch.no_grad():
-            timm_tokcomp.compile(model, backend=aot_autograd(fw_compiler=record))(torch.randn(2, 3, 64, 64))
+        with torch.no_grad():  # the embedding's graph runs, the first block's launches
+            timm_tokcomp.compile(model, backend=_recording(graphs))(torch.randn(2, 3, 64, 64))
     except _Traced:
         pass
     block = graphs[-1]
@@ -103,16 +107,7 @@ def _later_block_ops(model, setting):
     """The ops (launches by what they write) of model's compiled block graph for block 1 entering with sizes, 17
     tokens."""
     graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-
-        def traced(*args):
-            raise _Traced
-
-        return traced
-
-    compiled = regions.compile_regions(model, backend=aot_autograd(fw_compiler=record))
+    compiled = regions.compile_regions(model, backend=_recording(graphs))
     x, size = torch.randn(2, 17, model.embed_dim), torch.full((2, 17, 1), 2.0)
     prop_attn = resolve_prop_attn(model._tokcomp_prop_attn, x, compiled=True)  # as the loop resolves it
     try:
@@ -141,6 +136,7 @@ def trace_block_against_limit():
 def main():
     assert library.LAUNCHED_BY_INDUCTOR, "run without TRITON_INTERPRET"
     triton.runtime.driver.set_active(_Sm90())
+    kernels.resolve_backend = lambda kernel, x: "triton"  # as on a GPU: the compiled blocks' steps launch kernels
     g = torch.Generator().manual_seed(0)
     b, heads, n, d, c = 2, 4, 197, 16, 24
     q, k = torch.randn(2, b, heads, n, d, generator=g)
