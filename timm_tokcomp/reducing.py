@@ -75,7 +75,11 @@ def spread_tokens(tokens: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     return gather_tokens(tokens, holder) * held
 
 
-Carried = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[TokenPositions]]
+# what one block hands the next: tokens x (B, N, C), their sizes (B, N, 1) or None, the source map (B, N, N0) or None,
+# the rotary positions or None, and the sizes' log (B, N, 1) where the step that made them wrote it (its merge kernel
+# or operator), else None (the next block takes size.log() itself)
+Carried = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[TokenPositions],
+                Optional[torch.Tensor]]
 
 
 class BlockBranches:
@@ -127,16 +131,20 @@ class ReducingBlockMixin:
         num_prefix: int,
         block: int,
         prefix_only: bool = False,
+        log_size: Optional[torch.Tensor] = None,
     ) -> Carried:
         """x: (B, N, C), size: (B, N, 1) or None, source: (B, N, N0) or None, positions: the rotary positions of the
-        patch tokens or None -> the same, N' <= N tokens.
+        patch tokens or None, log_size: size.log() (B, N, 1) where the previous step wrote it, or None -> the same
+        (Carried), N' <= N tokens.
 
         setting: the reducer's setting for this block (None: no reduction); prop_attn: False, or how the log-size
         bias enters attention (attention.PROP_ATTN_IMPLS, resolved); block: this block's index; prefix_only: keep
         only the num_prefix leading tokens after attention (the last block of a class-token head). The reduction
         runs where reducer.reduces_at says: between attention and MLP, after the MLP (the study protocol's 'before
         the next block'; the metric is this block's either way), or before attention (lookahead)."""
-        attn_bias = size.log().view(x.shape[0], 1, 1, x.shape[1]) if prop_attn and size is not None else None
+        attn_bias = None
+        if prop_attn and size is not None:
+            attn_bias = (size.log() if log_size is None else log_size).view(x.shape[0], 1, 1, x.shape[1])
         # one guard for every method: an empty batch, or fewer than two patch tokens, has nothing to reduce
         active = setting is not None and not prefix_only and x.shape[0] > 0 and x.shape[1] - num_prefix >= 2
         rope = None if positions is None else positions.rows(block)
@@ -144,7 +152,7 @@ class ReducingBlockMixin:
         if active and where == "before_attention":  # no rope here: patch refuses such models
             x, h, size, source = self._lookahead_branch(x, size, source, attn_bias, setting, reducer, num_prefix)
             x = x + h
-            return x + self._mlp_branch(x), size, source, positions
+            return x + self._mlp_branch(x), size, source, positions, None
         branches = active and reducer.reads_branches  # the metric from the branch outputs, attention untouched
         h, metric = self._attn_branch(x, attn_bias, rope, reducer if active and not branches else None,
                                       prop_attn or "mask")
@@ -156,28 +164,31 @@ class ReducingBlockMixin:
             size = None if size is None else size[:, :num_prefix]
             source = None if source is None else source[:, :num_prefix]
             positions = None if positions is None else positions.prefix_only()
+            log_size = None if log_size is None else log_size[:, :num_prefix]
         elif metric is not None and where == "after_attention":
-            x, size, source, positions = self._reduce(x, size, source, positions, metric, setting, reducer, num_prefix)
+            x, size, source, positions, log_size = self._reduce(x, size, source, positions, log_size, metric,
+                                                                setting, reducer, num_prefix)
         m = self._mlp_branch(x)
         x = x + m
         if branches and where == "after_mlp":
             metric = reducer.branch_metric(h, m)
         if metric is not None and where == "after_mlp":
-            x, size, source, positions = self._reduce(x, size, source, positions, metric, setting, reducer, num_prefix)
-        return x, size, source, positions
+            x, size, source, positions, log_size = self._reduce(x, size, source, positions, log_size, metric,
+                                                                setting, reducer, num_prefix)
+        return x, size, source, positions, log_size
 
     @staticmethod
-    def _reduce(x, size, source, positions: Optional[TokenPositions], metric, setting, reducer: TokenReducer,
-                num_prefix: int) -> Carried:
+    def _reduce(x, size, source, positions: Optional[TokenPositions], log_size, metric, setting,
+                reducer: TokenReducer, num_prefix: int) -> Carried:
         metric = reducer.plan_input(metric, x)
         fused = reducer.reduce_fused(metric, x, size, source, setting, num_prefix, positions)
         if fused is not None:
             return fused
         plan = reducer.plan(metric, setting, num_prefix, size)
         if plan is None:
-            return x, size, source, positions
+            return x, size, source, positions, log_size
         moved = None if positions is None else positions.reduced(plan, size, num_prefix)
-        return (*plan.apply(x, size, source), moved)
+        return (*plan.apply(x, size, source), moved, None)
 
 
 # model -> (forward_features output -> the stats of the call that returned it); outside the model, so that
@@ -290,7 +301,7 @@ class ReducingModel:
         reducer, num_prefix = self._tokcomp_reducer, self.num_prefix_tokens
         settings = reducer.settings_for(self._tokcomp_depth, x.shape[1], num_prefix, self._tokcomp_block_cost, grid)
         prefix_only_last_block = prefix_only_last(self, reducer) and final
-        size = None
+        size = log_size = None
         source = None
         if reducer.trace_source or for_intermediates:
             source = torch.eye(x.shape[1], device=x.device, dtype=x.dtype).expand(x.shape[0], -1, -1)
@@ -309,16 +320,16 @@ class ReducingModel:
 
             def run(prefix_only: bool) -> Carried:
                 if use_checkpoint:
-                    return checkpoint(blk.forward_reduce, *args, prefix_only, use_reentrant=False)
+                    return checkpoint(blk.forward_reduce, *args, prefix_only, log_size, use_reentrant=False)
                 if compiled is not None:
-                    return compiled(blk, *args, prefix_only)
-                return blk.forward_reduce(*args, prefix_only)
+                    return compiled(blk, *args, prefix_only, log_size)
+                return blk.forward_reduce(*args, prefix_only, log_size)
 
             prefix_only = prefix_only_last_block and i == last
             if on_block is not None and prefix_only:
-                every, _, every_source, every_positions = run(False)
+                every, _, every_source, every_positions, _ = run(False)
                 on_block(i, every, every_source, every_positions)
-            x, size, source, positions = run(prefix_only)
+            x, size, source, positions, log_size = run(prefix_only)
             if on_block is not None and not prefix_only:
                 on_block(i, x, source, positions)
         stats.tokens_out = x.shape[1]

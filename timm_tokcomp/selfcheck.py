@@ -74,6 +74,8 @@ def _median_ms(fn: Callable[[], object], device: torch.device, rounds: int) -> f
 
 def _diff(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float:
     """The largest |got - want| / max(1, |want|) over all outputs (absolute below magnitude 1, relative above)."""
+    if len(got) != len(want):
+        raise AssertionError(f"a step returned {len(got)} outputs where its reference returns {len(want)}")
     return max(float(((g.float() - w.float()).abs() / w.float().abs().clamp(min=1)).max()) for g, w in zip(got, want))
 
 
@@ -95,8 +97,12 @@ def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) 
     def fp32(t):
         return t.float()
 
+    def with_log(x, size):
+        """A step's outputs as the kernels return them: the merged tokens, their sizes and the sizes' log."""
+        return x, size, size.log()
+
     def tome(cast, metric, x, size, r):
-        return merge_mean(cast(x), cast(size), bipartite_soft_matching(cast(metric), r, 1))
+        return with_log(*merge_mean(cast(x), cast(size), bipartite_soft_matching(cast(metric), r, 1)))
 
     def head_mean(k):
         """k (B, H, N, d) averaged over heads as the match kernel averages them: fp32 sum in head order, / H, in
@@ -109,11 +115,11 @@ def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) 
     def atm(cast, metric, x, size, threshold):
         node_max, node_idx = best_matches(cast(metric), 1)
         r = min(batch_adaptive_r(count_above(node_max, threshold)), max_merges(metric.shape[1], 1))
-        return merge_mean(cast(x), cast(size), merge_top_r(node_max, node_idx, r, 1))
+        return with_log(*merge_mean(cast(x), cast(size), merge_top_r(node_max, node_idx, r, 1)))
 
     def evit(cast, q, k, x, size, bias, r):
         plan = attentive_pruning(class_attention(cast(q), cast(k), cast(bias), 0.125).mean(dim=1), r, 1)
-        return plan.apply(cast(x), cast(size), None)[:2]
+        return with_log(*plan.apply(cast(x), cast(size), None)[:2])
 
     steps = {}  # each: (kernel, reference in fp32, torch path in the dtype), on the same inputs
     for tokens, r, label in ((197, 16, "tome r16, 197 tokens"), (1025, 256, "tome r256, 1025 tokens (tiled)")):

@@ -42,19 +42,22 @@ def test_fused_step_matches_reference_fp32(batch, tokens, num_prefix, r, dim, ch
     size = size if with_size else None
     plan = bipartite_soft_matching(metric, r, num_prefix)
     want_x, want_size = merge_mean(x, size, plan)
-    got_x, got_size = triton_tome.tome_merge(metric, x, size, r, num_prefix)
+    got_x, got_size, got_log = triton_tome.tome_merge(metric, x, size, r, num_prefix)
     torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_size, want_size, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_log, got_size.log())  # the next block's bias: the log of the size written
 
 
 def test_fused_step_fp16_within_rounding():
     metric, x, size = _inputs(2, 197, 64, 48, dtype=torch.float16)
     plan = bipartite_soft_matching(metric.float(), 16, 1)
     want_x, want_size = merge_mean(x.float(), size.float(), plan)
-    got_x, got_size = triton_tome.tome_merge(metric, x, size, 16, 1)
+    got_x, got_size, got_log = triton_tome.tome_merge(metric, x, size, 16, 1)
     assert got_x.dtype == got_size.dtype == torch.float16
     torch.testing.assert_close(got_x.float(), want_x, rtol=2e-3, atol=2e-3)  # one fp16 rounding of an fp32 sum
     torch.testing.assert_close(got_size.float(), want_size, rtol=2e-3, atol=0)
+    assert got_log.dtype == torch.float16
+    torch.testing.assert_close(got_log, got_size.log())  # the fp32 log rounded to fp16 (within an fp16 step)
 
 
 def _keys(batch, heads, tokens, dim, seed=1, dtype=torch.float32):
@@ -69,12 +72,13 @@ def test_fused_step_on_keys_averages_the_heads_as_torch_does(batch, tokens, num_
     the kernel on k.mean(dim=1) (bit for bit: the same mean in fp32) and as the reference plan on it."""
     _, x, size = _inputs(batch, tokens, dim, channels)
     k = _keys(batch, 3, tokens, dim)
-    got_x, got_size = triton_tome.tome_merge(k, x, size, r, num_prefix)
+    got_x, got_size, got_log = triton_tome.tome_merge(k, x, size, r, num_prefix)
     on_mean = triton_tome.tome_merge(k.mean(dim=1), x, size, r, num_prefix)
     assert torch.equal(got_x, on_mean[0]) and torch.equal(got_size, on_mean[1])
     want_x, want_size = merge_mean(x, size, bipartite_soft_matching(k.mean(dim=1), r, num_prefix))
     torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_size, want_size, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_log, got_size.log())  # the next block's bias: the log of the size written
 
 
 @pytest.mark.parametrize("tokens", [197, 301])  # one program per image; a launch per phase
@@ -93,9 +97,11 @@ def test_fused_step_on_fp16_keys_within_rounding():
     k = _keys(2, 4, 197, 64, dtype=torch.float16)
     plan = bipartite_soft_matching(k.mean(dim=1).float(), 16, 1)  # the mean rounded to fp16, as the kernel rounds it
     want_x, want_size = merge_mean(x.float(), size.float(), plan)
-    got_x, got_size = triton_tome.tome_merge(k, x, size, 16, 1)
+    got_x, got_size, got_log = triton_tome.tome_merge(k, x, size, 16, 1)
     torch.testing.assert_close(got_x.float(), want_x, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(got_size.float(), want_size, rtol=2e-3, atol=0)
+    assert got_log.dtype == torch.float16
+    torch.testing.assert_close(got_log, got_size.log())  # the fp32 log rounded to fp16 (within an fp16 step)
 
 
 def _kernel_plan(metric, r, num_prefix):
@@ -134,9 +140,10 @@ def test_plan_on_exact_ties_follows_the_reference_rules():
         assert torch.equal(offsets[:, 1:] - offsets[:, :-1],
                            torch.stack([torch.bincount(d, minlength=offsets.shape[1] - 1) for d in plan.dst_idx]))
         want_x, want_size = merge_mean(x, None, plan)
-        got_x, got_size = triton_tome.tome_merge(metric, x, None, r, num_prefix)
+        got_x, got_size, got_log = triton_tome.tome_merge(metric, x, None, r, num_prefix)
         torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-6)
         assert torch.equal(got_size, want_size)
+        assert torch.equal(got_log, want_size.log())  # counts: log(1) = 0 exactly
 
 
 @pytest.mark.parametrize("tokens, launches", [(197, ["tome_match_and_plan"]),
@@ -192,9 +199,10 @@ def test_fused_step_on_a_size_distinctive_split(batch, tokens, num_prefix, r, di
     node_max, node_idx = best_matches(metric, num_prefix, split)
     plan = merge_top_r(node_max, node_idx, r, num_prefix, split)
     want_x, want_size = merge_mean(x, size, plan)
-    got_x, got_size = triton_tome.tome_merge(metric, x, size, r, num_prefix, split)
+    got_x, got_size, got_log = triton_tome.tome_merge(metric, x, size, r, num_prefix, split)
     torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_size, want_size, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_log, got_size.log())  # the next block's bias: the log of the size written
 
 
 @pytest.mark.parametrize("batch, tokens, num_prefix, r, dim, channels", CASES)
@@ -246,6 +254,7 @@ def test_atm_step_matches_reference(threshold, split, tokens):
     want_x, want_size = merge_mean(x, size, merge_top_r(node_max, node_idx, r, 1, sp))
     torch.testing.assert_close(got[0], want_x, rtol=0, atol=1e-5)
     torch.testing.assert_close(got[1], want_size, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[2], got[1].log())
 
 
 @pytest.mark.parametrize("variant", ["cls", "distilled", "registers"])
@@ -294,9 +303,10 @@ def test_evit_fused_step_matches_reference_fp32(batch, heads, tokens, num_prefix
     size = size if with_size else None
     plan = attentive_pruning(class_attention(q, k, bias, 0.3).mean(dim=1), r, num_prefix)
     want_x, want_size, _ = plan.apply(x, size, None)
-    got_x, got_size = triton_evit.evit_prune(q, k, bias, 0.3, x, size, r, num_prefix)
+    got_x, got_size, got_log = triton_evit.evit_prune(q, k, bias, 0.3, x, size, r, num_prefix)
     torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_size, want_size, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_log, got_size.log())  # the next block's bias: the log of the size written
 
 
 @pytest.mark.parametrize("variant", ["cls", "distilled", "registers", "layerscale_qknorm"])

@@ -35,8 +35,9 @@ def test_tome_operators_fake_shapes_match_for_every_small_shape(backend):
             torch.library.opcheck(torch.ops.timm_tokcomp.tome_merge_rope,
                                   (metric, t["x"], t["size"], coords, r, p, coords_merge, backend),
                                   test_utils=FAKE)
-        out, _ = torch.ops.timm_tokcomp.tome_merge(t["metric"], t["x"], None, r, p, backend)
+        out, size, log_size = torch.ops.timm_tokcomp.tome_merge(t["metric"], t["x"], None, r, p, backend)
         assert out.shape[1] == n - merged_count(n, p, r)
+        torch.testing.assert_close(log_size, size.log())
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -54,5 +55,7 @@ def test_evit_operators_fake_shapes_match_for_every_small_shape(backend):
                 torch.library.opcheck(torch.ops.timm_tokcomp.evit_prune_rope,
                                       (t["q"], t["k"], t["bias"], 0.5, t["x"], t["size"], coords, r, p, coords_merge),
                                       test_utils=FAKE)
-        out, _ = torch.ops.timm_tokcomp.evit_prune(t["q"], t["k"], None, 0.5, t["x"], None, r, p, backend)
+        out, size, log_size = torch.ops.timm_tokcomp.evit_prune(t["q"], t["k"], None, 0.5, t["x"], None, r, p,
+                                                                backend)
         assert out.shape[1] == n - pruned_count(n, p, r)
+        torch.testing.assert_close(log_size, size.log())

@@ -75,8 +75,9 @@ def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tenso
     """ToMe's bipartite matching of r merges on metric (B, N, D), or keys (B, H, N, D) averaged over heads inside
     the match kernel, and the size-weighted merge of x (B, N, C), size (B, N, 1) or None, in two Triton launches
     (five above 128 A tokens):
-    -> x (B, N - r, C), size (B, N - r, 1); with coords (B, N - num_prefix, 2), the patch tokens' rotary
-    positions, also those moved by the same plan (triton_tome.tome_merge)."""
+    -> x (B, N - r, C), size (B, N - r, 1), log size (B, N - r, 1) (the next block's proportional-attention bias);
+    with coords (B, N - num_prefix, 2), the patch tokens' rotary positions, also those moved by the same plan
+    (triton_tome.tome_merge)."""
     from . import triton_tome
 
     if coords is None:
@@ -94,19 +95,22 @@ def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Te
 
 
 def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], threshold: float, num_prefix: int,
-              split: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+              split: Optional[Tuple[torch.Tensor, torch.Tensor]]
+              ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """ATM's matching on metric (B, N, D) or keys (B, H, N, D) (averaged over heads in the kernel), batch-adaptive
     merge count (one host synchronisation) and merge in three Triton launches (six above 128 A tokens):
-    -> x (B, N - r, C), size (B, N - r, 1), or None when nothing merges. split: (a_idx, b_idx) or None."""
+    -> x (B, N - r, C), size (B, N - r, 1), log size (B, N - r, 1), or None when nothing merges. split: (a_idx,
+    b_idx) or None."""
     from . import triton_tome
 
     return triton_tome.atm_merge(metric, x, size, threshold, num_prefix, split)
 
 
 def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, x: torch.Tensor,
-               size: Optional[torch.Tensor], r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor]:
+               size: Optional[torch.Tensor], r: int, num_prefix: int
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """EViT's class attention (q, k: (B, H, N, d)), pruning of r tokens and fusion of x (B, N, C), size (B, N, 1)
-    or None, in two Triton launches: -> x (B, N - r, C), size (B, N - r, 1)."""
+    or None, in two Triton launches: -> x (B, N - r, C), size (B, N - r, 1), log size (B, N - r, 1)."""
     from . import triton_evit
 
     return triton_evit.evit_prune(q, k, attn_bias, scale, x, size, r, num_prefix)

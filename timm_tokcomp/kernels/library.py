@@ -3,9 +3,13 @@ step as one opaque call with a fake implementation that gives its output shapes 
 compiler neither re-derives the matching for every block nor guards on each block's token count, and the fused
 Triton kernels run inside the compiled graph (and its CUDA graphs) where the backend says 'triton'.
 
-    x, size = torch.ops.timm_tokcomp.tome_merge(metric, x, size, r, num_prefix, "torch")
-    x, size, coords = torch.ops.timm_tokcomp.tome_merge_rope(metric, x, size, coords, r, num_prefix, "dst", "triton")
-    x, size = torch.ops.timm_tokcomp.evit_prune(q, k, attn_bias, scale, x, size, r, num_prefix, "triton")
+    x, size, log_size = torch.ops.timm_tokcomp.tome_merge(metric, x, size, r, num_prefix, "torch")
+    x, size, log_size, coords = torch.ops.timm_tokcomp.tome_merge_rope(metric, x, size, coords, r, num_prefix, "dst",
+                                                                       "triton")
+    x, size, log_size = torch.ops.timm_tokcomp.evit_prune(q, k, attn_bias, scale, x, size, r, num_prefix, "triton")
+
+Each step also returns the log of the sizes it returns (size.log(), in size's dtype): the next block's
+proportional-attention bias, which the merge kernel writes beside the sizes, so that block launches nothing for it.
 
 Where Triton compiles the kernels (not under TRITON_INTERPRET=1), the 'triton' backend of each step is also
 registered as a torch.library.triton_op, `<name>_launched`, which compiled_step calls instead: torch.compile sees
@@ -44,9 +48,11 @@ def _fresh(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     return tuple(t.contiguous() if t.storage_offset() == 0 else t.contiguous().clone() for t in tensors)
 
 
-def _unreduced(x: torch.Tensor, size: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A step with nothing to reduce: copies of x and size (ones where None), never aliases of the inputs."""
-    return x.clone(), (x.new_ones(*x.shape[:2], 1) if size is None else size.clone())
+def _unreduced(x: torch.Tensor, size: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step with nothing to reduce: copies of x and size (ones where None) and the sizes' log, never aliases of the
+    inputs."""
+    size = x.new_ones(*x.shape[:2], 1) if size is None else size.clone()
+    return x.clone(), size, size.log()
 
 
 def _head_mean(metric: torch.Tensor) -> torch.Tensor:
@@ -60,21 +66,22 @@ def uses_library_op(x: torch.Tensor) -> bool:
 
 
 def _tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
-                backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+                backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ToMe's step: bipartite matching of r merges on metric (B, N, D), or keys (B, H, N, D) averaged over heads,
     (0 < r <= matching.max_merges(N, num_prefix)) and the size-weighted merge of x (B, N, C), size (B, N, 1) or None
-    (all ones) -> x (B, N - r, C), size (B, N - r, 1). backend: 'triton' (kernels.tome_merge's two launches) or
-    'torch' (the plan)."""
+    (all ones) -> x (B, N - r, C), size (B, N - r, 1), log size (B, N - r, 1). backend: 'triton'
+    (kernels.tome_merge's two launches) or 'torch' (the plan)."""
     r = merged_count(x.shape[1], num_prefix, r)
     if r == 0:
         return _unreduced(x, size)
     if backend == "triton":
         from . import triton_tome
 
-        merged, merged_size = triton_tome.tome_merge(metric, x, size, r, num_prefix)
+        merged, merged_size, log_size = triton_tome.tome_merge(metric, x, size, r, num_prefix)
     else:
         merged, merged_size, _ = bipartite_soft_matching(_head_mean(metric), r, num_prefix).apply(x, size, None)
-    return _fresh(merged, merged_size)
+        log_size = merged_size.log()
+    return _fresh(merged, merged_size, log_size)
 
 
 tome_merge = torch.library.custom_op("timm_tokcomp::tome_merge", _tome_merge, mutates_args=())
@@ -84,16 +91,16 @@ tome_merge = torch.library.custom_op("timm_tokcomp::tome_merge", _tome_merge, mu
 def _(metric, x, size, r, num_prefix, backend):
     B, N, C = x.shape
     r = merged_count(N, num_prefix, r)
-    return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1)
+    return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1), x.new_empty(B, N - r, 1)
 
 
 def _tome_merge_rope(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], coords: torch.Tensor,
                      r: int, num_prefix: int, coords_merge: str, backend: str
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """tome_merge (metric (B, N, D) or keys (B, H, N, D)) on a rope model: also the patch tokens' rotary
     coordinates coords (B, N - num_prefix, 2), float32, moved by the same plan (coords_merge 'dst': each merged token
     at its destination's; 'centroid': at the size-weighted centroid, rope.moved_coords) -> x (B, N - r, C),
-    size (B, N - r, 1), coords (B, N - r - num_prefix, 2). backend: 'triton' (kernels.tome_merge with coords) or
+    size (B, N - r, 1), log size (B, N - r, 1), coords (B, N - r - num_prefix, 2). backend: 'triton' (kernels.tome_merge with coords) or
     'torch' (the plan)."""
     r = merged_count(x.shape[1], num_prefix, r)
     if r == 0:
@@ -101,15 +108,16 @@ def _tome_merge_rope(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch
     if backend == "triton":
         from . import triton_tome
 
-        merged, merged_size, moved = triton_tome.tome_merge_with_coords(metric, x, size, r, num_prefix, coords,
-                                                                         coords_merge)
+        merged, merged_size, log_size, moved = triton_tome.tome_merge_with_coords(metric, x, size, r, num_prefix,
+                                                                                   coords, coords_merge)
     else:
         from ..rope import moved_coords
 
         plan = bipartite_soft_matching(_head_mean(metric), r, num_prefix)
         merged, merged_size, _ = plan.apply(x, size, None)
+        log_size = merged_size.log()
         moved = moved_coords(plan, coords, size, num_prefix, coords_merge)
-    return _fresh(merged, merged_size, moved)
+    return _fresh(merged, merged_size, log_size, moved)
 
 
 tome_merge_rope = torch.library.custom_op("timm_tokcomp::tome_merge_rope", _tome_merge_rope, mutates_args=())
@@ -119,26 +127,29 @@ tome_merge_rope = torch.library.custom_op("timm_tokcomp::tome_merge_rope", _tome
 def _(metric, x, size, coords, r, num_prefix, coords_merge, backend):
     B, N, C = x.shape
     r = merged_count(N, num_prefix, r)
-    return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1), coords.new_empty(B, coords.shape[1] - r, 2)
+    return (x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1), x.new_empty(B, N - r, 1),
+            coords.new_empty(B, coords.shape[1] - r, 2))
 
 
 def _evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, x: torch.Tensor,
                 size: Optional[torch.Tensor], r: int, num_prefix: int, backend: str
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """EViT's step: the class token's attention from q, k (B, H, N, d), attn_bias (B, 1, 1, N) or None, the r + 1
     least attended patch tokens of x (B, N, C) fused into one (0 < r <= N - num_prefix - 1), size (B, N, 1) or None
-    -> x (B, N - r, C), size (B, N - r, 1). backend: 'triton' (kernels.evit_prune's two launches) or 'torch'."""
+    -> x (B, N - r, C), size (B, N - r, 1), log size (B, N - r, 1). backend: 'triton' (kernels.evit_prune's two
+    launches) or 'torch'."""
     r = pruned_count(x.shape[1], num_prefix, r)
     if r == 0:
         return _unreduced(x, size)
     if backend == "triton":
         from . import triton_evit
 
-        pruned, pruned_size = triton_evit.evit_prune(q, k, attn_bias, scale, x, size, r, num_prefix)
+        pruned, pruned_size, log_size = triton_evit.evit_prune(q, k, attn_bias, scale, x, size, r, num_prefix)
     else:
         plan = attentive_pruning(class_attention(q, k, attn_bias, scale).mean(dim=1), r, num_prefix)
         pruned, pruned_size, _ = plan.apply(x, size, None)
-    return _fresh(pruned, pruned_size)
+        log_size = pruned_size.log()
+    return _fresh(pruned, pruned_size, log_size)
 
 
 evit_prune = torch.library.custom_op("timm_tokcomp::evit_prune", _evit_prune, mutates_args=())
@@ -148,17 +159,17 @@ evit_prune = torch.library.custom_op("timm_tokcomp::evit_prune", _evit_prune, mu
 def _(q, k, attn_bias, scale, x, size, r, num_prefix, backend):
     B, N, C = x.shape
     r = pruned_count(N, num_prefix, r)
-    return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1)
+    return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1), x.new_empty(B, N - r, 1)
 
 
 @torch.library.custom_op("timm_tokcomp::evit_prune_rope", mutates_args=())
 def evit_prune_rope(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, x: torch.Tensor,
                     size: Optional[torch.Tensor], coords: torch.Tensor, r: int, num_prefix: int, coords_merge: str
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """evit_prune on a rope model, the torch plan (the Triton kernels carry no coordinates): also the patch tokens'
     rotary coordinates coords (B, N - num_prefix, 2), float32, moved by the same plan (rope.moved_coords: the kept
     tokens keep theirs, the fused token sits at the centroid of what it holds) -> x (B, N - r, C), size
-    (B, N - r, 1), coords (B, N - r - num_prefix, 2)."""
+    (B, N - r, 1), log size (B, N - r, 1), coords (B, N - r - num_prefix, 2)."""
     from ..rope import moved_coords
 
     r = pruned_count(x.shape[1], num_prefix, r)
@@ -167,14 +178,15 @@ def evit_prune_rope(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.
     plan = attentive_pruning(class_attention(q, k, attn_bias, scale).mean(dim=1), r, num_prefix)
     pruned, pruned_size, _ = plan.apply(x, size, None)
     moved = moved_coords(plan, coords, size, num_prefix, coords_merge)
-    return _fresh(pruned, pruned_size, moved)
+    return _fresh(pruned, pruned_size, pruned_size.log(), moved)
 
 
 @evit_prune_rope.register_fake
 def _(q, k, attn_bias, scale, x, size, coords, r, num_prefix, coords_merge):
     B, N, C = x.shape
     r = pruned_count(N, num_prefix, r)
-    return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1), coords.new_empty(B, coords.shape[1] - r, 2)
+    return (x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1), x.new_empty(B, N - r, 1),
+            coords.new_empty(B, coords.shape[1] - r, 2))
 
 
 # Inductor launches the kernels itself where Triton compiles them (a GPU build, not the interpreter)

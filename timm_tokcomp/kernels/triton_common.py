@@ -22,6 +22,15 @@ def descending_rank(values_ptr, ii, imask, n, lane, BLOCK: tl.constexpr):
     return ahead
 
 
+@triton.jit
+def store_size(SIZE_OUT, LOG_OUT, offset, total):
+    """Store an output token's size total (fp32 scalar) at SIZE_OUT + offset in its dtype, and the log of that stored
+    value at LOG_OUT + offset (the next block's proportional-attention bias, as torch's size.log() gives it)."""
+    size = total.to(SIZE_OUT.dtype.element_ty)
+    tl.store(SIZE_OUT + offset, size)
+    tl.store(LOG_OUT + offset, tl.log(size.to(tl.float32)).to(LOG_OUT.dtype.element_ty))
+
+
 _IN_GRAPH = threading.local()
 
 

@@ -9,7 +9,7 @@ larger images):
    program per batch row runs it all; above, each phase is a launch of a program per head or per tile.
 2. `_prune_fuse_kernel`, one program per (batch row, output token): a kept token's row and size, or for the last
    output the attention-weighted mean of the fused tokens (read 8 rows at a time) and the sum of their sizes
-   (fp32, fixed order).
+   (fp32, fixed order); and the log of each size (the next block's proportional-attention bias).
 
 Set TRITON_INTERPRET=1 before importing this module to run the kernels on the CPU (fp32 / fp16 only).
 """
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..measure import kernel_launch
-from .triton_common import descending_rank, launched
+from .triton_common import descending_rank, launched, store_size
 
 # workspace row (int32): attention (float32 bits) [n] | rank [n] | kept [n - f] | fused, by rank [f] |
 # per-head softmax max and sum (float32 bits) [2 H] | fused attention sum, per list program (float32 bits) [parts]
@@ -137,7 +137,7 @@ def _class_attention_plan_kernel(
 
 @triton.jit(do_not_specialize=["N", "W", "num_fused", "num_parts", "stride_sb", "stride_ob"])
 def _prune_fuse_kernel(
-    X, SIZE, WS, Y, SIZE_OUT,
+    X, SIZE, WS, Y, SIZE_OUT, LOG_OUT,
     C, N, H, W, num_prefix, num_fused, num_parts,
     stride_xb, stride_xn, stride_xc,
     stride_sb, stride_sn,
@@ -189,14 +189,16 @@ def _prune_fuse_kernel(
         else:
             total = tl.full([], 1.0, tl.float32)
     tl.store(Y + b * stride_yb + g * stride_yn + cols * stride_yc, acc.to(Y.dtype.element_ty), mask=cmask)
-    tl.store(SIZE_OUT + b * stride_ob + g * stride_on, total.to(SIZE_OUT.dtype.element_ty))
+    store_size(SIZE_OUT, LOG_OUT, b * stride_ob + g * stride_on, total)
 
 
 def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, x: torch.Tensor,
-               size: Optional[torch.Tensor], r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor]:
+               size: Optional[torch.Tensor], r: int, num_prefix: int
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """EViT's reduction step: q, k (B, H, N, d) after q/k norm, attn_bias (B, 1, 1, N) or None, x (B, N, C), size
-    (B, N, 1) or None (all ones), 0 < r <= N - num_prefix - 1 -> x (B, N - r, C), size (B, N - r, 1) in x's
-    dtype: prefix tokens, kept tokens, the fused token."""
+    (B, N, 1) or None (all ones), 0 < r <= N - num_prefix - 1 -> x (B, N - r, C), size (B, N - r, 1) and its log
+    (B, N - r, 1) (the next block's proportional-attention bias) in x's dtype: prefix tokens, kept tokens, the fused
+    token."""
     B, H, N, D = k.shape
     C = x.shape[-1]
     n = N - num_prefix
@@ -226,12 +228,13 @@ def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tenso
         launch("evit_class_attention_plan.lists", tiles, 0, STATS=False, ATTN=False, RANK=False, LISTS=True)
     y = torch.empty(B, N - r, C, dtype=x.dtype, device=x.device)
     size_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)
+    log_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)
     s = size if size is not None else x  # never read when HAS_SIZE is False (no output: see triton_common)
     block_c = triton.next_power_of_2(C)
     with kernel_launch("evit_prune_fuse", macs=0):
         launched(_prune_fuse_kernel)[(B, N - r)](
-            x, s, ws, y, size_out, C, N, H, width, num_prefix, num_fused, parts,
+            x, s, ws, y, size_out, log_out, C, N, H, width, num_prefix, num_fused, parts,
             *x.stride(), s.stride(0), s.stride(1), *y.stride(), size_out.stride(0), size_out.stride(1),
             HAS_SIZE=size is not None, BLOCK_C=block_c, FUSE_ROWS=max(1, min(8, 8192 // block_c)),
         )
-    return y, size_out
+    return y, size_out, log_out

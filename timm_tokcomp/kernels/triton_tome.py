@@ -12,7 +12,8 @@ implementing the contract of matching.best_matches + merge_top_r + plans.merge.m
    is a launch of one program per (batch row, tile). ATM launches the matching alone (with each image's count of
    similarities above its threshold), then, once the host has the batch's merge count, the rest.
 2. `_merge_kernel`, one program per (batch row, output token): the size-weighted mean of the output token's
-   group and its size, accumulated in fp32 in a fixed order (no atomics: deterministic).
+   group and its size, accumulated in fp32 in a fixed order (no atomics: deterministic), and the log of that size
+   (the next block's proportional-attention bias, so that block launches nothing for it).
 
 A and B are the alternate positions, or the positions a size-distinctive split lists (ATM's late blocks).
 Set TRITON_INTERPRET=1 before importing this module to run the kernels on the CPU (fp32 / fp16 only).
@@ -25,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..measure import kernel_launch
-from .triton_common import descending_rank, launched
+from .triton_common import descending_rank, launched, store_size
 
 # workspace row (int32): node_max (float32 bits) [n_a] | node_idx [n_a] | rank [n_a] | kept A [n_a - r] |
 # merged A sorted by (destination, index) [r] | per-B offsets into that list [n_b + 1] |
@@ -212,7 +213,7 @@ def _lists(node_idx_ptr, rank_ptr, kept_ptr, merged_ptr, offsets_ptr, n_a, n_b, 
 
 @triton.jit(do_not_specialize=["n_a", "r", "W", "stride_sb", "stride_ob", "stride_pos_a", "stride_pos_b"])
 def _merge_kernel(
-    X, SIZE, WS, Y, SIZE_OUT, A_POS, B_POS,
+    X, SIZE, WS, Y, SIZE_OUT, LOG_OUT, A_POS, B_POS,
     C, n_a, r, W, num_prefix, a_first, b_first,
     stride_xb, stride_xn, stride_xc,
     stride_sb, stride_sn,
@@ -257,7 +258,7 @@ def _merge_kernel(
         total += s
         k += 1
     tl.store(Y + b * stride_yb + g * stride_yn + cols * stride_yc, (acc / total).to(Y.dtype.element_ty), mask=cmask)
-    tl.store(SIZE_OUT + b * stride_ob + g * stride_on, total.to(SIZE_OUT.dtype.element_ty))
+    store_size(SIZE_OUT, LOG_OUT, b * stride_ob + g * stride_on, total)
 
 
 class _Layout(NamedTuple):
@@ -324,28 +325,33 @@ def _match_and_plan(metric: torch.Tensor, ws: torch.Tensor, lay: _Layout, r: int
 
 
 def _merge(ws: torch.Tensor, lay: _Layout, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
-           split: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+           split: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The merge launch of a planned step (ws) -> x (B, N - r, C), size and its log (B, N - r, 1), in x's dtype."""
     B, N, C = x.shape
     y = torch.empty(B, N - r, C, dtype=x.dtype, device=x.device)
     size_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)
+    log_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)  # the next block's log sizes: its own tensor
     s = size if size is not None else x  # never read when HAS_SIZE is False (no output: see triton_common)
     a_pos, b_pos = split if split is not None else (ws, ws)
     with kernel_launch("tome_merge", macs=0):
         launched(_merge_kernel)[(B, N - r)](
-            x, s, ws, y, size_out, a_pos, b_pos, C, lay.n_a, r, lay.width, num_prefix, lay.a_first, lay.b_first,
+            x, s, ws, y, size_out, log_out, a_pos, b_pos, C, lay.n_a, r, lay.width, num_prefix, lay.a_first,
+            lay.b_first,
             *x.stride(), s.stride(0), s.stride(1), *y.stride(), size_out.stride(0), size_out.stride(1),
             a_pos.stride(0), b_pos.stride(0),
             HAS_SIZE=size is not None, HAS_SPLIT=split is not None, BLOCK_C=triton.next_power_of_2(C),
         )
-    return y, size_out
+    return y, size_out, log_out
 
 
 def tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
-               split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+               split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ToMe's reduction step: metric (B, N, D) or keys (B, H, N, D) (the metric: their mean over heads),
     x (B, N, C), size (B, N, 1) or None (all ones), 0 < r <= max_merges(N, num_prefix), split (a_idx, b_idx) from
-    matching.size_distinctive_split or None (the alternate split) -> x (B, N - r, C), size (B, N - r, 1) in x's
-    dtype, in merge_mean's order (prefix tokens, kept A tokens, B tokens)."""
+    matching.size_distinctive_split or None (the alternate split) -> x (B, N - r, C), size (B, N - r, 1) and its log
+    (B, N - r, 1) (the next block's proportional-attention bias), in x's dtype, in merge_mean's order (prefix tokens,
+    kept A tokens, B tokens)."""
     lay, ws = _planned(metric, r, num_prefix, split)
     return _merge(ws, lay, x, size, r, num_prefix, split)
 
@@ -362,13 +368,13 @@ def _planned(metric: torch.Tensor, r: int, num_prefix: int, split: Optional[Tupl
 
 def tome_merge_with_coords(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int,
                            num_prefix: int, coords: torch.Tensor, coords_merge: str
-                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """tome_merge, and the patch tokens' rotary coords (B, N - num_prefix, 2) moved by the same plan ->
-    (x, size, coords (B, N - r - num_prefix, 2)). coords_merge 'dst': each output keeps its destination's row (a
+    (x, size, log size, coords (B, N - r - num_prefix, 2)). coords_merge 'dst': each output keeps its destination's row (a
     kept A token's own, a B token's: read from the plan's list of kept A tokens); 'centroid': the size-weighted
     mean of what it holds, by the merge kernel in fp32 on the same plan (one more launch)."""
     lay, ws = _planned(metric, r, num_prefix, None)
-    merged, merged_size = _merge(ws, lay, x, size, r, num_prefix, None)
+    merged, merged_size, log_size = _merge(ws, lay, x, size, r, num_prefix, None)
     a_start = lay.a_first - num_prefix
     if coords_merge == "dst":
         kept = ws[:, 3 * lay.n_a:4 * lay.n_a - r].long().unsqueeze(-1).expand(-1, -1, 2)
@@ -377,13 +383,13 @@ def tome_merge_with_coords(metric: torch.Tensor, x: torch.Tensor, size: Optional
         full = torch.cat([coords.new_zeros(coords.shape[0], num_prefix, 2), coords], dim=1)
         weights = None if size is None else size.float()
         moved = _merge(ws, lay, full.float(), weights, r, num_prefix, None)[0][:, num_prefix:]
-    return merged, merged_size, moved
+    return merged, merged_size, log_size, moved
 
 
 def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], threshold: float, num_prefix: int,
               split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-              ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """ATM's reduction step on metric (B, N, D) or keys (B, H, N, D), as tome_merge with r = the batch-adaptive
+              ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """ATM's reduction step on metric (B, N, D) or keys (B, H, N, D), as tome_merge (x, size, log size) with r = the batch-adaptive
     count of best similarities above threshold (matching.batch_adaptive_r, at most max_merges): one host
     synchronisation, for that count. None when r = 0. B >= 1."""
     B = x.shape[0]

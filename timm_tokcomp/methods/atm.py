@@ -226,7 +226,10 @@ class ATM(TokenReducer):
         if not isinstance(metric, HeadKeys) or source is not None or positions is not None or x.shape[0] == 0:
             return None
         if max_merges(x.shape[1], num_prefix) == 0:
-            return x, size, source, None
+            return None  # nothing can merge: plan() declines
         split = size_distinctive_split(size, num_prefix) if step.size_split and size is not None else None
         merged = kernels.atm_merge(metric.k, x, size, step.threshold, num_prefix, split)
-        return (x, size, source, None) if merged is None else (*merged, None, None)
+        if merged is None:  # nothing merged; the block takes size.log() itself (no log carried)
+            return x, size, source, None, None
+        x, size, log_size = merged
+        return x, size, None, None, log_size

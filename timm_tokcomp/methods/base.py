@@ -238,10 +238,12 @@ class TokenReducer(ABC):
 
     def reduce_fused(self, metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor],
                      source: Optional[torch.Tensor], setting: Any, num_prefix: int, positions: Optional[Any] = None
-                     ) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[Any]]]:
+                     ) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[Any],
+                                         Optional[torch.Tensor]]]:
         """plan() and its apply for one block in fused kernels -> (x, size, source, positions moved as the plan moves
-        them; rope.TokenPositions or None), or None where the method has none for these inputs (then plan() runs and
-        its plan applies itself)."""
+        them (rope.TokenPositions or None), size.log() where the step wrote it, else None), or None where the method
+        has none for these inputs (then plan() runs and its plan applies itself; a step that leaves the tokens as they
+        are returns None too, so that plan() declines and the carried log size stays)."""
         return None
 
     def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:

@@ -47,9 +47,11 @@ class EViT(FusedScheduledReducer):
 
     def plan(self, metric: Union[torch.Tensor, ClassAttentionInputs], r: int, num_prefix: int,
              size: Optional[torch.Tensor]) -> Optional[PrunePlan]:
+        if r <= 0:
+            return None
         if isinstance(metric, ClassAttentionInputs):  # the fused step declined (a source map is traced)
             metric = metric.class_attention()
-        if r <= 0 or metric.shape[1] - num_prefix < 2:
+        if metric.shape[1] - num_prefix < 2:
             return None
         return attentive_pruning(metric, r, num_prefix)
 
@@ -64,12 +66,14 @@ class EViT(FusedScheduledReducer):
         n = x.shape[1] - num_prefix
         r = min(r, n - 1)
         if r <= 0:
-            return x, size, source, positions
+            return None  # nothing is pruned: plan() declines
         if compiled and positions is not None:
-            x, size, coords = library.evit_prune_rope(*metric, x, size, positions.coords, r, num_prefix,
-                                                      positions.merge)
-            return x, size, None, positions.moved(coords)
+            x, size, log_size, coords = library.evit_prune_rope(*metric, x, size, positions.coords, r, num_prefix,
+                                                                positions.merge)
+            return x, size, None, positions.moved(coords), log_size
         if compiled:
-            return (*library.compiled_step("evit_prune", *metric, x, size, r, num_prefix,
-                                           backend=kernels.resolve_backend(self.kernel, x)), None, None)
-        return (*kernels.evit_prune(*metric, x, size, r, num_prefix), None, None)
+            x, size, log_size = library.compiled_step("evit_prune", *metric, x, size, r, num_prefix,
+                                                      backend=kernels.resolve_backend(self.kernel, x))
+        else:
+            x, size, log_size = kernels.evit_prune(*metric, x, size, r, num_prefix)
+        return x, size, None, None, log_size

@@ -75,24 +75,29 @@ class ToMe(FusedScheduledReducer):
         compiled, metric = library.uses_library_op(x), metric.k
         r = min(r, max_merges(x.shape[1], num_prefix))
         if r <= 0:
-            return x, size, source, positions
+            return None  # nothing merges: plan() declines
         if compiled:
             backend = kernels.resolve_backend(self.kernel, x)
             if positions is None:
-                return (*library.compiled_step("tome_merge", metric, x, size, r, num_prefix, backend=backend),
-                        None, None)
-            x, size, coords = library.compiled_step("tome_merge_rope", metric, x, size, positions.coords, r,
-                                                    num_prefix, positions.merge, backend=backend)
-            return x, size, None, positions.moved(coords)
+                x, size, log_size = library.compiled_step("tome_merge", metric, x, size, r, num_prefix,
+                                                          backend=backend)
+                return x, size, None, None, log_size
+            x, size, log_size, coords = library.compiled_step("tome_merge_rope", metric, x, size, positions.coords,
+                                                              r, num_prefix, positions.merge, backend=backend)
+            return x, size, None, positions.moved(coords), log_size
         if positions is None:
-            return (*kernels.tome_merge(metric, x, size, r, num_prefix), None, None)
-        x, size, coords = kernels.tome_merge(metric, x, size, r, num_prefix, positions.coords, positions.merge)
-        return x, size, None, positions.moved(coords)
+            x, size, log_size = kernels.tome_merge(metric, x, size, r, num_prefix)
+            return x, size, None, None, log_size
+        x, size, log_size, coords = kernels.tome_merge(metric, x, size, r, num_prefix, positions.coords,
+                                                       positions.merge)
+        return x, size, None, positions.moved(coords), log_size
 
 
 def tome_plan(metric: Union[torch.Tensor, HeadKeys], r: int, num_prefix: int) -> Optional[MergePlan]:
     """Bipartite soft matching of r merges on metric (B, N, C) (HeadKeys: their mean), or None when nothing
     merges."""
+    if r <= 0:
+        return None
     metric = key_metric(metric)  # keys: the fused step declined (a source map is traced) or is not this method's
     if max_merges(metric.shape[1], num_prefix) == 0:
         return None
