@@ -155,3 +155,16 @@ def test_torch_compile_of_a_transformers_and_a_naflex_model_runs_their_regions(e
         compiled = torch.compile(naflex, backend="eager")
         torch.testing.assert_close(compiled(_images(2)), naflex(_images(2)), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(compiled(batch), naflex(batch), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["tome", "evit"])
+def test_compiled_blocks_take_the_log_sizes_their_steps_wrote(method):
+    """Proportional attention's bias is the log of the sizes; the step (its operator, or its merge kernel on a GPU)
+    returns it beside the sizes and the loop hands it to the next block, so no compiled graph takes a log itself."""
+    model, recorder = _vit(method, r=8, prop_attn=True), InGraphs()
+    fast = compiling.compile(model, backend=recorder.backend)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(_images(2)), model(_images(2)), rtol=1e-5, atol=1e-5)
+    assert len(recorder.graphs) >= 4  # the embedding, a block without sizes, a block with them, the end
+    logs = [node for graph in recorder.graphs for node in graph.nodes if node.target in ("log", torch.log)]
+    assert logs == []

@@ -84,8 +84,8 @@ def test_token_counts_never_cost_a_recompile():
 def test_compiled_steps_are_kernel_launches_that_inductor_makes():
     """Where Triton compiles the kernels, a compiled forward's step is a triton_op (library.compiled_step) that
     torch.compile decomposes, before Inductor, into its kernels' launches: a ToMe or EViT reducing block adds two
-    launches (ToMe's metric inside its match kernel) and allocations, and no Python dispatch; beyond the limit's
-    block, also the log of the sizes. Each launch writes only its own outputs and scratch, so nothing of the step's
+    launches (ToMe's metric inside its match kernel) and allocations, and no Python dispatch; the merge launch writes
+    the next block's log sizes, so a later block adds nothing else beyond the limit's. Each launch writes only its own outputs and scratch, so nothing of the step's
     inputs is copied for it. Traced on the CPU without a GPU (tests/tensors/trace_launched_steps.py)."""
     import json
 
@@ -101,15 +101,14 @@ def test_compiled_steps_are_kernel_launches_that_inductor_makes():
         assert len(step["launches"]) == 2, (name, step)
         assert not any(launch["writes_input"] for launch in step["launches"]), (name, step)
     # a reduced ViT's block graph (compiled by regions, the batch symbolic): the step is two launches, no metric op
-    assert [launch["writes"] for launch in block["launches"]] == [["NORMED", "WS"], ["SIZE_OUT", "Y"]]
+    assert [launch["writes"] for launch in block["launches"]] == [["NORMED", "WS"], ["LOG_OUT", "SIZE_OUT", "Y"]]
     assert not block["launches"][0]["grid"][0].isdigit()
     assert not any("mean" in op for op in block["others"])
-    # a later block (sizes given) against the limit's (same token counts, no matching): the step's two launches,
-    # their allocations, and one kernel more, the sizes' log for proportional attention (pointwise over (B, N));
-    # the limit only slices
-    assert against_limit["only_reduced"] == {"launch NORMED,WS": 1, "launch SIZE_OUT,Y": 1,
-                                             "aten.empty.memory_format": 4, "aten.log.default": 1,
-                                             "aten.view.default": 1}
+    # a later block (sizes and their log given, as the previous step wrote them) against the limit's (same token
+    # counts, no matching): the step's two launches, their allocations and the view of the log sizes as
+    # proportional attention's bias, no kernel more (the log is the merge launch's); the limit only slices
+    assert against_limit["only_reduced"] == {"launch NORMED,WS": 1, "launch LOG_OUT,SIZE_OUT,Y": 1,
+                                             "aten.empty.memory_format": 5, "aten.view.default": 1}
     assert against_limit["only_limit"] == {"aten.slice.Tensor": 4}
     assert steps["tome_merge"]["launches"][0]["writes"] == ["NORMED", "WS"]
     assert set(steps["tome_merge"]["others"]) | set(steps["evit_prune"]["others"]) <= allocations

@@ -103,16 +103,18 @@ def trace_block():
                       "others": [op for op in ops if "triton_kernel_wrapper" not in op]}))
 
 
-def _later_block_ops(model, setting):
+def _later_block_ops(model, setting, log_size_given):
     """The ops (launches by what they write) of model's compiled block graph for block 1 entering with sizes, 17
-    tokens."""
+    tokens, and their log where log_size_given (as the loop hands on what a fused step wrote)."""
     graphs = []
     compiled = regions.compile_regions(model, backend=_recording(graphs))
     x, size = torch.randn(2, 17, model.embed_dim), torch.full((2, 17, 1), 2.0)
+    log_size = size.log() if log_size_given else None
     prop_attn = resolve_prop_attn(model._tokcomp_prop_attn, x, compiled=True)  # as the loop resolves it
     try:
         with torch.no_grad(), regions.running(model, compiled):
-            compiled.block(model.blocks[1], x, size, None, None, setting, model._tokcomp_reducer, prop_attn, 1, 1)
+            compiled.block(model.blocks[1], x, size, None, None, setting, model._tokcomp_reducer, prop_attn, 1, 1,
+                           False, log_size)
     except _Traced:
         pass
     ops = collections.Counter()
@@ -129,7 +131,7 @@ def trace_block_against_limit():
     vit = lambda: timm.create_model("vit_tiny_patch16_224", img_size=64, depth=3).eval()  # noqa: E731
     reduced, limit = timm_tokcomp.apply(vit(), "tome", r=4), vit()
     patch(limit, LimitReducer([17, 13, 9]))
-    ours, theirs = _later_block_ops(reduced, 4), _later_block_ops(limit, 13)
+    ours, theirs = _later_block_ops(reduced, 4, True), _later_block_ops(limit, 13, False)  # the limit's plans write none
     print(json.dumps({"step": "block_vs_limit", "only_reduced": ours - theirs, "only_limit": theirs - ours}))
 
 
