@@ -35,7 +35,8 @@ def kernels(dtype):
         for split in (True, False):
             pos = "*i64" if split else "*i32"
             yield (triton_tome._merge_kernel,
-                   {"X": ptr, "SIZE": ptr, "WS": "*i32", "Y": ptr, "SIZE_OUT": ptr, "A_POS": pos, "B_POS": pos},
+                   {"X": ptr, "SIZE": ptr, "WS": "*i32", "Y": ptr, "SIZE_OUT": ptr, "LOG_OUT": ptr, "A_POS": pos,
+                    "B_POS": pos},
                    {"HAS_SIZE": has_size, "HAS_SPLIT": split, "BLOCK_C": 1024})
     evit_phases = [((True, True, True, True), bias) for bias in (True, False)]  # one program per image
     evit_phases += [(phase, bias) for phase in ((True, False, False, False), (False, True, False, False))
@@ -45,7 +46,8 @@ def kernels(dtype):
                {"STATS": stats, "ATTN": attn, "RANK": rank, "LISTS": lists, "HAS_BIAS": has_bias, "BLOCK": 64,
                 "BLOCK_D": 64})
     for has_flag in (True, False):
-        yield (triton_evit._prune_fuse_kernel, {"X": ptr, "SIZE": ptr, "WS": "*i32", "Y": ptr, "SIZE_OUT": ptr},
+        yield (triton_evit._prune_fuse_kernel, {"X": ptr, "SIZE": ptr, "WS": "*i32", "Y": ptr, "SIZE_OUT": ptr,
+                                                "LOG_OUT": ptr},
                {"HAS_SIZE": has_flag, "BLOCK_C": 1024, "FUSE_ROWS": 8})
     for has_norm in (True, False):
         yield (triton_dense._merge_kernel, {"X": ptr, "Y": ptr, "W": ptr, "BIAS": ptr, "ORDER": "*i32",

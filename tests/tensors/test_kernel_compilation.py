@@ -85,8 +85,8 @@ def test_compiled_steps_are_kernel_launches_that_inductor_makes():
     """Where Triton compiles the kernels, a compiled forward's step is a triton_op (library.compiled_step) that
     torch.compile decomposes, before Inductor, into its kernels' launches: a ToMe or EViT reducing block adds two
     launches (ToMe's metric inside its match kernel) and allocations, and no Python dispatch; the merge launch writes
-    the next block's log sizes, so a later block adds nothing else beyond the limit's. Each launch writes only its own outputs and scratch, so nothing of the step's
-    inputs is copied for it. Traced on the CPU without a GPU (tests/tensors/trace_launched_steps.py)."""
+    the next block's log sizes, so a later block adds nothing else beyond the limit's. Each launch writes only its own
+    outputs and scratch, so nothing of the step's inputs is copied for it. Traced on the CPU without a GPU (tests/tensors/trace_launched_steps.py)."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -4,7 +4,7 @@ TRITON_INTERPRET (an interpreted kernel is not traced). Triton is pointed at an 
 which tensors each kernel writes. Prints, per step, one JSON line: the kernel launches in the graph, for each the
 arguments it writes and whether one of them is the step's input, and the graph's other ops; then one for the first
 block's graph of a reduced ViT compiled by regions (timm_tokcomp.compile; the batch and token count symbolic); then
-the ops a later block's graph (token sizes given) holds beyond the limit's block graph (speed.LimitReducer: the
+the ops a later block's graph (token sizes and their log given) holds beyond the limit's block graph (speed.LimitReducer: the
 same token counts, no matching), and the limit's beyond it."""
 import collections
 import json
@@ -131,7 +131,8 @@ def trace_block_against_limit():
     vit = lambda: timm.create_model("vit_tiny_patch16_224", img_size=64, depth=3).eval()  # noqa: E731
     reduced, limit = timm_tokcomp.apply(vit(), "tome", r=4), vit()
     patch(limit, LimitReducer([17, 13, 9]))
-    ours, theirs = _later_block_ops(reduced, 4, True), _later_block_ops(limit, 13, False)  # the limit's plans write none
+    # the loop hands a block the log sizes the previous step wrote; the limit's plans write none
+    ours, theirs = _later_block_ops(reduced, 4, True), _later_block_ops(limit, 13, False)
     print(json.dumps({"step": "block_vs_limit", "only_reduced": ours - theirs, "only_limit": theirs - ours}))
 
 

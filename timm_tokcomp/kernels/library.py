@@ -100,8 +100,8 @@ def _tome_merge_rope(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch
     """tome_merge (metric (B, N, D) or keys (B, H, N, D)) on a rope model: also the patch tokens' rotary
     coordinates coords (B, N - num_prefix, 2), float32, moved by the same plan (coords_merge 'dst': each merged token
     at its destination's; 'centroid': at the size-weighted centroid, rope.moved_coords) -> x (B, N - r, C),
-    size (B, N - r, 1), log size (B, N - r, 1), coords (B, N - r - num_prefix, 2). backend: 'triton' (kernels.tome_merge with coords) or
-    'torch' (the plan)."""
+    size (B, N - r, 1), log size (B, N - r, 1), coords (B, N - r - num_prefix, 2). backend: 'triton'
+    (kernels.tome_merge with coords) or 'torch' (the plan)."""
     r = merged_count(x.shape[1], num_prefix, r)
     if r == 0:
         return (*_unreduced(x, size), coords.clone())

@@ -370,8 +370,8 @@ def tome_merge_with_coords(metric: torch.Tensor, x: torch.Tensor, size: Optional
                            num_prefix: int, coords: torch.Tensor, coords_merge: str
                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """tome_merge, and the patch tokens' rotary coords (B, N - num_prefix, 2) moved by the same plan ->
-    (x, size, log size, coords (B, N - r - num_prefix, 2)). coords_merge 'dst': each output keeps its destination's row (a
-    kept A token's own, a B token's: read from the plan's list of kept A tokens); 'centroid': the size-weighted
+    (x, size, log size, coords (B, N - r - num_prefix, 2)). coords_merge 'dst': each output keeps its destination's
+    row (a kept A token's own, a B token's: read from the plan's list of kept A tokens); 'centroid': the size-weighted
     mean of what it holds, by the merge kernel in fp32 on the same plan (one more launch)."""
     lay, ws = _planned(metric, r, num_prefix, None)
     merged, merged_size, log_size = _merge(ws, lay, x, size, r, num_prefix, None)
@@ -389,8 +389,8 @@ def tome_merge_with_coords(metric: torch.Tensor, x: torch.Tensor, size: Optional
 def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], threshold: float, num_prefix: int,
               split: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
               ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """ATM's reduction step on metric (B, N, D) or keys (B, H, N, D), as tome_merge (x, size, log size) with r = the batch-adaptive
-    count of best similarities above threshold (matching.batch_adaptive_r, at most max_merges): one host
+    """ATM's reduction step on metric (B, N, D) or keys (B, H, N, D), as tome_merge (x, size, log size) with r = the
+    batch-adaptive count of best similarities above threshold (matching.batch_adaptive_r, at most max_merges): one host
     synchronisation, for that count. None when r = 0. B >= 1."""
     B = x.shape[0]
     lay = _layout(x.shape[1], num_prefix)
