@@ -103,6 +103,18 @@ def positions_seen(model, images):
     return seen
 
 
+def op_counts(model: torch.nn.Module, x: torch.Tensor):
+    """The aten ops, kernel launches and host synchronisations of model(x) under no_grad, after one call that warms
+    it (measure.OpCounter)."""
+    from timm_tokcomp.measure import OpCounter
+
+    with torch.no_grad():
+        model(x)
+        with OpCounter() as counted:
+            model(x)
+    return counted
+
+
 def make_model(variant: str, fused: bool = True, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = VARIANTS[variant]().eval()

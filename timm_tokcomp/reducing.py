@@ -3,15 +3,12 @@ token sizes -> head, and the per-call state (sizes, source maps, rotary position
 A family (timm_tokcomp.families) gives what differs: how its model embeds (`_embed`), how its blocks' attention
 takes the log-size bias and the rotary rows (`_attn_branch`), its MLP branch (`_mlp_branch`), and whether its
 attention-pool head reads the prefix tokens."""
-import threading
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from timm.models._features import feature_take_indices
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .device_table import measured
 from .rope import TokenPositions
@@ -19,7 +16,7 @@ from .plans import gather_tokens
 from .regions import Regions, compiled_regions, compiled_whole, forward_by_region
 from .methods.base import TokenReducer
 from .schedules import BlockCost
-from .state import ReductionStats
+from .state import ReductionStats, feature_stats, remember_last
 
 NOT_SCRIPTABLE = (
     "TorchScript is not supported on a timm_tokcomp model: its blocks call the method's Python objects (plans, "
@@ -189,38 +186,6 @@ class ReducingBlockMixin:
             return x, size, source, positions, log_size
         moved = None if positions is None else positions.reduced(plan, size, num_prefix)
         return (*plan.apply(x, size, source), moved, None)
-
-
-# model -> (forward_features output -> the stats of the call that returned it); outside the model, so that
-# pickling and deepcopy never meet the weak references, and both die with what they describe
-_FEATURE_STATS: "weakref.WeakKeyDictionary[nn.Module, WeakIdKeyDictionary]" = weakref.WeakKeyDictionary()
-_FEATURE_STATS_LOCK = threading.Lock()
-# each thread's last forward per model (last_stats): a call never sees the stats of another thread's call
-_LAST_STATS = threading.local()
-
-
-def feature_stats(model: nn.Module) -> WeakIdKeyDictionary:
-    with _FEATURE_STATS_LOCK:  # two threads' first calls must not each make a registry and lose one
-        if model not in _FEATURE_STATS:
-            _FEATURE_STATS[model] = WeakIdKeyDictionary()
-        return _FEATURE_STATS[model]
-
-
-def remember_last(model: nn.Module, stats: ReductionStats) -> None:
-    """Keep stats as this thread's last forward of model (eager calls: a compiled graph keeps no Python state)."""
-    if torch.compiler.is_compiling():
-        return
-    if not hasattr(_LAST_STATS, "by_model"):
-        _LAST_STATS.by_model = weakref.WeakKeyDictionary()
-    _LAST_STATS.by_model[model] = stats
-
-
-def last_of(model: nn.Module) -> Optional[ReductionStats]:
-    return getattr(_LAST_STATS, "by_model", {}).get(model)
-
-
-def forget_last(model: nn.Module) -> None:
-    getattr(_LAST_STATS, "by_model", {}).pop(model, None)
 
 
 class ReducingModel:
