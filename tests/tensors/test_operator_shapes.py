@@ -59,3 +59,23 @@ def test_evit_operators_fake_shapes_match_for_every_small_shape(backend):
                                                                 backend)
         assert out.shape[1] == n - pruned_count(n, p, r)
         torch.testing.assert_close(log_size, size.log())
+
+
+def test_operators_in_bf16_return_the_sizes_and_their_log_in_the_tokens_dtype():
+    """bf16 (the GPU's autocast dtype; the torch plan here, the interpreter has no bf16): every operator's fake
+    agrees with it over the small shapes, and its sizes and their log come back in the tokens' dtype."""
+    for b, n, p, r in SHAPES:
+        if p == 0:
+            continue
+        t = {k: v.to(torch.bfloat16) for k, v in _tensors(b, n).items()}
+        coords = torch.rand(b, n - p, 2) * 4
+        ops = torch.ops.timm_tokcomp
+        for op, args in ((ops.tome_merge, (t["k"], t["x"], t["size"], r, p, "torch")),
+                         (ops.tome_merge_rope, (t["k"], t["x"], t["size"], coords, r, p, "dst", "torch")),
+                         (ops.evit_prune, (t["q"], t["k"], t["bias"], 0.5, t["x"], t["size"], r, p, "torch")),
+                         (ops.evit_prune_rope, (t["q"], t["k"], t["bias"], 0.5, t["x"], t["size"], coords, r, p,
+                                                "dst"))):
+            torch.library.opcheck(op, args, test_utils=FAKE)
+            _, size, log_size = op(*args)[:3]
+            assert size.dtype == log_size.dtype == torch.bfloat16
+            torch.testing.assert_close(log_size, size.log(), rtol=0, atol=0)

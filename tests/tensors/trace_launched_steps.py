@@ -4,8 +4,8 @@ TRITON_INTERPRET (an interpreted kernel is not traced). Triton is pointed at an 
 which tensors each kernel writes. Prints, per step, one JSON line: the kernel launches in the graph, for each the
 arguments it writes and whether one of them is the step's input, and the graph's other ops; then one for the first
 block's graph of a reduced ViT compiled by regions (timm_tokcomp.compile; the batch and token count symbolic); then
-the ops a later block's graph (token sizes and their log given) holds beyond the limit's block graph (speed.LimitReducer: the
-same token counts, no matching), and the limit's beyond it."""
+the ops a later block's graph (token sizes and their log given) holds beyond the limit's block graph
+(speed.LimitReducer: the same token counts, no matching), and the limit's beyond it."""
 import collections
 import json
 
