@@ -3,9 +3,10 @@ does before Inductor, on CPU tensors and without a GPU: `python tests/tensors/tr
 TRITON_INTERPRET (an interpreted kernel is not traced). Triton is pointed at an sm_90 target so that torch can read
 which tensors each kernel writes. Prints, per step, one JSON line: the kernel launches in the graph, for each the
 arguments it writes and whether one of them is the step's input, and the graph's other ops; then one for the first
-block's graph of a reduced ViT compiled by regions (timm_tokcomp.compile; the batch and token count symbolic); then
-the ops a later block's graph (token sizes and their log given) holds beyond the limit's block graph
-(speed.LimitReducer: the same token counts, no matching), and the limit's beyond it."""
+block's graph of a reduced ViT compiled by regions (timm_tokcomp.compile; the batch and token count symbolic: its
+launches, their grids and the strides of what each writes); then the ops a later block's graph (token sizes and
+their log given) holds beyond the limit's block graph (speed.LimitReducer: the same token counts, no matching), and
+the limit's beyond it."""
 import collections
 import json
 
@@ -86,6 +87,12 @@ def _recording(graphs):
     return aot_autograd(fw_compiler=record)
 
 
+def _written_strides(launch: torch.fx.Node) -> list:
+    """The strides of each tensor the launch writes, as the trace states them (symbolic: strings)."""
+    return [[str(stride) for stride in launch.kwargs["kwargs"][name].meta["val"].stride()]
+            for name in sorted(launch.kwargs["tensors_to_clone"])]
+
+
 def trace_block():
     graphs = []
     model = timm_tokcomp.apply(timm.create_model("vit_tiny_patch16_224", img_size=64, depth=3).eval(), "tome", r=4)
@@ -98,7 +105,8 @@ def trace_block():
     ops = [str(node.target) for node in block.graph.nodes if node.op == "call_function"]
     launches = [node for node in block.graph.nodes if "triton_kernel_wrapper" in str(node.target)]
     print(json.dumps({"step": "block", "launches": [{"writes": sorted(n.kwargs["tensors_to_clone"]),
-                                                     "grid": [str(g) for g in n.kwargs["grid"][0]]}
+                                                     "grid": [str(g) for g in n.kwargs["grid"][0]],
+                                                     "strides": _written_strides(n)}
                                                     for n in launches],
                       "others": [op for op in ops if "triton_kernel_wrapper" not in op]}))
 

@@ -1,6 +1,7 @@
 """Triton helpers shared by the fused reduction kernels, and how they launch inside a traced operator."""
 import contextlib
 import threading
+from typing import Tuple
 
 import torch
 import triton
@@ -29,6 +30,18 @@ def store_size(SIZE_OUT, LOG_OUT, offset, total):
     size = total.to(SIZE_OUT.dtype.element_ty)
     tl.store(SIZE_OUT + offset, size)
     tl.store(LOG_OUT + offset, tl.log(size.to(tl.float32)).to(LOG_OUT.dtype.element_ty))
+
+
+def contiguous_empty(shape: Tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty(shape) with its strides given as products of the sizes: what each tensor a kernel writes is made
+    with. Traced with symbolic sizes, torch.empty states a stride as a product of Max(1, size)s (a size may be 0),
+    which Inductor's own layout of the buffer lacks; torch 2.11's Inductor then copies a launch's output into a buffer
+    that reads itself and fails in its scheduler (KeyError; tests/tensors/lower_regions_for_cuda.py)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step = step * size
+    return torch.empty_strided(tuple(shape), tuple(reversed(strides)), dtype=dtype, device=device)
 
 
 _IN_GRAPH = threading.local()

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..measure import kernel_launch
-from .triton_common import descending_rank, launched, store_size
+from .triton_common import contiguous_empty, descending_rank, launched, store_size
 
 # workspace row (int32): attention (float32 bits) [n] | rank [n] | kept [n - f] | fused, by rank [f] |
 # per-head softmax max and sum (float32 bits) [2 H] | fused attention sum, per list program (float32 bits) [parts]
@@ -206,7 +206,7 @@ def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tenso
     tiles = triton.cdiv(n, BLOCK)
     parts = 1 if tiles <= TILES_IN_ONE_PROGRAM else tiles
     width = 3 * n + 2 * H + parts
-    ws = torch.empty(B, width, dtype=torch.int32, device=x.device)
+    ws = contiguous_empty((B, width), dtype=torch.int32, device=x.device)
     bias = attn_bias if attn_bias is not None else x
 
     def launch(name: str, programs: int, macs: int, **phases: bool) -> None:
@@ -226,9 +226,9 @@ def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tenso
         launch("evit_class_attention_plan.attention", tiles, 0, STATS=False, ATTN=True, RANK=False, LISTS=False)
         launch("evit_class_attention_plan.rank", tiles, 0, STATS=False, ATTN=False, RANK=True, LISTS=False)
         launch("evit_class_attention_plan.lists", tiles, 0, STATS=False, ATTN=False, RANK=False, LISTS=True)
-    y = torch.empty(B, N - r, C, dtype=x.dtype, device=x.device)
-    size_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)
-    log_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)
+    y = contiguous_empty((B, N - r, C), dtype=x.dtype, device=x.device)
+    size_out = contiguous_empty((B, N - r, 1), dtype=x.dtype, device=x.device)
+    log_out = contiguous_empty((B, N - r, 1), dtype=x.dtype, device=x.device)
     s = size if size is not None else x  # never read when HAS_SIZE is False (no output: see triton_common)
     block_c = triton.next_power_of_2(C)
     with kernel_launch("evit_prune_fuse", macs=0):

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..measure import kernel_launch
-from .triton_common import descending_rank, launched, store_size
+from .triton_common import contiguous_empty, descending_rank, launched, store_size
 
 # workspace row (int32): node_max (float32 bits) [n_a] | node_idx [n_a] | rank [n_a] | kept A [n_a - r] |
 # merged A sorted by (destination, index) [r] | per-B offsets into that list [n_b + 1] |
@@ -298,7 +298,7 @@ def _match_and_plan(metric: torch.Tensor, ws: torch.Tensor, lay: _Layout, r: int
     num_tokens = num_prefix + lay.n_a + lay.n_b
     unused = metric  # for the pointers a launch never touches: an input it only reads (see triton_common)
     # the normalized rows, written by the matching launch and read by it
-    normed = torch.empty(B, num_tokens, D, dtype=torch.float32, device=metric.device) if match else unused
+    normed = contiguous_empty((B, num_tokens, D), dtype=torch.float32, device=metric.device) if match else unused
     a_pos, b_pos = split if split is not None else (unused, unused)
 
     def launch(phase_name: str, programs: int, macs: int, **phases: bool) -> None:
@@ -328,9 +328,9 @@ def _merge(ws: torch.Tensor, lay: _Layout, x: torch.Tensor, size: Optional[torch
            split: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The merge launch of a planned step (ws) -> x (B, N - r, C), size and its log (B, N - r, 1), in x's dtype."""
     B, N, C = x.shape
-    y = torch.empty(B, N - r, C, dtype=x.dtype, device=x.device)
-    size_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)
-    log_out = torch.empty(B, N - r, 1, dtype=x.dtype, device=x.device)  # the next block's log sizes: its own tensor
+    y = contiguous_empty((B, N - r, C), dtype=x.dtype, device=x.device)
+    size_out = contiguous_empty((B, N - r, 1), dtype=x.dtype, device=x.device)
+    log_out = contiguous_empty((B, N - r, 1), dtype=x.dtype, device=x.device)  # the next block's log sizes
     s = size if size is not None else x  # never read when HAS_SIZE is False (no output: see triton_common)
     a_pos, b_pos = split if split is not None else (ws, ws)
     with kernel_launch("tome_merge", macs=0):
@@ -361,7 +361,7 @@ def _planned(metric: torch.Tensor, r: int, num_prefix: int, split: Optional[Tupl
     """ToMe's matching and plan of r merges on metric (B, N, D) or keys (B, H, N, D) -> (its layout, the workspace
     holding the plan)."""
     lay = _layout(metric.shape[-2], num_prefix)
-    ws = torch.empty(metric.shape[0], lay.width, dtype=torch.int32, device=metric.device)
+    ws = contiguous_empty((metric.shape[0], lay.width), dtype=torch.int32, device=metric.device)
     _match_and_plan(metric, ws, lay, r, num_prefix, split, 0.0, True, True, "tome_match_and_plan")
     return lay, ws
 
@@ -394,7 +394,7 @@ def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor
     synchronisation, for that count. None when r = 0. B >= 1."""
     B = x.shape[0]
     lay = _layout(x.shape[1], num_prefix)
-    ws = torch.empty(B, lay.width, dtype=torch.int32, device=x.device)
+    ws = contiguous_empty((B, lay.width), dtype=torch.int32, device=x.device)
     _match_and_plan(metric, ws, lay, 0, num_prefix, split, threshold, True, False, "tome_match")
     r = min(math.floor(int(ws[:, -lay.programs:].sum()) / B + 0.5), (x.shape[1] - num_prefix) // 2)
     if r <= 0:
@@ -410,8 +410,8 @@ def tome_groups(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Te
     int32, where each group begins in order (the last entry N). One launch (four on larger images)."""
     B, N = metric.shape[0], metric.shape[-2]
     lay = _layout(N, num_prefix)
-    ws = torch.empty(B, lay.width, dtype=torch.int32, device=metric.device)
-    groups = torch.empty(B, 3 * N - r + 1, dtype=torch.int32, device=metric.device)
+    ws = contiguous_empty((B, lay.width), dtype=torch.int32, device=metric.device)
+    groups = contiguous_empty((B, 3 * N - r + 1), dtype=torch.int32, device=metric.device)
     _match_and_plan(metric, ws, lay, r, num_prefix, None, 0.0, True, True, "tome_match_and_group", groups)
     group, order, starts = groups.split([N, N, N - r + 1], dim=1)
     return group, order, starts
