@@ -30,8 +30,9 @@ if [[ -d ../shared/gpu ]]; then
     done
 fi
 $py -m pytest -p no:cacheprovider -n 2 -q \
-    tests/tensors/test_fused_kernels.py tests/tensors/test_kernel_compilation.py tests/tensors/test_operator_shapes.py \
-    tests/tensors/test_graphs.py tests/tensors/test_attention.py tests/models/test_compile.py \
+    tests/tensors/test_fused_kernels.py tests/tensors/test_fused_counts.py tests/tensors/test_kernel_compilation.py \
+    tests/tensors/test_operator_shapes.py tests/tensors/test_graphs.py tests/tensors/test_attention.py \
+    tests/models/test_compile.py \
     tests/models/test_compiled_whole.py tests/models/test_compiling.py tests/models/test_rope_tables.py \
     tests/models/test_families.py tests/models/test_patch.py tests/models/test_dense.py tests/models/test_naflex.py \
     tests/models/test_host_syncs.py tests/commands/test_selfcheck.py tests/commands/test_speed.py \
