@@ -21,22 +21,15 @@ from torch._dynamo.device_interface import CudaInterface
 from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch._inductor import codecache, scheduler
 from torch._inductor.compile_fx import compile_fx
-from triton.backends.compiler import GPUTarget
 
 import timm_tokcomp
 from timm_tokcomp import kernels
+from trace_launched_steps import Sm90Driver  # beside this script
 
 SM90 = types.SimpleNamespace(  # what Inductor reads of a card: an H100's
     name="NVIDIA H100", major=9, minor=0, multi_processor_count=132, regs_per_multiprocessor=65536,
     max_threads_per_multi_processor=2048, max_threads_per_block=1024, warp_size=32, total_memory=80 * 2**30,
     L2_cache_size=50 * 2**20, shared_memory_per_block_optin=227 * 1024, gcnArchName="")
-
-
-class _Sm90Driver:
-    """Triton's one question to the driver while torch reads a kernel: the target to compile its IR for."""
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
 
 
 class _Generated(Exception):
@@ -45,7 +38,7 @@ class _Generated(Exception):
 
 def _pretend_a_card():
     """Inductor's device queries answered as an sm_90 card would, and its generated module not loaded."""
-    triton.runtime.driver.set_active(_Sm90Driver())
+    triton.runtime.driver.set_active(Sm90Driver())
     for name, value in (("get_device_properties", lambda device=None: SM90),
                         ("get_compute_capability", lambda device=None: 90), ("is_available", lambda: True),
                         ("is_triton_capable", lambda device=None: True), ("is_bf16_supported", lambda *a, **k: True),

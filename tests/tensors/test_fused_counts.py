@@ -44,8 +44,8 @@ def test_deit_tiny_tome_r16_counts_and_macs():
 
 
 def test_rope_models_tome_r16_counts_on_the_fused_path():
-    """EVA02-S and DINOv3-S at 224 px, batch 1 (measured at batch 2), ToMe r16 with kernel='triton': aten ops + launches within 1.6x of the
-    plain model (measured: EVA02-S 1009 against 669, 1.51x; DINOv3-S 919 against 634, 1.45x; the torch plan
+    """EVA02-S and DINOv3-S at 224 px, batch 1 (measured at batch 2), ToMe r16 with kernel='triton': aten ops +
+    launches within 1.6x of the plain model (measured: EVA02-S 1009 against 669, 1.51x; DINOv3-S 919 against 634, 1.45x; the torch plan
     1262 and 1172)."""
     x = torch.randn(1, 3, 224, 224)
     for name in ("eva02_small_patch14_224", "vit_small_patch16_dinov3"):

@@ -326,7 +326,6 @@ def test_evit_trace_source_falls_back_to_torch():
         torch.testing.assert_close(model(x), want, rtol=0, atol=0)
 
 
-
 @pytest.mark.parametrize("name", ["eva02_cat_swiglu", "dinov3_registers", "ropevit_mixed", "pe_core_rope_map"])
 @pytest.mark.parametrize("rope_merge", ["dst", "centroid"])
 def test_tome_kernels_move_the_rotary_positions_as_the_torch_plan_does(name, rope_merge):

@@ -25,8 +25,9 @@ from timm_tokcomp.reducing import resolve_prop_attn
 from timm_tokcomp.speed import LimitReducer
 
 
-class _Sm90:
-    """The one thing torch's analysis of a kernel asks of the driver: the target to compile its IR for."""
+class Sm90Driver:
+    """The one thing torch's analysis of a kernel asks of the driver: the target to compile its IR for (an sm_90
+    card's; also lower_regions_for_cuda.py's)."""
 
     def get_current_target(self):
         return GPUTarget("cuda", 90, 32)
@@ -146,7 +147,7 @@ def trace_block_against_limit():
 
 def main():
     assert library.LAUNCHED_BY_INDUCTOR, "run without TRITON_INTERPRET"
-    triton.runtime.driver.set_active(_Sm90())
+    triton.runtime.driver.set_active(Sm90Driver())
     kernels.resolve_backend = lambda kernel, x: "triton"  # as on a GPU: the compiled blocks' steps launch kernels
     g = torch.Generator().manual_seed(0)
     b, heads, n, d, c = 2, 4, 197, 16, 24
