@@ -1,5 +1,6 @@
 """Lower a reduced model's compiled regions with Inductor for CUDA, without a GPU:
-`python tests/tensors/lower_regions_for_cuda.py MODEL:IMG_SIZE:METHOD[:KEY=VALUE,...] ...`. Run without TRITON_INTERPRET.
+`python tests/tensors/lower_regions_for_cuda.py MODEL:IMG_SIZE:METHOD[:KEY=VALUE,...] ...` (depth=D: the model's
+blocks, 2 unless given; every other key: the method's parameter). Run without TRITON_INTERPRET.
 
 The model is compiled by regions (timm_tokcomp.compile) on the CPU under bf16 autocast with the steps' kernels
 launched as on a GPU (their triton_ops), each region's graph recorded as dynamo hands it to Inductor (its launches run
@@ -112,10 +113,10 @@ def _lower_for_cuda(gm: torch.fx.GraphModule) -> dict:
     return {"generated": False, "error": "the module loaded without a driver"}
 
 
-def lower(name: str, img_size: int, method: str, **kwargs):
-    """Print, for each compiled region graph of timm model name (2 blocks) reduced by method(**kwargs), whether
+def lower(name: str, img_size: int, method: str, depth: int = 2, **kwargs):
+    """Print, for each compiled region graph of timm model name (depth blocks) reduced by method(**kwargs), whether
     Inductor generated its CUDA code."""
-    model = timm_tokcomp.apply(timm.create_model(name, img_size=img_size, depth=2).eval(), method, **kwargs)
+    model = timm_tokcomp.apply(timm.create_model(name, img_size=img_size, depth=depth).eval(), method, **kwargs)
     graphs = []
 
     def record(gm, example_inputs):

@@ -340,6 +340,32 @@ def test_tome_kernels_move_the_rotary_positions_as_the_torch_plan_does(name, rop
     assert op_counts(fused, x).counts["triton.tome_merge"] == (3 if rope_merge == "dst" else 6)
 
 
+@pytest.mark.parametrize("num_prefix", [1, 4])
+def test_compiled_destination_coords_equal_eager_and_never_guard_on_r(num_prefix):
+    """'dst' coordinates under compile come from one index per output (no tensor n_a - r long): the same rows as the
+    eager gather and concatenation, and one traced graph for every r up to n_a, where every A token merges (before: a
+    recompile at r = n_a - 1 and r = n_a, from the size-0 / size-1 checks on the kept list)."""
+    import torch._dynamo.testing
+
+    def moved(ws, coords, r):  # ws: the plan's workspace row
+        lay = triton_tome._layout(num_prefix + coords.shape[1], num_prefix)
+        return triton_tome._destination_coords(ws, lay, coords, r, num_prefix)
+
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(moved, backend=counter, dynamic=True)
+    torch._dynamo.reset()
+    for batch, patches, unmerged in ((3, 16, 5), (4, 16, 1), (3, 16, 0), (4, 15, 0), (3, 17, 0), (3, 15, 6)):
+        r = triton_tome._layout(num_prefix + patches, num_prefix).n_a - unmerged  # A tokens left unmerged
+        g = torch.Generator().manual_seed(batch * patches + r)
+        metric = torch.randn(batch, num_prefix + patches, 8, generator=g)
+        coords = torch.randn(batch, patches, 2, generator=g)
+        ws = triton_tome._planned(metric, r, num_prefix, None)[1]
+        want = moved(ws, coords, r)
+        torch.testing.assert_close(compiled(ws, coords, r), want, rtol=0, atol=0)
+        assert want.shape == (batch, patches - r, 2)
+    assert counter.frame_count == 1
+
+
 def test_kernel_choice_and_fallbacks():
     model = make_model("cls").eval()
     x = torch.randn(2, 3, 32, 32)

@@ -375,15 +375,31 @@ def tome_merge_with_coords(metric: torch.Tensor, x: torch.Tensor, size: Optional
     mean of what it holds, by the merge kernel in fp32 on the same plan (one more launch)."""
     lay, ws = _planned(metric, r, num_prefix, None)
     merged, merged_size, log_size = _merge(ws, lay, x, size, r, num_prefix, None)
-    a_start = lay.a_first - num_prefix
     if coords_merge == "dst":
-        kept = ws[:, 3 * lay.n_a:4 * lay.n_a - r].long().unsqueeze(-1).expand(-1, -1, 2)
-        moved = torch.cat([coords[:, a_start::2].gather(1, kept), coords[:, 1 - a_start::2]], dim=1)
+        moved = _destination_coords(ws, lay, coords, r, num_prefix)
     else:
         full = torch.cat([coords.new_zeros(coords.shape[0], num_prefix, 2), coords], dim=1)
         weights = None if size is None else size.float()
         moved = _merge(ws, lay, full.float(), weights, r, num_prefix, None)[0][:, num_prefix:]
     return merged, merged_size, log_size, moved
+
+
+def _destination_coords(ws: torch.Tensor, lay: _Layout, coords: torch.Tensor, r: int, num_prefix: int
+                        ) -> torch.Tensor:
+    """Each output patch token's coords (B, P - r, 2), from coords (B, P, 2): its destination's, in merge_mean's
+    order (the kept A tokens, read from the plan's list in ws, then the B tokens)."""
+    a_start, num_kept = lay.a_first - num_prefix, lay.n_a - r
+    # traced: torch.compile (torch 2.11's dynamo runs a triton_op's body on fake tensors with is_compiling() False)
+    traced = torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
+    if not traced:  # eager: a conversion, a gather and a concatenation
+        kept = ws[:, 3 * lay.n_a:3 * lay.n_a + num_kept].long().unsqueeze(-1).expand(-1, -1, 2)
+        return torch.cat([coords[:, a_start::2].gather(1, kept), coords[:, 1 - a_start::2]], dim=1)
+    # traced: one source index per output (pointwise arithmetic for Inductor to fuse), so that no tensor is n_a - r
+    # long, whose size-0 and size-1 checks would guard on r and recompile the block where every A token merges
+    out = torch.arange(coords.shape[1] - r, device=coords.device)
+    kept = ws[:, 3 * lay.n_a:4 * lay.n_a].gather(1, out.clamp(max=lay.n_a - 1).expand(ws.shape[0], -1))
+    source = torch.where(out < num_kept, 2 * kept + a_start, 2 * (out - num_kept) + 1 - a_start)
+    return coords.gather(1, source.long().unsqueeze(-1).expand(-1, -1, 2))
 
 
 def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], threshold: float, num_prefix: int,
