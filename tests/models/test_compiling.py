@@ -250,10 +250,12 @@ def test_tome_merge_rope_operator_passes_opcheck(backend, coords_merge):
                           (metric, x, size, coords, 8, 1, coords_merge, backend))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("coords_merge", ["dst", "centroid"])
-def test_evit_prune_rope_operator_passes_opcheck(coords_merge):
+def test_evit_prune_rope_operator_passes_opcheck(backend, coords_merge):
     coords = torch.rand(2, 40, 2, generator=torch.Generator().manual_seed(1)) * 10
-    torch.library.opcheck(torch.ops.timm_tokcomp.evit_prune_rope, (*_evit_inputs(), coords, 6, 1, coords_merge))
+    torch.library.opcheck(torch.ops.timm_tokcomp.evit_prune_rope,
+                          (*_evit_inputs(), coords, 6, 1, coords_merge, backend))
 
 
 def test_compiled_evit_on_a_rope_model_runs_its_step_as_one_operator():
@@ -304,6 +306,9 @@ def test_operator_backends_agree():
     pairs += [(torch.ops.timm_tokcomp.tome_merge_rope(metric, x, size, coords, 12, 1, merge, "triton"),
                torch.ops.timm_tokcomp.tome_merge_rope(metric, x, size, coords, 12, 1, merge, "torch"))
               for merge in ("dst", "centroid")]
+    evit_coords = torch.rand(2, 40, 2, generator=torch.Generator().manual_seed(2)) * 10
+    pairs += [(torch.ops.timm_tokcomp.evit_prune_rope(*_evit_inputs(), evit_coords, 9, 1, "dst", "triton"),
+               torch.ops.timm_tokcomp.evit_prune_rope(*_evit_inputs(), evit_coords, 9, 1, "dst", "torch"))]
     for got, want in pairs:
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

@@ -340,6 +340,22 @@ def test_tome_kernels_move_the_rotary_positions_as_the_torch_plan_does(name, rop
     assert op_counts(fused, x).counts["triton.tome_merge"] == (3 if rope_merge == "dst" else 6)
 
 
+@pytest.mark.parametrize("name", ["eva02_cat_swiglu", "dinov3_registers", "ropevit_mixed"])
+def test_evit_kernels_move_the_rotary_positions_as_the_torch_plan_does(name):
+    """EViT on a rope model (with a class token) runs its kernels in eager inference too: the fused token's
+    coordinates are the fuse kernel's weighted mean of what it holds, as the torch plan's."""
+    from conftest import family_model
+
+    x = torch.randn(2, 3, 32, 32)
+    fused = timm_tokcomp.apply(family_model(name), "evit", r=3, kernel="triton")
+    reference = timm_tokcomp.apply(family_model(name), "evit", r=3, kernel="torch")
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), reference(x), rtol=1e-5, atol=1e-5)
+    # per reducing block: the plan, the prune-fuse of the tokens, that of their coordinates
+    counts = op_counts(fused, x).counts
+    assert counts["triton.evit_prune_fuse"] == 2 * counts["triton.evit_class_attention_plan"] > 0, counts
+
+
 @pytest.mark.parametrize("num_prefix", [1, 4])
 def test_compiled_destination_coords_equal_eager_and_never_guard_on_r(num_prefix):
     """'dst' coordinates under compile come from one index per output (no tensor n_a - r long): the same rows as the

@@ -96,9 +96,9 @@ def test_compiled_steps_are_kernel_launches_that_inductor_makes():
     steps = {line["step"]: line for line in map(json.loads, done.stdout.splitlines())}
     allocations = {"aten.empty_strided.default"}  # triton_common.contiguous_empty: every tensor a launch writes
     block, against_limit = steps.pop("block"), steps.pop("block_vs_limit")
-    assert set(steps) == {"tome_merge", "tome_merge_rope", "evit_prune"}
-    for name, step in steps.items():
-        assert len(step["launches"]) == 2, (name, step)
+    assert set(steps) == {"tome_merge", "tome_merge_rope", "evit_prune", "evit_prune_rope"}
+    for name, step in steps.items():  # EViT's rope step: its coordinates fused by a second prune-fuse launch
+        assert len(step["launches"]) == (3 if name == "evit_prune_rope" else 2), (name, step)
         assert not any(launch["writes_input"] for launch in step["launches"]), (name, step)
     # a reduced ViT's block graph (compiled by regions, the batch symbolic): the step is two launches, no metric op
     assert [launch["writes"] for launch in block["launches"]] == [["NORMED", "WS"], ["LOG_OUT", "SIZE_OUT", "Y"]]
@@ -116,6 +116,10 @@ def test_compiled_steps_are_kernel_launches_that_inductor_makes():
     assert against_limit["only_limit"] == {"aten.slice.Tensor": 4}
     assert steps["tome_merge"]["launches"][0]["writes"] == ["NORMED", "WS"]
     assert set(steps["tome_merge"]["others"]) | set(steps["evit_prune"]["others"]) <= allocations
+    # EViT's rope step: the coordinates behind zero rows for the prefix, fused, sliced back and copied to a fresh
+    # tensor (the operator's contract)
+    assert set(steps["evit_prune_rope"]["others"]) - allocations == {
+        "aten.new_zeros.default", "aten.cat.default", "aten.slice.Tensor", "aten.clone.default"}
     # the rope step's 'dst' coordinates: each output's source row, indexed and gathered by torch (pointwise index
     # arithmetic that Inductor fuses with the gathers)
     assert set(steps["tome_merge_rope"]["others"]) - allocations <= {
@@ -129,12 +133,12 @@ def test_inductor_generates_cuda_code_for_every_compiled_region():
     Inductor for a CUDA device in bf16, with the steps' launches inside, up to its generated module, without a GPU
     (tests/tensors/lower_regions_for_cuda.py): EVA02 with ToMe (its rope step launched; torch 2.11's Inductor failed
     its later blocks with a KeyError in the scheduler until each written tensor had explicit strides,
-    triton_common.contiguous_empty), DINOv3 with ToMe (its rope table made on the device inside the embedding's
-    graph), a ViT with EViT (EViT's launches). One graph per region: EVA02's third block merges every A token
-    (r = n_a = 4) without a recompile (triton_tome._destination_coords)."""
+    triton_common.contiguous_empty), DINOv3 with EViT (its rope table made on the device inside the embedding's
+    graph; EViT's rope step launched), a ViT with EViT (EViT's launches). One graph per region: EVA02's third block
+    merges every A token (r = n_a = 4) without a recompile (triton_tome._destination_coords)."""
     import json
 
-    settings = ["eva02_tiny_patch14_224:56:tome:r=4,depth=3", "vit_small_patch16_dinov3:64:tome:r=4",
+    settings = ["eva02_tiny_patch14_224:56:tome:r=4,depth=3", "vit_small_patch16_dinov3:64:evit:r=4",
                 "vit_tiny_patch16_224:64:evit:r=4"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("lower_regions_for_cuda.py")

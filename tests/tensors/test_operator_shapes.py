@@ -49,12 +49,11 @@ def test_evit_operators_fake_shapes_match_for_every_small_shape(backend):
         for bias, size in ((t["bias"], t["size"]), (None, None)):
             torch.library.opcheck(torch.ops.timm_tokcomp.evit_prune,
                                   (t["q"], t["k"], bias, 0.5, t["x"], size, r, p, backend), test_utils=FAKE)
-        if backend == "torch":  # the rope step runs the torch plan only
-            coords = torch.rand(b, n - p, 2) * 4
-            for coords_merge in ("dst", "centroid"):
-                torch.library.opcheck(torch.ops.timm_tokcomp.evit_prune_rope,
-                                      (t["q"], t["k"], t["bias"], 0.5, t["x"], t["size"], coords, r, p, coords_merge),
-                                      test_utils=FAKE)
+        coords = torch.rand(b, n - p, 2) * 4
+        for coords_merge in ("dst", "centroid"):
+            torch.library.opcheck(torch.ops.timm_tokcomp.evit_prune_rope,
+                                  (t["q"], t["k"], t["bias"], 0.5, t["x"], t["size"], coords, r, p, coords_merge,
+                                   backend), test_utils=FAKE)
         out, size, log_size = torch.ops.timm_tokcomp.evit_prune(t["q"], t["k"], None, 0.5, t["x"], None, r, p,
                                                                 backend)
         assert out.shape[1] == n - pruned_count(n, p, r)
@@ -74,7 +73,7 @@ def test_operators_in_bf16_return_the_sizes_and_their_log_in_the_tokens_dtype():
                          (ops.tome_merge_rope, (t["k"], t["x"], t["size"], coords, r, p, "dst", "torch")),
                          (ops.evit_prune, (t["q"], t["k"], t["bias"], 0.5, t["x"], t["size"], r, p, "torch")),
                          (ops.evit_prune_rope, (t["q"], t["k"], t["bias"], 0.5, t["x"], t["size"], coords, r, p,
-                                                "dst"))):
+                                                "dst", "torch"))):
             torch.library.opcheck(op, args, test_utils=FAKE)
             _, size, log_size = op(*args)[:3]
             assert size.dtype == log_size.dtype == torch.bfloat16

@@ -158,6 +158,7 @@ def main():
     trace("tome_merge", k, x, size, 16, 1)
     trace("tome_merge_rope", k, x, size, coords, 16, 1, "dst")
     trace("evit_prune", q, k, bias, 0.25, x, size, 16, 1)
+    trace("evit_prune_rope", q, k, bias, 0.25, x, size, coords, 16, 1, "dst")
     trace_block()
     trace_block_against_limit()
 

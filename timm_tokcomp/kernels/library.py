@@ -7,6 +7,8 @@ Triton kernels run inside the compiled graph (and its CUDA graphs) where the bac
     x, size, log_size, coords = torch.ops.timm_tokcomp.tome_merge_rope(metric, x, size, coords, r, num_prefix, "dst",
                                                                        "triton")
     x, size, log_size = torch.ops.timm_tokcomp.evit_prune(q, k, attn_bias, scale, x, size, r, num_prefix, "triton")
+    x, size, log_size, coords = torch.ops.timm_tokcomp.evit_prune_rope(q, k, attn_bias, scale, x, size, coords, r,
+                                                                       num_prefix, "dst", "triton")
 
 Each step also returns the log of the sizes it returns (size.log(), in size's dtype): the next block's
 proportional-attention bias, which the merge kernel writes beside the sizes, so that block launches nothing for it.
@@ -45,7 +47,8 @@ def pruned_count(num_tokens: int, num_prefix: int, r: int) -> int:
 
 def _fresh(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """Each tensor contiguous, with its own storage from offset 0 (what a fake's new_empty states)."""
-    return tuple(t.contiguous() if t.storage_offset() == 0 else t.contiguous().clone() for t in tensors)
+    return tuple(t if t.storage_offset() == 0 and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+                 for t in tensors)
 
 
 def _unreduced(x: torch.Tensor, size: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,27 +165,34 @@ def _(q, k, attn_bias, scale, x, size, r, num_prefix, backend):
     return x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1), x.new_empty(B, N - r, 1)
 
 
-@torch.library.custom_op("timm_tokcomp::evit_prune_rope", mutates_args=())
-def evit_prune_rope(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, x: torch.Tensor,
-                    size: Optional[torch.Tensor], coords: torch.Tensor, r: int, num_prefix: int, coords_merge: str
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """evit_prune on a rope model, the torch plan (the Triton kernels carry no coordinates): also the patch tokens'
-    rotary coordinates coords (B, N - num_prefix, 2), float32, moved by the same plan (rope.moved_coords: the kept
-    tokens keep theirs, the fused token sits at the centroid of what it holds) -> x (B, N - r, C), size
-    (B, N - r, 1), log size (B, N - r, 1), coords (B, N - r - num_prefix, 2)."""
-    from ..rope import moved_coords
-
+def _evit_prune_rope(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float,
+                     x: torch.Tensor, size: Optional[torch.Tensor], coords: torch.Tensor, r: int, num_prefix: int,
+                     coords_merge: str, backend: str
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """evit_prune on a rope model: also the patch tokens' rotary coordinates coords (B, N - num_prefix, 2), float32,
+    moved by the same plan (rope.moved_coords: the kept tokens keep theirs, the fused token sits at the weighted mean
+    of what it holds, under either coords_merge) -> x (B, N - r, C), size (B, N - r, 1), log size (B, N - r, 1),
+    coords (B, N - r - num_prefix, 2). backend: 'triton' (kernels.evit_prune with coords) or 'torch' (the plan)."""
     r = pruned_count(x.shape[1], num_prefix, r)
     if r == 0:
         return (*_unreduced(x, size), coords.clone())
+    if backend == "triton":
+        from . import triton_evit
+
+        return _fresh(*triton_evit.evit_prune_with_coords(q, k, attn_bias, scale, x, size, r, num_prefix, coords))
+    from ..rope import moved_coords
+
     plan = attentive_pruning(class_attention(q, k, attn_bias, scale).mean(dim=1), r, num_prefix)
     pruned, pruned_size, _ = plan.apply(x, size, None)
     moved = moved_coords(plan, coords, size, num_prefix, coords_merge)
     return _fresh(pruned, pruned_size, pruned_size.log(), moved)
 
 
+evit_prune_rope = torch.library.custom_op("timm_tokcomp::evit_prune_rope", _evit_prune_rope, mutates_args=())
+
+
 @evit_prune_rope.register_fake
-def _(q, k, attn_bias, scale, x, size, coords, r, num_prefix, coords_merge):
+def _(q, k, attn_bias, scale, x, size, coords, r, num_prefix, coords_merge, backend):
     B, N, C = x.shape
     r = pruned_count(N, num_prefix, r)
     return (x.new_empty(B, N - r, C), x.new_empty(B, N - r, 1), x.new_empty(B, N - r, 1),
@@ -214,7 +224,7 @@ def _register_launched(name: str, step: Callable) -> None:
 
 if LAUNCHED_BY_INDUCTOR:
     for _name, _step in (("tome_merge", _tome_merge), ("tome_merge_rope", _tome_merge_rope),
-                         ("evit_prune", _evit_prune)):
+                         ("evit_prune", _evit_prune), ("evit_prune_rope", _evit_prune_rope)):
         _register_launched(_name, _step)
 
 

@@ -9,11 +9,12 @@ larger images):
    program per batch row runs it all; above, each phase is a launch of a program per head or per tile.
 2. `_prune_fuse_kernel`, one program per (batch row, output token): a kept token's row and size, or for the last
    output the attention-weighted mean of the fused tokens (read 8 rows at a time) and the sum of their sizes
-   (fp32, fixed order); and the log of each size (the next block's proportional-attention bias).
+   (fp32, fixed order); and the log of each size (the next block's proportional-attention bias). On a rope model
+   a second launch moves the rotary coordinates by the same plan (evit_prune_with_coords).
 
 Set TRITON_INTERPRET=1 before importing this module to run the kernels on the CPU (fp32 / fp16 only).
 """
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -199,15 +200,42 @@ def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tenso
     (B, N, 1) or None (all ones), 0 < r <= N - num_prefix - 1 -> x (B, N - r, C), size (B, N - r, 1) and its log
     (B, N - r, 1) (the next block's proportional-attention bias) in x's dtype: prefix tokens, kept tokens, the fused
     token."""
+    plan = _planned(q, k, attn_bias, scale, r, num_prefix)
+    return _prune_fuse(plan, x, size, r, num_prefix)
+
+
+def evit_prune_with_coords(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float,
+                           x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int, coords: torch.Tensor
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """evit_prune, and the patch tokens' rotary coords (B, N - num_prefix, 2), float32, moved by the same plan ->
+    (x, size, log size, coords (B, N - r - num_prefix, 2)): each kept token's own, the fused token's the weighted mean
+    of what it holds, as x's (plans.prune.prune_fuse; rope.moved_coords), by the fuse kernel in fp32 (one more
+    launch)."""
+    plan = _planned(q, k, attn_bias, scale, r, num_prefix)
+    pruned, pruned_size, log_size = _prune_fuse(plan, x, size, r, num_prefix)
+    full = torch.cat([coords.new_zeros(coords.shape[0], num_prefix, 2), coords], dim=1).float()
+    moved = _prune_fuse(plan, full, None, r, num_prefix)[0][:, num_prefix:]
+    return pruned, pruned_size, log_size, moved
+
+
+class _Plan(NamedTuple):
+    ws: torch.Tensor  # (B, width) int32: the weights, ranks and lists of the class attention's plan
+    heads: int
+    parts: int  # the list programs of a row, each with its share of the fused weights' sum
+
+
+def _planned(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, r: int,
+             num_prefix: int) -> _Plan:
+    """The class token's attention over q, k (B, H, N, d) (attn_bias (B, 1, 1, N) or None) and the plan that fuses
+    its r + 1 least attended patch tokens: one launch, or one per phase on a layout of several programs."""
     B, H, N, D = k.shape
-    C = x.shape[-1]
     n = N - num_prefix
     num_fused = r + 1
     tiles = triton.cdiv(n, BLOCK)
     parts = 1 if tiles <= TILES_IN_ONE_PROGRAM else tiles
     width = 3 * n + 2 * H + parts
-    ws = contiguous_empty((B, width), dtype=torch.int32, device=x.device)
-    bias = attn_bias if attn_bias is not None else x
+    ws = contiguous_empty((B, width), dtype=torch.int32, device=k.device)
+    bias = attn_bias if attn_bias is not None else k  # never read without HAS_BIAS
 
     def launch(name: str, programs: int, macs: int, **phases: bool) -> None:
         reads_scores = phases["STATS"] or phases["ATTN"]  # ranking and listing never read the bias
@@ -226,6 +254,14 @@ def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tenso
         launch("evit_class_attention_plan.attention", tiles, 0, STATS=False, ATTN=True, RANK=False, LISTS=False)
         launch("evit_class_attention_plan.rank", tiles, 0, STATS=False, ATTN=False, RANK=True, LISTS=False)
         launch("evit_class_attention_plan.lists", tiles, 0, STATS=False, ATTN=False, RANK=False, LISTS=True)
+    return _Plan(ws, H, parts)
+
+
+def _prune_fuse(plan: _Plan, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prune-and-fuse launch of a plan on x (B, N, C), size (B, N, 1) or None -> x (B, N - r, C), size and its
+    log (B, N - r, 1), in x's dtype."""
+    B, N, C = x.shape
     y = contiguous_empty((B, N - r, C), dtype=x.dtype, device=x.device)
     size_out = contiguous_empty((B, N - r, 1), dtype=x.dtype, device=x.device)
     log_out = contiguous_empty((B, N - r, 1), dtype=x.dtype, device=x.device)
@@ -233,7 +269,7 @@ def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tenso
     block_c = triton.next_power_of_2(C)
     with kernel_launch("evit_prune_fuse", macs=0):
         launched(_prune_fuse_kernel)[(B, N - r)](
-            x, s, ws, y, size_out, log_out, C, N, H, width, num_prefix, num_fused, parts,
+            x, s, plan.ws, y, size_out, log_out, C, N, plan.heads, plan.ws.shape[1], num_prefix, r + 1, plan.parts,
             *x.stride(), s.stride(0), s.stride(1), *y.stride(), size_out.stride(0), size_out.stride(1),
             HAS_SIZE=size is not None, BLOCK_C=block_c, FUSE_ROWS=max(1, min(8, 8192 // block_c)),
         )

@@ -30,7 +30,7 @@ class EViT(FusedScheduledReducer):
     an ordinary token in later blocks. Proportional attention is off unless asked.
 
     kernel (FusedScheduledReducer): the Triton path computes the class attention, the plan and the fusion in two
-    launches per block (kernels.evit_prune)."""
+    launches per block, three on a rope model (kernels.evit_prune)."""
 
     name = "evit"
     export_refusal = None
@@ -56,24 +56,26 @@ class EViT(FusedScheduledReducer):
         return attentive_pruning(metric, r, num_prefix)
 
     def reduce_fused(self, metric, x, size, source, r, num_prefix, positions=None):
-        """The Triton kernels in eager inference where the backend is 'triton'; compiled, the step as one custom
-        operator (kernels.library) on the resolved backend, on a rope model the torch plan moving the rotary
-        positions too. Eager with rotary positions: plan() and reduce() run."""
-        compiled = library.uses_library_op(x)
-        if not isinstance(metric, ClassAttentionInputs) or source is not None or (positions is not None
-                                                                                  and not compiled):
+        """The Triton kernels in eager inference where the backend is 'triton' (the rotary positions moved by the
+        same plan: kernels.evit_prune's coords); compiled, the step as one operator (kernels.library.compiled_step,
+        the rotary positions moved inside it) on the resolved backend."""
+        if not isinstance(metric, ClassAttentionInputs) or source is not None:
             return None
         n = x.shape[1] - num_prefix
         r = min(r, n - 1)
         if r <= 0:
             return None  # nothing is pruned: plan() declines
-        if compiled and positions is not None:
-            x, size, log_size, coords = library.evit_prune_rope(*metric, x, size, positions.coords, r, num_prefix,
-                                                                positions.merge)
+        if library.uses_library_op(x):
+            backend = kernels.resolve_backend(self.kernel, x)
+            if positions is None:
+                x, size, log_size = library.compiled_step("evit_prune", *metric, x, size, r, num_prefix,
+                                                          backend=backend)
+                return x, size, None, None, log_size
+            x, size, log_size, coords = library.compiled_step("evit_prune_rope", *metric, x, size, positions.coords,
+                                                              r, num_prefix, positions.merge, backend=backend)
             return x, size, None, positions.moved(coords), log_size
-        if compiled:
-            x, size, log_size = library.compiled_step("evit_prune", *metric, x, size, r, num_prefix,
-                                                      backend=kernels.resolve_backend(self.kernel, x))
-        else:
+        if positions is None:
             x, size, log_size = kernels.evit_prune(*metric, x, size, r, num_prefix)
-        return x, size, None, None, log_size
+            return x, size, None, None, log_size
+        x, size, log_size, coords = kernels.evit_prune(*metric, x, size, r, num_prefix, positions.coords)
+        return x, size, None, positions.moved(coords), log_size
