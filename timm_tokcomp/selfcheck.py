@@ -1,6 +1,7 @@
 """The fused kernels against the torch reference on one device, at DeiT-B's shapes (224 px, and 384 / 512 px
-for the tiled paths), with both paths timed; ToMe's step on the keys also eagerly and compiled (torch.compile of
-the step as a compiled forward runs it: Inductor launching the kernels where Triton compiles them):
+for the tiled paths), with both paths timed; ToMe's step on the keys also eagerly and compiled, and ToMe's and EViT's
+rope steps (the rotary coordinates moved inside them) compiled (torch.compile of the step as a compiled forward runs
+it: Inductor launching the kernels where Triton compiles them):
 
     python -m timm_tokcomp.selfcheck --device cuda --dtypes fp32,bf16,fp16 [--batch 256]
                                              [--out check.json [--overwrite]]
@@ -147,6 +148,27 @@ def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) 
         args = (q, k, x, size, bias, r)
         steps[label] = (partial(triton_evit.evit_prune, q, k, bias, 0.125, x, size, r, 1),
                         partial(evit, fp32, *args), partial(evit, same, *args))
+
+    # the rope steps compiled (their kernels launched by Inductor where Triton compiles them), the coordinates of a
+    # 14 x 14 grid moved inside them: to ToMe's destinations, to EViT's fused token's weighted mean
+    grid = torch.arange(14.0)
+    coords = torch.stack(torch.meshgrid(grid, grid, indexing="ij"), dim=-1).reshape(1, 196, 2).repeat(batch, 1, 1)
+    coords = coords.to(device)
+    metric, x, size = randn(batch, 197, 64), randn(batch, 197, 768), sizes(197)
+    compiled_rope = torch.compile(partial(library.compiled_step, "tome_merge_rope", backend="triton"), dynamic=True)
+    tome_rope = partial(library._tome_merge_rope, r=16, num_prefix=1, coords_merge="dst", backend="torch")
+    steps["tome r16 rope (dst) compiled, 197 tokens"] = (
+        partial(compiled_rope, metric, x, size, coords, 16, 1, "dst"),
+        partial(tome_rope, fp32(metric), fp32(x), fp32(size), coords), partial(tome_rope, metric, x, size, coords))
+    q, k = randn(batch, 12, 197, 64), randn(batch, 12, 197, 64)
+    bias = size.log().view(batch, 1, 1, 197)
+    compiled_rope = torch.compile(partial(library.compiled_step, "evit_prune_rope", backend="triton"), dynamic=True)
+    evit_rope = partial(library._evit_prune_rope, scale=0.125, r=16, num_prefix=1, coords_merge="dst",
+                        backend="torch")
+    steps["evit r16 rope compiled, 197 tokens"] = (
+        partial(compiled_rope, q, k, bias, 0.125, x, size, coords, 16, 1, "dst"),
+        partial(evit_rope, fp32(q), fp32(k), fp32(bias), x=fp32(x), size=fp32(size), coords=coords),
+        partial(evit_rope, q, k, bias, x=x, size=size, coords=coords))
 
     dense_batch = max(1, batch // 8)  # 512 px: 1025 tokens
     metric_d, x_d = randn(dense_batch, 1025, 64), randn(dense_batch, 1025, 768)

@@ -26,7 +26,8 @@ def test_selfcheck_compares_every_step_and_fails_loudly(tmp_path, monkeypatch, c
     assert json.loads(out.read_text()) == rows
     assert [r["step"].split(",")[0] for r in rows] == ["tome r16", "tome r256", "tome r16 on keys (B",
                                                        "tome r16 on keys compiled", "atm threshold 0.3", "evit r16",
-                                                       "evit r64", "dense k256"]
+                                                       "evit r64", "tome r16 rope (dst) compiled",
+                                                       "evit r16 rope compiled", "dense k256"]
     assert all(r["ok"] and r["max_diff"] <= 1e-5 for r in rows)
     def off(metric, x, size, r, p):  # the tokens off by 1e-3; their sizes and the sizes' log right
         merged, merged_size = merge_mean(x * 1.001, size, bipartite_soft_matching(
