@@ -132,9 +132,12 @@ def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) 
     steps["tome r16 on keys (B, 12, N, 64), 197 tokens"] = (
         partial(triton_tome.tome_merge, k, x, size, 16, 1), partial(tome, fp32, *on_mean),
         partial(tome, same, k.mean(dim=1), x, size, 16))
-    compiled_step = torch.compile(partial(library.compiled_step, "tome_merge", backend="triton"), dynamic=True)
+    def compiled(name):
+        """The step `name` as a compiled forward runs it (kernels.library.compiled_step on the 'triton' backend)."""
+        return torch.compile(partial(library.compiled_step, name, backend="triton"), dynamic=True)
+
     steps["tome r16 on keys compiled, 197 tokens"] = (
-        partial(compiled_step, k, x, size, 16, 1), partial(tome, fp32, *on_mean),
+        partial(compiled("tome_merge"), k, x, size, 16, 1), partial(tome, fp32, *on_mean),
         partial(tome, same, k.mean(dim=1), x, size, 16))
 
     args = (randn(batch, 197, 64), randn(batch, 197, 768), sizes(197), 0.3)
@@ -155,18 +158,17 @@ def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) 
     coords = torch.stack(torch.meshgrid(grid, grid, indexing="ij"), dim=-1).reshape(1, 196, 2).repeat(batch, 1, 1)
     coords = coords.to(device)
     metric, x, size = randn(batch, 197, 64), randn(batch, 197, 768), sizes(197)
-    compiled_rope = torch.compile(partial(library.compiled_step, "tome_merge_rope", backend="triton"), dynamic=True)
-    tome_rope = partial(library._tome_merge_rope, r=16, num_prefix=1, coords_merge="dst", backend="torch")
+    tome_rope = partial(torch.ops.timm_tokcomp.tome_merge_rope, r=16, num_prefix=1, coords_merge="dst",
+                        backend="torch")
     steps["tome r16 rope (dst) compiled, 197 tokens"] = (
-        partial(compiled_rope, metric, x, size, coords, 16, 1, "dst"),
+        partial(compiled("tome_merge_rope"), metric, x, size, coords, 16, 1, "dst"),
         partial(tome_rope, fp32(metric), fp32(x), fp32(size), coords), partial(tome_rope, metric, x, size, coords))
     q, k = randn(batch, 12, 197, 64), randn(batch, 12, 197, 64)
     bias = size.log().view(batch, 1, 1, 197)
-    compiled_rope = torch.compile(partial(library.compiled_step, "evit_prune_rope", backend="triton"), dynamic=True)
-    evit_rope = partial(library._evit_prune_rope, scale=0.125, r=16, num_prefix=1, coords_merge="dst",
+    evit_rope = partial(torch.ops.timm_tokcomp.evit_prune_rope, scale=0.125, r=16, num_prefix=1, coords_merge="dst",
                         backend="torch")
     steps["evit r16 rope compiled, 197 tokens"] = (
-        partial(compiled_rope, q, k, bias, 0.125, x, size, coords, 16, 1, "dst"),
+        partial(compiled("evit_prune_rope"), q, k, bias, 0.125, x, size, coords, 16, 1, "dst"),
         partial(evit_rope, fp32(q), fp32(k), fp32(bias), x=fp32(x), size=fp32(size), coords=coords),
         partial(evit_rope, q, k, bias, x=x, size=size, coords=coords))
 
