@@ -49,7 +49,8 @@ def test_fixed_setting_methods_export(tmp_path, method, params):
     for name, p in model.named_parameters():
         if name.startswith("tokcomp."):  # learned parameters away from their init (PYRA's would equal ToMe)
             p.data.normal_(0, 0.5)
-    path = export_onnx(model, str(tmp_path / "m.onnx"), torch.randn(2, 3, 32, 32))
+    with torch.no_grad():  # as a deployment script exports: the plan, not the compiled step's operators
+        path = export_onnx(model, str(tmp_path / "m.onnx"), torch.randn(2, 3, 32, 32))
     diff, shape = compare_onnxruntime(model, path, torch.randn(5, 3, 32, 32))
     assert shape == (5, 10) and diff < 1e-4
     assert not any(blk.attn.fused_attn is False for blk in model.blocks)  # the caller's model is unchanged
@@ -96,7 +97,8 @@ def test_the_newer_families_export(tmp_path, name, method, params):
     from conftest import family_model
 
     model = timm_tokcomp.apply(family_model(name), method, **params)
-    path = export_onnx(model, str(tmp_path / "m.onnx"), torch.randn(2, 3, 32, 32))
+    with torch.no_grad():  # as a deployment script exports: the plan, not the compiled step's operators
+        path = export_onnx(model, str(tmp_path / "m.onnx"), torch.randn(2, 3, 32, 32))
     diff, shape = compare_onnxruntime(model, path, torch.randn(5, 3, 32, 32))
     assert shape == (5, 10) and diff < 1e-4
 

@@ -19,7 +19,8 @@ inside it, and Inductor launches its kernels from its generated code, with no Py
 interpreter the custom operators run the kernels (a traced interpreted kernel would meet fake tensors).
 
 Eager forwards call the same steps directly (kernels.tome_merge, or the method's plan): the operators add nothing
-there. No backward: a forward that needs gradients traces the torch plan instead (uses_library_op).
+there. No backward: a forward that needs gradients traces the torch plan instead (uses_library_op), and so does
+an ONNX export (ONNX has no translation of these operators).
 
 Each operator clamps r as its plan does (merged_count, pruned_count: shape facts only), so its fake implementation
 states the real output's shape for every (N, num_prefix, r), and returns fresh contiguous tensors (storage offset 0),
@@ -64,8 +65,10 @@ def _head_mean(metric: torch.Tensor) -> torch.Tensor:
 
 
 def uses_library_op(x: torch.Tensor) -> bool:
-    """Whether a method runs its step as the custom operator on x: while compiling, and with no gradient to carry."""
-    return torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
+    """Whether a method runs its step as the custom operator on x: while compiling, with no gradient to carry, and
+    not for ONNX (which has no translation of the operators; the plan's aten ops export)."""
+    return (torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
+            and not torch.onnx.is_in_onnx_export())
 
 
 def _tome_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
