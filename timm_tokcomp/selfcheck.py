@@ -3,7 +3,7 @@ for the tiled paths), with both paths timed; ToMe's step on the keys also eagerl
 rope steps (the rotary coordinates moved inside them) compiled (torch.compile of the step as a compiled forward runs
 it: Inductor launching the kernels where Triton compiles them):
 
-    python -m timm_tokcomp.selfcheck --device cuda --dtypes fp32,bf16,fp16 [--batch 256]
+    python -m timm_tokcomp.selfcheck --device cuda --dtypes fp32,bf16,fp16 [--batch 256] [--steps tome,evit]
                                              [--out check.json [--overwrite]]
 
 On a GPU run it without TRITON_INTERPRET (the compiled kernels); on the CPU it needs TRITON_INTERPRET=1 and fp32
@@ -35,6 +35,7 @@ from .matching import (attentive_pruning, batch_adaptive_r, best_matches, bipart
 # on |kernel - reference| / max(1, |reference|): a kernel that rounds an intermediate to the dtype (as the torch path
 # does) may be one unit in the last place off an output of magnitude 4 to 8, which is 2^-5 in bf16 and 2^-8 in fp16
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 4e-3}
+STEP_KINDS = ("tome", "atm", "evit", "dense")  # the first word of each step's name (--steps)
 
 
 @dataclass
@@ -194,18 +195,23 @@ def _steps(batch: int, dtype: torch.dtype, device: torch.device, seed: int = 0) 
 
 @torch.inference_mode()
 def run_checks(device: str = "cuda", dtypes: Sequence[str] = ("fp32", "bf16"), batch: int = 256, rounds: int = 20,
-               time_steps: Optional[bool] = None) -> List[StepCheck]:
-    """Every step in every dtype: kernel against reference, and (time_steps, default on CUDA) both paths timed."""
+               time_steps: Optional[bool] = None, kinds: Sequence[str] = STEP_KINDS) -> List[StepCheck]:
+    """Every step of the given kinds (STEP_KINDS) in every dtype: kernel against reference, and (time_steps, default
+    on CUDA) both paths timed."""
     check_device(device)
     dev = torch.device(device)
     for name in dtypes:
         check_choice("--dtypes: each", name, DTYPES)
+    for kind in kinds:
+        check_choice("--steps: each", kind, STEP_KINDS)
     check_int("--batch", batch, 1)
     check_int("--rounds", rounds, 1)
     time_steps = dev.type == "cuda" if time_steps is None else time_steps
     checks = []
     for name in dtypes:
         for step, (kernel, reference, torch_path) in _steps(batch, DTYPES[name], dev).items():
+            if step.split()[0] not in kinds:
+                continue
             diff = _diff(kernel(), reference())
             times = (_median_ms(torch_path, dev, rounds), _median_ms(kernel, dev, rounds)) if time_steps else (None, None)
             checks.append(StepCheck(step, name, diff, TOLERANCE[name], *times))
@@ -227,6 +233,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16, fp16 (default %(default)s)")
     p.add_argument("--batch", type=int, default=256, help="images per step (dense: an eighth; default %(default)s)")
     p.add_argument("--rounds", type=int, default=20, help="timed calls per path (median; default %(default)s)")
+    p.add_argument("--steps", default=",".join(STEP_KINDS),
+                   help="comma list of the steps to check: tome, atm, evit, dense (default: all)")
     p.add_argument("--no-timing", action="store_true", help="check only")
     p.add_argument("--out", help="also write the checks as JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
@@ -239,7 +247,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ValueError("--device cpu runs the kernels in Triton's interpreter, which must be on before Python "
                              "starts: TRITON_INTERPRET=1 python -m timm_tokcomp.selfcheck --device cpu")
         checks = run_checks(args.device, args.dtypes.split(","), args.batch, args.rounds,
-                            False if args.no_timing else None)
+                            False if args.no_timing else None, args.steps.split(","))
     except (ValueError, FileExistsError) as err:
         p.error(str(err))
     name = torch.cuda.get_device_name(args.device) if torch.device(args.device).type == "cuda" else "CPU"

@@ -15,7 +15,8 @@ from timm_tokcomp.plans.merge import merge_mean
 
 def test_selfcheck_compares_every_step_and_fails_loudly(tmp_path, monkeypatch, capsys):
     """`python -m timm_tokcomp.selfcheck`, the GPU check of the kernels, run here in the interpreter (fp32,
-    untimed): every step within tolerance; a step beyond it makes the exit status 1; bad dtypes are refused."""
+    untimed): every step within tolerance; a step beyond it makes the exit status 1 (checked on ToMe's steps alone,
+    --steps tome); bad dtypes and steps are refused."""
     out = tmp_path / "check.json"
     assert selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--batch", "1", "--no-timing", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
@@ -35,9 +36,16 @@ def test_selfcheck_compares_every_step_and_fails_loudly(tmp_path, monkeypatch, c
         return merged, merged_size, merged_size.log()
 
     monkeypatch.setattr(triton_tome, "tome_merge", off)
-    assert selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--batch", "1", "--no-timing"]) == 1
-    flagged = [line.split(",")[0] for line in capsys.readouterr().out.splitlines() if line.endswith("OFF")]
+    assert selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--batch", "1", "--no-timing", "--steps",
+                           "tome"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[0] for line in lines if " fp32 " in line] == [
+        "tome r16", "tome r256", "tome r16 on keys (B", "tome r16 on keys compiled", "tome r16 rope (dst) compiled"]
+    flagged = [line.split(",")[0] for line in lines if line.endswith("OFF")]
     assert flagged == ["tome r16", "tome r256", "tome r16 on keys (B", "tome r16 on keys compiled"]
+    with pytest.raises(SystemExit):
+        selfcheck.main(["--device", "cpu", "--dtypes", "fp32", "--steps", "tome,merge"])
+    assert "--steps: each must be one of tome, atm, evit, dense, got 'merge'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         selfcheck.main(["--device", "cpu", "--dtypes", "fp8"])
     assert "--dtypes: each must be one of fp32, bf16, fp16" in capsys.readouterr().err
