@@ -194,8 +194,8 @@ def test_tocom_rows_count_the_images_whose_agreement_changed(tmp_path):
     plugins.lora_b.normal_(std=3.0)  # large enough to change predictions
     save(plugins, str(tmp_path / "tocom"), "deit_tiny_patch16_224")
     rows = {r.method: r for r in run_bench("deit_tiny_patch16_224", parse_methods("none,tome_r16"), data=str(tmp_path / "val"),
-                                           batch_size=8, timing_rounds=1, num_workers=0, show_progress=False,
-                                           tocom=str(tmp_path / "tocom"))}
+                                           batch_size=8, timing_rounds=1, latency_runs=0, num_workers=0,
+                                           show_progress=False, tocom=str(tmp_path / "tocom"))}
     row, plain = rows["tome_r16+ToCom"], rows["tome_r16"]
     assert row.agree_gained + row.agree_lost > 0
     assert row.agreement - plain.agreement == pytest.approx(100 * (row.agree_gained - row.agree_lost) / 24)
