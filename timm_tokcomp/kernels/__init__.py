@@ -107,11 +107,13 @@ def atm_merge(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch.Tensor
 
 
 def evit_prune(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float, x: torch.Tensor,
-               size: Optional[torch.Tensor], r: int, num_prefix: int, coords: Optional[torch.Tensor] = None):
+               size: Optional[torch.Tensor], r: int, num_prefix: int, coords: Optional[torch.Tensor] = None,
+               coords_merge: str = "dst"):
     """EViT's class attention (q, k: (B, H, N, d)), pruning of r tokens and fusion of x (B, N, C), size (B, N, 1)
     or None, in two Triton launches: -> x (B, N - r, C), size (B, N - r, 1), log size (B, N - r, 1); with coords
     (B, N - num_prefix, 2), the patch tokens' rotary positions, also those moved by the same plan (one launch more:
-    triton_evit.evit_prune_with_coords)."""
+    triton_evit.evit_prune_with_coords; the fused token at the weighted mean of what it holds under either
+    coords_merge, as tome_merge takes it)."""
     from . import triton_evit
 
     if coords is None:

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..plans import Plan
 from ..schedules import BlockCost, resolve_r, solve_flops_schedule, stage_schedule
-from .params import COMMON, SCHEDULE, Param, bind, kernel_choice, signature
+from .params import COMMON, SCHEDULE, Param, bind, signature
 from .tags import RTagged, parse_keep_tag, parse_r_tag
 
 def warn_if_compiling(method: str) -> None:
@@ -414,16 +414,6 @@ class ScheduledReducer(RTagged, TokenReducer):
             counts.append(None if r is None else (n, max(n - r, 1)))
             n = n if r is None else max(n - r, 1)
         return counts
-
-
-class FusedScheduledReducer(ScheduledReducer):
-    """A ScheduledReducer with fused Triton kernels for its reduction step (ToMe, EViT; see reduce_fused).
-    kernel: 'auto' (default: Triton for CUDA tensors when no gradient is needed, unless the device table says
-    torch), 'triton' or 'torch'. The Triton path serves inference outside torch.compile / export and without
-    trace_source, and falls back to torch elsewhere under 'auto'. It is the default since an H200 timed it faster
-    than the torch path for ToMe and EViT at every batch (1 to 256), eager and in CUDA graphs (docs/speed.md)."""
-
-    PARAMS = (*SCHEDULE, *COMMON, kernel_choice("auto"))
 
 
 class GridSettings:

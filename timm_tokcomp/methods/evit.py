@@ -8,7 +8,7 @@ from .. import kernels
 from ..kernels import library
 from ..matching import attentive_pruning, class_attention
 from ..plans import PrunePlan
-from .base import FusedScheduledReducer
+from .fused import FusedScheduledReducer
 
 
 class ClassAttentionInputs(NamedTuple):
@@ -65,17 +65,4 @@ class EViT(FusedScheduledReducer):
         r = min(r, n - 1)
         if r <= 0:
             return None  # nothing is pruned: plan() declines
-        if library.uses_library_op(x):
-            backend = kernels.resolve_backend(self.kernel, x)
-            if positions is None:
-                x, size, log_size = library.compiled_step("evit_prune", *metric, x, size, r, num_prefix,
-                                                          backend=backend)
-                return x, size, None, None, log_size
-            x, size, log_size, coords = library.compiled_step("evit_prune_rope", *metric, x, size, positions.coords,
-                                                              r, num_prefix, positions.merge, backend=backend)
-            return x, size, None, positions.moved(coords), log_size
-        if positions is None:
-            x, size, log_size = kernels.evit_prune(*metric, x, size, r, num_prefix)
-            return x, size, None, None, log_size
-        x, size, log_size, coords = kernels.evit_prune(*metric, x, size, r, num_prefix, positions.coords)
-        return x, size, None, positions.moved(coords), log_size
+        return self.run_step("evit_prune", kernels.evit_prune, metric, x, size, r, num_prefix, positions)

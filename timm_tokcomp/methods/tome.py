@@ -7,7 +7,8 @@ from .. import kernels
 from ..kernels import library
 from ..matching import bipartite_soft_matching, max_merges
 from ..plans import MergePlan
-from .base import FusedScheduledReducer, prop_attn_unless_avg_pool
+from .base import prop_attn_unless_avg_pool
+from .fused import FusedScheduledReducer
 from .tags import parse_named_schedule_tag
 
 
@@ -72,25 +73,10 @@ class ToMe(FusedScheduledReducer):
         the rotary positions moved inside it) on the resolved backend."""
         if not isinstance(metric, HeadKeys) or source is not None:  # keys: attention_metric chose the fused step
             return None
-        compiled, metric = library.uses_library_op(x), metric.k
         r = min(r, max_merges(x.shape[1], num_prefix))
         if r <= 0:
             return None  # nothing merges: plan() declines
-        if compiled:
-            backend = kernels.resolve_backend(self.kernel, x)
-            if positions is None:
-                x, size, log_size = library.compiled_step("tome_merge", metric, x, size, r, num_prefix,
-                                                          backend=backend)
-                return x, size, None, None, log_size
-            x, size, log_size, coords = library.compiled_step("tome_merge_rope", metric, x, size, positions.coords,
-                                                              r, num_prefix, positions.merge, backend=backend)
-            return x, size, None, positions.moved(coords), log_size
-        if positions is None:
-            x, size, log_size = kernels.tome_merge(metric, x, size, r, num_prefix)
-            return x, size, None, None, log_size
-        x, size, log_size, coords = kernels.tome_merge(metric, x, size, r, num_prefix, positions.coords,
-                                                       positions.merge)
-        return x, size, None, positions.moved(coords), log_size
+        return self.run_step("tome_merge", kernels.tome_merge, (metric.k,), x, size, r, num_prefix, positions)
 
 
 def tome_plan(metric: Union[torch.Tensor, HeadKeys], r: int, num_prefix: int) -> Optional[MergePlan]:
