@@ -136,6 +136,12 @@ def rope_rows(rope: nn.Module, coords: torch.Tensor, block: int, dtype: torch.dt
     return rows.unsqueeze(1).to(dtype)
 
 
+def with_prefix_rows(coords: torch.Tensor, num_prefix: int) -> torch.Tensor:
+    """The patch tokens' coords (B, n, 2) -> (B, num_prefix + n, 2) float32 with zero rows for the prefix tokens, so
+    that a plan over all N tokens moves them as it moves x (the prefix rows are dropped after)."""
+    return torch.cat([coords.new_zeros(coords.shape[0], num_prefix, 2), coords], dim=1).float()
+
+
 def moved_coords(plan: Plan, coords: torch.Tensor, size: Optional[torch.Tensor], num_prefix: int, merge: str
                  ) -> torch.Tensor:
     """coords (B, n, 2) of the non-prefix tokens, size (B, N, 1) or None before the plan -> (B, n', 2) after it:
@@ -143,8 +149,7 @@ def moved_coords(plan: Plan, coords: torch.Tensor, size: Optional[torch.Tensor],
     else (and under 'centroid') at the size-weighted centroid of what it holds."""
     moved = plan.at_destinations(coords) if merge == "dst" else None
     if moved is None:
-        full = torch.cat([coords.new_zeros(coords.shape[0], num_prefix, 2), coords], dim=1)
-        moved = plan.apply(full, size, None)[0][:, num_prefix:]
+        moved = plan.apply(with_prefix_rows(coords, num_prefix), size, None)[0][:, num_prefix:]
     return moved
 
 

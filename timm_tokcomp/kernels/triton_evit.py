@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..measure import kernel_launch
+from ..rope import with_prefix_rows
 from .triton_common import contiguous_empty, descending_rank, launched, store_size
 
 # workspace row (int32): attention (float32 bits) [n] | rank [n] | kept [n - f] | fused, by rank [f] |
@@ -213,8 +214,7 @@ def evit_prune_with_coords(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional
     launch)."""
     plan = _planned(q, k, attn_bias, scale, r, num_prefix)
     pruned, pruned_size, log_size = _prune_fuse(plan, x, size, r, num_prefix)
-    full = torch.cat([coords.new_zeros(coords.shape[0], num_prefix, 2), coords], dim=1).float()
-    moved = _prune_fuse(plan, full, None, r, num_prefix)[0][:, num_prefix:]
+    moved = _prune_fuse(plan, with_prefix_rows(coords, num_prefix), None, r, num_prefix)[0][:, num_prefix:]
     return pruned, pruned_size, log_size, moved
 
 

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..measure import kernel_launch
+from ..rope import with_prefix_rows
 from .triton_common import contiguous_empty, descending_rank, launched, store_size
 
 # workspace row (int32): node_max (float32 bits) [n_a] | node_idx [n_a] | rank [n_a] | kept A [n_a - r] |
@@ -378,9 +379,8 @@ def tome_merge_with_coords(metric: torch.Tensor, x: torch.Tensor, size: Optional
     if coords_merge == "dst":
         moved = _destination_coords(ws, lay, coords, r, num_prefix)
     else:
-        full = torch.cat([coords.new_zeros(coords.shape[0], num_prefix, 2), coords], dim=1)
         weights = None if size is None else size.float()
-        moved = _merge(ws, lay, full.float(), weights, r, num_prefix, None)[0][:, num_prefix:]
+        moved = _merge(ws, lay, with_prefix_rows(coords, num_prefix), weights, r, num_prefix, None)[0][:, num_prefix:]
     return merged, merged_size, log_size, moved
 
 
