@@ -3,12 +3,13 @@
 Compiled whole, a reduced model is one graph whose blocks each have another token count (197, 181, ... for ToMe
 r16), so the compiler generates each block's kernels again, and again for each batch size. Compiled as a region,
 the blocks' shared `forward_reduce` is traced with the batch and the token count symbolic: one graph serves every
-block whose guards hold (the first block, whose tokens have no sizes yet, and a last block that keeps only the
-prefix tokens get their own), a new batch size or a new r (`set_params`) reuses them. The embedding (patch
-convolution, position embedding or rope table, prefix tokens) and the end (final norm, pooling with the sizes, head)
-are regions of their own, so no op of the forward runs outside a compiled graph. Each compiled model gets its own
-copy of the regions' code, so the compiler's per-function limit on cached graphs counts that model's graphs only,
-however many models a process compiles. torch.compile(model) takes the same path: the reduced forward, traced
+block whose guards hold (a last block that keeps only the prefix tokens gets its own), a new batch size or a new r
+(`set_params`) reuses them. The embedding (patch convolution, position embedding or rope table, prefix tokens) and
+the end (final norm, pooling with the sizes, head) are regions of their own, so no op of the forward runs outside a
+compiled graph; the embedding also hands the first block what the later blocks take (sizes of one, their log,
+rotary coordinates: regions.UnitSizes), so that block runs their graph: three graphs in all for ToMe or EViT. Each
+compiled model gets its own copy of the regions' code, so the compiler's per-function limit on cached graphs counts
+that model's graphs only, however many models a process compiles. torch.compile(model) takes the same path: the reduced forward, traced
 whole, hands itself to its regions (regions.forward_by_region).
 A batch of 1 compiles its own graphs once (torch specialises dimensions of size 1); a data-dependent method (ATM,
 ATS, LTMP) breaks the graph where it reads its count from the data; a method whose plan reads a per-block Python

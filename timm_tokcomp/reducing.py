@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from .device_table import measured
 from .rope import TokenPositions
 from .plans import gather_tokens
-from .regions import Regions, compiled_regions, compiled_whole, forward_by_region
+from .regions import Regions, UnitSizes, compiled_regions, compiled_whole, forward_by_region
 from .methods.base import TokenReducer
 from .schedules import BlockCost
 from .state import ReductionStats, feature_stats, remember_last
@@ -73,10 +73,24 @@ def spread_tokens(tokens: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 
 
 # what one block hands the next: tokens x (B, N, C), their sizes (B, N, 1) or None, the source map (B, N, N0) or None,
-# the rotary positions or None, and the sizes' log (B, N, 1) where the step that made them wrote it (its merge kernel
-# or operator), else None (the next block takes size.log() itself)
+# the rotary positions or None, and the sizes' log (B, N, 1) where the blocks use proportional attention and there are
+# sizes (written by the step's merge kernel or operator, else by the block: _handed_on), else None
 Carried = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[TokenPositions],
                 Optional[torch.Tensor]]
+
+
+def _handed_on(x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
+               positions: Optional[TokenPositions], log_size: Optional[torch.Tensor], prop_attn: Union[bool, str]
+               ) -> Carried:
+    """What a block hands the next, so that every block after the first takes the same kind of inputs (one compiled
+    graph for all, the first among them: regions.UnitSizes): the log of the sizes (B, N, 1) where attention is
+    proportional (the step's, else size.log()), else None; and while compiling, the sizes and the rotary
+    coordinates contiguous (a torch plan may return views of a wider tensor), as the compiled embedding hands them."""
+    log_size = None if not prop_attn or size is None else size.log() if log_size is None else log_size
+    if torch.compiler.is_compiling():
+        size = None if size is None else size.contiguous()
+        positions = None if positions is None else positions.as_carried()
+    return x, size, source, positions, log_size
 
 
 class BlockBranches:
@@ -149,7 +163,7 @@ class ReducingBlockMixin:
         if active and where == "before_attention":  # no rope here: patch refuses such models
             x, h, size, source = self._lookahead_branch(x, size, source, attn_bias, setting, reducer, num_prefix)
             x = x + h
-            return x + self._mlp_branch(x), size, source, positions, None
+            return _handed_on(x + self._mlp_branch(x), size, source, positions, None, prop_attn)
         branches = active and reducer.reads_branches  # the metric from the branch outputs, attention untouched
         h, metric = self._attn_branch(x, attn_bias, rope, reducer if active and not branches else None,
                                       prop_attn or "mask")
@@ -172,7 +186,7 @@ class ReducingBlockMixin:
         if metric is not None and where == "after_mlp":
             x, size, source, positions, log_size = self._reduce(x, size, source, positions, log_size, metric,
                                                                 setting, reducer, num_prefix)
-        return x, size, source, positions, log_size
+        return _handed_on(x, size, source, positions, log_size, prop_attn)
 
     @staticmethod
     def _reduce(x, size, source, positions: Optional[TokenPositions], log_size, metric, setting,
@@ -248,25 +262,32 @@ class ReducingModel:
     def _through_blocks(self, x: torch.Tensor, regions: Optional[Regions]) -> Tuple[torch.Tensor, ReductionStats]:
         """images x (B, 3, H, W) -> (the last block's tokens (B, N', C), this call's stats); regions: the compiled
         ones to run (None: eager)."""
-        tokens = self._embed(x) if regions is None else regions.embed(self, x)
-        return self._reduce_blocks(*tokens, grid=patch_grid(self, x.shape[-2:]))
+        tokens, positions, unit = self._embedded(regions, x)
+        return self._reduce_blocks(tokens, positions, unit_sizes=unit, grid=patch_grid(self, x.shape[-2:]))
+
+    def _embedded(self, regions: Optional[Regions], *args: Any
+                  ) -> Tuple[torch.Tensor, Optional[TokenPositions], Optional[UnitSizes]]:
+        """_embed(*args) (eager: regions None) or the compiled embedding region -> (tokens (B, N, C), their
+        positions, and from the region the sizes of one that the first compiled block takes (regions.UnitSizes))."""
+        return (*self._embed(*args), None) if regions is None else regions.embed(self, *args)
 
     def _reduce_blocks(self, x: torch.Tensor, positions: Optional[TokenPositions], for_intermediates: bool = False,
                        num_blocks: Optional[int] = None,
                        on_block: Optional[Callable[[int, torch.Tensor, Optional[torch.Tensor], Any], None]] = None,
-                       final: bool = True, *, grid: Tuple[int, int]) -> Tuple[torch.Tensor, ReductionStats]:
+                       final: bool = True, *, grid: Tuple[int, int], unit_sizes: Optional[UnitSizes] = None
+                       ) -> Tuple[torch.Tensor, ReductionStats]:
         """x: (B, N, C) -> (B, N', C) through the first num_blocks blocks (all: None), with this call's stats.
         positions: where the tokens sit as the family carries it (rope.TokenPositions, SAM's grid; None without).
         for_intermediates: trace the source map; on_block(i, x, source, positions) sees each block's output, every
         token of it. final: the returned tokens are the final features, computed as forward_features computes them (a
         last block that keeps only the prefix tokens runs its MLP on those alone; for on_block it runs once more on
         every token); False: every block keeps its tokens to the end. grid: (rows, cols) of the patch tokens
-        (patch_grid)."""
+        (patch_grid). unit_sizes: the compiled embedding region's sizes of one (None: the first block takes no
+        sizes)."""
         refuse_fx_tracing()
         reducer, num_prefix = self._tokcomp_reducer, self.num_prefix_tokens
         settings = reducer.settings_for(self._tokcomp_depth, x.shape[1], num_prefix, self._tokcomp_block_cost, grid)
         prefix_only_last_block = prefix_only_last(self, reducer) and final
-        size = log_size = None
         source = None
         if reducer.trace_source or for_intermediates:
             source = torch.eye(x.shape[1], device=x.device, dtype=x.dtype).expand(x.shape[0], -1, -1)
@@ -278,6 +299,8 @@ class ReducingModel:
         compiled = None if regions is None else regions.block
         prop_attn = resolve_prop_attn(self._tokcomp_prop_attn, x, compiled=compiled is not None or
                                       torch.compiler.is_compiling(), rope=positions is not None)
+        size, log_size = (None, None) if unit_sizes is None else (unit_sizes.size,
+                                                                  unit_sizes.log_size if prop_attn else None)
         for i, (blk, setting) in enumerate(zip(blocks, settings)):
             stats.tokens_per_block.append(x.shape[1])
             reducer.record_block(stats, x, size)

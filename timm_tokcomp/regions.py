@@ -14,7 +14,7 @@ import contextvars
 import types
 import warnings
 import weakref
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -31,7 +31,7 @@ class Regions(NamedTuple):
     """A reduced forward's three parts, each compiled on its own: each takes the module it runs first, so one
     compiled function serves every block and every call of a model (the eager forward calls the methods instead)."""
 
-    embed: Callable[..., Any]  # (model, images, ...) -> (tokens (B, N, C), rope.TokenPositions or None)
+    embed: Callable[..., Any]  # (model, images, ...) -> (tokens (B, N, C), rope.TokenPositions or None, UnitSizes)
     block: Callable[..., Any]  # (block, *ReducingBlockMixin.forward_reduce's arguments) -> its output
     finish: Callable[..., Any]  # (model, last tokens (B, N', C), sizes (B, N', 1) or None, ...) -> forward's output
 
@@ -50,6 +50,27 @@ def compiled_regions(model: nn.Module) -> Optional[Regions]:
     return current[1] if current is not None and current[0] is model else None
 
 
+class UnitSizes(NamedTuple):
+    """The sizes of the tokens a compiled embedding makes, for the first block: every token one patch. Given from
+    the start, they make the first compiled block the graph of the later ones (which take sizes), not a graph of its
+    own (sizes None); by the contract of every step, sizes of one are sizes None."""
+
+    size: torch.Tensor  # (B, N, 1), ones in the tokens' dtype
+    log_size: torch.Tensor  # (B, N, 1), zeros: size.log(), the proportional-attention bias
+
+
+def _as_first_block_takes(embed: Callable) -> Callable:
+    """A family's _embed (model, images, ...) -> (tokens, positions) as the embedding region, which hands the first
+    block what the later ones take: -> (tokens, positions as blocks carry them (rope.TokenPositions.as_carried) or
+    None, UnitSizes of the tokens)."""
+    def embed_region(model: nn.Module, *args: Any) -> Tuple[torch.Tensor, Any, UnitSizes]:
+        tokens, positions = embed(model, *args)
+        ones = tokens.new_ones(*tokens.shape[:2], 1)
+        return tokens, None if positions is None else positions.as_carried(), UnitSizes(ones, torch.zeros_like(ones))
+
+    return embed_region
+
+
 def _own_copy(fn: Callable) -> Callable:
     """fn with a code object of its own: the compiler keeps its graphs and their limit per code object."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
@@ -62,7 +83,8 @@ def compile_regions(model: nn.Module, **compile_kwargs: Any) -> Regions:
         return torch.compile(_own_copy(fn), dynamic=True, **compile_kwargs)
 
     cls = type(model)
-    return Regions(compiled(cls._embed), compiled(type(model.blocks[0]).forward_reduce), compiled(cls._finish))
+    return Regions(compiled(_as_first_block_takes(cls._embed)), compiled(type(model.blocks[0]).forward_reduce),
+                   compiled(cls._finish))
 
 
 @contextlib.contextmanager

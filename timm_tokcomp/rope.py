@@ -123,7 +123,8 @@ def rope_rows(rope: nn.Module, coords: torch.Tensor, block: int, dtype: torch.dt
     head_dim) for 'mixed' (block `block`'s frequencies), in `dtype`; computed in float32 as timm computes them."""
     coords = coords.float()
     if isinstance(rope, RotaryEmbeddingMixed):
-        freqs = rope.freqs[:, block].float()  # (2, heads, head_dim // 2)
+        # (2, heads, head_dim // 2); a slice, which a trace with a symbolic block does not specialise as an index
+        freqs = rope.freqs[:, block:block + 1].squeeze(1).float()
         t_x, t_y = coords[..., 0].unsqueeze(1), coords[..., 1].unsqueeze(1)  # (B, 1, n)
         angles = t_x.unsqueeze(-1) * freqs[0].unsqueeze(-2) + t_y.unsqueeze(-1) * freqs[1].unsqueeze(-2)
         return torch.cat([_rope_layout(angles.sin()), _rope_layout(angles.cos())], dim=-1).to(dtype)
@@ -163,17 +164,18 @@ class TokenPositions:
     coords: torch.Tensor
     table: Optional[torch.Tensor]
     merge: str
-    _rows: Dict[int, torch.Tensor] = field(default_factory=dict)
+    _rows: List[torch.Tensor] = field(default_factory=list)  # the rows of a rope without per-block frequencies
 
     def rows(self, block: int) -> torch.Tensor:
         """The rope rows block `block` rotates q and k with."""
+        mixed = isinstance(self.rope, RotaryEmbeddingMixed)
         if self.table is not None:
-            return self.table[block] if isinstance(self.rope, RotaryEmbeddingMixed) else self.table
-        key = block if isinstance(self.rope, RotaryEmbeddingMixed) else 0
-        if key not in self._rows:
-            dtype = self.rope.freqs.dtype if isinstance(self.rope, RotaryEmbeddingMixed) else self._dtype
-            self._rows[key] = rope_rows(self.rope, self.coords, block, dtype)
-        return self._rows[key]
+            return self.table[block] if mixed else self.table
+        if mixed:  # each block its own frequencies: nothing to share (and no lookup by block for a trace to guard)
+            return rope_rows(self.rope, self.coords, block, self.rope.freqs.dtype)
+        if not self._rows:  # every block the same rows: made once
+            self._rows.append(rope_rows(self.rope, self.coords, block, self._dtype))
+        return self._rows[0]
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -203,6 +205,14 @@ class TokenPositions:
     def moved(self, coords: torch.Tensor) -> "TokenPositions":
         """These positions after a fused reduction step that moved their coords (B, n', 2) itself."""
         return TokenPositions(self.rope, coords, None, self.merge)
+
+    def as_carried(self) -> "TokenPositions":
+        """These positions as compiled blocks hand them on: the coords contiguous (B, n, 2) (not one grid expanded
+        over the batch, nor a view of a plan's wider output) and every block's rope rows computed from them, timm's
+        table aside, so that the first block runs the later blocks' graph."""
+        if self.table is None and self.coords.is_contiguous():
+            return self
+        return TokenPositions(self.rope, self.coords.contiguous(), None, self.merge)
 
     def prefix_only(self) -> "TokenPositions":
         return TokenPositions(self.rope, self.coords[:, :0], None, self.merge)

@@ -116,7 +116,7 @@ def test_torch_compile_of_a_reduced_model_runs_its_regions_for_every_batch_and_r
         torch.testing.assert_close(fast(_images(2)), model(_images(2)), rtol=0, atol=0)
     assert len(said) == 1
     regions = counters["stats"]["unique_graphs"]
-    assert regions == 4  # the embedding, block 0 (no sizes yet), blocks 1-5, the end: the regional graphs
+    assert regions == 3  # the embedding, every block (the first takes sizes of one), the end: the regional graphs
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")  # said once
         for batch in (3, 7):
@@ -133,7 +133,7 @@ def test_module_compile_and_a_model_compiled_whole_keep_their_forms(eager_region
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.testing.assert_close(model(_images(2)), _vit("tome", r=8)(_images(2)), rtol=0, atol=0)
-    assert counters["stats"]["unique_graphs"] == 4
+    assert counters["stats"]["unique_graphs"] == 3
     torch._dynamo.reset()
     counters.clear()
     whole = _vit("diffrate", **reducing_setting(METHODS["diffrate"], 4, {}))  # a method that does not compile by region: traced whole, no break
@@ -165,6 +165,30 @@ def test_compiled_blocks_take_the_log_sizes_their_steps_wrote(method):
     fast = compiling.compile(model, backend=recorder.backend)
     with torch.no_grad():
         torch.testing.assert_close(fast(_images(2)), model(_images(2)), rtol=1e-5, atol=1e-5)
-    assert len(recorder.graphs) >= 4  # the embedding, a block without sizes, a block with them, the end
+    assert len(recorder.graphs) == 3  # the embedding, every block, the end
     logs = [node for graph in recorder.graphs for node in graph.nodes if node.target in ("log", torch.log)]
     assert logs == []
+
+
+ONE_BLOCK_GRAPH = {  # name -> a reduced model whose blocks (the first among them) should share one compiled graph
+    "vit_tome": lambda: _vit("tome", r=8),  # proportional attention, the log sizes from the step's operator
+    "vit_tome_no_prop_attn": lambda: _vit("tome", r=8, prop_attn=False),  # no log sizes carried
+    "vit_evit": lambda: _vit("evit", r=8),
+    "vit_dpcknn": lambda: _vit("dpcknn", r=8, prop_attn=True),  # a torch plan: the block takes the log itself
+    "eva02_rope_tome": lambda: timm_tokcomp.apply(family_model("eva02_cat_swiglu", depth=4), "tome", r=2),
+    "dinov3_rope_evit": lambda: timm_tokcomp.apply(family_model("dinov3_registers", depth=4), "evit", r=2),
+    "ropevit_mixed_tome": lambda: timm_tokcomp.apply(family_model("ropevit_mixed", depth=4), "tome", r=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_BLOCK_GRAPH))
+def test_the_first_compiled_block_runs_the_graph_of_the_others(name):
+    """The compiled embedding hands the first block sizes of one, their log (zeros) where attention is
+    proportional, and on a rope model its positions as coordinates (timm's table aside), so that block takes the
+    inputs the later blocks take: three graphs in all (embedding, blocks, end), the outputs the eager model's."""
+    model = ONE_BLOCK_GRAPH[name]()
+    fast = compiling.compile(model, backend="eager")
+    with torch.no_grad():
+        for batch in (2, 3):
+            torch.testing.assert_close(fast(_images(batch)), model(_images(batch)), rtol=1e-5, atol=1e-5)
+    assert (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())) == (3, 0)

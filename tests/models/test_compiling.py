@@ -59,19 +59,19 @@ def _images(batch, seed=1):
 
 
 @pytest.mark.parametrize("method", ["tome", "evit"])
-def test_compiles_four_graphs_for_every_block_batch_and_r(method):
+def test_compiles_three_graphs_for_every_block_batch_and_r(method):
     model = _model(method, r=8)
     fast = compiling.compile(model, backend="eager")
     assert isinstance(fast, compiling.RegionallyCompiled)
     with torch.no_grad():
         torch.testing.assert_close(fast(_images(2)), model(_images(2)), rtol=0, atol=0)
-        assert (_graphs(), _breaks()) == (4, 0)  # the embedding, block 0 (no sizes yet), blocks 1-5, the end
+        assert (_graphs(), _breaks()) == (3, 0)  # the embedding, every block (the first with sizes of one), the end
         for batch in (3, 7):
             torch.testing.assert_close(fast(_images(batch)), model(_images(batch)), rtol=0, atol=0)
         for params in ({"r": 4}, {"r": 6}) if method == "evit" else ({"r": 4}, {"r": 12}, {"flops_ratio": 2.0}):
             timm_tokcomp.set_params(model, **params)
             torch.testing.assert_close(fast(_images(3)), model(_images(3)), rtol=0, atol=0)
-    assert (_graphs(), _breaks()) == (4, 0)
+    assert (_graphs(), _breaks()) == (3, 0)
 
 
 def test_flex_attention_compiles_by_region_and_matches_the_mask(monkeypatch):
@@ -84,7 +84,7 @@ def test_flex_attention_compiles_by_region_and_matches_the_mask(monkeypatch):
     with torch.no_grad():
         for batch in (2, 3):
             torch.testing.assert_close(fast(_images(batch)), reference(_images(batch)), rtol=1e-5, atol=1e-5)
-    assert (_graphs(), _breaks()) == (4, 0)
+    assert (_graphs(), _breaks()) == (3, 0)
     assert recorder.calls("flex_attention")
 
 
@@ -94,7 +94,7 @@ def test_a_batch_of_one_compiles_its_graphs_once():
     with torch.no_grad():
         for batch in (1, 2, 1, 3):
             fast(_images(batch))
-    assert _graphs() == 8  # torch specialises size-1 dimensions: batch 1 has its own four graphs
+    assert _graphs() == 6  # torch specialises size-1 dimensions: batch 1 has its own three graphs
 
 
 REGIONAL = sorted(name for name, cls in METHODS.items() if cls.compiles_by_region and not cls.dense)
@@ -147,7 +147,7 @@ def _rope_model(**params):
                               **params)
 
 
-def test_rope_model_compiles_four_graphs_for_every_batch():
+def test_rope_model_compiles_three_graphs_for_every_batch():
     model = _rope_model(r=2)
     recorder = GraphRecorder()
     fast = compiling.compile(model, backend=recorder)
@@ -157,7 +157,7 @@ def test_rope_model_compiles_four_graphs_for_every_batch():
             torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
     # the step and its rope coordinates are one operator: the matching is not traced
     assert recorder.calls("tome_merge_rope")
-    assert (_graphs(), _breaks()) == (4, 0)
+    assert (_graphs(), _breaks()) == (3, 0)  # the first block too rotates by rows from the coords, with sizes of one
 
 
 def test_many_models_compile_in_one_process_each_with_its_own_graphs():
@@ -178,7 +178,7 @@ def test_the_model_stays_eager_for_its_other_callers():
         model(_images(3))
         with fast.active():
             other(_images(3))  # another model inside the compiled call's context
-    assert counters["stats"]["calls_captured"] == captured and _graphs() == 4
+    assert counters["stats"]["calls_captured"] == captured and _graphs() == 3
 
 
 def test_last_stats_and_features_of_a_compiled_call():

@@ -86,5 +86,5 @@ def test_the_stats_kept_after_a_forward_hold_no_rope_rows(images):
     with torch.no_grad():
         model(images)
     positions = timm_tokcomp.last_stats(model).positions
-    assert positions.coords.shape[:2] == (3, 11) and positions._rows == {}  # 16 patches, 5 pruned before block 2
+    assert positions.coords.shape[:2] == (3, 11) and positions._rows == []  # 16 patches, 5 pruned before block 2
     torch.testing.assert_close(positions.rows(2), positions.settled().rows(2), rtol=0, atol=0)  # computed on demand

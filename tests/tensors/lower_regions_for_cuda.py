@@ -4,8 +4,8 @@ blocks, 2 unless given; every other key: the method's parameter). Run without TR
 
 The model is compiled by regions (timm_tokcomp.compile) on the CPU under bf16 autocast with the steps' kernels
 launched as on a GPU (their triton_ops), each region's graph recorded as dynamo hands it to Inductor (its launches run
-by the torch plan, so the forward goes on to every region: the embedding, the first block (no sizes), a later block
-(sizes and their log), the end). Each graph is then lowered by Inductor for a CUDA device (fake tensors on 'cuda', the
+by the torch plan, so the forward goes on to every region: the embedding, the blocks (sizes and their log, from the
+first block on), the end). Each graph is then lowered by Inductor for a CUDA device (fake tensors on 'cuda', the
 dynamic shapes kept, bf16 autocast, an sm_90 card's properties): lowering, scheduling and the generated module's code,
 up to loading that module, the first point that needs a driver. Prints one JSON line per graph: its region, whether
 Inductor generated its code, and the error if not. The launches' inputs, layouts and aliasing are what this checks

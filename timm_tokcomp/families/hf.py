@@ -204,9 +204,10 @@ class HFReducingModel(ReducingModel):
             return forward_by_region(self, *args, **kwargs)
         call = bind_call(self.plain_class(), self, args, kwargs)
         regions = compiled_regions(self)
-        embed, finish = (type(self)._embed, type(self)._finish) if regions is None else (regions.embed, regions.finish)
-        tokens, positions = embed(self, call.pixel_values, call.interpolate_pos_encoding)
-        x, stats = self._reduce_blocks(tokens, positions, grid=patch_grid(self, call.pixel_values.shape[-2:]))
+        tokens, positions, unit = self._embedded(regions, call.pixel_values, call.interpolate_pos_encoding)
+        x, stats = self._reduce_blocks(tokens, positions, unit_sizes=unit,
+                                       grid=patch_grid(self, call.pixel_values.shape[-2:]))
+        finish = type(self)._finish if regions is None else regions.finish
         out = finish(self, x, stats.size, call.labels)
         return out if call.return_dict else out.to_tuple()
 

@@ -61,6 +61,10 @@ class GridPositions:
     def settled(self) -> "GridPositions":
         return self
 
+    def as_carried(self) -> "GridPositions":
+        """As compiled blocks hand it on (rope.TokenPositions.as_carried): itself, a grid of Python ints."""
+        return self
+
     def spread(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, height * width, C) -> (B, rows, cols, C) on the input's grid, each patch the cell holding it."""
         if self.holder is not None:
