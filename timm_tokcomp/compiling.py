@@ -9,8 +9,8 @@ the end (final norm, pooling with the sizes, head) are regions of their own, so 
 compiled graph; the embedding also hands the first block what the later blocks take (sizes of one, their log,
 rotary coordinates: regions.UnitSizes), so that block runs their graph: three graphs in all for ToMe or EViT. Each
 compiled model gets its own copy of the regions' code, so the compiler's per-function limit on cached graphs counts
-that model's graphs only, however many models a process compiles. torch.compile(model) takes the same path: the reduced forward, traced
-whole, hands itself to its regions (regions.forward_by_region).
+that model's graphs only, however many models a process compiles. torch.compile(model) takes the same path: the
+reduced forward, traced whole, hands itself to its regions (regions.forward_by_region).
 A batch of 1 compiles its own graphs once (torch specialises dimensions of size 1); a data-dependent method (ATM,
 ATS, LTMP) breaks the graph where it reads its count from the data; a method whose plan reads a per-block Python
 value (TokenReducer.compiles_by_region False) is compiled whole. ToMe's step runs as one custom operator

@@ -73,8 +73,9 @@ def spread_tokens(tokens: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 
 
 # what one block hands the next: tokens x (B, N, C), their sizes (B, N, 1) or None, the source map (B, N, N0) or None,
-# the rotary positions or None, and the sizes' log (B, N, 1) where the blocks use proportional attention and there are
-# sizes (written by the step's merge kernel or operator, else by the block: _handed_on), else None
+# the rotary positions or None, and the sizes' log (B, N, 1) where the blocks use proportional attention and the step
+# wrote it (its merge kernel or operator; compiled, the block writes it otherwise: _handed_on), else None (the next
+# block takes size.log() itself)
 Carried = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[TokenPositions],
                 Optional[torch.Tensor]]
 
@@ -82,13 +83,15 @@ Carried = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Op
 def _handed_on(x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor],
                positions: Optional[TokenPositions], log_size: Optional[torch.Tensor], prop_attn: Union[bool, str]
                ) -> Carried:
-    """What a block hands the next, so that every block after the first takes the same kind of inputs (one compiled
-    graph for all, the first among them: regions.UnitSizes): the log of the sizes (B, N, 1) where attention is
-    proportional (the step's, else size.log()), else None; and while compiling, the sizes and the rotary
-    coordinates contiguous (a torch plan may return views of a wider tensor), as the compiled embedding hands them."""
-    log_size = None if not prop_attn or size is None else size.log() if log_size is None else log_size
+    """What a block hands the next: the step's log of the sizes (B, N, 1) where attention is proportional, else None;
+    and while compiling, so that every block takes the same kind of inputs (one graph for all, the first among them:
+    regions.UnitSizes), the log also where the step wrote none (size.log(); eager, the next block takes it) and the
+    sizes and rotary coordinates contiguous (a torch plan may return views of a wider tensor)."""
+    if not prop_attn or size is None:
+        log_size = None
     if torch.compiler.is_compiling():
         size = None if size is None else size.contiguous()
+        log_size = size.log() if log_size is None and prop_attn and size is not None else log_size
         positions = None if positions is None else positions.as_carried()
     return x, size, source, positions, log_size
 
