@@ -73,9 +73,8 @@ def spread_tokens(tokens: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 
 
 # what one block hands the next: tokens x (B, N, C), their sizes (B, N, 1) or None, the source map (B, N, N0) or None,
-# the rotary positions or None, and the sizes' log (B, N, 1) where the blocks use proportional attention and the step
-# wrote it (its merge kernel or operator; compiled, the block writes it otherwise: _handed_on), else None (the next
-# block takes size.log() itself)
+# the rotary positions or None, and the sizes' log (B, N, 1) where attention is proportional and the step wrote it
+# (compiled, the block writes it otherwise: _handed_on), else None (the next block takes size.log() itself)
 Carried = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[TokenPositions],
                 Optional[torch.Tensor]]
 
