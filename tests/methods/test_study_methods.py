@@ -9,7 +9,7 @@ from timm_tokcomp.families import VIT
 from timm_tokcomp.measure import count_macs
 from timm_tokcomp.methods.ats import adaptive_sampling
 from timm_tokcomp.methods.dpcknn import density_peaks
-from timm_tokcomp.methods.kmedoids import k_medoids
+from timm_tokcomp.methods.kmedoids import evenly_spaced, k_medoids
 from timm_tokcomp.methods.topk import top_k_pruning
 from timm_tokcomp.plans import ClusterPlan
 from timm_tokcomp.methods import parse_method_tag
@@ -111,6 +111,13 @@ def test_clustering_identical_tokens_leaves_no_cluster_empty(cluster):
     assign = cluster(torch.ones(2, 10, 4), 4)
     for row in assign:
         assert sorted(set(row.tolist())) == [0, 1, 2, 3]
+
+
+def test_k_medoids_starts_where_linspace_rounds_bit_for_bit():
+    # the ties of float32 linspace (n = 48, k = 23: 23.5 comes out below the half) are where a rational formula differs
+    for n in range(1, 200):
+        for k in range(1, n + 1):
+            assert torch.equal(evenly_spaced(n, k, torch.device("cpu")), torch.linspace(0, n - 1, k).round().long())
 
 
 def test_cluster_plan_is_the_size_weighted_mean_of_each_cluster():

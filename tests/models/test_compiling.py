@@ -115,8 +115,24 @@ def test_every_method_that_compiles_by_region_matches_eager_without_recompiling(
     if cls.data_dependent:  # a host-side count per block: the graph breaks there
         assert _breaks() > 0
     else:
-        assert _breaks() == 0 and _graphs() <= 7  # the embedding, at most five block graphs, the end
+        # the embedding, a block that does not reduce, at most two reducing ones (PiToMe's protect on / off), the end;
+        # ATC's clustering runs one step per merge, unrolled: a graph per count of merges
+        assert _breaks() == 0 and _graphs() <= (7 if method == "atc" else 5)
         assert _graphs() == first  # a new batch size reuses every graph
+
+
+@pytest.mark.parametrize("method, params", [("pitome", {"r": 4}),
+                                            ("kmedoids", {"keep_rate": 0.8, "stages": (2, 3, 4, 5, 6)})])
+def test_a_setting_that_differs_per_block_shares_the_blocks_graph(method, params):
+    # PiToMe's margin falls with depth, K-Medoids' cluster count with the tokens: both stay symbolic in the graph
+    model = _model(method, **params)
+    fast = compiling.compile(model, backend="eager")
+    with torch.no_grad():
+        for batch in (2, 3):
+            torch.testing.assert_close(fast(_images(batch)), model(_images(batch)), rtol=0, atol=0)
+    # the embedding, PiToMe's blocks without and with protection (K-Medoids': the first, which does not reduce, and
+    # the reducing ones), the end
+    assert (_graphs(), _breaks()) == (4, 0)
 
 
 def test_methods_that_do_not_compile_by_region_compile_whole():

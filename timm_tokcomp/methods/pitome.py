@@ -13,7 +13,9 @@ from ..schedules import BlockCost
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
 
-Setting = Tuple[int, float, bool]  # (r, margin, protect)
+# (r, block index l, block count L, protect): the block's margin, margin (1 - l / L), is computed in plan from the
+# two counts, which a compiled block keeps symbolic (a float setting would make each block a graph of its own)
+Setting = Tuple[int, int, int, bool]
 
 
 def energy_scores(metric: torch.Tensor, margin: float) -> torch.Tensor:
@@ -76,7 +78,7 @@ class PiToMe(ScheduledReducer):
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int,
                        cost: BlockCost) -> List[Optional[Setting]]:
         switch = math.ceil(num_blocks / 2)
-        return [None if r is None else (r, self.margin * (1 - i / num_blocks), i >= switch)
+        return [None if r is None else (r, i, num_blocks, i >= switch)
                 for i, r in enumerate(super().block_settings(num_blocks, num_tokens, num_prefix, cost))]
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
@@ -84,6 +86,6 @@ class PiToMe(ScheduledReducer):
 
     def plan(self, metric: torch.Tensor, setting: Setting, num_prefix: int,
              size: Optional[torch.Tensor]) -> Optional[MergePlan]:
-        r, margin, protect = setting
-        plan = energy_matching(metric, r, num_prefix, margin, protect)
+        r, index, count, protect = setting
+        plan = energy_matching(metric, r, num_prefix, self.margin * (1 - index / count), protect)
         return plan if plan.r > 0 else None
