@@ -165,6 +165,18 @@ def attentive_pruning(cls_attn: torch.Tensor, r: int, num_prefix: int) -> PruneP
     return PrunePlan(num_prefix, keep_idx, fuse_idx, w.unsqueeze(-1))
 
 
+def float32_linspace(end: int, steps: int, device: torch.device) -> torch.Tensor:
+    """(steps,) float32: torch.linspace(0, end, steps) as its scalar loop computes it, each half from its own end,
+    written out so that a compiled block keeps end and steps symbolic: one graph for every block (linspace
+    specialises its count, a graph per value). linspace's vectorised CPU loop (and CUDA) may differ in the last bit;
+    rounded to integers, this equals this machine's linspace for every end < 1300, and it is the same on every
+    device."""
+    j = torch.arange(steps, device=device, dtype=torch.float32)
+    last = torch.full((), end, device=device, dtype=torch.float32)
+    step = last / max(steps - 1, 1)
+    return torch.where(j < max(steps // 2, 1), step * j, last - step * (steps - 1 - j))
+
+
 def pairwise_distances(x: torch.Tensor) -> torch.Tensor:
     """Euclidean distances between the tokens of x: (B, n, C) -> (B, n, n), in fp32 (a batched matmul, so
     the MAC counter sees the cost). Exactly symmetric with an exact zero diagonal: a two-member cluster's members

@@ -82,7 +82,7 @@ def test_modulated_merge_matches_a_per_token_loop():
         for p in params.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
     plan = bipartite_soft_matching(torch.randn(3, 21, 8, generator=g), 5, 1)
-    got_x, got_size = pyra_merge(x, size, plan, params, 1)
+    got_x, got_size = pyra_merge(x, size, plan, params.layers["1"])
     want_x, want_size = _loop_reference(x, size, plan, params, 1)
     assert torch.allclose(got_x, want_x, atol=1e-5) and torch.equal(got_size, want_size)
 

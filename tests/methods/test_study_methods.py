@@ -8,8 +8,9 @@ import timm_tokcomp
 from timm_tokcomp.families import VIT
 from timm_tokcomp.measure import count_macs
 from timm_tokcomp.methods.ats import adaptive_sampling
+from timm_tokcomp.matching import float32_linspace
 from timm_tokcomp.methods.dpcknn import density_peaks
-from timm_tokcomp.methods.kmedoids import evenly_spaced, k_medoids
+from timm_tokcomp.methods.kmedoids import k_medoids
 from timm_tokcomp.methods.topk import top_k_pruning
 from timm_tokcomp.plans import ClusterPlan
 from timm_tokcomp.methods import parse_method_tag
@@ -113,11 +114,14 @@ def test_clustering_identical_tokens_leaves_no_cluster_empty(cluster):
         assert sorted(set(row.tolist())) == [0, 1, 2, 3]
 
 
-def test_k_medoids_starts_where_linspace_rounds_bit_for_bit():
-    # the ties of float32 linspace (n = 48, k = 23: 23.5 comes out below the half) are where a rational formula differs
-    for n in range(1, 200):
-        for k in range(1, n + 1):
-            assert torch.equal(evenly_spaced(n, k, torch.device("cpu")), torch.linspace(0, n - 1, k).round().long())
+def test_the_written_out_linspace_is_linspace_and_rounds_as_it_does():
+    # K-Medoids starts at its rounding: ties of float32 linspace (end 47, 23 steps: 23.5 comes out below the half)
+    # are where a rational formula's rounding differs
+    for end in range(0, 200):
+        for steps in range(1, end + 2):
+            got, want = float32_linspace(end, steps, torch.device("cpu")), torch.linspace(0, end, steps)
+            torch.testing.assert_close(got, want, rtol=2e-7, atol=0)
+            assert torch.equal(got.round(), want.round())
 
 
 def test_cluster_plan_is_the_size_weighted_mean_of_each_cluster():

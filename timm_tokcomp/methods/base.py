@@ -80,9 +80,10 @@ class TokenReducer(ABC):
     # traits the commands read (bench, speed, tune, export, the registry, ToCom), declared beside the method
     data_dependent: ClassVar[bool] = False  # token counts read from the data (a host-side count per block):
     # eager only in speed / tune, no CUDA graph, no ONNX
-    compiles_by_region: ClassVar[bool] = True  # torch.compile traces its block once, the token count and the
-    # per-block settings symbolic (timm_tokcomp.compiling); False: its plan reads a per-block Python value (a
-    # layer's module, a position list) that must stay constant, so the model compiles whole, with static shapes
+    compiles_by_region: bool = True  # torch.compile traces its block once, the token count and the per-block
+    # settings symbolic (timm_tokcomp.compiling); False: its plan reads a per-block Python value (a layer's module
+    # looked up by number, a position list) that must stay constant, so the model compiles whole, with static shapes.
+    # A method whose answer depends on its parameters sets it on the instance (PYRA, by its form)
     export_refusal: ClassVar[Optional[str]] = "it has not been checked against onnxruntime"  # None: exports to ONNX
     tocom_compatible: ClassVar[bool] = False  # ToCom compensators serve it (one integer r per block)
     listed_tags: ClassVar[Tuple[str, ...]] = ()  # tags timm.list_models(pretrained=True) shows on every served name

@@ -3,18 +3,8 @@ features) into as many clusters as tokens stay, with 3 K-Medoids iterations from
 each cluster becomes its size-weighted mean (sizes and source maps tracked as for ToMe)."""
 import torch
 
-from ..matching import nearest_centre, pairwise_distances
+from ..matching import float32_linspace, nearest_centre, pairwise_distances
 from .clustering import ClusterMerging
-
-
-def evenly_spaced(n: int, k: int, device: torch.device) -> torch.Tensor:
-    """k positions in [0, n) evenly spaced, ends included: (k,) long, torch.linspace(0, n - 1, k).round() computed
-    as linspace computes it in float32 (its halves from each end), bit for bit (checked for every n < 1300). Written
-    out so that a compiled block keeps n and k symbolic: one graph for every block (linspace specialises its count)."""
-    j = torch.arange(k, device=device, dtype=torch.float32)
-    end = torch.full((), n - 1, device=device, dtype=torch.float32)
-    step = end / max(k - 1, 1)
-    return torch.where(j < max(k // 2, 1), step * j, end - step * (k - 1 - j)).round().long()
 
 
 def k_medoids(x: torch.Tensor, num_clusters: int, iterations: int = 3) -> torch.Tensor:
@@ -25,7 +15,7 @@ def k_medoids(x: torch.Tensor, num_clusters: int, iterations: int = 3) -> torch.
     B, n, _ = x.shape
     with torch.no_grad():
         dist = pairwise_distances(x)
-        medoids = evenly_spaced(n, num_clusters, x.device).expand(B, -1)
+        medoids = float32_linspace(n - 1, num_clusters, x.device).round().long().expand(B, -1)
         for _ in range(iterations):
             # (B, n, K) one-hot membership by scatter: F.one_hot checks its range on the host (a device sync)
             members = dist.new_zeros(B, n, num_clusters).scatter_(2, nearest_centre(dist, medoids).unsqueeze(-1), 1.0)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..checks import check_choice, int_list, integer
+from ..matching import float32_linspace
 from ..plans import MergePlan, Reduced, gather_tokens, split_tokens
 from ..plans.merge import merge_sum
 from .base import LearnedParams
@@ -32,21 +33,49 @@ KNOTS = 8  # rank-weight knots of the 'pooled' form
 
 
 class PyraSetting(NamedTuple):
-    """A reducing block's setting: r merges in block `layer` (0-based)."""
+    """A reducing block's setting: r merges in block `layer` (0-based), with that block's parameters (None until the
+    method is bound to a model). Carrying the module, not looking it up by number, keeps the compiled block one graph
+    for every block: the compiler takes a module argument's parameters as inputs."""
 
     r: int
     layer: int
+    weights: Optional["PyraLayer"] = None
 
 
 class PyraLayer(nn.Module):
     """One block's parameters: norm LayerNorm(dim); token_weight (dim,), W_D, zero at init; rank_weight (n,),
     uniform(-1, 1) at init (n = the block's r for 'paper', KNOTS for 'pooled')."""
 
-    def __init__(self, dim: int, num_rank_weights: int) -> None:
+    def __init__(self, dim: int, num_rank_weights: int, form: str = "paper") -> None:
         super().__init__()
+        self.form = form
         self.norm = nn.LayerNorm(dim)
         self.token_weight = nn.Parameter(torch.zeros(dim))
         self.rank_weight = nn.Parameter(torch.empty(num_rank_weights).uniform_(-1.0, 1.0))
+
+    def rank_weights(self, r: int) -> torch.Tensor:
+        """(r,) weights of the merged tokens in score order, already divided by r for 'pooled' (knot positions in
+        float32, matching.float32_linspace)."""
+        w = self.rank_weight
+        if self.form == "paper":
+            if r > w.shape[0]:
+                raise ValueError(f"PYRA ('paper' form) was trained with r = {w.shape[0]} in this block and cannot "
+                                 f"merge {r} tokens there; use the training schedule or the 'pooled' form")
+            return w[:r]
+        if r == 1:
+            return w.mean().view(1)
+        pos = float32_linspace(KNOTS - 1, r, w.device).to(w.dtype)
+        lo = pos.floor().clamp_max(KNOTS - 2).long()
+        frac = pos - lo.to(pos.dtype)
+        return (w[lo] * (1 - frac) + w[lo + 1] * frac) / r
+
+    def modulate(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """src, dst: (B, r, D) merged-away tokens in score order and their targets -> modulated src."""
+        p = self.norm(src + dst)  # (B, r, D)
+        w = self.rank_weights(src.shape[1]).to(p.dtype)
+        c = 2 * torch.sigmoid(torch.einsum("brd,r->bd", p, w)).unsqueeze(1)  # (B, 1, D)
+        t = 2 * torch.sigmoid(p @ self.token_weight.to(p.dtype).unsqueeze(-1)) - 1  # (B, r, 1)
+        return src * (1 + t * c)
 
 
 def _check_form(form: Any) -> str:
@@ -65,7 +94,7 @@ class PyraParams(FromConfig, nn.Module):
     def __init__(self, dim: int, ranks: Sequence[int], form: str = "paper") -> None:
         super().__init__()
         self.form, self.ranks, self.dim = form, [int(r) for r in ranks], dim
-        self.layers = nn.ModuleDict({str(l): PyraLayer(dim, r if form == "paper" else KNOTS)
+        self.layers = nn.ModuleDict({str(l): PyraLayer(dim, r if form == "paper" else KNOTS, form)
                                      for l, r in enumerate(self.ranks) if r > 0 or form == "pooled"})
 
     @property
@@ -85,31 +114,6 @@ class PyraParams(FromConfig, nn.Module):
         return params
 
 
-    def rank_weights(self, layer: int, r: int) -> torch.Tensor:
-        """(r,) weights of the merged tokens in score order, already divided by r for 'pooled'."""
-        w = self.layers[str(layer)].rank_weight
-        if self.form == "paper":
-            if r > w.shape[0]:
-                raise ValueError(f"PYRA ('paper' form) was trained with r = {w.shape[0]} in block {layer} and cannot "
-                                 f"merge {r} tokens there; use the training schedule or the 'pooled' form")
-            return w[:r]
-        if r == 1:
-            return w.mean().view(1)
-        pos = torch.linspace(0, KNOTS - 1, r, device=w.device, dtype=w.dtype)
-        lo = pos.floor().clamp_max(KNOTS - 2).long()
-        frac = pos - lo.to(pos.dtype)
-        return (w[lo] * (1 - frac) + w[lo + 1] * frac) / r
-
-    def modulate(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> torch.Tensor:
-        """src, dst: (B, r, D) merged-away tokens in score order and their targets -> modulated src."""
-        params = self.layers[str(layer)]
-        p = params.norm(src + dst)  # (B, r, D)
-        w = self.rank_weights(layer, src.shape[1]).to(p.dtype)
-        c = 2 * torch.sigmoid(torch.einsum("brd,r->bd", p, w)).unsqueeze(1)  # (B, 1, D)
-        t = 2 * torch.sigmoid(p @ params.token_weight.to(p.dtype).unsqueeze(-1)) - 1  # (B, r, 1)
-        return src * (1 + t * c)
-
-
 def check_fits(params: PyraParams, dim: int, settings: Sequence[Any]) -> None:
     """Raise ValueError unless params fit a model of width dim whose blocks have these settings."""
     ranks = [0 if s is None else s.r for s in settings]
@@ -122,15 +126,15 @@ def check_fits(params: PyraParams, dim: int, settings: Sequence[Any]) -> None:
                          f"schedule on this model is r = {ranks} (the 'pooled' form runs at any r)")
 
 
-def pyra_merge(x: torch.Tensor, size: Optional[torch.Tensor], plan: MergePlan, params: PyraParams,
-               layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def pyra_merge(x: torch.Tensor, size: Optional[torch.Tensor], plan: MergePlan, layer: PyraLayer
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """ToMe's size-weighted merge with PYRA's modulated sources: x (B, N, C), size (B, N, 1) or None
     -> x (B, N - r, C), size (B, N - r, 1). With t = 0 it computes exactly what plans.merge.merge_mean does."""
     if size is None:
         size = x.new_ones(x.shape[0], x.shape[1], 1)
     split = None if plan.a_idx is None else (plan.a_idx, plan.b_idx)
     a, b = split_tokens(x, plan.num_prefix, split)
-    src = params.modulate(gather_tokens(a, plan.src_idx), gather_tokens(b, plan.dst_idx), layer)
+    src = layer.modulate(gather_tokens(a, plan.src_idx), gather_tokens(b, plan.dst_idx))
     src_size = gather_tokens(split_tokens(size, plan.num_prefix, split)[0], plan.src_idx).to(x.dtype)
     rows = torch.cat([x * size, size.to(x.dtype)], dim=-1)
     total, new_size = merge_sum(rows, plan, src=torch.cat([src * src_size, src_size], dim=-1)).split(
@@ -140,13 +144,12 @@ def pyra_merge(x: torch.Tensor, size: Optional[torch.Tensor], plan: MergePlan, p
 
 @dataclass
 class PyraMergePlan(MergePlan):
-    """ToMe's matches, merged with PYRA's modulated sources: params, the block's layer of them."""
+    """ToMe's matches, merged with PYRA's modulated sources: layer, the block's parameters."""
 
-    params: Optional[PyraParams] = None
-    layer: int = 0
+    layer: Optional[PyraLayer] = None
 
     def apply(self, x: torch.Tensor, size: Optional[torch.Tensor], source: Optional[torch.Tensor]) -> Reduced:
-        x_out, size_out = pyra_merge(x, size, self, self.params, self.layer)
+        x_out, size_out = pyra_merge(x, size, self, self.layer)
         return x_out, size_out, None if source is None else merge_sum(source, self)
 
 
@@ -155,7 +158,7 @@ class PYRA(LearnedParams, ToMe):
     apply (untrained: equal to ToMe) or given as `pyra_params`, and live on the model as model.tokcomp['pyra'].
     form: 'paper' (fits its training schedule) or 'pooled' (any r); set_params keeps the parameters."""
 
-    compiles_by_region = False  # each block's PYRA layer is looked up by its layer number
+    compiles_by_region = False  # the default 'paper' form compiles whole; the 'pooled' form by region (validate)
 
     name = "pyra"
     export_refusal = None
@@ -173,6 +176,10 @@ class PYRA(LearnedParams, ToMe):
         super().validate()
         if self.pyra_params is not None:
             self.form = self.pyra_params.form  # the parameters decide; form only chooses what apply creates
+        # 'paper': each block's rank weights are as long as its trained r, and the compiler holds a parameter's shape
+        # static, so by region it would compile a graph per distinct r (more than its recompile limit on the paper's
+        # schedules): compiled whole. 'pooled': every block's weights alike, one block graph.
+        self.compiles_by_region = self.form == "pooled"
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost) -> List[Optional[PyraSetting]]:
         return [None if r is None else PyraSetting(r, layer)
@@ -184,10 +191,18 @@ class PYRA(LearnedParams, ToMe):
         else:
             check_fits(self.pyra_params, dim, settings)
 
+    def settings_for(self, num_blocks: int, num_tokens: int, num_prefix: int, cost, grid) -> List[Optional[PyraSetting]]:
+        """block_settings, each with its block's parameters once they are made (bind)."""
+        settings = super().settings_for(num_blocks, num_tokens, num_prefix, cost, grid)
+        if self.pyra_params is None:
+            return settings
+        layers = self.pyra_params.layers
+        return [None if s is None else s._replace(weights=layers[str(s.layer)]) for s in settings]
+
     def plan(self, metric: torch.Tensor, setting: PyraSetting, num_prefix: int,
              size: Optional[torch.Tensor]) -> Optional[MergePlan]:
         plan = tome_plan(metric, setting.r, num_prefix)
-        return None if plan is None else PyraMergePlan.of(plan, params=self.pyra_params, layer=setting.layer)
+        return None if plan is None else PyraMergePlan.of(plan, layer=setting.weights)
 
     def reduce_fused(self, metric, x, size, source, setting, num_prefix, positions=None):
         return None  # ToMe's fused step has no learned modulation: plan() runs and its plan applies, compiled or not
