@@ -135,28 +135,38 @@ def test_a_setting_that_differs_per_block_shares_the_blocks_graph(method, params
     assert (_graphs(), _breaks()) == (4, 0)
 
 
-def test_pyra_pooled_with_learned_parameters_compiles_one_graph_for_every_block_and_r():
-    # each block's PYRA layer rides in its setting: the compiler takes its parameters as inputs, no graph per layer
-    model = _model("pyra", r=4, form="pooled")
+@pytest.mark.parametrize("method, params, graphs", [("pyra", {"r": 4, "form": "pooled"}, 3), ("dtem", {"r": 4}, 3),
+                                                    ("dynamicvit", STUDY, 4)])
+def test_learned_layers_compile_one_graph_for_every_block(method, params, graphs):
+    # each block's learned module rides in its setting (LearnedParams.settings_for): the compiler takes its
+    # parameters as inputs, so no block gets a graph of its own (DynamicViT: the blocks before the first stage do)
+    model = _model(method, **params)
+    untrained = model(_images(2))
     with torch.no_grad():
-        for p in model.tokcomp.parameters():  # untrained PYRA equals ToMe: make it differ
+        for p in model.tokcomp.parameters():  # untrained PYRA equals ToMe: make every method differ
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
     fast = compiling.compile(model, backend="eager")
     assert isinstance(fast, compiling.RegionallyCompiled)
     with torch.no_grad():
-        assert not torch.allclose(model(_images(2)), _model("tome", r=4)(_images(2)), atol=1e-3)
+        assert not torch.allclose(model(_images(2)), untrained, atol=1e-3)
         for batch in (2, 3):
             torch.testing.assert_close(fast(_images(batch)), model(_images(batch)), rtol=0, atol=0)
-        timm_tokcomp.set_params(model, r=6)  # the pooled form runs at any r
-        torch.testing.assert_close(fast(_images(3)), model(_images(3)), rtol=0, atol=0)
-    assert (_graphs(), _breaks()) == (3, 0)
-    # the 'paper' form's rank weights are as long as each block's r: compiled whole, not a graph per r
+        if method == "pyra":  # the pooled form runs at any r: a new r reuses the graphs too
+            timm_tokcomp.set_params(model, r=6)
+            torch.testing.assert_close(fast(_images(3)), model(_images(3)), rtol=0, atol=0)
+    assert (_graphs(), _breaks()) == (graphs, 0)
+
+
+def test_pyra_paper_form_compiles_whole():
+    # its rank weights are as long as each block's r and the compiler holds a parameter's shape static: by region
+    # it would compile a graph per r
     assert not compiling.by_region(_model("pyra", r=[4, 3, 3, 2, 2, 1]))
+    assert compiling.by_region(_model("pyra", r=[4, 3, 3, 2, 2, 1], form="pooled"))
 
 
 def test_methods_that_do_not_compile_by_region_compile_whole():
     whole = sorted(name for name, cls in METHODS.items() if not cls.compiles_by_region)
-    assert {"diffrate", "dtem", "dynamicvit", "l1", "patchmerger", "pyra"} <= set(whole)  # PYRA: its 'paper' form
+    assert {"diffrate", "l1", "patchmerger", "pyra"} <= set(whole)  # PYRA: its 'paper' form
     for name in whole:
         cls = METHODS[name]
         model = _model(name, **reducing_setting(cls, 4, STUDY))

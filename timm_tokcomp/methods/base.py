@@ -228,8 +228,8 @@ class TokenReducer(ABC):
 
     @abstractmethod
     def plan(self, metric: torch.Tensor, setting: Any, num_prefix: int, size: Optional[torch.Tensor]) -> Optional[Plan]:
-        """The reduction of one block from its metric and setting, or None for no reduction.
-        size: (B, N, 1) merging sizes, None while every token has size 1."""
+        """The reduction of one block from its metric and setting (as settings_for gives it), or None for no
+        reduction. size: (B, N, 1) merging sizes, None while every token has size 1."""
 
     def lookahead(self, x: torch.Tensor, probs: torch.Tensor, size: Optional[torch.Tensor],
                   source: Optional[torch.Tensor], setting: Any, num_prefix: int):
@@ -303,6 +303,22 @@ class LearnedParams:
 
     def learned_module(self) -> Optional[nn.Module]:
         return getattr(self, self.learned_param)
+
+    def block_weights(self, setting: Any) -> Optional[nn.Module]:
+        """The learned module a reducing block with this setting runs (None: none of its own). A method that has one
+        per block keeps `weights` in its settings (a NamedTuple); settings_for puts the module there, so the plan
+        takes it as an argument instead of looking it up by the block's number: a compiled block then stays one graph
+        for every block (the compiler takes a module argument's parameters as inputs, where a lookup by number
+        specialises the graph on it)."""
+        return None
+
+    def settings_for(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: Any,
+                     grid: Tuple[int, int]) -> List[Any]:
+        """The reducer's settings, each with its block's learned module (block_weights) once bind has made them."""
+        settings = super().settings_for(num_blocks, num_tokens, num_prefix, cost, grid)
+        if self.learned_module() is None:
+            return settings
+        return [s._replace(weights=self.block_weights(s)) if hasattr(s, "weights") else s for s in settings]
 
     def mark_made(self) -> None:
         """Called after bind: learned parameters bind made (not given) are marked so (see params_for_update)."""

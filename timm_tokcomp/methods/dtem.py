@@ -41,11 +41,13 @@ EPS = 1e-6
 
 
 class MergeSetting(NamedTuple):
-    """A reducing block: its index, the merges it makes, and the patch tokens active when it starts (training)."""
+    """A reducing block: its index, the merges it makes, the patch tokens active when it starts (training), and its
+    merge embedding (None until bind makes them; LearnedParams.settings_for)."""
 
     block: int
     r: int
     active: int
+    weights: Optional[nn.Linear] = None
 
 
 class DTEMParams(FromConfig, nn.Module):
@@ -79,8 +81,6 @@ class DTEM(LearnedParams, ScheduledReducer):
     """See the module docstring. embed_params: trained embeddings (a learned folder), or None: untrained ones made at
     apply (a random projection). Tags: 'dtem_r<k>', 'dtem_k<pct>'."""
 
-    compiles_by_region = False  # each block's embedding is looked up by its block number
-
     name = "dtem"
     export_refusal = None
     min_keep_rate = 0.5
@@ -112,13 +112,16 @@ class DTEM(LearnedParams, ScheduledReducer):
                              f"{self.embed_params.blocks}; the model has width {dim} and the schedule reduces in blocks "
                              f"{blocks}")
 
+    def block_weights(self, setting: MergeSetting) -> nn.Linear:
+        return self.embed_params.layers[str(setting.block)]
+
     def attention_metric(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: Optional[torch.Tensor],
                          scale: float, inputs: torch.Tensor) -> torch.Tensor:
         """The attention's input (B, N, C), detached: the embedding reads it."""
         return inputs.detach()
 
     def plan(self, inputs: torch.Tensor, setting: MergeSetting, num_prefix: int, size: Optional[torch.Tensor]):
-        embedding = self.embed_params.layers[str(setting.block)](inputs)
+        embedding = setting.weights(inputs)
         if self.embed_params.training:
             return SoftMergeStepPlan(num_prefix, setting, embedding)
         if max_merges(inputs.shape[1], num_prefix) == 0:

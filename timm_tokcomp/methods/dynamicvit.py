@@ -33,6 +33,7 @@ class StageSetting(NamedTuple):
     keep: int
     ratio: float
     stage: int
+    weights: Optional["Predictor"] = None  # the stage's predictor (None until bind: LearnedParams.settings_for)
 
 
 class Predictor(nn.Module):
@@ -86,8 +87,6 @@ class DynamicViT(LearnedParams, ScheduledReducer):
     given as `predictor_params`, and live on the model as model.tokcomp['dynamicvit']. Proportional attention
     is always on: it is what keeps the tokens dropped in training out of attention (kept tokens have size 1)."""
 
-    compiles_by_region = False  # each stage's predictor is looked up by its stage number
-
     name = "dynamicvit"
     holds_patches = "dropped"
     export_refusal = None
@@ -113,6 +112,9 @@ class DynamicViT(LearnedParams, ScheduledReducer):
         else:
             check_fits(self.predictor_params, dim, settings)
 
+    def block_weights(self, setting: StageSetting) -> "Predictor":
+        return self.predictor_params.predictors[str(setting.stage)]
+
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k  # unused: the predictor reads the tokens
 
@@ -129,7 +131,7 @@ class DynamicViT(LearnedParams, ScheduledReducer):
             return MaskPlan(num_prefix, setting, params)  # its apply samples the decisions
         patches = tokens[:, num_prefix:]
         policy = patches.new_ones(patches.shape[0], patches.shape[1], 1)
-        score = params.predictors[str(setting.stage)](patches, policy)[..., 0]
+        score = setting.weights(patches, policy)[..., 0]
         keep = min(setting.keep, patches.shape[1])
         with torch.no_grad():
             order = score.argsort(dim=-1, descending=True, stable=True)[:, :keep]
@@ -163,7 +165,7 @@ class MaskPlan(Plan):
         patches = x[:, p:]
         before = patches.new_ones(patches.shape[0], patches.shape[1], 1) if size is None else \
             (size[:, p:] - EPS) / (1 - EPS)  # 0 / 1 decisions so far, with their gradient
-        log_p = params.predictors[str(stage)](patches, before)
+        log_p = self.setting.weights(patches, before)
         keep = F.gumbel_softmax(log_p, hard=True)[..., :1]  # (B, n, 1), straight-through
         policy = before * keep
         if stage == 0:

@@ -34,8 +34,7 @@ KNOTS = 8  # rank-weight knots of the 'pooled' form
 
 class PyraSetting(NamedTuple):
     """A reducing block's setting: r merges in block `layer` (0-based), with that block's parameters (None until the
-    method is bound to a model). Carrying the module, not looking it up by number, keeps the compiled block one graph
-    for every block: the compiler takes a module argument's parameters as inputs."""
+    method is bound to a model; LearnedParams.settings_for)."""
 
     r: int
     layer: int
@@ -191,13 +190,8 @@ class PYRA(LearnedParams, ToMe):
         else:
             check_fits(self.pyra_params, dim, settings)
 
-    def settings_for(self, num_blocks: int, num_tokens: int, num_prefix: int, cost, grid) -> List[Optional[PyraSetting]]:
-        """block_settings, each with its block's parameters once they are made (bind)."""
-        settings = super().settings_for(num_blocks, num_tokens, num_prefix, cost, grid)
-        if self.pyra_params is None:
-            return settings
-        layers = self.pyra_params.layers
-        return [None if s is None else s._replace(weights=layers[str(s.layer)]) for s in settings]
+    def block_weights(self, setting: PyraSetting) -> PyraLayer:
+        return self.pyra_params.layers[str(setting.layer)]
 
     def plan(self, metric: torch.Tensor, setting: PyraSetting, num_prefix: int,
              size: Optional[torch.Tensor]) -> Optional[MergePlan]:
