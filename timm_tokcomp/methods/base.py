@@ -305,11 +305,10 @@ class LearnedParams:
         return getattr(self, self.learned_param)
 
     def block_weights(self, setting: Any) -> Optional[nn.Module]:
-        """The learned module a reducing block with this setting runs (None: none of its own). A method that has one
-        per block keeps `weights` in its settings (a NamedTuple); settings_for puts the module there, so the plan
-        takes it as an argument instead of looking it up by the block's number: a compiled block then stays one graph
-        for every block (the compiler takes a module argument's parameters as inputs, where a lookup by number
-        specialises the graph on it)."""
+        """The learned module a reducing block with this setting runs (None: none of its own). A method with one per
+        block keeps `weights` in its settings (a NamedTuple), filled by settings_for: the plan takes the module as an
+        argument, whose parameters the compiler takes as inputs (one graph for every block), where a lookup by the
+        block's number specialises the graph on it."""
         return None
 
     def settings_for(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: Any,
