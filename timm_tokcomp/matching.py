@@ -10,6 +10,7 @@ the same set as in the ToMe reference). ATM's size-distinctive split instead put
 half of the tokens in A and the larger half in B. The plans these functions return (timm_tokcomp.plans) index
 into A / B / the non-prefix tokens, per batch row.
 """
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -170,7 +171,27 @@ def float32_linspace(end: int, steps: int, device: torch.device) -> torch.Tensor
     written out so that a compiled block keeps end and steps symbolic: one graph for every block (linspace
     specialises its count, a graph per value). linspace's vectorised CPU loop (and CUDA) may differ in the last bit;
     rounded to integers, this equals this machine's linspace for every end < 1300, and it is the same on every
-    device."""
+    device. Outside a trace the result is built once per (end, steps, device) and reused (no op per call); do not
+    write into it."""
+    if _traced(end, steps):
+        return _written_out_linspace(end, steps, device)
+    return _cached_linspace(end, steps, torch.device(device))
+
+
+def _traced(*sizes) -> bool:
+    """Whether a compiler, exporter or tracer is running (the sizes may be symbolic there, and a cached tensor would
+    be baked in as a constant)."""
+    return (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._guards.detect_fake_mode() is not None
+            or not all(type(s) is int for s in sizes))
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_linspace(end: int, steps: int, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
+        return _written_out_linspace(end, steps, device)
+
+
+def _written_out_linspace(end, steps, device: torch.device) -> torch.Tensor:
     j = torch.arange(steps, device=device, dtype=torch.float32)
     last = torch.full((), end, device=device, dtype=torch.float32)
     step = last / max(steps - 1, 1)

@@ -124,6 +124,25 @@ def test_the_written_out_linspace_is_linspace_and_rounds_as_it_does():
             assert torch.equal(got.round(), want.round())
 
 
+def test_the_linspace_is_built_once_outside_a_trace_and_written_out_inside_it():
+    """Eager blocks reuse one tensor per (end, steps) (no op per forward); a compiled one computes the same values
+    with symbolic sizes (one graph for two counts)."""
+    from timm_tokcomp.measure import OpCounter
+    cpu = torch.device("cpu")
+    first = float32_linspace(96, 13, cpu)
+    with OpCounter() as ops:
+        again = float32_linspace(96, 13, cpu)
+    assert again is first and ops.total == 0
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    traced = torch.compile(lambda x: x[0] * 0 + float32_linspace(x.shape[0] - 1, x.shape[1], x.device),
+                           backend="eager", dynamic=True, fullgraph=True)
+    for end, steps in [(96, 13), (47, 23)]:
+        assert torch.equal(traced(torch.zeros(end + 1, steps)), float32_linspace(end, steps, cpu))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_cluster_plan_is_the_size_weighted_mean_of_each_cluster():
     x = torch.randn(1, 5, 3)
     size = torch.tensor([[[1.0], [1.0], [2.0], [3.0], [1.0]]])
