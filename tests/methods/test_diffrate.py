@@ -14,7 +14,6 @@ from timm_tokcomp.learned import load_learned, save_learned
 from timm_tokcomp.plans import KeepMergePlan
 from timm_tokcomp.measure import count_macs
 from timm_tokcomp.methods import make_reducer
-from timm_tokcomp.methods.base import BlockSetting
 from timm_tokcomp.methods.diffrate import DiffRateParams, macs_share
 from timm_tokcomp.schedules import BlockCost
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
@@ -47,7 +46,8 @@ def test_eval_step_equals_the_loop_definition(prune, merge):
     importance = torch.rand(B, p + N_PATCH)
     size = torch.rand(B, p + N_PATCH, 1) + 1
     method = make_reducer("diffrate", schedule={"prune": [N_PATCH, prune], "merge": [N_PATCH, merge]})
-    setting = BlockSetting(1, 2, N_PATCH, p, BlockCost(1, 1, 1))
+    side = SMALL["img_size"] // SMALL["patch_size"]
+    setting = method.settings_for(2, p + N_PATCH, p, BlockCost(1, 1, 1), (side, side))[1]  # the block's counts in it
     plan = method.plan((importance, x), setting, p, size)
     assert isinstance(plan, KeepMergePlan) and plan.num_keepers == merge
     got_x, got_size, _ = plan.apply(x, size, None)

@@ -16,7 +16,7 @@ macs_weight * (MACs share - macs_target)^2, the share of the block stack's unred
 model with as many blocks and patches can carry as `schedule=`.
 """
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from ..matching import class_attention
 from ..plans import KeepMergePlan, Plan, Reduced, gather_tokens
 from ..checks import integer, is_int, real
 from ..schedules import BlockCost
-from .base import BlockSetting, LearnedParams, TokenReducer
+from .base import LearnedParams, TokenReducer
 from .tags import MacsTargetTagged
 from .params import COMMON, MACS_TARGET, REQUIRED, FromConfig, Param, optional
 from .straight_through import ceil_through, hard_through
@@ -55,6 +55,21 @@ def check_schedule(value: Any) -> Dict[str, List[int]]:
     return {key: [int(c) for c in counts] for key, counts in lists.items()}
 
 
+class RateSetting(NamedTuple):
+    """A block DiffRate may reduce: the model's shape its MACs penalty needs, and what the block reads, filled each
+    forward by DiffRate.settings_for: in eval mode its counts (P, M) as integers, in the search its rows of the rate
+    logits (prune, merge), (K,) each. Carried in the setting, not looked up by the block's number, so that a
+    compiled block graph serves every block."""
+
+    block: int
+    num_blocks: int
+    num_patches: int
+    num_prefix: int
+    cost: BlockCost
+    counts: Optional[Tuple[int, int]] = None
+    logits: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+
 class DiffRateParams(FromConfig, nn.Module):
     """The rate logits of a model of depth blocks and num_patches patch tokens: prune[l - 1] and merge[l - 1]
     (K,) over the candidate counts (num_patches, num_patches - g, ... > 0) of block l >= 1, starting at zero."""
@@ -69,16 +84,21 @@ class DiffRateParams(FromConfig, nn.Module):
         self.register_buffer("candidates", candidates, persistent=False)
         self.prune = nn.Parameter(torch.zeros(depth - 1, len(candidates)))
         self.merge = nn.Parameter(torch.zeros(depth - 1, len(candidates)))
-        self._record: List[Tuple[BlockSetting, torch.Tensor, torch.Tensor]] = []  # this search forward's (P, M)
+        self._record: List[Tuple[RateSetting, torch.Tensor, torch.Tensor]] = []  # this search forward's (P, M)
         self._counts: Optional[List[Tuple[int, int]]] = None  # counts(), read in eval mode
         self.register_load_state_dict_post_hook(_reread_counts)  # a module-level function: the model pickles
         self._read_counts()
 
 
-    def expected(self, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Block's (P, M): the ceilings of the expected candidate counts, with their gradient."""
+    def logits(self, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Block's rows of the prune and merge logits, (K,) each."""
+        return self.prune[block - 1], self.merge[block - 1]
+
+    def expected(self, logits: Tuple[torch.Tensor, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A block's (P, M) from its logits rows: the ceilings of the expected candidate counts, with their
+        gradient."""
         c = self.candidates.to(self.prune.dtype)
-        return (ceil_through(self.prune[block - 1].softmax(-1) @ c), ceil_through(self.merge[block - 1].softmax(-1) @ c))
+        return tuple(ceil_through(row.softmax(-1) @ c) for row in logits)
 
     def survival(self, logits: torch.Tensor, n: int) -> torch.Tensor:
         """(n,) the probability that a count drawn from softmax(logits) exceeds rank t = 0..n - 1."""
@@ -94,7 +114,8 @@ class DiffRateParams(FromConfig, nn.Module):
 
     def _read_counts(self) -> None:
         with torch.no_grad():
-            self._counts = [tuple(int(v) for v in torch.stack(self.expected(b)).tolist()) for b in range(1, self.depth)]
+            self._counts = [tuple(int(v) for v in torch.stack(self.expected(self.logits(b))).tolist())
+                            for b in range(1, self.depth)]
 
     def train(self, mode: bool = True) -> "DiffRateParams":
         super().train(mode)
@@ -112,7 +133,7 @@ def _reread_counts(module: DiffRateParams, incompatible_keys) -> None:
     module._read_counts()
 
 
-def check_fits(params: DiffRateParams, settings: Sequence[Optional[BlockSetting]]) -> None:
+def check_fits(params: DiffRateParams, settings: Sequence[Optional[RateSetting]]) -> None:
     shape = next((s for s in settings if s is not None), None)
     if shape is not None and (params.depth, params.num_patches) != (shape.num_blocks, shape.num_patches):
         raise ValueError(f"these DiffRate rates are for {params.depth} blocks of {params.num_patches} patch tokens; the "
@@ -124,8 +145,6 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
     `rate_params` (a learned folder), or neither: untrained rates (every candidate count equally likely), the start
     of a search aiming at `macs_target`. Proportional attention is always on (DiffRate adds log size in every block;
     the search's dropped tokens rely on it). Tags: 'diffrate', 'diffrate_m<pct>' (macs_target = pct / 100)."""
-
-    compiles_by_region = False  # each block's counts are read from a list by its block number
 
     name = "diffrate"
     holds_patches = "similarity"
@@ -169,8 +188,8 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
             raise ValueError(f"schedule needs one entry per block ({num_blocks}), got {len(self.schedule['prune'])}")
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost
-                       ) -> List[Optional[BlockSetting]]:
-        """A BlockSetting where the block may reduce: with a schedule where it reduces the count its predecessor
+                       ) -> List[Optional[RateSetting]]:
+        """A RateSetting where the block may reduce: with a schedule where it reduces the count its predecessor
         leaves, with rates every block but the first."""
         n = num_tokens - num_prefix
         settings: List[Optional[BlockSetting]] = []
@@ -183,9 +202,24 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
                                      f"{self.schedule['merge'][0]}) reduce in block 0, which DiffRate never does; "
                                      f"give this model's {n} patch tokens (or more) there")
                 reduces, n = left < n, left
-            settings.append(BlockSetting(block, num_blocks, num_tokens - num_prefix, num_prefix, cost)
+            settings.append(RateSetting(block, num_blocks, num_tokens - num_prefix, num_prefix, cost)
                             if reduces else None)
         return settings
+
+    def settings_for(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost,
+                     grid: Tuple[int, int]) -> List[Optional[RateSetting]]:
+        """block_settings with what each block reads this forward (RateSetting); in the search, a forward starts
+        here (the record of its counts is cleared)."""
+        settings = super().settings_for(num_blocks, num_tokens, num_prefix, cost, grid)
+        params = self.rate_params
+        if self.schedule is None and params is None:
+            return settings  # before bind
+        if params is not None and params.depth != num_blocks:
+            check_fits(params, settings)  # raises, before a block's counts are looked up
+        if params is not None and params.training:  # the search
+            params._record = []
+            return [None if s is None else s._replace(logits=params.logits(s.block)) for s in settings]
+        return [None if s is None else s._replace(counts=self._counts(s.block)) for s in settings]
 
     def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:
         if self.schedule is not None:
@@ -210,13 +244,13 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
             return self.schedule["prune"][block], self.schedule["merge"][block]
         return self.rate_params.counts()[block - 1]
 
-    def plan(self, metric: Tuple[torch.Tensor, torch.Tensor], setting: BlockSetting, num_prefix: int,
+    def plan(self, metric: Tuple[torch.Tensor, torch.Tensor], setting: RateSetting, num_prefix: int,
              size: Optional[torch.Tensor]):
         importance, tokens = metric
-        if self.rate_params is not None and self.rate_params.training:
+        if setting.logits is not None:
             return SearchStepPlan(num_prefix, setting, importance.detach(), tokens, self.rate_params)
         p, n = num_prefix, tokens.shape[1] - num_prefix
-        prune, merge = self._counts(setting.block)
+        prune, merge = setting.counts
         kept = min(prune, n)
         keepers = min(merge, kept)
         if keepers >= n:
@@ -240,7 +274,7 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
         return self.macs_weight * (share - self.macs_target) ** 2
 
 
-def macs_share(record: Sequence[Tuple[BlockSetting, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def macs_share(record: Sequence[Tuple[RateSetting, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """The block stack's MACs under the recorded (setting, P, M) over its unreduced MACs: block l's attention runs
     on the count block l - 1 leaves, its MLP on min(that, P, M)."""
     shape = record[0][0]
@@ -266,7 +300,7 @@ class SearchStepPlan(Plan):
     grows)."""
 
     num_prefix: int
-    setting: BlockSetting
+    setting: RateSetting
     importance: torch.Tensor
     tokens: torch.Tensor
     params: DiffRateParams
@@ -283,13 +317,12 @@ class SearchStepPlan(Plan):
         alive = patch_size >= 0.5  # (B, n): not dropped or merged away before
         importance = self.importance[:, p:].float().masked_fill(~alive, float("-inf"))
         rank = importance.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # (B, n)
-        prune, merge = params.expected(self.setting.block)
-        if self.setting.block == 1:
-            params._record = []
+        prune_logits, merge_logits = self.setting.logits
+        prune, merge = params.expected(self.setting.logits)
         params._record.append((self.setting, prune, merge))
         keepers = (rank < torch.minimum(prune, merge).detach()) & alive
-        keep = hard_through(rank < prune.detach(), params.survival(params.prune[self.setting.block - 1], n)[rank])
-        stay = hard_through(keepers, params.survival(params.merge[self.setting.block - 1], n)[rank])
+        keep = hard_through(rank < prune.detach(), params.survival(prune_logits, n)[rank])
+        stay = hard_through(keepers, params.survival(merge_logits, n)[rank])
         merged = keep * (1 - stay) * alive  # (B, n): 1 for a token merged away, with the gradient of both
         unit = F.normalize(self.tokens[:, p:].float(), dim=-1)
         sim, dst = (unit @ unit.transpose(1, 2)).masked_fill(~keepers.unsqueeze(1), float("-inf")).max(dim=-1)
