@@ -198,3 +198,19 @@ def test_methods_refuses_a_second_class_of_the_same_name():
     assert list(by_name(tuple(METHODS.values()))) == list(METHODS)
     with pytest.raises(ValueError, match="two methods are named 'tome': ToMe and .*Impostor"):
         by_name((*METHODS.values(), Impostor))
+
+
+@pytest.mark.parametrize("method", TOKEN_METHODS)
+def test_an_empty_batch_and_bf16_autocast_run(method, images):
+    """Batch 0 gives (0, classes); under bf16 autocast the output is finite and, for a method whose counts do not
+    come from the data, the token counts are fp32's."""
+    model = timm_tokcomp.apply(make_model("cls"), method, **_reducing_params(method))
+    with torch.no_grad():
+        assert model(images[:0]).shape == (0, SMALL["num_classes"])
+        model(images)
+        counts = timm_tokcomp.last_stats(model).tokens_per_block
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(images)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    if not METHODS[method].data_dependent:
+        assert timm_tokcomp.last_stats(model).tokens_per_block == counts
