@@ -76,7 +76,7 @@ def test_the_search_forward_makes_the_eval_decisions_with_every_token_in_place(i
     assert stats.tokens_per_block == [N_PATCH + 1] * SMALL["depth"]
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     params = model.tokcomp["diffrate"]
-    share = macs_share(params._record)
+    share = macs_share(params, params._record)
     cost = model._tokcomp_block_cost
     want = 0.0  # each block's attention on the count entering it (the eval stats), its MLP on what it keeps
     for block in range(SMALL["depth"]):
@@ -100,7 +100,7 @@ def test_the_measured_macs_of_the_eval_model_are_the_share_the_penalty_reads():
     x = torch.randn(1, 3, 224, 224)
     model.train()
     model(x)
-    share = macs_share(model.tokcomp["diffrate"]._record).item()
+    share = macs_share(model.tokcomp["diffrate"], model.tokcomp["diffrate"]._record).item()
     model.eval()
     cost, n, depth = model._tokcomp_block_cost, 197, 12
     blocks = depth * cost.macs(n, n)

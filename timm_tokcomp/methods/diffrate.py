@@ -84,7 +84,7 @@ class DiffRateParams(FromConfig, nn.Module):
         self.register_buffer("candidates", candidates, persistent=False)
         self.prune = nn.Parameter(torch.zeros(depth - 1, len(candidates)))
         self.merge = nn.Parameter(torch.zeros(depth - 1, len(candidates)))
-        self._record: List[Tuple[RateSetting, torch.Tensor, torch.Tensor]] = []  # this search forward's (P, M)
+        self._record: List[RateSetting] = []  # the reducing blocks of the last search forward (settings_for)
         self._counts: Optional[List[Tuple[int, int]]] = None  # counts(), read in eval mode
         self.register_load_state_dict_post_hook(_reread_counts)  # a module-level function: the model pickles
         self._read_counts()
@@ -208,17 +208,19 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
 
     def settings_for(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost,
                      grid: Tuple[int, int]) -> List[Optional[RateSetting]]:
-        """block_settings with what each block reads this forward (RateSetting); in the search, a forward starts
-        here (the record of its counts is cleared)."""
+        """block_settings with what each block reads this forward (RateSetting); in the search, recorded for its
+        MACs penalty (not appended to by the blocks: under torch.compile a list that grows by block would be guarded
+        on its length, a graph per block)."""
         settings = super().settings_for(num_blocks, num_tokens, num_prefix, cost, grid)
         params = self.rate_params
         if self.schedule is None and params is None:
             return settings  # before bind
         if params is not None and params.depth != num_blocks:
             check_fits(params, settings)  # raises, before a block's counts are looked up
-        if params is not None and params.training:  # the search
-            params._record = []
-            return [None if s is None else s._replace(logits=params.logits(s.block)) for s in settings]
+        if params is not None and params.training:  # the search: its MACs penalty reads these (method_loss)
+            settings = [None if s is None else s._replace(logits=params.logits(s.block)) for s in settings]
+            params._record = [s for s in settings if s is not None]
+            return settings
         return [None if s is None else s._replace(counts=self._counts(s.block)) for s in settings]
 
     def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:
@@ -269,18 +271,19 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
         params = self.rate_params
         if params is None or not params._record or self.macs_target is None:
             return None
-        share = macs_share(params._record)
+        share = macs_share(params, params._record)
         params._record = []
         return self.macs_weight * (share - self.macs_target) ** 2
 
 
-def macs_share(record: Sequence[Tuple[RateSetting, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """The block stack's MACs under the recorded (setting, P, M) over its unreduced MACs: block l's attention runs
-    on the count block l - 1 leaves, its MLP on min(that, P, M)."""
-    shape = record[0][0]
-    counts = {setting.block: (prune, merge) for setting, prune, merge in record}
+def macs_share(params: DiffRateParams, settings: Sequence[RateSetting]) -> torch.Tensor:
+    """The block stack's MACs at the expected counts (P, M) of the search's block settings (with their logits) over
+    its unreduced MACs, with their gradient: block l's attention runs on the count block l - 1 leaves, its MLP on
+    min(that, P, M)."""
+    shape = settings[0]
+    counts = {setting.block: params.expected(setting.logits) for setting in settings}
     p, cost = shape.num_prefix, shape.cost
-    before = record[0][1].new_tensor(float(shape.num_patches))
+    before = params.prune.new_tensor(float(shape.num_patches))
     total = before.new_zeros(())
     for block in range(shape.num_blocks):
         after = before
@@ -296,8 +299,8 @@ def macs_share(record: Sequence[Tuple[RateSetting, torch.Tensor, torch.Tensor]])
 class SearchStepPlan(Plan):
     """Training (the search): the block's soft prune and merge at the learned rates, every token in place.
 
-    importance: (B, N) the ranking; tokens: (B, N, C) what the matching reads; params: the rates (their record
-    grows)."""
+    importance: (B, N) the ranking; tokens: (B, N, C) what the matching reads; params: the rates (the setting
+    carries the block's rows of their logits)."""
 
     num_prefix: int
     setting: RateSetting
@@ -319,7 +322,6 @@ class SearchStepPlan(Plan):
         rank = importance.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # (B, n)
         prune_logits, merge_logits = self.setting.logits
         prune, merge = params.expected(self.setting.logits)
-        params._record.append((self.setting, prune, merge))
         keepers = (rank < torch.minimum(prune, merge).detach()) & alive
         keep = hard_through(rank < prune.detach(), params.survival(prune_logits, n)[rank])
         stay = hard_through(keepers, params.survival(merge_logits, n)[rank])
