@@ -11,7 +11,7 @@ half of the tokens in A and the larger half in B. The plans these functions retu
 into A / B / the non-prefix tokens, per batch row.
 """
 import functools
-from typing import Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -171,24 +171,8 @@ def float32_linspace(end: int, steps: int, device: torch.device) -> torch.Tensor
     written out so that a compiled block keeps end and steps symbolic: one graph for every block (linspace
     specialises its count, a graph per value). linspace's vectorised CPU loop (and CUDA) may differ in the last bit;
     rounded to integers, this equals this machine's linspace for every end < 1300, and it is the same on every
-    device. Outside a trace the result is built once per (end, steps, device) and reused (no op per call); do not
-    write into it."""
-    if _traced(end, steps):
-        return _written_out_linspace(end, steps, device)
-    return _cached_linspace(end, steps, torch.device(device))
-
-
-def _traced(*sizes) -> bool:
-    """Whether a compiler, exporter or tracer is running (the sizes may be symbolic there, and a cached tensor would
-    be baked in as a constant)."""
-    return (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._guards.detect_fake_mode() is not None
-            or not all(type(s) is int for s in sizes))
-
-
-@functools.lru_cache(maxsize=256)
-def _cached_linspace(end: int, steps: int, device: torch.device) -> torch.Tensor:
-    with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
-        return _written_out_linspace(end, steps, device)
+    device. Built once per (end, steps, device) outside a trace (built_once); do not write into it."""
+    return built_once(_written_out_linspace, end, steps, device=device)
 
 
 def _written_out_linspace(end, steps, device: torch.device) -> torch.Tensor:
@@ -196,6 +180,24 @@ def _written_out_linspace(end, steps, device: torch.device) -> torch.Tensor:
     last = torch.full((), end, device=device, dtype=torch.float32)
     step = last / max(steps - 1, 1)
     return torch.where(j < max(steps // 2, 1), step * j, last - step * (steps - 1 - j))
+
+
+def built_once(build: Callable[..., torch.Tensor], *args: Any, device: torch.device) -> torch.Tensor:
+    """build(*args, device): a tensor made from Python values (positions, indices), made once per (build, args,
+    device) and reused in eager forwards: no op per call and, on a GPU, no blocking copy of host data per call.
+    Under a compiler, exporter or tracer (where args may be symbolic and a kept tensor would be baked in as a
+    constant) it is built in the trace. The kept tensor is shared: never write into it."""
+    traced = (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._guards.detect_fake_mode() is not None
+              or any(isinstance(a, torch.SymInt) for a in args))
+    if traced:
+        return build(*args, device)
+    return _kept(build, args, torch.device(device))
+
+
+@functools.lru_cache(maxsize=512)
+def _kept(build: Callable[..., torch.Tensor], args: Tuple[Any, ...], device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
+        return build(*args, device)
 
 
 def pairwise_distances(x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..matching import built_once
 from ..plans import PrunePlan
 from ..schedules import BlockCost
 from .base import GridSettings, ScheduledReducer
@@ -39,18 +40,11 @@ def _find_keep_positions(grid: Tuple[int, int], norm: float, n: int, keep: int) 
     return tuple(i for i, patch in enumerate(current) if patch in kept)
 
 
-def _keep_index(keep: Tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """keep as a (K,) int64 tensor on device. Under torch.compile a constant of the graph; in eager made once per
-    device and pattern (on a GPU, a tensor built from host data is a blocking copy: a host synchronisation)."""
-    if torch.compiler.is_compiling():
-        return torch.tensor(keep, device=device)
-    return _cached_index(keep, device)
-
-
-@functools.lru_cache(maxsize=256)
-def _cached_index(keep: Tuple[int, ...], device: torch.device) -> torch.Tensor:
-    with torch.inference_mode(False):  # a normal tensor, usable later with autograd too
-        return torch.tensor(keep, device=device)
+def _index_tensor(keep: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """keep as a (K,) int64 tensor on device: under torch.compile a constant of the graph, in eager made once per
+    device and pattern (built_once; on a GPU, a tensor built from host data is a blocking copy: a host
+    synchronisation)."""
+    return torch.tensor(keep, device=device)
 
 
 class Radial(GridSettings, ScheduledReducer):
@@ -83,7 +77,7 @@ class Radial(GridSettings, ScheduledReducer):
         r = max(min(r, n - 1), 0)
         if r == 0:
             return None
-        keep = _keep_index(_keep_positions(grid, self.ord, n, n - r), metric.device)
+        keep = built_once(_index_tensor, _keep_positions(grid, self.ord, n, n - r), device=metric.device)
         return PrunePlan(num_prefix, keep.expand(metric.shape[0], -1))
 
 
