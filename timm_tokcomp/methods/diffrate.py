@@ -192,7 +192,7 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
         """A RateSetting where the block may reduce: with a schedule where it reduces the count its predecessor
         leaves, with rates every block but the first."""
         n = num_tokens - num_prefix
-        settings: List[Optional[BlockSetting]] = []
+        settings: List[Optional[RateSetting]] = []
         for block in range(num_blocks):
             reduces = block > 0
             if self.schedule is not None:
