@@ -156,17 +156,6 @@ def fresh_dynamo():
 
 
 @pytest.fixture
-def eager_regions(monkeypatch):
-    """In the test, torch.compile(model) of a reduced model compiles its regions with the 'eager' backend (dynamo's
-    capture without Inductor's minutes; torch.compile's own backend does not reach the regions); a backend given to
-    timm_tokcomp.compile still wins."""
-    from timm_tokcomp import regions
-
-    make = regions.compile_regions
-    monkeypatch.setattr(regions, "compile_regions", lambda model, **kwargs: make(model, **{"backend": "eager", **kwargs}))
-
-
-@pytest.fixture
 def images():
     torch.manual_seed(1)
     return torch.randn(3, 3, 32, 32)

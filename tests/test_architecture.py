@@ -85,7 +85,7 @@ FLOORS = (
                            "matching", "ops", "attention", "rope", "measure", "precision", "device_table", "graphs", "data", "identity",
                            "kernels")),
     ("methods", ("methods",)),
-    ("models", ("regions", "reducing", "dense", "compiling", "families", "patch", "core", "registry", "open_clip_models",
+    ("models", ("regions", "handoff", "reducing", "dense", "compiling", "families", "patch", "core", "registry", "open_clip_models",
                 "models", "export", "learned", "tocom", "tocom.compensator", "tocom.hub", "tocom.plugins")),
     ("kit", ("kit",)),
     ("commands", ("bench", "speed", "tuning", "calibrate", "analysis", "training", "selfcheck",

@@ -10,14 +10,15 @@ compiled graph; the embedding also hands the first block what the later blocks t
 rotary coordinates: regions.UnitSizes), so that block runs their graph: three graphs in all for ToMe or EViT. Each
 compiled model gets its own copy of the regions' code, so the compiler's per-function limit on cached graphs counts
 that model's graphs only, however many models a process compiles. torch.compile(model) takes the same path: the
-reduced forward, traced whole, hands itself to its regions (regions.forward_by_region).
+reduced forward, traced whole, hands itself to its regions with torch.compile's backend, mode and options, CUDA
+graphs ('reduce-overhead') as the 'cudagraph' mode below captures them (handoff.forward_by_region).
 A batch of 1 compiles its own graphs once (torch specialises dimensions of size 1); a data-dependent method (ATM,
 ATS, LTMP) breaks the graph where it reads its count from the data; a method whose plan reads a per-block Python
 value (TokenReducer.compiles_by_region False) is compiled whole. ToMe's step runs as one custom operator
 (kernels.library), the Triton kernels inside it where its backend resolves to 'triton'.
 
     fast = timm_tokcomp.compile(model)        # model: a reduced timm model, unchanged; fast(images) -> logits
-    fast = torch.compile(model)               # the same regions (torch.compile's mode and backend aside)
+    fast = torch.compile(model)               # the same regions; mode="reduce-overhead": as mode="cudagraph"
 """
 from typing import Any, Callable
 
@@ -26,7 +27,8 @@ from torch import nn
 
 from .graphs import GraphedByShape
 from .reducing import ReducingModel
-from .regions import compile_regions, running, traced_whole
+from .handoff import traced_whole
+from .regions import compile_regions, running
 
 __all__ = ["COMPILE_MODES", "RegionallyCompiled", "by_region", "compile", "traced_whole"]
 

@@ -10,6 +10,7 @@ ATS, whose counts are read from the data. Capturing runs a few eager forwards: n
 """
 import contextlib
 import threading
+import weakref
 from typing import Callable, Dict, Optional
 
 import torch
@@ -50,7 +51,8 @@ class GraphedForward:
     capture. Built under torch.autocast, the graph keeps that autocast dtype. Calls from several threads take
     turns on the one pair of buffers. warmup: eager forwards on a side stream before the capture (Triton kernels
     compile there). forward: what is captured, model's forward by default (e.g. a regionally compiled model, whose
-    Inductor kernels then replay as one graph); the capturability check runs model eagerly."""
+    Inductor kernels then replay as one graph); the capturability check runs model eagerly. The graph reads the
+    weights in place: it holds model, or a given forward holds what it runs."""
 
     def __init__(self, model: nn.Module, example: torch.Tensor, warmup: int = 3,
                  forward: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
@@ -58,7 +60,7 @@ class GraphedForward:
         if not example.is_cuda:
             raise ValueError(f"example must be a CUDA tensor (CUDA graphs replay GPU work), got {example.device}")
         check_capturable(model, example)
-        self.model = model
+        self.model = model if forward is None else None
         forward = model if forward is None else forward
         self._replaying = threading.Lock()  # one input and output buffer: calls from several threads take turns
         with torch.inference_mode(False):  # a normal tensor: calls may copy into it inside or outside inference mode
@@ -94,10 +96,10 @@ class GraphedByShape:
     What compiling.compile's 'cudagraph' mode runs for a regionally compiled model: Inductor's own CUDA graphs
     ('reduce-overhead') start a new generation at each compiled call, so the blocks' outputs, passed from one block's
     call to the next, would be overwritten (an H200 run failed so); one capture of the whole forward replays the
-    embedding, every compiled block and the head with one launch."""
+    embedding, every compiled block and the head with one launch. Holds model weakly (forward holds what it runs)."""
 
     def __init__(self, model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.model = model
+        self.model = weakref.ref(model)
         self.forward = forward
         self.graphs: Dict[tuple, GraphedForward] = {}
         self._capturing = threading.Lock()
@@ -108,7 +110,7 @@ class GraphedByShape:
                torch.get_autocast_dtype("cuda"))
         with self._capturing:
             if key not in self.graphs:
-                self.graphs[key] = GraphedForward(self.model, x, forward=self.forward)
+                self.graphs[key] = GraphedForward(self.model(), x, forward=self.forward)
             graphed = self.graphs[key]
         return graphed(x)
 

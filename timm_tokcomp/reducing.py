@@ -13,7 +13,8 @@ from torch.utils.checkpoint import checkpoint
 from .device_table import measured
 from .rope import TokenPositions
 from .plans import gather_tokens
-from .regions import Regions, UnitSizes, compiled_regions, compiled_whole, forward_by_region
+from .handoff import compiled_whole, forward_by_region
+from .regions import Regions, UnitSizes, compiled_regions
 from .methods.base import TokenReducer
 from .schedules import BlockCost
 from .state import ReductionStats, feature_stats, remember_last
@@ -226,8 +227,7 @@ class ReducingModel:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, 3, H, W) -> logits; the head pools with this call's token sizes. Traced whole by torch.compile,
-        it runs compiled by regions instead (compiled_whole)."""
+        """x: (B, 3, H, W) -> logits, pooled with this call's token sizes (torch.compile: by regions, handoff)."""
         if compiled_whole(self):
             return forward_by_region(self, x)
         regions = compiled_regions(self)

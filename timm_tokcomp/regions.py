@@ -2,8 +2,8 @@
 (patch embedding, position embedding or rope table, prefix tokens), its blocks' shared forward_reduce, and its end
 (final norm, pooling with the token sizes, head). Each region is compiled once per model on its own copy of the code,
 the batch and the token count dynamic, so one graph serves every block, batch size and r. timm_tokcomp.compiling
-builds the user's forms on it (timm_tokcomp.compile); torch.compile(model) reaches it through compiled_whole /
-forward_by_region, which the model families' forwards call.
+builds the user's forms on it (timm_tokcomp.compile); torch.compile(model) reaches it through timm_tokcomp.handoff,
+which the model families' forwards call.
 
     regions = compile_regions(model)          # model: a reduced model (reducing.ReducingModel)
     with running(model, regions):
@@ -12,20 +12,11 @@ forward_by_region, which the model families' forwards call.
 import contextlib
 import contextvars
 import types
-import warnings
-import weakref
 from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
-
-TORCH_COMPILE_NOTE = (
-    "torch.compile(model) on a model reduced by timm_tokcomp runs it compiled by regions, as "
-    "timm_tokcomp.compile(model) does (Inductor, each region compiled once for every block, batch size and r); "
-    "torch.compile's mode and backend do not reach the regions: for CUDA graphs call "
-    "timm_tokcomp.compile(model, mode='cudagraph'), for another backend timm_tokcomp.compile(model, backend=...)")
-
 
 class Regions(NamedTuple):
     """A reduced forward's three parts, each compiled on its own: each takes the module it runs first, so one
@@ -98,49 +89,3 @@ def running(model: nn.Module, regions: Regions):
             yield
     finally:
         COMPILED_REGIONS.reset(token)
-
-
-_TRACED_WHOLE = False  # set by traced_whole(); dynamo reads it as a constant of the trace and guards on it
-
-
-@contextlib.contextmanager
-def traced_whole():
-    """Within it (while torch.compile traces), a reduced model's forward is traced whole, as it is: one graph with a
-    static count per block, what fullgraph=True, torch._dynamo.explain or an ahead-of-time compile need."""
-    global _TRACED_WHOLE
-    previous, _TRACED_WHOLE = _TRACED_WHOLE, True
-    try:
-        yield
-    finally:
-        _TRACED_WHOLE = previous
-
-
-def compiled_whole(model: nn.Module) -> bool:
-    """Whether torch.compile is tracing model's forward whole (torch.compile(model), model.compile()) where its
-    method compiles by region: the forward then hands itself to its regions (forward_by_region). Never while
-    exporting (torch.export traces the whole forward as it is) or within traced_whole()."""
-    return (torch.compiler.is_compiling() and not _exporting() and not _TRACED_WHOLE
-            and model._tokcomp_reducer.compiles_by_region)
-
-
-def _exporting() -> bool:
-    """Whether torch.export is tracing. Read from its flag: torch 2.11's dynamo answers torch.compiler.is_exporting()
-    True in every trace (torch.compile's too); later versions read this flag (is_exporting() where it is gone)."""
-    flag = getattr(torch.compiler, "_is_exporting_flag", None)
-    return torch.compiler.is_exporting() if flag is None else flag
-
-
-# model -> its regions compiled for torch.compile(model) (forward_by_region); the regions hold no reference to it
-_BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, Regions]" = weakref.WeakKeyDictionary()
-
-
-@torch.compiler.disable
-def forward_by_region(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """model.forward(*args, **kwargs) with its regions compiled, outside the caller's trace (one graph break, at the
-    forward's start): what torch.compile(model) runs for a reduced model. The regions are compiled on model's first
-    such call, which says so once."""
-    if model not in _BY_MODEL:
-        warnings.warn(TORCH_COMPILE_NOTE, stacklevel=2)
-        _BY_MODEL[model] = compile_regions(model)
-    with running(model, _BY_MODEL[model]):
-        return model.forward(*args, **kwargs)

@@ -114,8 +114,7 @@ def test_speed_csv_keeps_the_batches_measured_before_a_run_stops(tmp_path, monke
     assert len(list(csv.DictReader(open(out)))) == 6 and not (tmp_path / "speed.csv.partial").exists()
 
 
-def test_speed_compiled_mode_skips_data_dependent_methods_and_never_falls_back_silently(monkeypatch, capsys,
-                                                                                        eager_regions):
+def test_speed_compiled_mode_skips_data_dependent_methods_and_never_falls_back_silently(monkeypatch, capsys):
     # dynamo's capture with the 'eager' backend: the harness's wiring without inductor's minutes on a CPU
     monkeypatch.setattr(modes, "runner", lambda m, mode, x: torch.compile(m, backend="eager", dynamic=False))
     rows = speed.run_speed("deit_tiny_patch16_224", methods=parse_methods("tome_r8,tome_r16,evit_r8,atm,ats_k70"),

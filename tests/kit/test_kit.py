@@ -56,7 +56,7 @@ def test_deploy_runs_every_call_under_the_recorded_precision(tmp_path, images):
     assert out.dtype == torch.bfloat16 and torch.equal(out, want)
 
 
-def test_deploy_builds_the_recorded_mode_once_per_model(tmp_path, images, monkeypatch, eager_regions):
+def test_deploy_builds_the_recorded_mode_once_per_model(tmp_path, images, monkeypatch):
     built = []
 
     def runner(model, mode, x, workdir=None, name="model"):
@@ -92,7 +92,7 @@ def test_deploy_refuses_what_it_cannot_run(tmp_path):
     assert not timm_tokcomp.is_reduced(plain)
 
 
-def test_bench_times_a_preset_in_its_recorded_mode(tmp_path, monkeypatch, eager_regions):
+def test_bench_times_a_preset_in_its_recorded_mode(tmp_path, monkeypatch):
     from timm_tokcomp.bench import format_table, run_bench
 
     built = []
@@ -165,7 +165,7 @@ def test_tune_asks_the_chooser():
             [(p.mode, p.params(method, params)) for p in paths]
 
 
-def test_a_new_method_is_its_class_and_its_line_in_methods(toy_method, monkeypatch, capsys, eager_regions):
+def test_a_new_method_is_its_class_and_its_line_in_methods(toy_method, monkeypatch, capsys):
     from timm_tokcomp import speed
     from timm_tokcomp.bench import run_bench
     from timm_tokcomp.export import check_exportable

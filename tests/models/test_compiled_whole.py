@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 import timm_tokcomp
 from conftest import SMALL, family_model, reducing_setting
 from timm_tokcomp import compiling
+from timm_tokcomp.graphs import GraphedByShape
 from timm_tokcomp.methods import METHODS
 
 
@@ -109,25 +110,95 @@ def _images(batch, seed=1):
     return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
 
 
-def test_torch_compile_of_a_reduced_model_runs_its_regions_for_every_batch_and_r(eager_regions):
-    model = _vit("tome", r=8)
-    fast = torch.compile(model, backend="eager")
-    with torch.no_grad(), pytest.warns(UserWarning, match="runs it compiled by regions") as said:
-        torch.testing.assert_close(fast(_images(2)), model(_images(2)), rtol=0, atol=0)
-    assert len(said) == 1
-    regions = counters["stats"]["unique_graphs"]
-    assert regions == 3  # the embedding, every block (the first takes sizes of one), the end: the regional graphs
+def test_torch_compile_of_a_reduced_model_runs_its_regions_by_its_backend_for_every_batch_and_r():
+    """torch.compile(model, backend=...) hands the reduced forward to its regions, which that backend compiles (here
+    a recording one): three graphs, nothing said, and none compiled again for another batch size or r."""
+    model, recorder = _vit("tome", r=8), InGraphs()
+    fast = torch.compile(model, backend=recorder.backend)
     with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("error")  # said once
+        warnings.simplefilter("error", UserWarning)  # nothing to say: the call's backend reached the regions
+        torch.testing.assert_close(fast(_images(2)), model(_images(2)), rtol=0, atol=0)
+        regions = counters["stats"]["unique_graphs"]
+        assert regions == len(recorder.graphs) == 3  # the embedding, every block (the first too), the end
         for batch in (3, 7):
             torch.testing.assert_close(fast(_images(batch)), model(_images(batch)), rtol=0, atol=0)
         for params in ({"r": 4}, {"r": 12}, {"flops_ratio": 2.0}):
             timm_tokcomp.set_params(model, **params)
             torch.testing.assert_close(fast(_images(3)), model(_images(3)), rtol=0, atol=0)
-    assert counters["stats"]["unique_graphs"] == regions  # nothing compiled again
+    assert counters["stats"]["unique_graphs"] == regions and len(recorder.graphs) == 3  # nothing compiled again
 
 
-def test_module_compile_and_a_model_compiled_whole_keep_their_forms(eager_regions):
+@pytest.mark.parametrize("kwargs, regions_kwargs, cuda_graphs", [
+    ({}, {}, False),
+    ({"mode": "reduce-overhead"}, {}, True),
+    ({"mode": "max-autotune"}, {"options": {"max_autotune": True, "coordinate_descent_tuning": True}}, True),
+    ({"options": {"max_autotune": True}}, {"options": {"max_autotune": True}}, False),
+])
+def test_torch_compile_hands_its_mode_and_options_to_the_regions(monkeypatch, kwargs, regions_kwargs, cuda_graphs):
+    """Inductor's options reach the regions' compile; its CUDA graphs are the whole forward captured per input shape
+    (graphs.GraphedByShape, as timm_tokcomp.compile's 'cudagraph' mode), not Inductor's own per region. The regions
+    are compiled here by the 'eager' backend (the arguments recorded), so no Inductor compile runs on this CPU."""
+    from timm_tokcomp import handoff
+
+    asked = []
+
+    def compile_regions(model, **regions_kwargs):
+        asked.append(regions_kwargs)
+        return make(model, backend="eager")
+
+    make = handoff.compile_regions
+    monkeypatch.setattr(handoff, "compile_regions", compile_regions)
+    model = _vit("tome", r=8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # on the CPU no CUDA graphs and nothing said, as Inductor's own
+        torch.testing.assert_close(torch.compile(model, **kwargs)(_images(2)), model(_images(2)), rtol=0, atol=0)
+    assert asked == [regions_kwargs]
+    (handed_on,) = handoff._BY_MODEL[model].values()
+    assert (handed_on.graphed is not None) == cuda_graphs
+
+
+def test_the_regions_handed_on_do_not_keep_the_model_alive():
+    """What torch.compile(model) keeps for a model (its regions, and where CUDA graphs are asked for, the graphs per
+    shape) goes with the model."""
+    import gc
+    import weakref
+
+    from timm_tokcomp import handoff
+
+    model = _vit("tome", r=8)
+    fast = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        fast(_images(2))
+    assert len(handoff._BY_MODEL[model]) == 1
+    handed_on, gone = next(iter(handoff._BY_MODEL[model].values())), weakref.ref(model)
+    handed_on.graphed = GraphedByShape(model, handed_on._forward)  # as a compile asking for CUDA graphs holds it
+    del model, fast, handed_on
+    torch._dynamo.reset()
+    gc.collect()
+    assert gone() is None
+
+
+def test_cuda_graphs_replay_only_inference_forwards_of_an_image_batch_on_the_gpu():
+    """What a torch.compile asking for CUDA graphs captures (fake CUDA tensors: no GPU needed): an eval-mode forward
+    of one image batch under no_grad, of a fixed-count method; every other forward is told why not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from timm_tokcomp.handoff import _why_not_graphed
+
+    with FakeTensorMode():
+        images = torch.empty(2, 3, 32, 32, device="cuda")
+    model, atm = _vit("tome", r=8), _vit("atm")
+    with torch.no_grad():
+        assert _why_not_graphed(model, (images,), {}) is None
+        assert "one argument" in _why_not_graphed(model, (images, images), {})
+        assert "one argument" in _why_not_graphed(model, (), {"x": images})
+        assert "one argument" in _why_not_graphed(model, (_images(2),), {})  # on the CPU
+        assert "from the data" in _why_not_graphed(atm, (images,), {})
+        assert "inference" in _why_not_graphed(model.train(), (images,), {})
+    assert "inference" in _why_not_graphed(model.eval(), (images,), {})  # gradients recorded
+
+
+def test_module_compile_and_a_model_compiled_whole_keep_their_forms():
     model = _vit("tome", r=8)
     model.compile(backend="eager")  # the module's own compile: its forward calls itself without looping
     with torch.no_grad(), warnings.catch_warnings():
@@ -145,7 +216,7 @@ def test_module_compile_and_a_model_compiled_whole_keep_their_forms(eager_region
     assert (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())) == (1, 0)
 
 
-def test_torch_compile_of_a_transformers_and_a_naflex_model_runs_their_regions(eager_regions):
+def test_torch_compile_of_a_transformers_and_a_naflex_model_runs_their_regions():
     from test_naflex import naflex_batch
 
     hf, naflex = _hf(), _naflex()

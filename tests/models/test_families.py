@@ -200,7 +200,7 @@ def test_forward_intermediates_and_features_only_on_a_rope_model(images):
         assert [tuple(f.shape) for f in backbone(images)] == [(2, 64, 4, 4)] * 2
 
 
-def test_compile_runs_a_rope_model(images, eager_regions):
+def test_compile_runs_a_rope_model(images):
     model = timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "tome", r=3)
     with torch.no_grad():
         expected = model(images)

@@ -33,7 +33,8 @@ from transformers.models.vit.modeling_vit import ViTForImageClassification, ViTL
 
 from ..methods.base import TokenReducer
 from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel, patch_grid
-from ..regions import compiled_regions, compiled_whole, forward_by_region
+from ..handoff import compiled_whole, forward_by_region
+from ..regions import compiled_regions
 from .base import BlockView, Facade, Family, PatchGrid, reducer_metric
 from .hf_call import bind_call
 

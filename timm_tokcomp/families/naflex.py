@@ -25,7 +25,7 @@ from torch import nn
 
 from ..plans import gather_tokens
 from ..reducing import SIZED_POOLS, ReducingModel, spread_tokens
-from ..regions import compiled_whole, forward_by_region
+from ..handoff import compiled_whole, forward_by_region
 from ..rope import PATCH_DROP_REFUSAL, ROPE_CLASSES, TokenPositions, check_rope, grid_coords
 from ..state import ReductionStats, remember_last
 from .base import BuildArgs, Facade, Family, eva_skips_qkv_module, vit_block_refusal
@@ -136,7 +136,7 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
                 attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: images (B, 3, H, W), or NaFlex patches (B, N, P*P*C) with patch_coord and patch_valid (or the NaFlex
         collator's dict of them) -> logits; the head pools with this call's token sizes. Traced whole by
-        torch.compile, it runs compiled by regions instead (regions.compiled_whole)."""
+        torch.compile, it runs compiled by regions instead (handoff.compiled_whole)."""
         if compiled_whole(self):
             return forward_by_region(self, x, patch_coord, patch_valid, attn_mask)
         x, patch_coord, patch_valid, attn_mask = _naflex_inputs(x, patch_coord, patch_valid, attn_mask)
