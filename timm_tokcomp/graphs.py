@@ -52,7 +52,7 @@ class GraphedForward:
     turns on the one pair of buffers. warmup: eager forwards on a side stream before the capture (Triton kernels
     compile there). forward: what is captured, model's forward by default (e.g. a regionally compiled model, whose
     Inductor kernels then replay as one graph); the capturability check runs model eagerly. The graph reads the
-    weights in place: it holds model, or a given forward holds what it runs."""
+    weights in place: it holds model, unless forward is given (then forward's owner keeps model alive)."""
 
     def __init__(self, model: nn.Module, example: torch.Tensor, warmup: int = 3,
                  forward: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
@@ -96,7 +96,7 @@ class GraphedByShape:
     What compiling.compile's 'cudagraph' mode runs for a regionally compiled model: Inductor's own CUDA graphs
     ('reduce-overhead') start a new generation at each compiled call, so the blocks' outputs, passed from one block's
     call to the next, would be overwritten (an H200 run failed so); one capture of the whole forward replays the
-    embedding, every compiled block and the head with one launch. Holds model weakly (forward holds what it runs)."""
+    embedding, every compiled block and the head with one launch. Holds model weakly (forward's owner keeps it)."""
 
     def __init__(self, model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.model = weakref.ref(model)

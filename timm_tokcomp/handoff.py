@@ -1,10 +1,9 @@
-"""torch.compile(model) of a reduced model, handed to its compiled regions with the caller's compile: the
-reduced forward, traced whole by dynamo (compiled_whole: not under torch.export or traced_whole()), calls
-forward_by_region (one graph break, at the forward's start), which
-runs the regions (regions.compile_regions) compiled with the backend, mode and options torch.compile was given; where
-that compile asks for Inductor's CUDA graphs (mode 'reduce-overhead' or 'max-autotune'), an inference forward of
-an image batch on the GPU is captured whole once per input shape (graphs.GraphedByShape), as
-timm_tokcomp.compile(model, mode='cudagraph') captures it.
+"""torch.compile(model) of a reduced model, handed to its compiled regions with the caller's compile. The reduced
+forward, traced whole by dynamo (compiled_whole: not under torch.export or traced_whole()), calls forward_by_region
+(one graph break, at the forward's start), which runs the regions (regions.compile_regions) compiled with the
+backend, mode and options torch.compile was given; where that compile asks for Inductor's CUDA graphs (mode
+'reduce-overhead' or 'max-autotune'), an inference forward of an image batch on the GPU is captured whole once per
+input shape (graphs.GraphedByShape), as timm_tokcomp.compile(model, mode='cudagraph') captures it.
 
     fast = torch.compile(model, mode="reduce-overhead")   # model: reduced (reducing.ReducingModel)
     with torch.no_grad():
@@ -91,24 +90,25 @@ def _tracing_compile() -> int:
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        compile = caller_compile(InstructionTranslator.current_tx().output.compiler_fn)
+        caller = caller_compile(InstructionTranslator.current_tx().output.compiler_fn)
     except (ImportError, AttributeError):
-        compile = CallerCompile(read=False)
-    if compile not in _SEEN:
-        _SEEN.append(compile)
-    return _SEEN.index(compile)
+        caller = CallerCompile(read=False)
+    if caller not in _SEEN:
+        _SEEN.append(caller)
+    return _SEEN.index(caller)
 
 
 class _HandedOn:
-    """model's regions compiled as compile asks, and, where it asks for CUDA graphs, one graph per input shape for
-    the inference forwards of image batches on the GPU (other forwards on the GPU run the regions, said once)."""
+    """model's regions compiled as the caller's compile asks, and, where it asks for CUDA graphs, one graph per input
+    shape for the inference forwards of image batches on the GPU (other forwards on the GPU run the regions, said
+    once)."""
 
-    def __init__(self, model: nn.Module, compile: CallerCompile) -> None:
-        if not compile.read:
+    def __init__(self, model: nn.Module, caller: CallerCompile) -> None:
+        if not caller.read:
             warnings.warn(NOT_READ_NOTE, stacklevel=4)
-        self.model = weakref.ref(model)  # held by the caller at every call; _BY_MODEL keys it weakly
-        self.regions = compile_regions(model, **dict(compile.kwargs))
-        self.graphed = GraphedByShape(model, self._forward) if compile.cuda_graphs else None
+        self.model = weakref.ref(model)  # alive at every call (the caller calls through it); _BY_MODEL keys it weakly
+        self.regions = compile_regions(model, **dict(caller.kwargs))
+        self.graphed = GraphedByShape(model, self._forward) if caller.cuda_graphs else None
         self._said_ungraphed = False
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -18,6 +18,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
+
 class Regions(NamedTuple):
     """A reduced forward's three parts, each compiled on its own: each takes the module it runs first, so one
     compiled function serves every block and every call of a model (the eager forward calls the methods instead)."""
