@@ -157,6 +157,14 @@ def test_torch_compile_hands_its_mode_and_options_to_the_regions(monkeypatch, kw
     assert (handed_on.graphed is not None) == cuda_graphs
 
 
+def test_fullgraph_names_the_way_to_one_whole_graph():
+    """The hand-off is a graph break: fullgraph=True refuses it, naming traced_whole()."""
+    from torch._dynamo.exc import Unsupported
+
+    with torch.no_grad(), pytest.raises(Unsupported, match=r"traced_whole\(\)"):
+        torch.compile(_vit("tome", r=8), backend="eager", fullgraph=True)(_images(2))
+
+
 def test_the_regions_handed_on_do_not_keep_the_model_alive():
     """What torch.compile(model) keeps for a model (its regions, and where CUDA graphs are asked for, the graphs per
     shape) goes with the model."""
