@@ -2,8 +2,8 @@
 own form timm_tokcomp.compile(model, mode=...) and the plain model under the same torch.compile, side by side in one
 process: milliseconds per forward (medians of interleaved rounds), each against plain, and seconds to the first
 output (the two reduced forms share Inductor's cache in one process, so the second reads kernels the first compiled:
-scripts/compile_counts.py times compiles in fresh processes). Modes: 'compile' (torch.compile's default mode) and, on CUDA, 'cudagraph' (torch.compile's
-'reduce-overhead'; the package's CUDA graph per input shape).
+scripts/compile_counts.py times compiles in fresh processes). Modes: 'compile' (torch.compile's default mode) and, on
+CUDA, 'cudagraph' (torch.compile's 'reduce-overhead'; the package's CUDA graph per input shape).
 
     python scripts/torch_compile_modes.py deit_base_patch16_224 --method tome_r16 --batches 32,256 --device cuda --amp
     python scripts/torch_compile_modes.py deit_tiny_patch16_224 --batches 2 --rounds 3   # the CPU: 'compile' only
