@@ -121,7 +121,7 @@ class _HandedOn:
         if self.graphed is not None and on_gpu:  # elsewhere no CUDA graphs, as Inductor's own skip them
             why = _why_not_graphed(self.model(), args, kwargs)
             if why is None:
-                return self.graphed(args[0])
+                return self.graphed(_images(args, kwargs))  # the model's forward of those images, captured
             if not self._said_ungraphed:
                 self._said_ungraphed = True
                 warnings.warn(f"torch.compile(model) asked for CUDA graphs; this forward runs the compiled regions "
@@ -129,10 +129,19 @@ class _HandedOn:
         return self._forward(*args, **kwargs)
 
 
+def _images(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
+    """The image batch (B, 3, H, W) of a forward given it alone (its other arguments None: NaFlex's patch
+    coordinates, transformers' options), positionally or by name, else None."""
+    given = [value for value in (*args, *kwargs.values()) if value is not None]
+    alone = len(given) == 1 and torch.is_tensor(given[0]) and given[0].dim() == 4
+    return given[0] if alone and (not args or args[0] is given[0]) else None  # forward(images) does the same
+
+
 def _why_not_graphed(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
     """Why model(*args, **kwargs) cannot be replayed from a CUDA graph per input shape, or None where it can."""
-    if kwargs or len(args) != 1 or not torch.is_tensor(args[0]) or not args[0].is_cuda:
-        return "a CUDA graph per input shape replays forwards of one argument, an image batch on the GPU"
+    images = _images(args, kwargs)
+    if images is None or not images.is_cuda:
+        return "a CUDA graph per input shape replays forwards of an image batch on the GPU given alone"
     if model.training or torch.is_grad_enabled():
         return "a CUDA graph replays inference forwards (model.eval() and torch.no_grad() or torch.inference_mode())"
     if model._tokcomp_reducer.data_dependent:

@@ -188,7 +188,8 @@ def test_the_regions_handed_on_do_not_keep_the_model_alive():
 
 def test_cuda_graphs_replay_only_inference_forwards_of_an_image_batch_on_the_gpu():
     """What a torch.compile asking for CUDA graphs captures (fake CUDA tensors: no GPU needed): an eval-mode forward
-    of one image batch under no_grad, of a fixed-count method; every other forward is told why not."""
+    of an image batch given alone (NaFlex's coordinates, transformers' options None), under no_grad, of a
+    fixed-count method; every other forward is told why not."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from timm_tokcomp.handoff import _why_not_graphed
@@ -197,10 +198,12 @@ def test_cuda_graphs_replay_only_inference_forwards_of_an_image_batch_on_the_gpu
         images = torch.empty(2, 3, 32, 32, device="cuda")
     model, atm = _vit("tome", r=8), _vit("atm")
     with torch.no_grad():
-        assert _why_not_graphed(model, (images,), {}) is None
-        assert "one argument" in _why_not_graphed(model, (images, images), {})
-        assert "one argument" in _why_not_graphed(model, (), {"x": images})
-        assert "one argument" in _why_not_graphed(model, (_images(2),), {})  # on the CPU
+        alone = (((images,), {}), ((), {"x": images}), ((images, None, None), {"output_hidden_states": None}))
+        for args, kwargs in alone:
+            assert _why_not_graphed(model, args, kwargs) is None  # the images alone, the other arguments None
+        for args, kwargs in (((images, images), {}), ((None, images), {}), ((images,), {"return_dict": False}),
+                             ((_images(2),), {})):  # the last on the CPU
+            assert "image batch on the GPU given alone" in _why_not_graphed(model, args, kwargs)
         assert "from the data" in _why_not_graphed(atm, (images,), {})
         assert "inference" in _why_not_graphed(model.train(), (images,), {})
     assert "inference" in _why_not_graphed(model.eval(), (images,), {})  # gradients recorded
