@@ -11,7 +11,7 @@ ATS, whose counts are read from the data. Capturing runs a few eager forwards: n
 import contextlib
 import threading
 import weakref
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -96,22 +96,27 @@ class GraphedByShape:
     What compiling.compile's 'cudagraph' mode runs for a regionally compiled model: Inductor's own CUDA graphs
     ('reduce-overhead') start a new generation at each compiled call, so the blocks' outputs, passed from one block's
     call to the next, would be overwritten (an H200 run failed so); one capture of the whole forward replays the
-    embedding, every compiled block and the head with one launch. Holds model weakly (forward's owner keeps it)."""
+    embedding, every compiled block and the head with one launch. A reduced model's method changed since a capture
+    (set_params, apply: a new method instance) is captured again, so a replay never runs the old r. Holds model
+    weakly (forward's owner keeps it)."""
 
     def __init__(self, model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.model = weakref.ref(model)
         self.forward = forward
-        self.graphs: Dict[tuple, GraphedForward] = {}
+        self.graphs: Dict[tuple, Tuple[object, GraphedForward]] = {}  # key -> (the method captured, its graph)
         self._capturing = threading.Lock()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, 3, H, W), a CUDA tensor -> model's output for x."""
+        model = self.model()
+        method = getattr(model, "_tokcomp_reducer", None)
         key = (tuple(x.shape), x.dtype, x.device, torch.is_autocast_enabled("cuda"),
                torch.get_autocast_dtype("cuda"))
         with self._capturing:
-            if key not in self.graphs:
-                self.graphs[key] = GraphedForward(self.model(), x, forward=self.forward)
-            graphed = self.graphs[key]
+            captured, graphed = self.graphs.get(key, (None, None))
+            if graphed is None or captured is not method:
+                graphed = GraphedForward(model, x, forward=self.forward)
+                self.graphs[key] = (method, graphed)
         return graphed(x)
 
 

@@ -291,6 +291,32 @@ def test_cudagraph_mode_captures_the_regionally_compiled_forward_once_per_shape(
     assert not isinstance(compiling.compile(_model(), mode="cudagraph", backend="eager"), GraphedByShape)
 
 
+def test_a_cuda_graph_by_shape_is_captured_again_when_the_method_changes(monkeypatch):
+    """set_params gives the model a new method instance: the graph captured with the old one would replay the old r,
+    so the next call of that shape captures again (a stand-in capture records r: the CPU has no CUDA graphs)."""
+    from timm_tokcomp import graphs
+
+    captured = []
+
+    class Capture:
+        def __init__(self, model, example, forward):
+            captured.append((tuple(example.shape), timm_tokcomp.get_reducer(model).params["r"]))
+            self.forward = forward
+
+        def __call__(self, x):
+            return self.forward(x)
+
+    monkeypatch.setattr(graphs, "GraphedForward", Capture)
+    model = _model("tome", r=8)
+    graphed = graphs.GraphedByShape(model, model)
+    with torch.no_grad():
+        for r in (8, 4):
+            timm_tokcomp.set_params(model, r=r)
+            for batch in (2, 2, 3):
+                torch.testing.assert_close(graphed(_images(batch)), model(_images(batch)), rtol=0, atol=0)
+    assert captured == [((2, 3, 32, 32), 8), ((3, 3, 32, 32), 8), ((2, 3, 32, 32), 4), ((3, 3, 32, 32), 4)]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cudagraph_mode_replays_the_eager_forward_on_cuda():
     model = _model("tome", r=8).cuda()
