@@ -103,6 +103,18 @@ def positions_seen(model, images):
     return seen
 
 
+def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int = 1) -> None:
+    """got and want equal in shape and dtype and at most `ulps` units in the last place apart, element by
+    element: for a transcendental function (log, exp, ...) computed by two implementations (Triton's interpreter
+    through NumPy, torch's vectorised CPU code, a GPU), which round its last bit each their own way (NumPy's and
+    torch's float32 log(7) differ by one ulp on AVX-512 CPUs). Exact values (log(1) = 0) must stay exact."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+    assert got.dtype.is_floating_point, got.dtype
+    spacing = torch.nextafter(want.abs(), torch.full_like(want, float("inf"))) - want.abs()
+    far = (got - want).abs() > ulps * spacing
+    assert not far.any(), f"{int(far.sum())} of {want.numel()} elements over {ulps} ulp: {got[far][:5]} vs {want[far][:5]}"
+
+
 def op_counts(model: torch.nn.Module, x: torch.Tensor):
     """The aten ops, kernel launches and host synchronisations of model(x) under no_grad, after one call that warms
     it (measure.OpCounter)."""
