@@ -34,15 +34,15 @@ def test_a_second_run_into_the_same_folder_is_refused(image_folder, tmp_path, ca
     out = tmp_path / "o"
     assert _train(image_folder, out, "--steps", "50", "--stop-after", "12", "--checkpoint-every", "4") == 0
     log_before = (out / "training" / "loss_log.csv").read_text()
-    assert torch.load(out / "training" / "checkpoint.pt", weights_only=False)["step"] == 12
+    assert torch.load(out / "training" / "checkpoint.pt", weights_only=True)["step"] == 12
     capsys.readouterr()
     assert _train(image_folder, out, "--steps", "50", "--stop-after", "2") == 2
     err = capsys.readouterr().err
     assert "--out" in err and "--resume" in err and "--overwrite" in err and "Traceback" not in err
-    assert torch.load(out / "training" / "checkpoint.pt", weights_only=False)["step"] == 12
+    assert torch.load(out / "training" / "checkpoint.pt", weights_only=True)["step"] == 12
     assert (out / "training" / "loss_log.csv").read_text() == log_before
     assert _train(image_folder, out, "--steps", "50", "--stop-after", "2", "--overwrite") == 0
-    assert torch.load(out / "training" / "checkpoint.pt", weights_only=False)["step"] == 2
+    assert torch.load(out / "training" / "checkpoint.pt", weights_only=True)["step"] == 2
     assert len((out / "training" / "loss_log.csv").read_text().splitlines()) == 3
 
 

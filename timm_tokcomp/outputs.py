@@ -60,8 +60,12 @@ def replacing(path: PathLike, flag: Optional[str] = None) -> Iterator[Path]:
     OSError of the writing (a full disk) becomes an OutputError naming flag and path."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if path.is_symlink():
+        raise OutputError(f"{flag + ' ' if flag else ''}{path} is a symbolic link; the package writes no file "
+                          f"through a link (remove it, or name another path)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.unlink(missing_ok=True)  # a stale temporary (or a link planted in its name) is never written through
         yield tmp
         os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
@@ -117,7 +121,8 @@ def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, 
     """Hold `folder` for a run that writes `run_entries` (glob names of files / folders) into it, as one
     transaction that never loses an earlier run's work:
     - a folder that holds something is refused (FileExistsError) unless resume or overwrite, and so is a folder
-      another process is writing (folder/.lock); resume and overwrite together are refused (ValueError);
+      another process is writing (folder/.lock); resume and overwrite together are refused (ValueError); a
+      symbolic link anywhere below it is refused (OutputError) before any work: no read or write follows one;
     - overwrite sets the earlier run's entries aside (folder/.replaced-<pid>-<unique>/, a rename); resume does the
       same for the entries not named in kept_on_resume (those the run continues from: checkpoints, cached records);
     - the run ends without an error: what was set aside is deleted;
@@ -137,6 +142,8 @@ def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, 
         shown = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
         raise FileExistsError(f"--out {folder} is not empty ({shown}); pass --resume to continue the run in it, "
                               "--overwrite to replace it, or choose a new folder")
+    if folder.is_dir():
+        _check_own_entries(folder, flag)
     if not writer:
         yield folder
         return
@@ -172,6 +179,18 @@ def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, 
             raise
         for old in folder.glob(f"{REPLACED}*"):
             shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def _check_own_entries(folder: Path, flag: str) -> None:
+    """Before a run continues or replaces what is in folder: no entry below it is a symbolic link (refused, naming
+    it), so no read or write of the run follows one out of the folder. Entries the run does not write are left as
+    they are (never set aside, read or overwritten)."""
+    for parent, dirs, files in os.walk(folder):
+        for name in sorted(dirs + files):
+            entry = Path(parent) / name
+            if entry.is_symlink():
+                raise OutputError(f"{flag} {folder}: {entry} is a symbolic link; a run reads and writes only files "
+                                  f"and folders it made (remove the link, or choose a new {flag})")
 
 
 def _entries(folder: Path, hidden: bool = False) -> List[str]:

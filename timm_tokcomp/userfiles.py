@@ -1,9 +1,16 @@
 """The one reader per kind of file a user hands the package (image folders and labels are in `data`): each checks
 the file at the door and raises UserFileError, a ValueError whose message names the flag and the file, instead of
-a traceback from deep inside a library. Hugging Face Hub access (snapshots, offline advice): timm_tokcomp.hub."""
+a traceback from deep inside a library. Hugging Face Hub access (snapshots, offline advice): timm_tokcomp.hub.
+
+A file is data (docs/guarantees.md, "Files you did not make"): torch files are read with weights_only=True (no
+code runs), a path read from a file stays inside its folder (inside), and the sizes a file declares are compared
+with the tensors a weights file holds, read from its header, before anything is built (safetensors_shapes,
+check_declared_size)."""
 import json
+import math
+import pickle
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -34,6 +41,8 @@ def read_json(path: PathLike, flag: Optional[str] = None) -> dict:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise fail(flag, path, f"is not valid JSON ({e})") from None
+    except RecursionError:
+        raise fail(flag, path, "is nested too deeply to be read as JSON") from None
     if not isinstance(data, dict):
         raise fail(flag, path, f"must hold a JSON object, got {type(data).__name__}")
     return data
@@ -84,14 +93,66 @@ def check_safetensors(path: PathLike, flag: Optional[str] = None) -> None:
 
 
 def read_torch(path: PathLike, flag: Optional[str] = None) -> Any:
-    """What torch.save wrote to a file (full unpickling: for checkpoints this package wrote, or the user's own
-    weights); truncated or foreign files are refused."""
+    """What torch.save wrote to a file, read with weights_only=True: tensors and plain values (dict, list, tuple,
+    str, numbers, None) only, so unpickling runs no code; a file holding other objects, or a truncated or foreign
+    one, is refused naming the flag and the file. The package's only torch.load."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"{flag + ' ' if flag else ''}{path} is missing")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refused an object (or the pickle is broken)
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise fail(flag, path, f"holds more than tensors and plain values, or is a broken pickle; it is read with "
+                               f"torch.load(weights_only=True) and nothing in it was run ({first[:200]}). Save "
+                               f"the weights alone (torch.save(model.state_dict(), ...) or safetensors)") from None
     except Exception as e:  # zip / pickle errors of a truncated or foreign file
         raise fail(flag, path, f"cannot be read as a torch checkpoint ({type(e).__name__}: {e})") from None
+
+
+def inside(folder: PathLike, name: Any, source: PathLike, flag: Optional[str] = None) -> Path:
+    """folder/name for a name read from the file `source`: a relative path that stays inside folder once resolved
+    (no absolute name, no '..', no symbolic link leading out), else refused naming the file and the name."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise fail(flag, source, f"names {name!r}, which is not a file name")
+    parts = Path(name).parts
+    if Path(name).is_absolute() or name.startswith("~") or ".." in parts:
+        raise fail(flag, source, f"names {name!r}, outside {folder}: names in it must be relative paths inside "
+                                 f"its folder (no absolute path, no '..')")
+    root = Path(folder).resolve()
+    target = (Path(folder) / name).resolve()
+    if not target.is_relative_to(root):
+        raise fail(flag, source, f"names {name!r}, which leads outside {folder} through a symbolic link")
+    return Path(folder) / name
+
+
+def safetensors_shapes(path: PathLike, flag: Optional[str] = None) -> Dict[str, Tuple[int, ...]]:
+    """The shape of every tensor of a .safetensors file, from its header alone (no tensor is read); a truncated
+    or corrupt file is refused."""
+    from safetensors import safe_open
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{flag + ' ' if flag else ''}{path} is missing")
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+        raise fail(flag, path, f"cannot be read as safetensors ({e})") from None
+
+
+def numel(shapes: Iterable[Tuple[int, ...]]) -> int:
+    """The number of elements of tensors of these shapes."""
+    return sum(math.prod(shape) for shape in shapes)
+
+
+def check_declared_size(declared: int, held: int, what: str, source: PathLike, weights: str,
+                        flag: Optional[str] = None, slack: int = 0) -> None:
+    """Refuse, before anything is built, a config (source) that declares `declared` elements of `what` where its
+    weights (named `weights`) hold `held` (+ slack for parts a load may initialise itself): a few bytes of
+    config must not make the package allocate what no file holds."""
+    if declared > held + slack:
+        raise fail(flag, source, f"describes {what} of {declared:,} elements ({declared * 4 / 2**30:.2f} GiB in "
+                                 f"float32), but {weights} holds {held:,}: refused before building it (they must "
+                                 f"agree)")
 
 
 def read_state_dict(path: PathLike, flag: Optional[str] = None) -> Dict[str, torch.Tensor]:

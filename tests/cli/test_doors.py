@@ -2,6 +2,7 @@
 one `tokcomp: error:` line naming the flag and the file, exit 2, before any other work. And every command that
 replaces an earlier output (--overwrite, --resume) keeps it when the new run fails."""
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -156,7 +157,24 @@ def _not_weights(tmp):
     return path, "no state dict"
 
 
-CHECKPOINT_DOORS = [_truncated_safetensors, _truncated_torch, _another_model, _not_weights]
+class _RunsCode:
+    """What a code-running .pth holds: an object whose unpickling calls os.system (here: touch a marker file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _code_running(tmp):
+    """A state dict and one object that runs a shell command when unpickled (the test checks it never ran)."""
+    path = tmp / "evil.pth"
+    torch.save({"state_dict": VisionTransformer(**SMALL).state_dict(), "note": _RunsCode(tmp / "ran")}, path)
+    return path, "nothing in it was run"
+
+
+CHECKPOINT_DOORS = [_truncated_safetensors, _truncated_torch, _another_model, _not_weights, _code_running]
 
 
 @pytest.mark.parametrize("door", CHECKPOINT_DOORS, ids=lambda d: d.__name__.strip("_"))
@@ -167,6 +185,7 @@ def test_a_bad_checkpoint_is_refused_at_the_door_by_every_command(tmp_path, caps
     argv = {**_commands(str(data), str(tmp_path / "out")),
             "export": ["export", MODEL, "--method", "tome_r8", "--out", str(tmp_path / "m.onnx")]}[command]
     _assert_refused(argv + ["--checkpoint", str(path)], capsys, "--checkpoint", str(path), problem)
+    assert not (tmp_path / "ran").exists()  # the code-running file ran nothing
 
 
 def test_an_uncached_hub_model_offline_says_what_to_do(tmp_path):
@@ -335,6 +354,50 @@ def test_a_damaged_checkpoint_to_resume_is_named_and_the_run_kept(tmp_path, caps
         argv += ["--batch-size", "2", "--holdout", "2"]
     _assert_refused(argv, capsys, "--resume", "training/checkpoint.pt", "cannot be read as a torch checkpoint")
     assert _digest(out) == before
+
+
+@pytest.mark.parametrize("command", ["finetune", "train-tocom"])
+def test_a_code_running_checkpoint_to_resume_runs_nothing(tmp_path, capsys, command):
+    """A run folder someone sent: its training/checkpoint.pt runs a command when unpickled in full; --resume reads
+    it with weights_only=True, so the command never runs and the file is refused in one line."""
+    out = tmp_path / "out"
+    _earlier_run(out, EARLIER[command])
+    torch.save({"format": 4, "note": _RunsCode(tmp_path / "ran")}, out / "training" / "checkpoint.pt")
+    data = _images(tmp_path / "d", count=8, labels=[0, 1] * 4)
+    argv = _commands(str(data), str(out))[command] + ["--resume"]
+    if command == "train-tocom":
+        argv += ["--batch-size", "2", "--holdout", "2"]
+    _assert_refused(argv, capsys, "--resume", "training/checkpoint.pt", "nothing in it was run")
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("flag", ["--overwrite", "--resume"])
+@pytest.mark.parametrize("command", list(EARLIER))
+def test_a_symbolic_link_in_the_run_folder_is_refused_before_any_work(tmp_path, capsys, command, flag):
+    """OUT/<entry> a link to another folder (a run folder someone sent): refused naming it, and nothing is written
+    there or in the folder; a link planted among the package's hidden entries (.replaced-*) likewise."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    data = _images(tmp_path / "d", count=8, labels=[0, 1] * 4)
+    for link in (EARLIER[command][0].split("/")[0] + "_link", ".replaced-x"):
+        out = tmp_path / f"out{link}"
+        _earlier_run(out, EARLIER[command])
+        (out / link).symlink_to(elsewhere, target_is_directory=True)
+        before = _digest(out)
+        _assert_refused(_commands(str(data), str(out))[command] + [flag], capsys, str(out / link),
+                        "symbolic link")
+        assert _digest(out) == before and not list(elsewhere.iterdir())
+
+
+def test_a_run_never_writes_through_a_link(tmp_path):
+    from timm_tokcomp.outputs import OutputError, write_text
+
+    target = tmp_path / "target.txt"
+    target.write_text("mine\n")
+    (tmp_path / "out.csv").symlink_to(target)
+    with pytest.raises(OutputError, match="symbolic link"):
+        write_text(tmp_path / "out.csv", "theirs\n")
+    assert target.read_text() == "mine\n"
 
 
 def test_run_folder_restores_sets_aside_and_finally_replaces(tmp_path, capsys):

@@ -271,7 +271,7 @@ def test_a_checkpoint_from_before_holdout_pick_resumes_as_holding_out_the_end(im
     train_tocom(_test_vit(), str(image_folder), str(tmp_path / "b"), "test_vit", end, show_progress=False,
                 num_workers=0, stop_after=2)
     path = tmp_path / "b" / "training" / "checkpoint.pt"
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=True)
     del state["config"]["holdout_pick"]
     torch.save(state, path)
     with pytest.raises(ValueError, match="other settings"):

@@ -32,7 +32,9 @@ from ..outputs import replacing, run_folder, write_text
 from ..checks import check_int, is_int, is_real, is_version
 from ..userfiles import read_torch
 
-CHECKPOINT_FORMAT = 3  # 1: the two trainers' own checkpoints, before this engine (timm_tokcomp 0.1.0); 2: inputs by path
+# 1: the two trainers' own checkpoints, before this engine (timm_tokcomp 0.1.0); 2: inputs by path; 3: by content;
+# 4: tensors and plain values only, read back with torch.load(weights_only=True) (userfiles.read_torch)
+CHECKPOINT_FORMAT = 4
 CHECKPOINT = "checkpoint.pt"
 STEP_LOG = "loss_log.csv"
 EPOCH_LOG = "log.csv"
@@ -228,6 +230,8 @@ def _checkpoint_to_resume(path: Path, settings: Dict[str, Any], run: Dict[str, A
             print(f"note: --resume: no {path} yet, starting from step 0", file=sys.stderr)
         return None
     state = read_torch(path, "--resume")  # on the CPU: load_state_dict copies to the parameters' devices
+    if not isinstance(state, dict):
+        raise ValueError(f"--resume: {path} holds a {type(state).__name__}, not a timm_tokcomp training checkpoint")
     if "format" not in state:
         raise ValueError(f"--resume: {path} was written by timm_tokcomp 0.1.0's trainer (checkpoint format 1; "
                          f"this is {__version__}, format {CHECKPOINT_FORMAT}): finish it with 0.1.0, or start "
