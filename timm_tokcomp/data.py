@@ -10,7 +10,7 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from .checks import check_int
-from .userfiles import fail
+from .userfiles import fail, inside
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".bmp", ".webp", ".tif", ".tiff")
 PathLike = Union[str, Path]
@@ -66,13 +66,15 @@ class _CheckedImages(Dataset):
 
 class LabeledImages(_CheckedImages):
     """Images listed in `root/<labels>` (default labels.csv; header `file,label`, 0-based class indices);
-    files are looked up in `root/images/` if that folder exists, else in `root`."""
+    files are looked up in `root/images/` if that folder exists, else in `root`, and must stay inside it (an
+    absolute name, '..' or a link leading out is refused: userfiles.inside)."""
 
     def __init__(self, root: PathLike, transform: Callable, labels: str = "labels.csv", flag: str = "--data",
                  limit: Optional[int] = None) -> None:
         root = Path(root)
         self.image_dir = root / "images" if (root / "images").is_dir() else root
-        super().__init__([(self.image_dir / name, label) for name, label in read_labels(root / labels, flag)],
+        rows = read_labels(root / labels, flag)
+        super().__init__([(inside(self.image_dir, name, root / labels, flag), label) for name, label in rows],
                          self.image_dir, transform, flag, limit)
 
 

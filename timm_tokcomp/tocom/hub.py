@@ -17,7 +17,7 @@ from ..checks import is_int
 from ..extras import require
 from ..outputs import new_output, refuse_existing, replacing, write_text
 from ..hub import hub_snapshot
-from ..userfiles import read_safetensors, read_versioned_json
+from ..userfiles import inside, read_safetensors, read_versioned_json, safetensors_shapes
 from .compensator import Compensator, check_scale
 
 FORMAT_VERSION = 1
@@ -106,23 +106,27 @@ def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
         raise ValueError(f"{config_path}: subfolders lists {subfolders}, but the folder holds {on_disk}; "
                          "they must agree")
     expected_keys = {_key(block, part) for block in range(L) for part in ("A", "B")}
-    lora_a = torch.zeros(steps, L, 2, h, D)
-    lora_b = torch.zeros(steps, L, 2, attn_dim, h)
-    for i, name in enumerate(subfolders):
-        path = root / name / ADAPTER_WEIGHTS
-        tensors = read_safetensors(path)  # NaN or inf refused there, naming the tensor
-        extra = sorted(set(tensors) - expected_keys)
+    paths = [inside(root, name, config_path) / ADAPTER_WEIGHTS for name in subfolders]
+    for path in paths:  # every size the config declares, against the files' headers, before anything is allocated
+        shapes = safetensors_shapes(path)
+        extra = sorted(set(shapes) - expected_keys)
         if extra:
             raise ValueError(f"{path} holds tensors that {CONFIG_NAME} (depth {L}) does not describe: "
                              f"{', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}; they must agree")
         for block in range(L):
-            a, b = tensors.get(_key(block, "A")), tensors.get(_key(block, "B"))
+            a, b = shapes.get(_key(block, "A")), shapes.get(_key(block, "B"))
             if a is None or b is None:
                 raise ValueError(f"{path}: block {block} has no lora_A / lora_B for blocks.{block}.attn.qkv "
                                  f"({CONFIG_NAME} says depth {L})")
-            if a.shape != (2 * h, D) or b.shape != (3 * attn_dim, 2 * h):
-                raise ValueError(f"{path}: block {block} has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, "
-                                 f"expected {(2 * h, D)} / {(3 * attn_dim, 2 * h)} from {CONFIG_NAME}")
+            if a != (2 * h, D) or b != (3 * attn_dim, 2 * h):
+                raise ValueError(f"{path}: block {block} has lora_A {a} / lora_B {b}, expected "
+                                 f"{(2 * h, D)} / {(3 * attn_dim, 2 * h)} from {CONFIG_NAME}")
+    lora_a = torch.zeros(steps, L, 2, h, D)
+    lora_b = torch.zeros(steps, L, 2, attn_dim, h)
+    for i, path in enumerate(paths):
+        tensors = read_safetensors(path)  # NaN or inf refused there, naming the tensor
+        for block in range(L):
+            a, b = tensors[_key(block, "A")], tensors[_key(block, "B")]
             if b[attn_dim:2 * attn_dim].any() or b[:attn_dim, h:].any() or b[2 * attn_dim:, :h].any():
                 raise ValueError(f"{path}: block {block} lora_B is not block-structured (key rows or "
                                  "cross terms are not zero)")

@@ -39,7 +39,7 @@ from ..models import build_base_model, eval_transform
 from ..outputs import replacing
 from ..patch import adapter_skip
 from .engine import SeededAugment, Schedule, TrainingTask, distill_loss, rank_and_world, rank_share, train
-from .folder import RUN_ENTRIES, finish_folder, load_finetuned, save_folder
+from .folder import RUN_ENTRIES, finish_folder, load_finetuned, lora_config, save_folder
 from .recipe import FinetuneConfig, FinetuneResult
 
 __all__ = ["FinetuneConfig", "FinetuneResult", "FinetuneTask", "finetune", "load_finetuned", "predict"]
@@ -56,13 +56,6 @@ def _transforms(model: nn.Module, config: FinetuneConfig):
         input_size=data_config["input_size"], is_training=True, scale=config.crop_scale, hflip=0.5, color_jitter=None,
         interpolation=data_config["interpolation"], mean=data_config["mean"], std=data_config["std"])
     return train, evaluation
-
-
-def _lora_config(config: FinetuneConfig, model: nn.Module, base_model: str):
-    LoraConfig = require("peft", "train", "tokcomp finetune's LoRA").LoraConfig
-    heads = [] if config.distill else [name for name in ("head", "head_dist") if isinstance(getattr(model, name, None), nn.Linear)]
-    return LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha or config.lora_rank, target_modules=["qkv"],
-                      lora_dropout=0.0, modules_to_save=heads, base_model_name_or_path=base_model)
 
 
 @torch.no_grad()
@@ -124,7 +117,7 @@ class FinetuneTask(TrainingTask):
             raise ValueError(f"--method none with --lora-rank {config.lora_rank}: {skip}")
         model.name_or_path = base_model  # what peft records as the adapter's base_model_name_or_path
         if config.lora_rank:
-            self.module = get_peft_model(model, _lora_config(config, model, base_model))
+            self.module = get_peft_model(model, lora_config(config, model, base_model))
         else:  # the backbone stays frozen: only the method's parameters train
             self.module = model.requires_grad_(False)
         self.learned = getattr(model, "tokcomp", None)
