@@ -5,12 +5,13 @@ from pathlib import Path
 from typing import Union
 
 from safetensors.torch import save_file
+import torch
 from torch import nn
 
 from .checks import is_version
 from .methods import method_class
 from .outputs import replacing, write_text
-from .userfiles import read_json, read_safetensors
+from .userfiles import read_json, read_safetensors, safetensors_shapes
 
 FORMAT_VERSION = 1
 
@@ -48,17 +49,18 @@ def load_learned(method: str, folder: Union[str, Path]) -> nn.Module:
         raise ValueError(f"{config_path}: expected format_version {FORMAT_VERSION} and method {method!r}, got "
                          f"{config.get('format_version')!r} / {config.get('method')!r}")
     try:
-        module = cls.from_config(config)
+        with torch.device("meta"):  # the sizes the config declares, allocating nothing
+            expected = {k: tuple(v.shape) for k, v in cls.from_config(config).state_dict().items()}
     except ValueError as e:
         raise ValueError(f"{config_path}: {e}") from None
-    tensors = read_safetensors(weights_path)  # finite, or refused naming the tensor
-    expected = module.state_dict()
-    wrong = sorted(k for k in set(expected) | set(tensors)
-                   if k not in tensors or k not in expected or tensors[k].shape != expected[k].shape)
+    shapes = safetensors_shapes(weights_path)  # from the header: compared before anything is built
+    wrong = sorted(k for k in set(expected) | set(shapes) if shapes.get(k) != expected.get(k))
     if wrong:
-        shapes = ", ".join(f"{k} {tuple(tensors[k].shape) if k in tensors else 'missing'} (expected "
-                           f"{tuple(expected[k].shape) if k in expected else 'none'})" for k in wrong[:5])
+        described = ", ".join(f"{k} {shapes[k] if k in shapes else 'missing'} (expected "
+                              f"{expected[k] if k in expected else 'none'})" for k in wrong[:5])
         raise ValueError(f"{weights_path} does not match {config_path} (missing, extra or mis-shaped: "
-                         f"{shapes}{', ...' if len(wrong) > 5 else ''})")
+                         f"{described}{', ...' if len(wrong) > 5 else ''})")
+    module = cls.from_config(config)
+    tensors = read_safetensors(weights_path)  # finite, or refused naming the tensor
     module.load_state_dict(tensors)
     return module

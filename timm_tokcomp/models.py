@@ -3,6 +3,7 @@ the plain timm model with its weights, and the device a command runs on, both ch
 import contextlib
 import json
 import math
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
@@ -18,7 +19,7 @@ from .families import HF_CLASSES
 from .precision import check_device
 from .hub import hub_access, hub_error
 from .open_clip_models import is_open_clip_name, load_open_clip
-from .userfiles import check_safetensors, load_weights
+from .userfiles import check_declared_size, load_weights, numel, safetensors_shapes, torch_file_shapes
 
 
 class HFFolder(str):
@@ -114,17 +115,45 @@ def load_hf_model(folder: str) -> nn.Module:
     if len(names) != 1 or names[0] not in HF_CLASSES:
         raise ValueError(f"--hf-model {folder}: its config.json names the architectures {names}; timm_tokcomp serves "
                          f"one of transformers' {', '.join(HF_CLASSES)}")
-    for weights in sorted(path.glob("*.safetensors")):  # a truncated file, refused by name before transformers reads it
-        check_safetensors(weights, "--hf-model")
+    _check_declared_size(transformers, names[0], path)
     try:
         model = getattr(transformers, names[0]).from_pretrained(str(path), local_files_only=True,
                                                                attn_implementation="sdpa")
     except RuntimeError as e:  # transformers' loading report: keys missing or of another shape than config.json's
         raise ValueError(f"--hf-model {folder}: its weights do not fit the {names[0]} its config.json describes "
                          f"(keys missing or of another shape, as transformers' report says: {e})") from None
+    except (OSError, pickle.UnpicklingError) as e:  # a weights file transformers cannot read (weights_only refused)
+        raise ValueError(f"--hf-model {folder}: its weights cannot be read ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''})") from None
     model.pretrained_cfg = {"architecture": str(folder), **hf_data_config(path, model.config.image_size)}
     model._tokcomp_eval_transform = ProcessorTransform(_image_processor(transformers, path, model.config.image_size))
     return model
+
+
+def _check_declared_size(transformers: Any, architecture: str, folder: Path) -> None:
+    """The model config.json describes holds no more parameters than the folder's weights files (their headers:
+    safetensors, or a mapped torch file), before transformers builds it: a few bytes of config must not allocate
+    gigabytes. At least layers x (4 width^2 + 2 width x MLP width) parameters; a quarter more, or 16M, is left for
+    parts a load may initialise itself (a new head)."""
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+    if not files:
+        raise ValueError(f"--hf-model {folder}: holds no weights file (*.safetensors or pytorch_model.bin)")
+    held = numel(shape for f in files for shape in (safetensors_shapes(f, "--hf-model") if f.suffix == ".safetensors"
+                                                    else torch_file_shapes(f, "--hf-model")).values())
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"--hf-model {folder}: config.json does not make a transformers config ({e})") from None
+    sizes = {name: getattr(config, name, None) for name in ("num_hidden_layers", "hidden_size")}
+    if not all(is_int(v) and v >= 1 for v in sizes.values()):
+        raise ValueError(f"--hf-model {folder}: config.json's {sizes} must be integers >= 1")
+    layers, width = sizes["num_hidden_layers"], sizes["hidden_size"]
+    mlp = getattr(config, "intermediate_size", None)
+    mlp = mlp if is_int(mlp) and mlp >= 1 else int(width * float(getattr(config, "mlp_ratio", 4) or 4))
+    declared = layers * (4 * width * width + 2 * width * mlp)
+    check_declared_size(declared, held, f"a {architecture} ({layers} layers of width {width})", folder / "config.json",
+                        f"its weights ({', '.join(f.name for f in files)})", "--hf-model",
+                        slack=max(held // 4, 16_000_000))
 
 
 def _image_processor(transformers: Any, folder: Path, image_size: int) -> Any:

@@ -109,6 +109,21 @@ def read_torch(path: PathLike, flag: Optional[str] = None) -> Any:
         raise fail(flag, path, f"cannot be read as a torch checkpoint ({type(e).__name__}: {e})") from None
 
 
+def torch_file_shapes(path: PathLike, flag: Optional[str] = None) -> Dict[str, Tuple[int, ...]]:
+    """The shape of every tensor of a torch state-dict file, mapped rather than read (torch.load(mmap=True,
+    weights_only=True)): what safetensors_shapes is for a .safetensors file. Refused as read_torch refuses."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        read_torch(path, flag)  # raises its one-line refusal
+        raise
+    except Exception as e:  # a truncated or foreign file, or an old (not zip) format that cannot be mapped
+        raise fail(flag, path, f"cannot be read as a torch state dict ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise fail(flag, path, "holds no state dict of tensors (model weights)")
+    return {key: tuple(value.shape) for key, value in state.items()}
+
+
 def inside(folder: PathLike, name: Any, source: PathLike, flag: Optional[str] = None) -> Path:
     """folder/name for a name read from the file `source`: a relative path that stays inside folder once resolved
     (no absolute name, no '..', no symbolic link leading out), else refused naming the file and the name."""

@@ -6,6 +6,7 @@ holds that patch alone; merged, fused or dropped patches stop counting). Per ima
 (the head's pre-logits). Only these small arrays are kept (int16 / uint8 / float32), never the activations.
 """
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
@@ -16,6 +17,9 @@ from torch import nn
 
 from ..outputs import replacing
 from ..patch import trace_blocks
+
+
+MAX_META_BYTES = 1 << 16  # a recording's meta: the settings it was made with, a few hundred bytes
 
 
 @dataclass
@@ -58,6 +62,30 @@ class Recording:
             rec = Recording(meta.pop("method"), data["assign"], data["depth"], data["features"],
                             tuple(int(v) for v in data["grid"]))
         return rec, meta
+
+    @staticmethod
+    def bytes_at_most(images: int, depth: int, patches: int, features: int) -> int:
+        """What a recording of `images` images unpacks to at most: assign, depth, features, grid, meta."""
+        return images * (depth * patches * 2 + patches + features * 4) + MAX_META_BYTES + 4096
+
+    @staticmethod
+    def load_if(path: Union[str, Path], method: str, meta: Dict[str, Any], max_bytes: int) -> Optional["Recording"]:
+        """The recording of `method` at path if its meta equals `meta` (read first, alone) and its arrays unpack to at most
+        max_bytes (their sizes read from the archive's directory before any is decompressed); else None. A
+        recording someone else wrote (a run folder sent to --resume) is never decompressed beyond what this run
+        would have recorded."""
+        try:
+            with zipfile.ZipFile(path) as archive:
+                sizes = {info.filename: info.file_size for info in archive.infolist()}
+                if sizes.get("meta.npy", MAX_META_BYTES + 1) > MAX_META_BYTES or sum(sizes.values()) > max_bytes:
+                    return None
+            with np.load(path) as data:
+                if json.loads(str(data["meta"])) != {"method": method, **meta}:
+                    return None
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile):  # not a recording this package wrote
+            return None
+        rec, _ = Recording.load(path)
+        return rec
 
 
 def block_assignment(source: torch.Tensor, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,7 @@ only redraws what changed), metrics.csv, depth_maps.png, metric_matrices.png, ov
 """
 import copy
 import csv
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -89,14 +90,15 @@ def _analyze(model_name, specs, data, out, limit, checkpoint, pretrained, batch_
     records = Path(out) / "records"
     recordings: Dict[str, Recording] = {}
     weights, images = weights_digest(base), data_digest(data)
+    max_bytes = Recording.bytes_at_most(count, len(base.blocks), math.prod(base.patch_embed.grid_size),
+                                        max(base.num_features, getattr(base, "head_hidden_size", 0) or 0))
     for name, (method, params) in specs.items():
         path = records / f"{name}.npz"
         settings = _settings(model_name, weights, images, limit, name)
-        if path.is_file():
-            rec, meta = Recording.load(path)
-            if meta == settings and rec.images == count:
-                recordings[name] = rec
-                continue
+        rec = Recording.load_if(path, name, settings, max_bytes) if path.is_file() else None
+        if rec is not None and rec.images == count:
+            recordings[name] = rec
+            continue
         model = apply(copy.deepcopy(base), method, **params)
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size)
         with tqdm(total=count, desc=f"record {name}", disable=not show_progress, file=sys.stderr) as bar:

@@ -113,6 +113,8 @@ class DiffRateParams(FromConfig, nn.Module):
         return self._counts
 
     def _read_counts(self) -> None:
+        if self.prune.is_meta:  # built on the meta device for its shapes alone (learned.load_learned): no values
+            return
         with torch.no_grad():
             self._counts = [tuple(int(v) for v in torch.stack(self.expected(self.logits(b))).tolist())
                             for b in range(1, self.depth)]
