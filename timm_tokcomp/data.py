@@ -3,6 +3,8 @@ work such as calibration) a plain folder of images. The one loader of image fold
 is checked at the door (it exists, it is an image; every label is a class index in range), and every error names
 the flag and the file (userfiles.UserFileError)."""
 import csv
+import os
+import warnings
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -10,29 +12,61 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from .checks import check_int
-from .userfiles import fail, inside
+from .userfiles import UserFileError, fail, inside
 
+DEFAULT_MAX_IMAGE_PIXELS = 64_000_000  # 8000 x 8000: ~190 MB decoded as RGB; raise with TOKCOMP_MAX_IMAGE_PIXELS
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".bmp", ".webp", ".tif", ".tiff")
 PathLike = Union[str, Path]
 
 
-def _check_image(path: Path, flag: str) -> None:
-    """Refuse a file PIL cannot identify as an image (its header only: cheap)."""
+def max_image_pixels() -> int:
+    """The most pixels an image may have (width x height, from its header): TOKCOMP_MAX_IMAGE_PIXELS, default
+    DEFAULT_MAX_IMAGE_PIXELS. A small file can declare a huge image (a decompression bomb); it is refused by name
+    before it is decoded."""
+    value = os.environ.get("TOKCOMP_MAX_IMAGE_PIXELS", str(DEFAULT_MAX_IMAGE_PIXELS))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"TOKCOMP_MAX_IMAGE_PIXELS must be an integer >= 1 (pixels), got {value!r}")
+    return int(value)
+
+
+def _open_checked(path: Path, flag: str) -> Image.Image:
+    """The image at path, opened (its header read, nothing decoded) and within max_image_pixels()."""
+    cap = max_image_pixels()
+    over = f"megapixels), over the {cap / 1e6:g}-megapixel cap; raise TOKCOMP_MAX_IMAGE_PIXELS if you mean it"
     try:
-        with Image.open(path) as img:
-            img.size  # noqa: B018 (identified from the header)
+        with warnings.catch_warnings():  # PIL's own bomb warning: the cap below says it with the file's name
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(path)
+    except Image.DecompressionBombError as e:  # over PIL's own limit (twice its MAX_IMAGE_PIXELS)
+        raise fail(flag, path, f"is a decompression bomb ({e}; {over[over.index('over'):]})") from None
+    width, height = img.size
+    if width * height > cap:
+        img.close()
+        raise fail(flag, path, f"is a {width} x {height} image ({width * height / 1e6:.0f} {over}")
+    return img
+
+
+def _check_image(path: Path, flag: str) -> None:
+    """Refuse a file PIL cannot identify as an image, or one over the pixel cap (its header only: cheap)."""
+    try:
+        _open_checked(path, flag).close()
     except FileNotFoundError:
         raise FileNotFoundError(f"{flag}: {path} not found") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        if isinstance(e, UserFileError):
+            raise
         raise fail(flag, path, f"is not an image ({type(e).__name__}: {e})") from None
 
 
 def _load_rgb(path: Path, flag: str) -> Image.Image:
-    """The image at path as RGB; a file that stops decoding (truncated) is refused naming it."""
+    """The image at path as RGB; a file that stops decoding (truncated) or is over the pixel cap is refused
+    naming it."""
     try:
-        with Image.open(path) as img:
+        with _open_checked(path, flag) as img:
             return img.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        if isinstance(e, UserFileError):
+            raise
         raise fail(flag, path, f"cannot be decoded as an image ({type(e).__name__}: {e})") from None
 
 

@@ -1,5 +1,6 @@
 """Hugging Face Hub access for what a user names by repo id: a snapshot (or a local folder as it is), the Hub's
 reachability with the local cache as the fallback, and errors that say what to do offline."""
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -7,18 +8,29 @@ from typing import Any, Iterator, Optional
 from .userfiles import UserFileError
 
 
+HUB_PREFIX = "hf-hub:"  # as timm spells a Hub repository: the only way to ask for a download by name
+
+
 def hub_snapshot(repo_id_or_path: str, what: str, flag: Optional[str] = None, **kwargs: Any) -> Path:
-    """A local folder as it is, or a Hub repository's snapshot (snapshot_download, honouring the HF cache and
+    """A local folder as it is, or a Hub repository's snapshot ('hf-hub:namespace/name'; a bare 'namespace/name'
+    that is no folder still reads as one, with a FutureWarning) (snapshot_download, honouring the HF cache and
     HF_HUB_OFFLINE; hub_access); a repository that cannot be fetched and is not cached is refused with what to do.
     flag: the CLI option that named it (None: a Python call, whose advice names Python arguments)."""
+    asked = repo_id_or_path.startswith(HUB_PREFIX)  # the user asked for the Hub by name
+    if asked:
+        repo_id_or_path = repo_id_or_path[len(HUB_PREFIX):]
     path = Path(repo_id_or_path)
-    if path.is_dir():
+    if path.is_dir() and not asked:
         return path
-    if path.exists() or repo_id_or_path.startswith((".", "/", "~")) or repo_id_or_path.count("/") > 1:
+    if path.exists() and not asked or repo_id_or_path.startswith((".", "/", "~")) or repo_id_or_path.count("/") > 1:
         raise FileNotFoundError(f"{flag + ' ' if flag else ''}{repo_id_or_path!r}: no such folder (and not a Hub "
                                 f"repo id 'name' or 'namespace/name'); expected {what} folder")
     from huggingface_hub import snapshot_download
 
+    if not asked:
+        warnings.warn(f"{flag + ' ' if flag else ''}{repo_id_or_path!r} is no folder here, so it is read as a Hub "
+                      f"repository; write {HUB_PREFIX}{repo_id_or_path} to ask for the Hub (a bare id that is no "
+                      f"folder will be refused from the next release)", FutureWarning, stacklevel=3)
     try:
         with hub_access():
             return Path(snapshot_download(repo_id_or_path, **kwargs))
