@@ -1,7 +1,7 @@
 """Files a user was sent (docs/guarantees.md, "Files you did not make"): each attack is a file the test makes. Names
 in a file stay inside its folder; a few bytes of config are refused before they allocate what no file holds (run
 in a subprocess whose address space is capped far below what the attack asks); only what the package writes is
-read back; every bad file is one line. Code-running torch files and links in run folders: tests/cli/test_doors.py."""
+read back; every bad file is one line. Code-running torch files: tests/cli/test_doors.py; links in run folders: tests/cli/test_run_folders.py."""
 import json
 import shutil
 import subprocess
@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
+from test_doors import _RunsCode
 from timm_tokcomp import cli
 from timm_tokcomp.data import open_dataset
 from timm_tokcomp.userfiles import UserFileError, read_json
@@ -219,14 +220,6 @@ def test_an_image_over_the_pixel_cap_is_refused_by_name(tmp_path, capsys, side, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "big.png" in err[0] and problem in err[0], err
     assert "TOKCOMP_MAX_IMAGE_PIXELS" in err[0]
-
-
-class _RunsCode:
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return __import__("os").system, (f"touch {self.marker}",)
 
 
 def test_a_pickled_hf_weights_file_is_one_line_and_runs_nothing(tmp_path, capsys):
