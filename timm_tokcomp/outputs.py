@@ -143,7 +143,7 @@ def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, 
         raise FileExistsError(f"--out {folder} is not empty ({shown}); pass --resume to continue the run in it, "
                               "--overwrite to replace it, or choose a new folder")
     if folder.is_dir():
-        _check_own_entries(folder, flag)
+        _refuse_links(folder, flag)
     if not writer:
         yield folder
         return
@@ -181,7 +181,7 @@ def run_folder(folder: PathLike, resume: bool = False, overwrite: bool = False, 
             shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
-def _check_own_entries(folder: Path, flag: str) -> None:
+def _refuse_links(folder: Path, flag: str) -> None:
     """Before a run continues or replaces what is in folder: no entry below it is a symbolic link (refused, naming
     it), so no read or write of the run follows one out of the folder. Entries the run does not write are left as
     they are (never set aside, read or overwritten)."""
