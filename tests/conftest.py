@@ -112,7 +112,8 @@ def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int = 1) -> 
     assert got.dtype.is_floating_point, got.dtype
     spacing = torch.nextafter(want.abs(), torch.full_like(want, float("inf"))) - want.abs()
     far = (got - want).abs() > ulps * spacing
-    assert not far.any(), f"{int(far.sum())} of {want.numel()} elements over {ulps} ulp: {got[far][:5]} vs {want[far][:5]}"
+    assert not far.any(), (f"{int(far.sum())} of {want.numel()} elements over {ulps} ulp: {got[far][:5]} vs "
+                           f"{want[far][:5]}")
 
 
 def op_counts(model: torch.nn.Module, x: torch.Tensor):

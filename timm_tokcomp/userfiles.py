@@ -78,20 +78,6 @@ def read_safetensors(path: PathLike, flag: Optional[str] = None, finite: bool = 
     return tensors
 
 
-def check_safetensors(path: PathLike, flag: Optional[str] = None) -> None:
-    """Refuse a truncated or corrupt .safetensors file from its header (which must cover the whole file), without
-    reading its tensors: for files another library then loads (peft's adapter)."""
-    from safetensors import safe_open
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{flag + ' ' if flag else ''}{path} is missing")
-    try:
-        with safe_open(str(path), "pt"):
-            pass
-    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
-        raise fail(flag, path, f"cannot be read as safetensors ({e})") from None
-
-
 def read_torch(path: PathLike, flag: Optional[str] = None) -> Any:
     """What torch.save wrote to a file, read with weights_only=True: tensors and plain values (dict, list, tuple,
     str, numbers, None) only, so unpickling runs no code; a file holding other objects, or a truncated or foreign
@@ -100,13 +86,18 @@ def read_torch(path: PathLike, flag: Optional[str] = None) -> Any:
         raise FileNotFoundError(f"{flag + ' ' if flag else ''}{path} is missing")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # weights_only refused an object (or the pickle is broken)
-        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise fail(flag, path, f"holds more than tensors and plain values, or is a broken pickle; it is read with "
-                               f"torch.load(weights_only=True) and nothing in it was run ({first[:200]}). Save "
-                               f"the weights alone (torch.save(model.state_dict(), ...) or safetensors)") from None
+    except pickle.UnpicklingError as e:
+        raise _refused_pickle(e, path, flag) from None
     except Exception as e:  # zip / pickle errors of a truncated or foreign file
         raise fail(flag, path, f"cannot be read as a torch checkpoint ({type(e).__name__}: {e})") from None
+
+
+def _refused_pickle(error: pickle.UnpicklingError, path: PathLike, flag: Optional[str]) -> UserFileError:
+    """The refusal of a torch file that weights_only=True would not unpickle (an object, or a broken pickle)."""
+    last = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    return fail(flag, path, f"holds more than tensors and plain values, or is a broken pickle; it is read with "
+                            f"torch.load(weights_only=True) and nothing in it was run ({last[:200]}). Save the "
+                            f"weights alone (torch.save(model.state_dict(), ...) or safetensors)")
 
 
 def torch_file_shapes(path: PathLike, flag: Optional[str] = None) -> Dict[str, Tuple[int, ...]]:
@@ -114,9 +105,8 @@ def torch_file_shapes(path: PathLike, flag: Optional[str] = None) -> Dict[str, T
     weights_only=True)): what safetensors_shapes is for a .safetensors file. Refused as read_torch refuses."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError:
-        read_torch(path, flag)  # raises its one-line refusal
-        raise
+    except pickle.UnpicklingError as e:
+        raise _refused_pickle(e, path, flag) from None
     except Exception as e:  # a truncated or foreign file, or an old (not zip) format that cannot be mapped
         raise fail(flag, path, f"cannot be read as a torch state dict ({type(e).__name__}: {e})") from None
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
@@ -142,7 +132,7 @@ def inside(folder: PathLike, name: Any, source: PathLike, flag: Optional[str] = 
 
 def safetensors_shapes(path: PathLike, flag: Optional[str] = None) -> Dict[str, Tuple[int, ...]]:
     """The shape of every tensor of a .safetensors file, from its header alone (no tensor is read); a truncated
-    or corrupt file is refused."""
+    or corrupt file is refused (the check for files another library then loads: peft's adapter)."""
     from safetensors import safe_open
 
     if not Path(path).is_file():

@@ -1,8 +1,10 @@
 """Files a user was sent (docs/guarantees.md, "Files you did not make"): each attack is a file the test makes. Names
 in a file stay inside its folder; a few bytes of config are refused before they allocate what no file holds (run
 in a subprocess whose address space is capped far below what the attack asks); only what the package writes is
-read back; every bad file is one line. Code-running torch files: tests/cli/test_doors.py; links in run folders: tests/cli/test_run_folders.py."""
+read back; every bad file is one line. Code-running torch files: tests/cli/test_doors.py; links in run folders:
+tests/cli/test_run_folders.py."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -44,7 +46,7 @@ def _capped(code: str) -> str:
             print("ACCEPTED")
     """).format(gib=ALLOWED_GIB, code=textwrap.indent(textwrap.dedent(code), "    "))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0 and "REFUSED:" in done.stdout, (done.stdout, done.stderr[-3000:])
     return done.stdout.split("REFUSED:", 1)[1].strip()
 
@@ -205,7 +207,7 @@ def test_a_recipe_missing_a_field_takes_its_default_and_an_unknown_one_is_refuse
 # ------------------------------------------------------------------ one line, always
 
 
-def test_a_deeply_nested_preset_is_one_line(tmp_path, capsys):
+def test_a_deeply_nested_preset_is_one_line(tmp_path):
     preset = tmp_path / "preset.json"
     preset.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(UserFileError, match="nested too deeply"):

@@ -70,22 +70,21 @@ class Recording:
 
     @staticmethod
     def load_if(path: Union[str, Path], method: str, meta: Dict[str, Any], max_bytes: int) -> Optional["Recording"]:
-        """The recording of `method` at path if its meta equals `meta` (read first, alone) and its arrays unpack to at most
-        max_bytes (their sizes read from the archive's directory before any is decompressed); else None. A
+        """The recording of `method` at path if its meta equals `meta` (read first, alone) and its arrays unpack to
+        at most max_bytes (their sizes read from the archive's directory before any is decompressed); else None. A
         recording someone else wrote (a run folder sent to --resume) is never decompressed beyond what this run
         would have recorded."""
         try:
-            with zipfile.ZipFile(path) as archive:
-                sizes = {info.filename: info.file_size for info in archive.infolist()}
+            with np.load(path) as data:  # opens the archive: its directory and no array yet
+                sizes = {info.filename: info.file_size for info in data.zip.infolist()}
                 if sizes.get("meta.npy", MAX_META_BYTES + 1) > MAX_META_BYTES or sum(sizes.values()) > max_bytes:
                     return None
-            with np.load(path) as data:
                 if json.loads(str(data["meta"])) != {"method": method, **meta}:
                     return None
+                return Recording(method, data["assign"], data["depth"], data["features"],
+                                 tuple(int(v) for v in data["grid"]))
         except (OSError, ValueError, KeyError, zipfile.BadZipFile):  # not a recording this package wrote
             return None
-        rec, _ = Recording.load(path)
-        return rec
 
 
 def block_assignment(source: torch.Tensor, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor]:

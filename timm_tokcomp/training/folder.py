@@ -5,7 +5,7 @@ import os
 import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import timm
 import torch
@@ -21,7 +21,7 @@ from ..outputs import FILE_MODE, write_text
 from ..patch import adapter_skip
 from ..checks import is_int
 from ..hub import hub_snapshot
-from ..userfiles import check_safetensors, fail, read_json, read_versioned_json, safetensors_shapes
+from ..userfiles import fail, read_json, read_versioned_json, safetensors_shapes
 from .card import model_card
 from .recipe import FinetuneConfig, FinetuneResult
 
@@ -76,15 +76,16 @@ def finish_folder(out: str, saved: Dict[str, Any], base_model: str, eval_data: s
     _write_config(out, data)
 
 
-def check_adapter_files(folder: Path, lora_rank: int) -> None:
+def check_adapter_files(folder: Path, lora_rank: int) -> Tuple[Dict[str, Any], Dict[str, Tuple[int, ...]]]:
     """The LoRA adapter files agree with the recipe in finetune_config.json: present (readable, of its rank) exactly
-    when it trained LoRA."""
+    when it trained LoRA. Returns (adapter_config.json, the adapter's tensor shapes from its header); both empty
+    without LoRA."""
     config_path, weights_path = (folder / name for name in PEFT_FILES)
     if not lora_rank:
         if config_path.exists() or weights_path.exists():
             raise ValueError(f"{folder / FINETUNE_CONFIG} says lora_rank 0 (no adapter), but the folder holds "
                              f"{config_path.name}; they must agree")
-        return
+        return {}, {}
     for path in (config_path, weights_path):
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing ({FINETUNE_CONFIG} says lora_rank {lora_rank})")
@@ -92,15 +93,15 @@ def check_adapter_files(folder: Path, lora_rank: int) -> None:
     if adapter.get("r") != lora_rank:
         raise ValueError(f"{config_path}: r = {adapter.get('r')!r}, but {FINETUNE_CONFIG} says lora_rank "
                          f"{lora_rank}; they must agree")
-    check_safetensors(weights_path)  # a truncated adapter is refused here, naming it (peft reads it after)
+    return adapter, safetensors_shapes(weights_path)  # a truncated adapter is refused here (peft reads it after)
 
 
-def check_adapter_config(folder: Path, expected) -> None:
-    """The fields of folder's adapter_config.json that shape the adapter (ADAPTER_FIELDS) are those finetune writes
-    for its recipe (expected: lora_config's LoraConfig); any other value (a pattern in target_modules, another
-    rank) is refused naming the field, before peft sees it. peft then loads with `expected`, not the file."""
-    path = folder / PEFT_FILES[0]
-    adapter, want = read_json(path), expected.to_dict()
+def check_adapter_config(adapter: Dict[str, Any], path: Path, expected) -> None:
+    """The fields of adapter_config.json (adapter, read from path) that shape the adapter (ADAPTER_FIELDS) are
+    those finetune writes for its recipe (expected: lora_config's LoraConfig); any other value (a pattern in
+    target_modules, another rank) is refused naming the field, before peft sees it. peft then loads with
+    `expected`, not the file."""
+    want = expected.to_dict()
 
     def norm(value: Any) -> Any:
         if hasattr(value, "value"):  # an Enum (peft_type)
@@ -130,9 +131,9 @@ def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretr
     data = read_versioned_json(folder, FINETUNE_CONFIG, FORMAT_VERSION, "a complete fine-tuned folder")
     recipe = _read_recipe(data, config_path)
     base_model, num_classes = _read_base(data, config_path)
-    check_adapter_files(folder, recipe.lora_rank)
+    adapter, adapter_shapes = check_adapter_files(folder, recipe.lora_rank)
     if not recipe.distill:  # the new head's size, against the adapter's header, before the head is built
-        rows = safetensors_shapes(folder / PEFT_FILES[1]).get(HEAD_KEY.format("head"), (None,))[0]
+        rows = adapter_shapes.get(HEAD_KEY.format("head"), (None,))[0]
         if rows != num_classes:
             raise fail(None, config_path, f"says num_classes {num_classes}, but {PEFT_FILES[1]}'s head has "
                                           f"{rows} rows; they must agree")
@@ -153,7 +154,7 @@ def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretr
                              f"the weights)")
         if recipe.lora_rank:
             expected = lora_config(recipe, model, base_model)
-            check_adapter_config(folder, expected)
+            check_adapter_config(adapter, folder / PEFT_FILES[0], expected)
             peft_model = PeftModel.from_pretrained(model, str(folder), config=expected)
             model = peft_model.merge_and_unload() if merge else peft_model
     return model.to(device).eval()
