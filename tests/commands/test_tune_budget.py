@@ -1,5 +1,5 @@
 """tune's time budget and its accuracy promise: the stages end by their share of --time-budget on a recorded clock
-(nothing rests on this machine's speed), a killed run resumes from any stage, the bar's total holds from the start,
+(nothing rests on this machine's speed), a killed run resumes from any stage, the bar counts the work being done now,
 the stage lines say what was kept and why, other paths wait for their default's figures, and the budget is judged on
 the loss's one-sided 95 % upper bound (with the number of images a promise would need)."""
 import json
@@ -31,17 +31,24 @@ class Clock:
         return self.now
 
 
-def _recorded(clock, seconds_per_forward, candidate_times=(0.5, 1.5)):
+def _recorded(clock, seconds_per_forward, candidate_times=(0.5, 1.5), by_r=None):
     """A time_runs that advances the clock by the forwards it 'ran' and returns recorded times: plain 1.0, every
-    candidate alternating between candidate_times (never settled: its interval holds 1)."""
+    candidate alternating between candidate_times (never settled: its interval holds 1), or by_r[its r] with a 1 %
+    spread."""
     seen = []
 
     @torch.inference_mode()
     def time_runs(models, x, rounds=5, warmup=1, progress=None, stop=None):
         seen.append(sorted(models))
         clock.now += seconds_per_forward * len(models) * (rounds + warmup)
-        return {name: [1.0 if name == tuning.NO_REDUCTION else candidate_times[i % 2] for i in range(rounds)]
-                for name in models}
+
+        def times(name):
+            if name == tuning.NO_REDUCTION:
+                return [1.0] * rounds
+            if by_r is not None:
+                return [by_r[name.split(" [")[0].split("r=")[-1]] * (1 + 0.01 * (-1) ** i) for i in range(rounds)]
+            return [candidate_times[i % 2] for i in range(rounds)]
+        return {name: times(name) for name in models}
     return time_runs, seen
 
 
@@ -50,95 +57,79 @@ def _tune(folder, **kwargs):
     return timm_tokcomp.tune(_small_model(), str(folder), **{**args, **kwargs})
 
 
-def test_the_time_budget_ends_timing_and_the_choice_comes_from_what_was_measured(image_folder, tmp_path,
-                                                                                  monkeypatch, capsys):
-    """One minute: the search checks r = 2, then r = 3 (r = 1, milder, is decided by them); the two default paths'
-    first rounds take 140 recorded seconds, past the timing stage's end (57 s), so they stop there with 5 rounds
-    each, the other four paths are not reached, tune still chooses (from the two) and says what it did not get to; a
-    resume with more time times only those four and measures no image again."""
+def test_the_screen_ends_by_its_share_and_a_resume_times_only_what_it_did_not_reach(image_folder, tmp_path,
+                                                                                  monkeypatch):
+    """One minute, 10 recorded seconds a forward: the screen's first group (plain and the three default paths, 3
+    rounds after a warm-up: 160 s) runs past the screen's end (21 s) and past the budget, so the six other paths are
+    not reached, no accuracy check starts, and tune says so in its end line; a resume with no limit screens only
+    those six and goes on to choose."""
     clock = Clock()
     monkeypatch.setattr(tuning.budget, "monotonic", clock)
     time_runs, seen = _recorded(clock, seconds_per_forward=10.0)
     monkeypatch.setattr(tuning_timing, "time_runs", time_runs)
     out = tmp_path / "run"
     result = _tune(image_folder, time_budget=1.0, out=str(out))
-    timed = [r for r in result.rows if r.status == "timed"]
-    assert sorted(r.path for r in timed) == ["torch, mask"] * 2 and all(r.rounds == 5 for r in timed)
-    unreached = [r for r in result.rows if r.status == "not reached: time budget (timing)"]
-    assert len(unreached) == 4 and len(seen) == 1
-    assert all(r.status.startswith("pruned: milder than tome prop_attn=True r=3") for r in result.rows
-               if r.setting.endswith("r=1"))
+    assert len(seen) == 1 and len(seen[0]) == 4
+    unreached = [r for r in result.rows if r.status == "not reached: time budget (screen)"]
+    assert len(unreached) == 6 and all(r.screen_n is None for r in result.rows)
     (note,) = [n for n in result.settings["notes"] if "time budget" in n]
-    assert "ended with 2 settings without their timing; tune chose from what it measured" in note  # 4 paths
-    assert "--resume" in note
-    assert "2 candidates timed" in result.settings["stages"][-1] and "4 not reached (time budget)" in \
-        result.settings["stages"][-1]
-    assert result.choices[0].row is None and "surely faster" in result.choices[0].reason
-    err = capsys.readouterr().err
-    assert "tune plan: 3 settings on 9 paths and modes (eager)" in err
-    assert "tune search: 3 settings on 1 method axis (bisected for the strongest setting within the budget, at most 2 " \
-           "checks); 0 the same token schedule as another, checked once; first round: tome prop_attn=True r=2" in err
-
-    def no_images(*args, **kwargs):
-        raise AssertionError("a resumed run measured images again")
-
-    monkeypatch.setattr(tuning_run._Tuner, "_paired", no_images)
+    assert "3 settings without their accuracy check" in note and "--resume" in note
+    assert result.choices[0].row is None and "1 setting" not in result.choices[0].reason
+    assert result.answer[-1].startswith("tune ended: the time budget ended the timing screen and accuracy check")
     seen.clear()
     again = _tune(image_folder, time_budget=None, out=str(out), resume=True)
-    assert {name for call in seen for name in call if name != tuning.NO_REDUCTION} == {r.candidate for r in unreached}
-    assert {r.status for r in again.rows if not r.setting.endswith("r=1")} == {"timed"}
+    assert {name for name in seen[0] if name != tuning.NO_REDUCTION} == {r.candidate for r in unreached}
+    assert again.answer[-1].startswith("tune ended: all decided")
 
 
-def test_the_accuracy_search_ends_by_its_share_and_says_how_many_it_did_not_reach(image_folder, monkeypatch):
-    """Screening or holding out a setting costs 30 recorded seconds: with a 2-minute budget the accuracy stage ends
-    at 78 s, after the first check (r = 2, the middle of its axis: 60 s); r = 3 is not screened, and r = 1, milder than
-    r = 2 which kept the budget, is decided without a check. The choice says the time budget ended the search."""
+def _above_from(monkeypatch, r_min):
+    """Predictions of a setting with r >= r_min changed on every image."""
+    real = tuning_run._predictions
+
+    def predictions(model, images, batch):
+        preds = real(model, images, batch)
+        r = timm_tokcomp.get_reducer(model).params["r"] if timm_tokcomp.is_reduced(model) else 0
+        return (preds + 1) % 10 if r >= r_min else preds
+
+    monkeypatch.setattr(tuning_run, "_predictions", predictions)
+
+
+def test_the_accuracy_stage_ends_by_its_share_and_an_unchecked_setting_is_never_re_timed(image_folder, monkeypatch):
+    """Two minutes; each screening or held-out pass costs 40 recorded seconds. Fastest first: r = 3, then r = 2
+    break the budget at screening (80 s); r = 1 is screened (120 s), past the accuracy stage's end (96 s), so its
+    held-out check is not reached, it is never re-timed, and the choice says the time budget ended the search."""
     clock = Clock()
     monkeypatch.setattr(tuning.budget, "monotonic", clock)
     real = tuning_run._Tuner._paired
 
     def paired(self, *args, **kwargs):
-        clock.now += 30.0
+        if self.budget.over(kwargs.get("stage", "accuracy")):
+            return real(self, *args, **kwargs)
+        clock.now += 40.0
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(tuning_run._Tuner, "_paired", paired)
-    monkeypatch.setattr(tuning_timing, "time_runs", _recorded(clock, 0.0)[0])
-    result = _tune(image_folder, time_budget=2.0)
-    screened = {r.setting.split()[-1] for r in result.rows if r.screen_n is not None}
-    assert screened == {"r=2"}
-    assert {r.status for r in result.rows if r.setting.endswith("r=3")} == {"not reached: time budget (screening)"}
-    assert "1 not reached (time budget)" in next(s for s in result.settings["stages"] if s.startswith("accuracy"))
-    assert any("1 setting without its screening" in n for n in result.settings["notes"])
+    _above_from(monkeypatch, 2)
+    time_runs, seen = _recorded(clock, 0.0, by_r={"1": 0.9, "2": 0.8, "3": 0.7})
+    monkeypatch.setattr(tuning_timing, "time_runs", time_runs)
+    result = _tune(image_folder, time_budget=2.0, budget=30.0)
+    status = {r.setting.split()[-1]: r.status for r in result.rows if r.path == "torch, mask"}
+    assert status["r=3"].startswith("pruned: budget (screening") and status["r=2"].startswith("pruned: budget (scr")
+    assert status["r=1"] == "not reached: time budget (accuracy check)"
+    line = next(s for s in result.settings["stages"] if s.startswith("accuracy, fastest first"))
+    assert "2 settings checked (0 within the budget, 2 above it" in line and "1 setting not reached" in line
+    assert not any(r.status == "timed" for r in result.rows)
     assert "the time budget, not the accuracy budget, ended the search: 1 setting never checked" in \
         result.choices[0].reason
 
 
-def test_a_setting_the_held_out_check_did_not_reach_is_never_timed(image_folder, monkeypatch):
-    """Each held-out check costs 40 recorded seconds: with 2 minutes the accuracy stage ends at 78 s, after the first
-    setting's (r = 2); the second checked (r = 3) is screened, its held-out check not reached, and timing never runs
-    it."""
-    clock = Clock()
-    monkeypatch.setattr(tuning.budget, "monotonic", clock)
-    real = tuning_run._Tuner._paired
-
-    def paired(self, *args, sequential, **kwargs):
-        clock.now += 40.0 if sequential else 0.0
-        return real(self, *args, sequential=sequential, **kwargs)
-
-    monkeypatch.setattr(tuning_run._Tuner, "_paired", paired)
-    time_runs, seen = _recorded(clock, 0.0)
-    monkeypatch.setattr(tuning_timing, "time_runs", time_runs)
-    result = _tune(image_folder, time_budget=2.0)
-    assert {r.status for r in result.rows if r.setting.endswith("r=3")} == {"not reached: time budget (held-out check)"}
-    assert not any("r=3" in name for call in seen for name in call)
-    assert any("3 settings" not in n and "1 setting without its held-out check" in n for n in result.settings["notes"])
-
-
-def test_a_run_killed_after_screening_resumes_without_screening_again(image_folder, tmp_path, monkeypatch):
-    """Killed while holding out its first check (r = 2, screened): the resumed run holds r = 2 out without screening
-    it again, and screens r = 3 only."""
+def test_a_run_killed_while_holding_out_resumes_without_measuring_again(image_folder, tmp_path, monkeypatch):
+    """Killed while holding out its first check (r = 3, the fastest, screened): the resumed run neither times the
+    screen nor screens r = 3 again; it holds r = 3 out (within the budget: the answer) and re-times it."""
     out = tmp_path / "run"
     real_paired = tuning_run._Tuner._paired
+    time_runs, seen = _recorded(Clock(), 0.0, by_r={"1": 0.9, "2": 0.8, "3": 0.7})
+    monkeypatch.setattr(tuning_timing, "time_runs", time_runs)
 
     def killed(self, *args, sequential, **kwargs):
         if sequential:
@@ -150,8 +141,8 @@ def test_a_run_killed_after_screening_resumes_without_screening_again(image_fold
         with pytest.raises(KeyboardInterrupt):
             _tune(image_folder, out=str(out))
     rows = read_rows(out / "tune.csv")
-    assert len(rows) == 3 and all(r.screen_n == 8 and r.status == "screened" and r.setting.endswith("r=2")
-                                  for r in rows)
+    assert {r.setting.split()[-1] for r in rows if r.screen_n == 8} == {"r=3"}
+    assert all(r.status == "screen-timed" and r.speedup is not None for r in rows)
     screened = []
 
     def paired(self, model, *args, sequential, **kwargs):
@@ -160,43 +151,50 @@ def test_a_run_killed_after_screening_resumes_without_screening_again(image_fold
         return real_paired(self, model, *args, sequential=sequential, **kwargs)
 
     monkeypatch.setattr(tuning_run._Tuner, "_paired", paired)
+    seen.clear()
     result = _tune(image_folder, out=str(out), resume=True)
-    assert screened == [3]
-    assert all(r.agree_n is not None for r in result.rows if not r.setting.endswith("r=1"))
+    assert screened == [] and all("r=3" in name for call in seen for name in call if name != tuning.NO_REDUCTION)
+    assert result.choices[0].row.setting.endswith("r=3")
 
 
-def test_the_bar_total_is_known_from_the_start_and_every_unit_is_accounted(image_folder, monkeypatch):
-    """Pruned paths, settled candidates and skipped stages credit their units as they go: the bar reaches its
-    first total without the final top-up."""
+def test_the_bar_counts_the_work_being_done_now_and_every_unit_is_accounted(image_folder, monkeypatch):
+    """Each piece of work (a batch size's screen, a setting's accuracy check, the re-timing, the choice) starts the
+    bar with its own total and unit; what ends early is credited, so each reaches its total."""
     ends = []
 
     class Bar(tuning.budget.StageBar):
+        def start(self, name, total, unit):
+            if self.name != "starting":
+                ends.append((self.name, self.bar.n, self.bar.total))
+            super().start(name, total, unit)
+
         def close(self):
-            ends.append((self.bar.n, self.bar.total))
+            ends.append((self.name, self.bar.n, self.bar.total))
             super().close()
 
     monkeypatch.setattr(tuning_run, "StageBar", Bar)
-    clock = Clock()
-    monkeypatch.setattr(tuning_timing, "time_runs", _recorded(clock, 0.0, candidate_times=(2.0, 2.1))[0])
+    monkeypatch.setattr(tuning_timing, "time_runs", _recorded(Clock(), 0.0, by_r={"1": 0.9, "2": 0.8, "3": 0.7})[0])
     _tune(image_folder, show_progress=True)
-    (n, total), = ends
-    assert n == total == 2 * 3 + 9 * 6 + 1
+    assert [name for name, _, _ in ends] == ["timing screen, batch 4, eager", "accuracy: tome prop_attn=True r=3",
+                                             "re-timing the finalists, batch 4, eager", "checking the choice, batch 4"]
+    assert all(n == total for _, n, total in ends), ends
+    assert ends[0][2] == 9 * 5 and ends[1][2] == 20  # 9 candidates x 5 rounds; 20 images
 
 
-def test_other_paths_wait_for_their_default_and_are_skipped_when_it_is_no_contender(image_folder, monkeypatch):
-    """Every candidate at half plain's speed, surely: the default paths stop after their first rounds and the other
-    paths (fold, fold_qkv) are never timed."""
+def test_other_paths_wait_for_their_default_and_are_skipped_when_it_is_surely_slower(image_folder, monkeypatch):
+    """Every candidate at half plain's speed, surely: the screen stops the default paths after their first 3 rounds,
+    never times the other paths (fold, fold_qkv) and checks no accuracy."""
     time_runs, seen = _recorded(Clock(), 0.0, candidate_times=(2.0, 2.1))
     monkeypatch.setattr(tuning_timing, "time_runs", time_runs)
     result = _tune(image_folder)
-    assert len(seen) == 1 and len(seen[0]) == 3  # plain and the default paths of the two checked settings, once
+    assert len(seen) == 1 and len(seen[0]) == 4  # plain and the three default paths, once
     for r in result.rows:
-        if r.setting.endswith("r=1"):  # milder than r = 3, which kept the budget: never timed
-            assert r.status.startswith("pruned: milder than tome prop_attn=True r=3")
-        elif r.path == "torch, mask":
-            assert r.status == "timed" and r.speedup_hi < 1.0 and r.rounds == 5
+        assert r.screen_n is None
+        if r.path == "torch, mask":
+            assert r.status.startswith("pruned: slower than plain (timing screen: 0.49x") and r.rounds == 3
         else:
-            assert r.status.startswith("pruned: its default path [torch, mask] is not a contender (0.")
+            assert r.status.startswith("pruned: its default path [torch, mask] is not a contender (0.49x")
+    assert result.choices[0].row is None
 
 
 @pytest.mark.parametrize("changed,n", [(0, 20), (3, 17), (12, 384), (370, 384)])
@@ -242,7 +240,7 @@ def test_the_preset_and_table_state_the_bound(image_folder, tmp_path, monkeypatc
     assert tuned["loss_upper_95"] == pytest.approx(row.loss_upper("agreement"))
     assert tuned["loss"] == row.loss("agreement")
     table = (tmp_path / "t" / "table.md").read_text()
-    assert "| loss [95 % upper] |" in table and "## Stages" in table and "- accuracy search over 1 method axis" in table
+    assert "| loss [95 % upper] |" in table and "## Stages" in table and "- accuracy, fastest first: 1 setting" in table
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])

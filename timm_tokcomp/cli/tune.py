@@ -74,4 +74,6 @@ def run(args: argparse.Namespace) -> int:
     print(result.table())
     for batch, path in preset_paths(args.out, s["batches"]).items():
         print(f"saved {path} (batch {batch})")
+    for line in result.answer:  # the last lines: what a user came for
+        print(line)
     return 0

@@ -137,3 +137,49 @@ def noise_notes(intervals: Sequence[Tuple[str, Dict[str, Tuple[Optional[float], 
                          f"than the effect): {', '.join(noisy)}; time more rounds ({more_rounds}) or on a quieter "
                          f"machine")
     return lines
+
+
+# the share of images whose top-1 correctness a mild setting changes (gained + lost): ToMe r = 8 on DeiT-Tiny,
+# imagenet-val-1300 (23 of 1,172 held-out images; 9 of 448); a promise's images scale with it
+TYPICAL_DISCORDANT = 0.02
+
+
+def images_for_promise(measure: str, loss: float, budget: float, discordant: float = TYPICAL_DISCORDANT,
+                       most: int = 10 ** 6) -> Optional[int]:
+    """About how many paired images bring loss_bounds' one-sided 95 % upper bound within budget for a setting whose
+    true loss is `loss` points: 'top1' with a share `discordant` (at least the loss) of images changing correctness;
+    'agreement' with loss % of predictions changed. None where no number up to `most` would (loss >= budget)."""
+    if loss >= budget:
+        return None
+    rate = loss / 100.0
+    d = max(discordant, rate)
+
+    def fits(m: int) -> bool:
+        if measure == "agreement":
+            return loss_bounds(measure, m, round(rate * m))[2] <= budget
+        lost, gained = round(m * (d + rate) / 2), round(m * (d - rate) / 2)
+        return loss_bounds(measure, m, lost + gained, gained, lost)[2] <= budget
+
+    lo = hi = max(1, math.ceil(10 / d)) if measure == "top1" else 1  # top-1: ten changed images at least, so
+    # that rounding the counts does not decide
+    while not fits(hi):
+        if hi > most:
+            return None
+        lo, hi = hi, 2 * hi
+    while hi - lo > max(1, lo // 100):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def promisable_loss(measure: str, held_out: int, budget: float, discordant: float = TYPICAL_DISCORDANT) -> float:
+    """The largest true loss (a multiple of budget / 20) that held_out images can promise within budget
+    (images_for_promise); 0 when none."""
+    step = budget / 20.0
+    best = 0.0
+    for k in range(1, 20):
+        need = images_for_promise(measure, k * step, budget, discordant)
+        if need is None or need > held_out:
+            break
+        best = k * step
+    return best

@@ -1,10 +1,11 @@
-"""tune's accuracy stage: the settings' held-out losses, checked where the decision is open. Each method's axis is
-bisected for its strongest setting within the budget (search.Bisection, the axes in turns); a checked setting is
-screened on the first `prune_images` images (stopped there when its loss is above the budget even at the 95 % lower
-bound), then held out image batch by image batch until it is surely within the budget or surely above it, no
-promise can come of the held-out images at its rates so far, or the images end; twins (one token schedule under two
-names) are checked once, and the settings a checked one decides on its axis are not checked at all. Every batch of
-images reads the time budget. A mixin of run._Tuner, whose rows, settings, bar and budget it reads."""
+"""tune's accuracy stage: the held-out losses of the settings the timing screen ranked, the fastest first
+(search.FastestFirst), until each batch size has its answer: the first setting within the budget with no faster one
+left unchecked. A checked setting is screened on the first `prune_images` images (stopped there when its loss is
+above the budget even at the 95 % lower bound), then held out image batch by image batch until it is surely within
+the budget or surely above it, no promise can come of the held-out images at its rates so far, or the images end; a
+setting stronger than one above the budget on its axis is not checked, nor one slower than the answer. Every batch
+of images reads the time budget and moves the bar. A mixin of run._Tuner, whose rows, settings, bar and budget it
+reads."""
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -14,8 +15,8 @@ from ..kit.agreement import Paired, compare
 from ..kit.stats import images_needed, loss_bounds, rate_upper_bound
 from ..measure import forward_counting
 from .budget import count
-from .rows import BUDGET_MEASURES, NOT_REACHED
-from .search import Bisection, SettingFacts, make_axes
+from .rows import BUDGET_MEASURES, NOT_REACHED, SCREENED
+from .search import FastestFirst, SettingFacts
 from .select import bound_text
 from .space import accuracy_twin
 
@@ -26,7 +27,7 @@ FUTILE = "no promise"  # at its rates so far, not even every held-out image woul
 # a setting is judged futile only after this share of the held-out images (and at least FUTILE_LEAST of them)
 FUTILE_SHARE, FUTILE_LEAST = 0.25, 256
 # the statuses of settings the search decided without a check (a resumed run decides them again, at no cost)
-DECIDED_UNCHECKED = ("pruned: milder than", "pruned: budget (stronger than", "pruned: the same token schedule")
+DECIDED_UNCHECKED = ("pruned: milder than", "pruned: budget (stronger than", "not checked: slower than")
 
 
 class Predictions:
@@ -66,45 +67,68 @@ class AccuracyStage:
             out[setting] = SettingFacts(setting, c.method, params, self.plain_gmacs / known, schedule)
         return out
 
-    def _search(self, facts: Dict[str, SettingFacts], screen: Predictions, held: Predictions) -> None:
-        """Check the settings the bisection asks for (_check), then write the rows of those it decided without a
-        check (twins, milder or stronger on an axis) and say in one line what the stage did."""
-        axes, twins = make_axes(facts.values())
-        search = Bisection(axes)
+    def _search(self, axes: List[List[str]], facts: Dict[str, SettingFacts], screen: Predictions,
+                held: Predictions) -> None:
+        """Check the settings in FastestFirst's order (_check), then give the unchecked ones their reason, and say
+        in one line what the stage did."""
+        from .select import against_fastest_plain
+
+        alive = [r for r in self.rows.values() if r.status == SCREENED and r.setting in facts]
+        score = against_fastest_plain([r for r in self.rows.values() if r.speedup is not None])
+        speedups: Dict[int, Dict[str, float]] = {b: {} for b in self.s["batches"]}
+        for r in alive:
+            if id(r) in score:
+                speedups[r.batch][r.setting] = max(score[id(r)][0], speedups[r.batch].get(r.setting, 0.0))
+        search = FastestFirst(axes, speedups, {k: f.method for k, f in facts.items()})
         counts = {"within": 0, "above": 0, "early": 0, "reused": 0}
-        for setting in facts:  # a resumed run's verdicts first
+        for setting in {r.setting for r in alive}:  # a resumed run's verdicts first
             verdict = self._verdict(setting)
-            if verdict is not None and setting not in twins:
+            if verdict is not None:
                 search.record(setting, verdict)
                 counts["reused"] += 1
-        credited = 0
         while (setting := search.next()) is not None:
             verdict, early = self._check(setting, facts[setting], screen, held)
-            self.bar.update(2)
-            credited += 2
+            self.bar.finish()
             if verdict is None:
-                search.give_up(setting)
-                continue
+                search.give_up()
+                break
             search.record(setting, verdict)
             counts["within" if verdict else "above"] += 1
             counts["early"] += early
-        for setting, (within, by) in search.implied().items():
-            how = (f"milder than {by} on its axis, which keeps the budget: not checked, never faster" if within else
-                   f"budget (stronger than {by} on its axis, which is above the budget: not checked)")
-            self._add_rows(setting, status=f"pruned: {how}", gmacs=self.plain_gmacs / facts[setting].mac_ratio,
-                           mac_ratio=facts[setting].mac_ratio)
-        for twin, rep in twins.items():
-            self._add_rows(twin, status=f"pruned: the same token schedule as {rep} (checked once)",
-                           gmacs=self.plain_gmacs / facts[twin].mac_ratio, mac_ratio=facts[twin].mac_ratio)
+        stronger, slower, milder = self._close_search(search, speedups)
         self._write()
-        self.bar.update(2 * len(facts) - credited)  # the settings decided without a check, or not reached
-        decided = set(search.verdicts) | set(search.implied()) | set(twins)
-        left, axes_text = len(facts) - len(decided), f"{len(axes)} method {'axis' if len(axes) == 1 else 'axes'}"
-        self.bar.say(f"accuracy search over {axes_text} ({count(len(facts), 'setting')}): "
-                     f"{counts['within']} checked within the budget, {counts['above']} above it ({counts['early']} "
-                     f"decided before their last image); {len(search.implied())} decided by their axis without a "
-                     f"check; {len(twins)} the same schedule as another; {left} not reached (time budget)"
+        left = len({r.setting for r in self.rows.values() if r.status == f"{NOT_REACHED} (accuracy check)"})
+        self.bar.say(f"accuracy, fastest first: {count(counts['within'] + counts['above'], 'setting')} checked "
+                     f"({counts['within']} within the budget, {counts['above']} above it, {counts['early']} decided "
+                     f"before their last image); not checked: {stronger} stronger than one above, {milder} milder "
+                     f"than the answer, {slower} slower than the answer"
+                     + (f", {count(left, 'setting')} not reached (time budget)" if left else "")
                      + (f"; {counts['reused']} from the earlier run" if counts["reused"] else ""))
+
+    def _close_search(self, search: FastestFirst, speedups: Dict[int, Dict[str, float]]) -> Tuple[int, int, int]:
+        """The statuses of the rows the search left unchecked: stronger than one above the budget, milder than the
+        answer on its axis, slower than the answer, or not reached (the time budget). Returns the first three
+        counts, in settings."""
+        stronger, slower, milder = set(), set(), set()
+        for b in speedups:
+            answer = search.answer(b)
+            for r in (r for r in self.rows.values() if r.batch == b and r.status == SCREENED):
+                by = search.above_by(r.setting)
+                if r.setting in search.verdicts:
+                    continue
+                if by is not None:
+                    r.status = f"pruned: budget (stronger than {by} on its axis, which is above the budget: not checked)"
+                    stronger.add(r.setting)
+                elif answer is not None and r.setting in search.milder_than(answer):
+                    r.status = f"pruned: milder than {answer} on its axis, which keeps the budget: never faster"
+                    milder.add(r.setting)
+                elif answer is not None:
+                    r.status = (f"not checked: slower than {answer}, which keeps the budget "
+                                f"({speedups[b][answer]:.2f}x in the timing screen)")
+                    slower.add(r.setting)
+                else:
+                    r.status = f"{NOT_REACHED} (accuracy check)"
+        return len(stronger), len(slower), len(milder)
 
     def _verdict(self, setting: str) -> Optional[bool]:
         """An earlier run's verdict on setting (within the budget, above it), or None where it has none."""
@@ -119,49 +143,45 @@ class AccuracyStage:
     def _check(self, setting: str, facts: SettingFacts, screen: Predictions, held: Predictions
                ) -> Tuple[Optional[bool], bool]:
         """(within the budget / above it / None: the time budget ended the check; whether it was decided before its
-        last image). Its rows get the screening and held-out figures as they are measured."""
+        last image). Its rows get the screening and held-out figures as they are measured; one whose held-out loss
+        is below the budget but whose upper bound is not stays a finalist (more images could make it a promise)."""
         c = next(c for c in self.candidates if c.setting == setting)
         model = self._model(accuracy_twin(c), c.method)
         first = self.s["prune_images"]
-        if not self._of(setting) or self._of(setting)[0].screen_n is None:
+        rows = self._of(setting)
+        self.bar.start(f"accuracy: {setting}", len(self.images) - (first if rows[0].screen_n is not None else 0),
+                       "images")
+        if rows[0].screen_n is None:
             labels = None if self.labels is None else self.labels[:first]
             paired, how = self._paired(model, self.images[:first], screen, labels, sequential=False)
             if how == TIME:
+                self._set(setting, f"{NOT_REACHED} (accuracy check)")
                 return None, False
             loss, lo, _ = self._bounds(paired)
-            status = "screened"
+            self._set(setting, screen_agree=paired.agreement, screen_n=paired.n, screen_loss=loss)
             if lo > self.s["budget"]:
                 what = (f"changed {paired.changed} of {paired.n} images' top-1" if self.measure == "agreement" else
                         f"lost {paired.lost} and gained {paired.gained} correct of {paired.n} images")
-                status = (f"pruned: budget (screening {what}; even the 95 % lower bound, {lo:.2f} "
-                          f"{BUDGET_MEASURES[self.measure]}, is above the budget of {self.s['budget']})")
-            self._add_rows(setting, status=status, gmacs=self.plain_gmacs / facts.mac_ratio,
-                           mac_ratio=facts.mac_ratio, screen_agree=paired.agreement, screen_n=paired.n,
-                           screen_loss=loss)
-            self._write()
-            if status != "screened":
+                self._set(setting, f"pruned: budget (screening {what}; even the 95 % lower bound, {lo:.2f} "
+                                   f"{BUDGET_MEASURES[self.measure]}, is above the budget of {self.s['budget']})")
+                self._write()
                 return False, how == ABOVE
-        rows = self._of(setting)
+            self._write()
         how = ALL
         if rows[0].agree_n is None:
             labels = None if self.labels is None else self.labels[first:]
             paired, how = self._paired(model, self.images[first:], held, labels, sequential=True)
-            if how == TIME:  # never timed without its held-out figure; a resume checks it
-                for r in rows:
-                    r.status = f"{NOT_REACHED} (held-out check)"
+            if how == TIME:  # a resume checks it
+                self._set(setting, f"{NOT_REACHED} (accuracy check)")
                 self._write()
                 return None, False
-            for r in rows:
-                for k, v in self._figures(paired).items():
-                    setattr(r, k, v)
+            self._set(setting, **self._figures(paired))
         within = rows[0].loss_upper(self.measure) <= self.s["budget"] + 1e-9
-        if not within:
+        if not within and rows[0].loss(self.measure) >= self.s["budget"]:
             futile = (f"; at these rates not even all {len(self.images) - first} held-out images would bring the "
                       f"bound within the budget") if how == FUTILE else ""
-            for r in rows:
-                if r.status == "screened":
-                    r.status = (f"pruned: held-out ({bound_text(r, self.measure, self.s['budget'])}; {r.agree_n} "
-                                f"images{futile})")
+            self._set(setting, f"pruned: held-out ({bound_text(rows[0], self.measure, self.s['budget'])}; "
+                               f"{rows[0].agree_n} images{futile})")
         self._write()
         return within, how in (ABOVE, WITHIN, FUTILE)
 
@@ -180,6 +200,7 @@ class AccuracyStage:
             if self.budget.over(stage):
                 return paired, TIME
             preds.append(self._predict(model, x[i:i + batch]))
+            self.bar.update(len(preds[-1]))
             done = sum(len(p) for p in preds)
             paired = compare(torch.cat(preds), plain.upto(done), None if labels is None else labels[:done])
             if done == len(x):

@@ -2,6 +2,7 @@
 sample sizes."""
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Union
@@ -12,10 +13,11 @@ from ..extras import available, install_hint, pyplot
 from ..outputs import replacing, write_text
 from .budget import count
 from .rows import BUDGET_MEASURES, Choice, TuneRow
-from .select import pareto_front
+from .select import bound_text, pareto_front
 
 
-OUT_FILES = ("tune.csv", "tune_config.json", "table.md", "pareto.png", "preset*.json")
+OUT_FILES = ("tune.csv", "tune_config.json", "table.md", "pareto.png", "preset*.json", "candidates")
+CANDIDATES = "candidates"  # a preset per re-timed finalist, to deploy knowingly
 
 
 @dataclass
@@ -23,6 +25,7 @@ class TuneResult:
     rows: List[TuneRow]
     choices: List[Choice]
     settings: Dict[str, Any] = field(default_factory=dict)
+    answer: List[str] = field(default_factory=list)  # the last lines: the choice or the best measured, and the end
 
     def table(self) -> str:
         return format_table(self.rows, self.choices, self.settings.get("budget_measure", "agreement"))
@@ -101,6 +104,8 @@ def format_table(rows: Sequence[TuneRow], choices: Sequence[Choice], measure: st
             said += [f"{count(paths, 'other path')} of timed settings"] if paths else []
             out += ["", "not timed: " + ", ".join(said)]
         verdict = "no reduction" if choice.row is None else choice.row.candidate
+        if timed:
+            out += ["", f"each timed row is a finalist with its preset in {CANDIDATES}/"]
         out += ["", f"choice: **{verdict}**: {choice.reason}", ""]
     return "\n".join(out).rstrip() + "\n"
 
@@ -126,7 +131,9 @@ def write_outputs(result: TuneResult, out: str) -> None:
     s = result.settings
     write_text(Path(out) / "table.md", f"# tokcomp tune: {s['model']} on {s['device_name']}, {s['dtype']}"
                                        f"{', TF32' if s['tf32'] else ''}\n\n{result.budget_text()}\n\n"
-                                       + result.table() + "\n## Stages\n\n"
+                                       + result.table() + "\n## Answer\n\n"
+                                       + "".join(f"- {line.strip()}\n" for line in result.answer)
+                                       + "\n## Stages\n\n"
                                        + "".join(f"- {line}\n" for line in s.get("stages", [])))
     if available("matplotlib"):  # the one output the core install leaves out (the plot extra)
         plot_pareto(result, Path(out) / "pareto.png")
@@ -136,6 +143,31 @@ def write_outputs(result: TuneResult, out: str) -> None:
     for batch, path in preset_paths(out, s["batches"]).items():
         choice = next(c for c in result.choices if c.batch == batch)
         save_tuned_preset(path, choice, s, overwrite=True)  # inside the run folder tune holds
+    presets = candidate_presets(result, out)
+    folder = Path(out) / CANDIDATES
+    for old in folder.glob("*.json") if folder.is_dir() else ():  # an earlier (resumed) run's finalists
+        if old not in presets:
+            old.unlink()
+    for path, choice in presets.items():
+        folder.mkdir(exist_ok=True)
+        save_tuned_preset(path, choice, s, overwrite=True)
+
+
+def candidate_presets(result: TuneResult, out: str) -> Dict[Path, Choice]:
+    """out/candidates/<candidate>[_b<B>].json -> a Choice of each re-timed finalist, its reason saying whether its
+    loss is promised (within the budget at the 95 % upper bound) and by how much it was measured faster."""
+    measure, budget = result.settings["budget_measure"], result.settings["budget"]
+    several = len(result.settings["batches"]) > 1
+    out_paths = {}
+    for r in result.rows:
+        if r.status != "timed":
+            continue
+        name = re.sub(r"[^A-Za-z0-9.=-]+", "_", r.candidate).strip("_") + (f"_b{r.batch}" if several else "")
+        promised = "within the budget" if r.loss_upper(measure) <= budget + 1e-9 else "NOT promised: above the budget"
+        out_paths[Path(out) / CANDIDATES / f"{name}.json"] = Choice(
+            r.batch, r, f"a finalist, {promised} at its 95 % upper bound: {r.speedup:.2f}x plain in {r.mode} mode "
+                        f"(95 % interval {r.speedup_lo:.2f}-{r.speedup_hi:.2f}), {bound_text(r, measure, budget)}")
+    return out_paths
 
 
 def plot_pareto(result: TuneResult, path: Path) -> None:

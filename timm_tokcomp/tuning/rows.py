@@ -5,7 +5,11 @@ from typing import Any, Dict, Optional, Tuple
 
 from ..kit.stats import loss_bounds
 
-NOT_REACHED = "not reached: time budget"  # a row's status, with the stage in parentheses; a resume measures it
+# a row's statuses as the stages move it: WAITING (nothing measured), SCREENED (the timing screen's speed-up, not
+# surely slower: waiting for its accuracy check, then, as a finalist, for its re-timing), TIMED (re-timed: the choice
+# reads these), 'pruned: ...' / 'failed: ...' (final), NOT_REACHED (the time budget ended first; a resume measures it)
+WAITING, SCREENED, TIMED = "waiting", "screen-timed", "timed"
+NOT_REACHED = "not reached: time budget"  # with the stage in parentheses
 
 # what the budget limits, in the units of --budget: top-1 when the images have labels, agreement without them
 BUDGET_MEASURES = {"top1": "points of top-1 lost", "agreement": "% of the plain model's predictions changed"}
@@ -53,13 +57,14 @@ def label(method: str, params: Dict[str, Any]) -> str:
 
 @dataclass
 class TuneRow:
-    """One candidate at one batch size. status: 'screened' (waiting for the held-out check or timing),
-    'pruned: ...' (not timed: budget broken on the screening or held-out images, MACs that cannot beat the best
-    speed-up, another path whose default is no contender), 'timed', 'failed: ...', NOT_REACHED (the time budget
-    ended first). gmacs: per image; mac_ratio: plain / this;
+    """One candidate at one batch size. status: WAITING, SCREENED, TIMED, 'pruned: ...' (surely slower than
+    plain in the timing screen, budget broken on the screening or held-out images, stronger than a setting above the
+    budget, MACs that cannot beat the best speed-up, another path whose default is no contender), 'failed: ...',
+    NOT_REACHED (the time budget ended first). gmacs: per image; mac_ratio: plain / this;
     screen_agree: % agreement on the screening images (screen_n of them), screen_loss: the loss there in the
     budget's measure (BUDGET_MEASURES); ms: median per forward, ms_plain the plain model's in the same mode;
-    speedup (the geometric mean of the rounds' ratios) with its 95 % interval; agree: % held-out agreement
+    speedup (the geometric mean of the rounds' ratios) with its 95 % interval (the timing screen's
+    until a finalist is re-timed); agree: % held-out agreement
     (agree_n images, changed: images whose top-1 class differs from the plain model's; gained / lost: images it
     gets right where the plain model did not and the reverse); top1 / top1_plain on labelled data with the exact
     McNemar p of the paired split; chosen: this batch size's choice."""
@@ -71,7 +76,7 @@ class TuneRow:
     path: str
     method: str
     params: str
-    status: str = "screened"
+    status: str = WAITING
     gmacs: Optional[float] = None
     mac_ratio: Optional[float] = None
     screen_agree: Optional[float] = None

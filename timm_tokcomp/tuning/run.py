@@ -1,28 +1,24 @@
 """`tokcomp tune` / `timm_tokcomp.tune`: measure the training-free candidates on this device and choose the fastest
 one that keeps accuracy within a budget (points of top-1 lost with labels, % of predictions changed without), or
-none, within a time budget.
+none, within a time budget. Speed is the cheap question, so it comes first.
 
 Stages (each written to the CSV as it is measured, so --resume continues from any point; each ends by its share of
 --time-budget, budget.STAGE_ENDS, read before every batch of images and every timed round, and says in one line what
 it kept and stopped):
-  1. accuracy search (accuracy.AccuracyStage): per method axis (its settings that differ only in strength: r, keep
-     rate, flops_ratio; one token schedule under two names counts once) a bisection for its strongest setting within
-     the budget, the axes in turns. A check screens the setting on the first `prune_images` images (above the budget
-     even at its exact 95 % lower bound: no further), then holds it out image batch by image batch, with paired
-     counts (and top-1 with exact McNemar p when the folder is labelled), until it is surely within or surely above
-     the budget or the images end; a setting whose loss's one-sided 95 % upper bound is above the budget is not
-     timed (the budget is a promise, not a point estimate). A check decides the milder (within) or stronger (above)
-     settings of its axis without checking them;
-  2. time: per batch size and execution mode, the candidates within the budget (every kernel, proportional-attention
-     implementation and mode the device offers) interleaved with the plain model in the same mode: the default
-     path of each setting first, in order of MAC ratio, its other paths only where the default is a contender;
-     each until its 95 % speed-up interval excludes 1 or lies below the best lower bound measured (surely not the
-     winner), or `max_rounds`; a candidate whose MAC ratio cannot beat that lower bound is not timed;
-  3. choose, per batch size: the fastest candidate whose speed-up's lower bound against the fastest plain model
-     measured (plain in whichever mode ran fastest: compiled, say) is above 1 (and whose speed-up is at least
-     `min_speedup`), re-checked on its own path; otherwise 'no reduction', with the reason, the candidate that came
-     closest and, where the held-out images were too few for a promise, how many would do. Where the time budget
-     left settings unchecked, the reason says so.
+  1. the timing screen (timing.TimingStage, screen=True): every setting (one token schedule under two names timed
+     once) on every path and mode, interleaved with the plain model for a few rounds; a candidate surely slower than
+     plain (its interval below 1) is pruned, never checked for accuracy;
+  2. accuracy, fastest first (accuracy.AccuracyStage): per batch size the settings ranked by their screened
+     speed-up (ties: ToMe and EViT first), each checked with a sequential test (screened on the first
+     `prune_images` images, then held out until surely within or surely above the budget) until the first within
+     the budget with no faster one unchecked; a setting stronger than one above the budget on its axis is not
+     checked, nor one slower than the answer;
+  3. re-timing the finalists (the settings held out whose loss is below the budget), up to max_rounds;
+  4. the choice, per batch size: the fastest finalist whose loss is within the budget at its one-sided 95 % upper
+     bound and whose speed-up's lower bound against the fastest plain model measured is above 1 (select.choose),
+     re-checked on its own path; otherwise 'no reduction' in the preset, and the answer lines name the best measured
+     setting with both intervals and what would let it be promised (every finalist gets a preset under
+     candidates/).
 """
 import contextlib
 import copy
@@ -46,10 +42,12 @@ from ..data import UnlabeledImages, check_num_classes, open_images
 from ..methods import default_tune_space
 from ..outputs import run_folder, write_text
 from ..checks import check_int, check_real, is_int
-from .budget import StageBar, TimeBudget, count, estimate_text, monotonic, plan_text, search_text
+from ..kit.stats import promisable_loss
+from .budget import STAGE_ENDS, StageBar, TimeBudget, count, plan_text
 from .report import OUT_FILES, TuneResult, sample_notes, write_outputs
-from .rows import BUDGET_MEASURES, NOT_REACHED, Candidate, Choice, TuneRow
-from .select import choose
+from .rows import BUDGET_MEASURES, NOT_REACHED, SCREENED, WAITING, Candidate, Choice, TuneRow
+from .search import make_axes
+from .select import best_measured, bound_text, choose, promise_text
 from .space import accuracy_twin, applicable_candidates, check_space, default_modes
 from .store import resume_rows, write_rows
 from .accuracy import DECIDED_UNCHECKED, AccuracyStage, Predictions
@@ -213,62 +211,83 @@ class _Tuner(AccuracyStage, TimingStage):
     def _of(self, setting: str) -> List[TuneRow]:
         return [r for r in self.rows.values() if r.setting == setting]
 
-    def _add_rows(self, setting: str, **fields: Any) -> None:
-        """The setting's rows, one per batch size and candidate (path and mode), with these fields."""
+    def _set(self, setting: str, status: Optional[str] = None, force: bool = False, **fields: Any) -> None:
+        """Give the setting's rows (every batch size and path) these fields, and `status` to those still in the
+        running (SCREENED; every row with force)."""
+        for r in self._of(setting):
+            for k, v in fields.items():
+                setattr(r, k, v)
+            if status is not None and (force or r.status == SCREENED):
+                r.status = status
+
+    def _within(self, row: TuneRow) -> bool:
+        upper = row.loss_upper(self.measure)
+        return upper is not None and upper <= self.s["budget"] + 1e-9
+
+    def _finalist(self, row: TuneRow) -> bool:
+        """A row waiting to be re-timed: not surely slower, held out, its loss below the budget."""
+        return row.status == SCREENED and row.agree_n is not None and row.loss(self.measure) < self.s["budget"]
+
+    def _start_rows(self) -> None:
+        """A row per batch size and candidate; a killed run's rows carry on, what it did not reach (and what its
+        search decided without a check, decided again at no cost) waiting for the stage that measures it."""
+        self.rows = {}
         for b in self.s["batches"]:
-            for c in (c for c in self.candidates if c.setting == setting):
-                self.rows[(b, c.name)] = TuneRow(b, c.mode, c.name, setting, c.path, c.method,
-                                                 json.dumps(c.kwargs, sort_keys=True), **fields)
+            for c in self.candidates:
+                row = self.previous.get((b, c.name)) or TuneRow(b, c.mode, c.name, c.setting, c.path, c.method,
+                                                                 json.dumps(c.kwargs, sort_keys=True))
+                if row.status in (f"{NOT_REACHED} (screen)",) or row.status.startswith("pruned: the same token"):
+                    row.status = WAITING
+                elif row.status.startswith((f"{NOT_REACHED} (", *DECIDED_UNCHECKED)):
+                    row.status = SCREENED
+                self.rows[(b, c.name)] = row
 
     def run(self) -> TuneResult:
         if self.out:
             write_text(Path(self.out) / "tune_config.json", json.dumps(self.s, indent=2) + "\n")
-        # a killed run's rows carry on; what its time budget did not reach, and what a search decided without a
-        # check (decided again at no cost), is measured now
-        self.rows = {k: r for k, r in self.previous.items()
-                     if r.status != f"{NOT_REACHED} (screening)" and not r.status.startswith(DECIDED_UNCHECKED)}
-        for r in self.rows.values():
-            if r.status.startswith(NOT_REACHED):
-                r.status = "screened"
+        self._start_rows()
         first, batches, modes, most = self.s["prune_images"], self.s["batches"], self.s["modes"], self.s["max_rounds"]
-        eval_batch = max(batches)
         settings = list(dict.fromkeys(c.setting for c in self.candidates))
-        total = 2 * len(settings) + len(self.candidates) * len(batches) * most + len(batches)
-        bar = self.bar = StageBar(total, self.budget, self.show)
-        bar.say(plan_text(len(settings), len(self.candidates), modes, len(self.images), first, batches, most,
-                          self.budget))
+        bar = self.bar = StageBar(self.budget, self.show)
+        held_n = len(self.images) - first
+        for line in plan_text(len(settings), len(self.candidates), modes, len(self.images), first, batches, most,
+                              self.budget, f"budget {self.s['budget']} {BUDGET_MEASURES[self.measure]}",
+                              promisable_loss(self.measure, held_n, self.s["budget"])):
+            bar.say(line)
         for note in self.sample_notes:  # before any work: a budget too fine for the held-out images
             bar.say(f"note: {note}")
         with precision(self.device, self.dtype, self.tf32):
             screen_x, held_x = self.images[:first], self.images[first:]
-            bar.stage("accuracy search")
-            start = monotonic()
-            screen = Predictions(self._predict_plain, screen_x, eval_batch)
+            facts = self._facts(settings, screen_x[:1])
+            axes, twins = make_axes(facts.values())
+            for setting, f in facts.items():
+                self._set(setting, gmacs=self.plain_gmacs / f.mac_ratio, mac_ratio=f.mac_ratio)
+            for twin, rep in twins.items():
+                self._set(twin, f"pruned: the same token schedule as {rep} (measured once)", force=True)
+            for batch in batches:
+                for mode in modes:
+                    self._time(batch, mode, screen=True)
+            screen = Predictions(self._predict_plain, screen_x, max(batches))
             try:
                 screen.upto(first)
             except NonFiniteScores as e:  # the plain model's first images: name its weights
                 raise NonFiniteScores(f"{self.weights}: {e}") from None
-            per_image = (monotonic() - start) / len(screen_x)
-            facts = self._facts(settings, screen_x[:1])
-            ratios = {k: f.mac_ratio for k, f in facts.items()}
-            timing_images = 2 * most * sum(batches) * len(self.candidates)  # each round: plain and the candidate
-            bar.say(estimate_text(per_image, ratios, first, len(held_x), timing_images, self.budget))
-            bar.say(search_text(facts, per_image, first, len(held_x), self.budget))
-            self.held = Predictions(self._predict_plain, held_x, eval_batch)  # as far as the checks need them
-            self._search(facts, screen, self.held)
+            self.held = Predictions(self._predict_plain, held_x, max(batches))  # as far as the checks need them
+            self._search(axes, {k: f for k, f in facts.items() if k not in twins}, screen, self.held)
             for batch in batches:
                 for mode in modes:
-                    bar.stage(f"timing batch {batch}, {mode}")
-                    self._time(batch, mode)
-            bar.stage("checking the choice")
+                    self._time(batch, mode, screen=False)
             choices = []
             for b in batches:
+                bar.start(f"checking the choice, batch {b}", 1, "batch size")
                 choices.append(self._choose(b))
-                bar.update(1)
-        self._close_unreached(settings, choices)
+                bar.finish()
+        ended = self._close_unreached(choices)
         self._write()
         bar.close()
-        return TuneResult(list(self.rows.values()), choices, dict(self.s, notes=self.notes, stages=bar.lines))
+        answer = self._answer(choices, ended)
+        return TuneResult(list(self.rows.values()), choices, dict(self.s, notes=self.notes, stages=bar.lines),
+                          answer)
 
     def _predict(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
         return _predictions(model, images.to(self.device), max(self.s["batches"]))
@@ -276,21 +295,22 @@ class _Tuner(AccuracyStage, TimingStage):
     def _predict_plain(self, images: torch.Tensor) -> torch.Tensor:
         return self._predict(self.base, images)
 
-    def _close_unreached(self, settings: List[str], choices: List[Choice]) -> None:
-        """Rows for what the time budget did not reach (a resume measures them), a note saying what, and each
-        choice's reason saying that the time budget, not the accuracy budget, ended the search."""
-        for setting in settings:
-            if not self._of(setting):
-                self._add_rows(setting, status=f"{NOT_REACHED} (screening)")
+    def _close_unreached(self, choices: List[Choice]) -> List[str]:
+        """The statuses of what the time budget did not reach (a resume measures it), a note saying what, and each
+        choice's reason saying that the time budget, not the accuracy budget, ended the search. Returns the stages
+        it cut short."""
         for r in self.rows.values():
-            if r.status == "screened":
-                stage = "held-out check" if r.agree_n is None else "timing"
-                r.status = f"{NOT_REACHED} ({stage})"
-        said, unchecked = [], set()
-        for stage in ("screening", "held-out check", "timing"):  # counted by setting (its paths share its accuracy)
+            if r.status == WAITING:
+                r.status = f"{NOT_REACHED} (screen)"
+            elif self._finalist(r):
+                r.status = f"{NOT_REACHED} (timing)"
+        said, unchecked, cut = [], set(), []
+        for stage, what in (("screen", "timing screen"), ("accuracy check", "accuracy check"),
+                            ("timing", "re-timing")):  # counted by setting (its paths share its accuracy)
             left = {r.setting for r in self.rows.values() if r.status == f"{NOT_REACHED} ({stage})"}
             if left:
-                said.append(f"{count(len(left), 'setting')} without {'its' if len(left) == 1 else 'their'} {stage}")
+                said.append(f"{count(len(left), 'setting')} without {'its' if len(left) == 1 else 'their'} {what}")
+                cut.append(what)
             if stage != "timing":
                 unchecked |= left
         if said:
@@ -301,7 +321,37 @@ class _Tuner(AccuracyStage, TimingStage):
                 choice.reason += (f"; the time budget, not the accuracy budget, ended the search: "
                                   f"{count(len(unchecked), 'setting')} never checked (--resume with a larger "
                                   f"--time-budget checks them)")
+        return cut
 
+    def _answer(self, choices: List[Choice], cut: List[str]) -> List[str]:
+        """The last lines: per batch size the choice, or 'no reduction' and the best measured setting with both
+        intervals and what would let it be promised; then why the run ended."""
+        lines, budget = [], self.s["budget"]
+        preset = "preset.json" if len(choices) == 1 else "preset_b<B>.json"
+        for choice in choices:
+            row = choice.row
+            if row is not None:
+                lines.append(f"batch {choice.batch}: {row.candidate}, {row.speedup:.2f}x [{row.speedup_lo:.2f}, "
+                             f"{row.speedup_hi:.2f}], {bound_text(row, self.measure, budget)} ({preset})")
+                continue
+            lines.append(f"batch {choice.batch}: no reduction promised ({preset}): {choice.reason}")
+            best = best_measured(list(self.rows.values()), choice.batch, self.measure)
+            if best is not None:
+                lines.append(f"  best measured: {best.candidate}, {best.speedup:.2f}x [{best.speedup_lo:.2f}, "
+                             f"{best.speedup_hi:.2f}], {bound_text(best, self.measure, budget)}; to promise it: "
+                             f"{promise_text(best, self.measure, budget, self.s['prune_images'])}; its preset: "
+                             f"candidates/ (deploy it knowingly)")
+        left = self.budget.seconds - self.budget.elapsed()
+        if not cut:
+            unused = "" if self.budget.minutes is None else f", {left / 60:.1f} min of the budget unused"
+            lines.append(f"tune ended: all decided in {self.budget.elapsed() / 60:.1f} min{unused}")
+        else:
+            why = (f"; {left / 60:.1f} min left unused because each stage ends by its share of the budget "
+                   f"({', '.join(f'{k} {100 * v:.0f} %' for k, v in STAGE_ENDS.items())}) and the later ones "
+                   f"needed less" if left > 0.05 * self.budget.seconds else "")
+            lines.append(f"tune ended: the time budget ended the {' and '.join(cut)} ({self.budget.text()}){why}; "
+                         f"--resume with a larger --time-budget continues")
+        return lines
     def _choose(self, batch: int) -> Choice:
         """choose(), with the chosen candidate's held-out figures re-measured on its own path (kernel,
         implementation) where that differs from the reference path the accuracy stage ran; a candidate that breaks
@@ -319,8 +369,10 @@ class _Tuner(AccuracyStage, TimingStage):
                 choice.row.chosen = True  # the path the accuracy stage ran
                 return choice
             labels = None if self.labels is None else self.labels[first:]
+            self.bar.start(f"checking {choice.row.candidate} on its own path", len(self.images) - first, "images")
             paired, how = self._paired(self._model(params, choice.row.method), self.images[first:], self.held,
                                        labels, sequential=False, stage="choice")
+            self.bar.finish()
             if how == "all images":
                 own = self._figures(paired)
                 checked = copy.copy(choice.row)

@@ -1,12 +1,17 @@
-"""Which settings tune checks, pure logic: a method's settings that differ only in strength (r, keep rate,
-flops_ratio) lie on one axis, along which the loss grows with the MACs saved; each axis is searched by bisection for
-its strongest setting within the budget, the axes in turns; settings with the same token schedule on one axis (tome
-r=16 and flops_ratio=2.0) are one setting, checked once.
+"""Which settings tune checks for accuracy, pure logic: the fastest first. Per batch size the settings the timing
+screen did not find surely slower are ranked by their speed-up (speed-ups within TIE of each other are a tie, and
+among tied settings the methods the study supports, PREFERRED, come first); the unchecked setting ranked highest
+for a batch size whose answer is still open is checked next, and the first setting within the budget with no
+faster one left unchecked is that batch size's answer. A method's settings that differ only in strength (r, keep
+rate, flops_ratio) lie on one axis, along which the loss grows with the MACs saved: a setting stronger than one
+above the budget is above it unchecked, one milder than the answer is slower. Settings with the same token schedule
+on one axis (tome r=16 and flops_ratio=2.0) are one setting, measured once.
 
-    axes = make_axes(settings)          # [[mildest, ..., strongest], ...] of representatives
-    search = Bisection(axes)
+    axes, twins = make_axes(settings)             # [[mildest, ..., strongest], ...] of representatives
+    search = FastestFirst(axes, {batch: {setting: speed-up}}, {setting: method})
     while (setting := search.next()) is not None:
-        search.record(setting, within=...)   # or search.give_up(setting): not decided (time budget)
+        search.record(setting, within=...)        # or search.give_up(): the time budget ended the check
+    search.answer(batch)                          # the setting, or None
 """
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -53,61 +58,86 @@ def make_axes(settings: Iterable[SettingFacts]) -> Tuple[List[List[str]], Dict[s
     return axes, twins
 
 
-class Bisection:
-    """Per axis, the strongest setting within the budget, found by bisection: lo is the strongest setting known
-    within (-1: none yet), hi the mildest known above (len: none); a check of the middle setting moves one of them.
-    The axes take turns, so each gets its first check before any gets a second."""
+PREFERRED = ("tome", "evit")  # the methods the study supports: first among settings tied in speed
+TIE = 0.02  # speed-ups within 2 % of the first of a group are a tie
 
-    def __init__(self, axes: Sequence[Sequence[str]]):
+
+def ranking(speedups: Dict[str, float], methods: Dict[str, str]) -> List[str]:
+    """The settings fastest first; a run of settings within TIE of its first is one tie group, ordered PREFERRED
+    methods first, then by speed-up, then by name."""
+    order = sorted(speedups, key=lambda s: (-speedups[s], s))
+    out: List[str] = []
+    while order:
+        head = speedups[order[0]]
+        group = [s for s in order if speedups[s] >= head / (1.0 + TIE)]
+        group.sort(key=lambda s: (methods[s] not in PREFERRED, -speedups[s], s))
+        out += group
+        order = [s for s in order if s not in group]
+    return out
+
+
+class FastestFirst:
+    """The accuracy checks in the order that finds each batch size's fastest setting within the budget with the
+    fewest checks (module docstring). speedups: batch size -> setting -> its screened speed-up there (settings the
+    screen found surely slower left out); methods: setting -> method."""
+
+    def __init__(self, axes: Sequence[Sequence[str]], speedups: Dict[int, Dict[str, float]],
+                 methods: Dict[str, str]):
         self.axes = [list(a) for a in axes]
-        self.lo = [-1] * len(self.axes)
-        self.hi = [len(a) for a in self.axes]
-        self.stopped = [False] * len(self.axes)  # a check that could not be decided (time budget)
+        self.speedups = speedups
+        self.ranks = {b: ranking(s, methods) for b, s in speedups.items()}
         self.verdicts: Dict[str, bool] = {}  # checked setting -> within
-        self._turn = 0
+        self.stopped = False  # a check the time budget ended: no further checks
 
-    def _open(self, i: int) -> bool:
-        return not self.stopped[i] and self.hi[i] - self.lo[i] > 1
+    def _axis(self, name: str) -> List[str]:
+        return next((a for a in self.axes if name in a), [name])
+
+    def above_by(self, name: str) -> Optional[str]:
+        """The checked setting above the budget that makes name above it too (milder on its axis), or None."""
+        axis = self._axis(name)
+        return next((m for m in axis[:axis.index(name)] if self.verdicts.get(m) is False), None)
+
+    def verdict(self, name: str) -> Optional[bool]:
+        """Within the budget (checked), above it (checked, or stronger than one above), or None: unknown."""
+        if name in self.verdicts:
+            return self.verdicts[name]
+        return False if self.above_by(name) is not None else None
+
+    def _walk(self, batch: int) -> Tuple[Optional[str], Optional[str]]:
+        """(this batch size's answer, the setting to check before it can be known): one of them is None."""
+        for name in self.ranks[batch]:
+            v = self.verdict(name)
+            if v is True:
+                return name, None
+            if v is None:
+                return None, name
+        return None, None
+
+    def answer(self, batch: int) -> Optional[str]:
+        """The fastest setting within the budget with no faster one unchecked, or None (none within, or not known:
+        open())."""
+        return self._walk(batch)[0]
+
+    def open(self, batch: int) -> bool:
+        return self._walk(batch)[1] is not None
 
     def next(self) -> Optional[str]:
-        """The next setting to check, or None when every axis is decided (or stopped)."""
-        for step in range(len(self.axes)):
-            i = (self._turn + step) % len(self.axes)
-            if self._open(i):
-                self._turn = i + 1
-                return self.axes[i][(self.lo[i] + self.hi[i]) // 2]
-        return None
-
-    def _axis(self, name: str) -> Tuple[int, int]:
-        return next((i, a.index(name)) for i, a in enumerate(self.axes) if name in a)
+        """The unchecked setting ranked highest for a batch size whose answer is open, the fastest of those when
+        several batch sizes are open; None when every batch size is decided (or the search stopped)."""
+        if self.stopped:
+            return None
+        wanted = [(self.speedups[b][name], -i, name) for i, b in enumerate(self.ranks)
+                  if (name := self._walk(b)[1]) is not None]
+        return max(wanted)[2] if wanted else None
 
     def record(self, name: str, within: bool) -> None:
-        """A checked setting's verdict: within the budget (so is every milder one) or above it (so is every stronger
-        one)."""
-        i, j = self._axis(name)
         self.verdicts[name] = within
-        if within:
-            self.lo[i] = max(self.lo[i], j)
-        else:
-            self.hi[i] = min(self.hi[i], j)
 
-    def give_up(self, name: str) -> None:
-        """The check of name was not decided: its axis is searched no further."""
-        self.stopped[self._axis(name)[0]] = True
+    def give_up(self) -> None:
+        """The time budget ended a check: the search goes no further."""
+        self.stopped = True
 
-    def implied(self) -> Dict[str, Tuple[bool, str]]:
-        """Unchecked settings whose verdict follows from a checked one on their axis: name -> (within, that one)."""
-        out = {}
-        for i, names in enumerate(self.axes):
-            for j, name in enumerate(names):
-                if name in self.verdicts:
-                    continue
-                if j < self.lo[i]:
-                    out[name] = (True, names[self.lo[i]])
-                elif j > self.hi[i] and self.hi[i] < len(names):
-                    out[name] = (False, names[self.hi[i]])
-        return out
-
-    def most_checks(self) -> int:
-        """The checks the search makes at most: about log2 of each axis's length, plus one."""
-        return sum(max(len(a), 1).bit_length() for a in self.axes)
+    def milder_than(self, answer: str) -> List[str]:
+        """The unchecked settings milder than answer on its axis: they save fewer MACs, so they are never faster."""
+        axis = self._axis(answer)
+        return [m for m in axis[:axis.index(answer)] if m not in self.verdicts]

@@ -1,5 +1,6 @@
 """The choice, pure logic over measured rows: the fastest candidate within the budget whose speed-up is surely above
 1 (and the minimum asked), or none with the reason; the Pareto front."""
+import math
 import statistics
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -117,3 +118,30 @@ def pareto_front(rows: Iterable[TuneRow], measure: str = "agreement") -> List[Tu
     return [r for r in rows if not any(o.speedup >= r.speedup and o.loss(measure) <= r.loss(measure)
                                        and (o.speedup > r.speedup or o.loss(measure) < r.loss(measure))
                                        for o in rows)]
+
+
+def best_measured(rows: Sequence[TuneRow], batch: int, measure: str) -> Optional[TuneRow]:
+    """When nothing could be chosen: the re-timed finalist of this batch size surely faster than the fastest plain
+    model measured there, fastest first (the one a user would take knowingly); else the one with the highest
+    speed-up; None when no finalist was re-timed."""
+    timed = [r for r in rows if r.batch == batch and r.status == "timed" and r.loss(measure) is not None]
+    if not timed:
+        return None
+    score = against_fastest_plain([r for r in rows if r.batch == batch and r.status == "timed"])
+    sure = [r for r in timed if score[id(r)][1] > 1.0]
+    return max(sure or timed, key=lambda r: (score[id(r)][0], r.candidate))
+
+
+def promise_text(row: TuneRow, measure: str, budget: float, prune_images: Optional[int] = None) -> str:
+    """What would let row be promised: 'about N more labelled held-out images at its rates (--limit L)' and/or
+    '--budget X' (its upper bound, rounded up to a tenth)."""
+    upper = row.loss_upper(measure)
+    wider = math.ceil(upper * 10 - 1e-9) / 10
+    need = images_needed(measure, row.agree_n, row.changed, row.gained or 0, row.lost or 0, budget)
+    kind = "labelled " if measure == "top1" else ""
+    ways = []
+    if need is not None and need > row.agree_n:
+        limit = "" if prune_images is None else f" (--limit {need + prune_images})"
+        ways.append(f"about {need - row.agree_n} more {kind}held-out images at its rates{limit}")
+    ways.append(f"--budget {wider:g}")
+    return " or ".join(ways)
