@@ -40,6 +40,7 @@ def _recorded(clock, seconds_per_forward, candidate_times=(0.5, 1.5), by_r=None)
     @torch.inference_mode()
     def time_runs(models, x, rounds=5, warmup=1, progress=None, stop=None):
         seen.append(sorted(models))
+        time_runs.batches.append(len(x))
         clock.now += seconds_per_forward * len(models) * (rounds + warmup)
 
         def times(name):
@@ -49,6 +50,7 @@ def _recorded(clock, seconds_per_forward, candidate_times=(0.5, 1.5), by_r=None)
                 return [by_r[name.split(" [")[0].split("r=")[-1]] * (1 + 0.01 * (-1) ** i) for i in range(rounds)]
             return [candidate_times[i % 2] for i in range(rounds)]
         return {name: times(name) for name in models}
+    time_runs.batches = []  # the batch size of each call
     return time_runs, seen
 
 
@@ -59,26 +61,27 @@ def _tune(folder, **kwargs):
 
 def test_the_screen_ends_by_its_share_and_a_resume_times_only_what_it_did_not_reach(image_folder, tmp_path,
                                                                                   monkeypatch):
-    """One minute, 10 recorded seconds a forward: the screen's first group (plain and the three default paths, 3
-    rounds after a warm-up: 160 s) runs past the screen's end (21 s) and past the budget, so the six other paths are
+    """One minute, 10 recorded seconds a forward, batches 4 and 8: batch 4's screen (plain and the three settings'
+    default paths, 3 rounds: 120 s) runs past the screen's end (27 s) and past the budget, so batch 8's screen is
     not reached, no accuracy check starts, and tune says so in its end line; a resume with no limit screens only
-    those six and goes on to choose."""
+    batch 8 and goes on to the end."""
     clock = Clock()
     monkeypatch.setattr(tuning.budget, "monotonic", clock)
     time_runs, seen = _recorded(clock, seconds_per_forward=10.0)
     monkeypatch.setattr(tuning_timing, "time_runs", time_runs)
     out = tmp_path / "run"
-    result = _tune(image_folder, time_budget=1.0, out=str(out))
-    assert len(seen) == 1 and len(seen[0]) == 4
+    result = _tune(image_folder, time_budget=1.0, out=str(out), batches=[4, 8])
+    assert time_runs.batches == [4] and len(seen[0]) == 4
     unreached = [r for r in result.rows if r.status == "not reached: time budget (screen)"]
-    assert len(unreached) == 6 and all(r.screen_n is None for r in result.rows)
+    assert len(unreached) == 9 and {r.batch for r in unreached} == {8} and all(r.screen_n is None for r in result.rows)
     (note,) = [n for n in result.settings["notes"] if "time budget" in n]
-    assert "3 settings without their accuracy check" in note and "--resume" in note
-    assert result.choices[0].row is None and "1 setting" not in result.choices[0].reason
+    assert "3 settings without their timing screen, 3 settings without their accuracy check" in note
+    assert result.choices[0].row is None and "3 settings never checked (--resume" in result.choices[0].reason
     assert result.answer[-1].startswith("tune ended: the time budget ended the timing screen and accuracy check")
     seen.clear()
-    again = _tune(image_folder, time_budget=None, out=str(out), resume=True)
-    assert {name for name in seen[0] if name != tuning.NO_REDUCTION} == {r.candidate for r in unreached}
+    time_runs.batches.clear()
+    again = _tune(image_folder, time_budget=None, out=str(out), resume=True, batches=[4, 8])
+    assert time_runs.batches[0] == 8 and 4 not in time_runs.batches[:time_runs.batches.index(8) + 1]
     assert again.answer[-1].startswith("tune ended: all decided")
 
 
@@ -142,7 +145,8 @@ def test_a_run_killed_while_holding_out_resumes_without_measuring_again(image_fo
             _tune(image_folder, out=str(out))
     rows = read_rows(out / "tune.csv")
     assert {r.setting.split()[-1] for r in rows if r.screen_n == 8} == {"r=3"}
-    assert all(r.status == "screen-timed" and r.speedup is not None for r in rows)
+    assert all(r.status == "screen-timed" for r in rows)
+    assert all(r.speedup is not None for r in rows if r.path == "torch, mask")  # the others follow their default
     screened = []
 
     def paired(self, model, *args, sequential, **kwargs):
@@ -178,7 +182,7 @@ def test_the_bar_counts_the_work_being_done_now_and_every_unit_is_accounted(imag
     assert [name for name, _, _ in ends] == ["timing screen, batch 4, eager", "accuracy: tome prop_attn=True r=3",
                                              "re-timing the finalists, batch 4, eager", "checking the choice, batch 4"]
     assert all(n == total for _, n, total in ends), ends
-    assert ends[0][2] == 9 * 5 and ends[1][2] == 20  # 9 candidates x 5 rounds; 20 images
+    assert ends[0][2] == 3 * 3 and ends[1][2] == 20  # 3 default paths x 3 rounds; 20 images
 
 
 def test_other_paths_wait_for_their_default_and_are_skipped_when_it_is_surely_slower(image_folder, monkeypatch):

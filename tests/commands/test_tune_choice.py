@@ -176,3 +176,25 @@ def test_a_top1_gain_reads_as_a_gain():
     row = _labelled_row("better", ms=5.0, top1=80.5)
     assert "0.50 points of top-1 gained, 95 % upper bound -0.44 (budget 1.0)" in \
         choose([row], 64, 1.0, measure="top1").reason
+
+
+def test_the_images_needed_table_in_the_docs_is_what_the_statistics_give():
+    """docs/speed.md's table and the README's figures: labelled held-out images for a 1-point top-1 promise at a
+    true loss of 0.2 / 0.5 / 0.7 points, at 2 % of images changing correctness; a loss at the budget never."""
+    import re
+    from pathlib import Path
+
+    from timm_tokcomp.kit.stats import images_for_promise, loss_bounds, promisable_loss
+
+    root = Path(__file__).resolve().parents[2]
+    table = dict(re.findall(r"^\| (0\.\d) \| about ([\d,]+) \|$", (root / "docs" / "speed.md").read_text(), re.M))
+    assert sorted(table) == ["0.2", "0.5", "0.7"]
+    for loss, shown in table.items():
+        need = images_for_promise("top1", float(loss), 1.0)
+        assert abs(need - int(shown.replace(",", ""))) <= 0.01 * need, (loss, need)
+        d = round(0.02 * need)  # at that many images the bound fits
+        lost = round((d + float(loss) / 100 * need) / 2)
+        assert loss_bounds("top1", need, d, d - lost, lost)[2] <= 1.0 + 0.02
+    readme = (root / "README.md").read_text()
+    assert "about 930\nlabelled held-out images for a setting that truly loses 0.2 points, 2,170 for 0.5" in readme
+    assert images_for_promise("top1", 1.0, 1.0) is None and promisable_loss("top1", 1172, 1.0) == pytest.approx(0.3)

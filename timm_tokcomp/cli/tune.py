@@ -45,6 +45,8 @@ def add(sub: argparse._SubParsersAction) -> None:
                          "(--resume with more minutes continues; default: %(default)s)")
     tu.add_argument("--resume", action="store_true", help="continue a killed run in --out from its tune.csv")
     tu.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
+    tu.add_argument("--verbose", action="store_true", help="also print every candidate's status and figures (what "
+                                                           "tune.csv holds), one line each")
     progress_flag(tu)
     tu.set_defaults(func=run, outputs=(FOLDER_OUT,))
 
@@ -72,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
     for note in s["notes"]:
         print(f"note: {note}", file=sys.stderr)
     print(result.table())
+    if args.verbose:
+        for r in result.rows:
+            speed = "" if r.speedup is None else f", {r.speedup:.2f}x [{r.speedup_lo:.2f}, {r.speedup_hi:.2f}]"
+            loss = "" if r.agree_n is None else f", loss {r.loss(s['budget_measure']):.2f} on {r.agree_n} images"
+            print(f"batch {r.batch}: {r.candidate}: {r.status}{speed}{loss}")
     for batch, path in preset_paths(args.out, s["batches"]).items():
         print(f"saved {path} (batch {batch})")
     for line in result.answer:  # the last lines: what a user came for

@@ -11,9 +11,9 @@ from ..checks import check_real
 
 # when each stage must end, as a fraction of the budget (every batch of images and every timed round reads it); time a
 # stage does not use passes to the next one: loading the images by 15 % (keeping at least enough to hold some out),
-# the timing screen by 35 %, the accuracy checks by 80 %, re-timing the finalists by 95 %, and the last 5 % are for
+# the timing screen by 45 %, the accuracy checks by 85 %, re-timing the finalists by 95 %, and the last 5 % are for
 # checking the choice on its own path
-STAGE_ENDS = {"loading": 0.15, "screen": 0.35, "accuracy": 0.8, "timing": 0.95, "choice": 1.0}
+STAGE_ENDS = {"loading": 0.15, "screen": 0.45, "accuracy": 0.85, "timing": 0.95, "choice": 1.0}
 
 
 def monotonic() -> float:
@@ -37,6 +37,7 @@ class TimeBudget:
     def __init__(self, minutes: Optional[float]):
         check_time_budget(minutes)
         self.minutes, self.start = minutes, monotonic()
+        self.offset = 0.0  # seconds used before the current pass of the stages (rebase)
 
     @property
     def seconds(self) -> float:
@@ -46,8 +47,16 @@ class TimeBudget:
         return monotonic() - self.start
 
     def over(self, stage: str) -> bool:
-        """True once stage's deadline has passed."""
-        return self.elapsed() >= STAGE_ENDS[stage] * self.seconds
+        """True once stage's deadline has passed: its share of what was left when this pass began."""
+        return self.elapsed() >= self.offset + STAGE_ENDS[stage] * (self.seconds - self.offset)
+
+    def left(self) -> float:
+        """Seconds left (inf: no limit)."""
+        return self.seconds - self.elapsed()
+
+    def rebase(self) -> None:
+        """A new pass of the stages: they share what is left, in the same proportions."""
+        self.offset = self.elapsed()
 
     def text(self) -> str:
         """'3.2 of 15 min' (elapsed of the budget)."""
@@ -56,7 +65,7 @@ class TimeBudget:
 
 
 def plan_text(settings: int, candidates: int, modes: List[str], images: int, screen: int, batches: List[int],
-              rounds: int, budget: TimeBudget, budget_line: str, promisable: float) -> List[str]:
+              rounds: int, screen_rounds: int, budget: TimeBudget, budget_line: str, promisable: float) -> List[str]:
     """The plan, printed before any work, in three short lines: what is measured, in which order, and which losses
     the held-out images can promise."""
     limit = "no time limit" if budget.minutes is None else f"{budget.minutes:g} minutes"
@@ -65,8 +74,8 @@ def plan_text(settings: int, candidates: int, modes: List[str], images: int, scr
            f"r = 8 on DeiT-Tiny)" if promisable > 0 else "no setting: too few images (docs/speed.md: images needed)")
     return [f"tune: {count(settings, 'setting')} ({count(candidates, 'path')}, {', '.join(modes)}) at batch "
             f"{', '.join(map(str, batches))}; {images} images ({screen} to screen, {held} held out); {limit}",
-            f"order: time all against plain (up to {min(5, rounds)} rounds), check accuracy fastest first, re-time "
-            f"the finalists (up to {rounds} rounds)",
+            f"order: time every setting against plain ({screen_rounds} rounds), check accuracy fastest first, "
+            f"re-time the finalists on every path (up to {rounds} rounds)",
             f"{budget_line}: {held} held-out images can promise {can}"]
 
 

@@ -51,7 +51,11 @@ from .select import best_measured, bound_text, choose, promise_text
 from .space import accuracy_twin, applicable_candidates, check_space, default_modes
 from .store import resume_rows, write_rows
 from .accuracy import DECIDED_UNCHECKED, AccuracyStage, Predictions
-from .timing import TimingStage
+from .timing import SCREEN_ROUNDS, TimingStage
+
+
+MAX_PASSES = 3  # passes of the stages at most: a stage cut short by its share gets what later ones left
+MIN_PASS_SHARE = 0.1  # a further pass only while this share of the time budget is left
 
 
 def _predictions(model: nn.Module, images: torch.Tensor, batch: int) -> torch.Tensor:
@@ -229,18 +233,29 @@ class _Tuner(AccuracyStage, TimingStage):
         return row.status == SCREENED and row.agree_n is not None and row.loss(self.measure) < self.s["budget"]
 
     def _start_rows(self) -> None:
-        """A row per batch size and candidate; a killed run's rows carry on, what it did not reach (and what its
-        search decided without a check, decided again at no cost) waiting for the stage that measures it."""
+        """A row per batch size and candidate; a killed run's rows carry on (_reopen)."""
         self.rows = {}
         for b in self.s["batches"]:
             for c in self.candidates:
                 row = self.previous.get((b, c.name)) or TuneRow(b, c.mode, c.name, c.setting, c.path, c.method,
                                                                  json.dumps(c.kwargs, sort_keys=True))
-                if row.status in (f"{NOT_REACHED} (screen)",) or row.status.startswith("pruned: the same token"):
-                    row.status = WAITING
-                elif row.status.startswith((f"{NOT_REACHED} (", *DECIDED_UNCHECKED)):
-                    row.status = SCREENED
                 self.rows[(b, c.name)] = row
+        self._reopen()
+
+    def _reopen(self) -> None:
+        """What the time budget did not reach, and what the search decided without a check (decided again at no
+        cost), waits for the stage that measures it: a resume's rows, or a pass's before the next one."""
+        for row in self.rows.values():
+            if row.status == f"{NOT_REACHED} (screen)" or row.status.startswith("pruned: the same token"):
+                row.status = WAITING
+            elif row.status.startswith((f"{NOT_REACHED} (", *DECIDED_UNCHECKED)):
+                row.status = SCREENED
+
+    def _open_work(self) -> bool:
+        """Whether anything is left to measure: a candidate not screened, a setting not checked, a finalist not
+        re-timed."""
+        return any(r.status == WAITING or r.status.startswith(NOT_REACHED) or self._finalist(r)
+                   for r in self.rows.values())
 
     def run(self) -> TuneResult:
         if self.out:
@@ -251,7 +266,8 @@ class _Tuner(AccuracyStage, TimingStage):
         bar = self.bar = StageBar(self.budget, self.show)
         held_n = len(self.images) - first
         for line in plan_text(len(settings), len(self.candidates), modes, len(self.images), first, batches, most,
-                              self.budget, f"budget {self.s['budget']} {BUDGET_MEASURES[self.measure]}",
+                              min(SCREEN_ROUNDS, most), self.budget,
+                              f"budget {self.s['budget']} {BUDGET_MEASURES[self.measure]}",
                               promisable_loss(self.measure, held_n, self.s["budget"])):
             bar.say(line)
         for note in self.sample_notes:  # before any work: a budget too fine for the held-out images
@@ -264,19 +280,16 @@ class _Tuner(AccuracyStage, TimingStage):
                 self._set(setting, gmacs=self.plain_gmacs / f.mac_ratio, mac_ratio=f.mac_ratio)
             for twin, rep in twins.items():
                 self._set(twin, f"pruned: the same token schedule as {rep} (measured once)", force=True)
-            for batch in batches:
-                for mode in modes:
-                    self._time(batch, mode, screen=True)
             screen = Predictions(self._predict_plain, screen_x, max(batches))
-            try:
-                screen.upto(first)
-            except NonFiniteScores as e:  # the plain model's first images: name its weights
-                raise NonFiniteScores(f"{self.weights}: {e}") from None
             self.held = Predictions(self._predict_plain, held_x, max(batches))  # as far as the checks need them
-            self._search(axes, {k: f for k, f in facts.items() if k not in twins}, screen, self.held)
-            for batch in batches:
-                for mode in modes:
-                    self._time(batch, mode, screen=False)
+            for passes in range(1, MAX_PASSES + 1):
+                self._pass(axes, {k: f for k, f in facts.items() if k not in twins}, screen)
+                if not self._open_work() or self.budget.left() < MIN_PASS_SHARE * self.budget.seconds:
+                    break
+                if passes < MAX_PASSES:  # a stage's share ended and a later one needed less: the next pass
+                    bar.say(f"pass {passes + 1}: {self.budget.left() / 60:.1f} min left, shared by the stages again")
+                    self._reopen()
+                    self.budget.rebase()
             choices = []
             for b in batches:
                 bar.start(f"checking the choice, batch {b}", 1, "batch size")
@@ -288,6 +301,20 @@ class _Tuner(AccuracyStage, TimingStage):
         answer = self._answer(choices, ended)
         return TuneResult(list(self.rows.values()), choices, dict(self.s, notes=self.notes, stages=bar.lines),
                           answer)
+
+    def _pass(self, axes: List[List[str]], facts: Dict[str, Any], screen: Predictions) -> None:
+        """One pass of the stages over what is open: the timing screen, accuracy fastest first, re-timing."""
+        for batch in self.s["batches"]:
+            for mode in self.s["modes"]:
+                self._time(batch, mode, screen=True)
+        try:
+            screen.upto(self.s["prune_images"])
+        except NonFiniteScores as e:  # the plain model's first images: name its weights
+            raise NonFiniteScores(f"{self.weights}: {e}") from None
+        self._search(axes, facts, screen, self.held)
+        for batch in self.s["batches"]:
+            for mode in self.s["modes"]:
+                self._time(batch, mode, screen=False)
 
     def _predict(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
         return _predictions(model, images.to(self.device), max(self.s["batches"]))

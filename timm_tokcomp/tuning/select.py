@@ -121,15 +121,17 @@ def pareto_front(rows: Iterable[TuneRow], measure: str = "agreement") -> List[Tu
 
 
 def best_measured(rows: Sequence[TuneRow], batch: int, measure: str) -> Optional[TuneRow]:
-    """When nothing could be chosen: the re-timed finalist of this batch size surely faster than the fastest plain
-    model measured there, fastest first (the one a user would take knowingly); else the one with the highest
-    speed-up; None when no finalist was re-timed."""
+    """When nothing could be chosen: of the re-timed finalists of this batch size surely faster than the fastest
+    plain model measured there, the one closest to a promise (the lowest 95 % upper bound of its loss; the faster
+    among equals); without such, the fastest finalist; None when no finalist was re-timed."""
     timed = [r for r in rows if r.batch == batch and r.status == "timed" and r.loss(measure) is not None]
     if not timed:
         return None
     score = against_fastest_plain([r for r in rows if r.batch == batch and r.status == "timed"])
     sure = [r for r in timed if score[id(r)][1] > 1.0]
-    return max(sure or timed, key=lambda r: (score[id(r)][0], r.candidate))
+    if sure:
+        return min(sure, key=lambda r: (round(r.loss_upper(measure), 6), -score[id(r)][0], r.candidate))
+    return max(timed, key=lambda r: (score[id(r)][0], r.candidate))
 
 
 def promise_text(row: TuneRow, measure: str, budget: float, prune_images: Optional[int] = None) -> str:
@@ -142,6 +144,6 @@ def promise_text(row: TuneRow, measure: str, budget: float, prune_images: Option
     ways = []
     if need is not None and need > row.agree_n:
         limit = "" if prune_images is None else f" (--limit {need + prune_images})"
-        ways.append(f"about {need - row.agree_n} more {kind}held-out images at its rates{limit}")
+        ways.append(f"about {need - row.agree_n:,} more {kind}held-out images at its rates{limit}")
     ways.append(f"--budget {wider:g}")
     return " or ".join(ways)

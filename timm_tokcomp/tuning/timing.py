@@ -1,9 +1,10 @@
 """tune's two timing stages, per batch size and mode, each candidate interleaved with the plain model in the same
 mode in groups of six (default paths first, in order of MAC ratio; a setting's other paths only where its default
 is no worse than the stage asks):
-  - the screen (`_time(batch, mode, screen=True)`), before any accuracy check: every candidate for a few rounds
-    (SCREEN_ROUNDS), stopped once its 95 % interval excludes 1; one surely slower than plain is pruned there and
-    never checked for accuracy, the rest are ranked by their speed-up;
+  - the screen (`_time(batch, mode, screen=True)`), before any accuracy check: every setting on its default path
+    for SCREEN_ROUNDS rounds (ToMe and EViT first); one surely slower than plain is pruned there and never checked
+    for accuracy, the rest are ranked by their speed-up; a setting's other paths follow its default (the path does
+    not change accuracy) and are timed only when re-timing, if it is a finalist;
   - the re-timing of the finalists (`screen=False`): the settings the accuracy stage measured on its held-out images
     and whose loss is below the budget, up to max_rounds, each until it is settled, surely slower, surely not the
     winner (its interval below the best lower bound of one within the budget) or at the time budget's end.
@@ -20,8 +21,9 @@ from ..kit.stats import speedup_interval
 from ..timing import no_silent_eager_fallback, time_runs
 from .budget import count
 from .rows import NOT_REACHED, SCREENED, TIMED, WAITING, Candidate, TuneRow
+from .search import PREFERRED
 
-SCREEN_ROUNDS = 5  # the timing screen's rounds per candidate at most (a round: one forward of it, one of plain)
+SCREEN_ROUNDS = 3  # the timing screen's rounds per candidate (a round: one forward of it, one of plain)
 SLOWER = "pruned: slower than plain"  # the status of a candidate the screen found surely slower
 
 
@@ -37,10 +39,13 @@ class TimingStage:
         waiting = (lambda r: r.status == WAITING) if screen else self._finalist
         defaults = {c.name for c in self.candidates if c.mode == mode and self._is_default(c)}
         todo = [c for c in self.candidates if c.mode == mode and waiting(rows[c.name])]
-        todo.sort(key=lambda c: (c.name not in defaults, -(rows[c.name].mac_ratio or 1.0), c.name))
+        # ToMe and EViT first (the study's methods, ToMe's axis always screened), each by MACs saved
+        todo.sort(key=lambda c: (c.name not in defaults, c.method not in PREFERRED, -(rows[c.name].mac_ratio or 1.0),
+                                 c.name))
         most = min(SCREEN_ROUNDS, self.s["max_rounds"]) if screen else self.s["max_rounds"]
+        timed_here = [c for c in todo if not screen or c.name in defaults]  # in the screen, other paths follow
         self.bar.start(f"{'timing screen' if screen else 're-timing the finalists'}, batch {batch}, {mode}",
-                       len(todo) * most, "rounds")
+                       len(timed_here) * most, "rounds")
         x = self.images[torch.arange(batch) % len(self.images)].to(self.device)
         counts = {"other": 0, "not reached": 0}
         while todo:
@@ -58,8 +63,10 @@ class TimingStage:
                     row.status = (f"pruned: its default path [{default.path}] is not a contender "
                                   f"({default.speedup:.2f}x, upper bound {default.speedup_hi:.2f})")
                     counts["other"] += 1
+                elif screen and c.name not in defaults and default is not None and default.status == SCREENED:
+                    row.status = SCREENED  # follows its default (the path does not change accuracy)
                 elif c.name in defaults or default is None or not waiting(default):
-                    chunk.append(c)  # other paths wait for their default's figures
+                    chunk.append(c)  # other paths wait for their default's figures (screened if it failed)
                 if len(chunk) == 6:
                     break
             todo = [c for c in todo if waiting(rows[c.name]) and c not in chunk]
@@ -77,9 +84,9 @@ class TimingStage:
         failed = sum(r.status.startswith("failed") for r in rows.values())
         not_reached = sum(r.status == f"{NOT_REACHED} ({stage})" for r in rows.values()) + counts["not reached"]
         if screen:
-            self.bar.say(f"timing screen, batch {batch}, {mode}: {count(len(timed) + slower, 'candidate')} timed, "
-                         f"{slower} surely slower than plain (never checked for accuracy), {failed} failed, "
-                         f"{counts['other']} other paths skipped, {not_reached} not reached")
+            self.bar.say(f"timing screen, batch {batch}, {mode}: {count(len(timed) + slower, 'setting')} timed "
+                         f"on its default path, {slower} surely slower than plain (never checked for accuracy), "
+                         f"{failed} failed, {not_reached} not reached")
         else:
             macs = sum(r.status.startswith("pruned: MACs") for r in rows.values())
             self.bar.say(f"re-timing, batch {batch}, {mode}: {count(len(timed), 'finalist')} timed, {macs} not "
@@ -130,10 +137,11 @@ class TimingStage:
                     except Exception as e:  # a path this device or torch cannot run: recorded, not fatal
                         self.rows[(batch, c.name)].status = f"failed: {type(e).__name__}: {str(e)[:200]}"
                         self.bar.update(most)
-                rounds, warmup = 0, 1 if mode == "eager" else 2
+                with torch.inference_mode():
+                    plain(x)  # each model has run once: the screen's eager rounds need no further warm-up
+                rounds, warmup = 0, (0 if screen else 1) if mode == "eager" else 2
                 while active and rounds < most and not self.budget.over(stage):
-                    step = min(3 if rounds == 0 else 2, most - rounds) if screen else \
-                        min(5 if rounds == 0 else 3, most - rounds)
+                    step = most if screen else min(5 if rounds == 0 else 3, most - rounds)
                     new = time_runs({NO_REDUCTION: plain, **active}, x, rounds=step,
                                     warmup=warmup if rounds == 0 else 0, stop=lambda: self.budget.over(stage))
                     step = len(new[NO_REDUCTION])  # fewer where the time budget ended the step
