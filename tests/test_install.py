@@ -50,3 +50,24 @@ def test_a_missing_extra_is_named_before_any_work(tmp_path, code, extra):
     message = done.stderr.strip().splitlines()[-1]
     assert f"[{extra}]' (this checkout's {extra} extra), or pip install " in message, done.stderr[-2000:]
     assert not any(p.name in ("o", "a", "t", "p.png") for p in tmp_path.iterdir())
+
+
+def test_every_extra_installs_as_the_docs_spell_it_with_any_pip():
+    """pip before 23.3 compares a requested extra with the metadata's Provides-Extra without normalising it, and
+    setuptools writes the normalised name (`open_clip` -> `open-clip`): an extra must already be its normalised
+    name, and every `[extra]` the docs and messages spell must be one the built metadata provides."""
+    import re
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from importlib.metadata import metadata
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert all(re.sub(r"[-_.]+", "-", name).lower() == name for name in declared), sorted(declared)
+    provided = set(metadata("timm-tokcomp").get_all("Provides-Extra"))
+    assert provided == set(declared), "the installed metadata is stale: pip install -e . again"
+    texts = [p.read_text() for p in [root / "README.md", *(root / "docs").glob("*.md"), *(root / "tests").rglob("*.py"),
+                                     *(root / "timm_tokcomp").rglob("*.py")]]
+    spelled = {e for t in texts for group in re.findall(r"timm[-_]tokcomp\[([a-z_,.-]+)\]", t) for e in group.split(",")}
+    spelled |= set(re.findall(r'require\("[\w.]+", "([\w-]+)"', "\n".join(texts)))
+    assert spelled and spelled <= provided, sorted(spelled - provided)

@@ -51,7 +51,7 @@ def load_open_clip(name: str, checkpoint: Optional[str], pretrained: bool, seed:
     file), else open_clip's random initialisation drawn from seed. ValueError naming MODEL / --pretrained for an
     unknown architecture, one that is not a ViT, or --pretrained (open_clip's weights come by --checkpoint), and
     naming --checkpoint for text-tower weights whose class embeddings are not finite."""
-    open_clip = require("open_clip", "open_clip", f"MODEL {name}")
+    open_clip = require("open_clip", "openclip", f"MODEL {name}")
     from open_clip.transformer import VisionTransformer
     from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
 

@@ -405,9 +405,9 @@ def test_max_rounds_is_an_upper_bound_and_progress_shows_each_phase(image_folder
     monkeypatch.setattr(tuning_timing, "time_runs", noisy)
     result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[2], budget=100.0, space=[("tome", {"r": 1})],
                                limit=12, prune_images=6, max_rounds=10, show_progress=True)
-    # the screen (5 rounds at most), then the re-timing (10): the default path's chunk, then (its default a
-    # contender) the other paths' chunk
-    assert calls == [3, 2, 3, 2, 5, 3, 2, 5, 3, 2] and all(r.rounds == 10 for r in result.rows if r.status == "timed")
+    # the screen (the default path, 3 rounds one at a time), then the re-timing (10): the default path's chunk,
+    # then (its default a contender) the other paths' chunk
+    assert calls == [1, 1, 1, 5, 3, 2, 5, 3, 2] and all(r.rounds == 10 for r in result.rows if r.status == "timed")
     err = capsys.readouterr().err
     phases = ("tune: timing screen, batch 2, eager", "tune: accuracy: tome prop_attn=True r=1",
               "tune: re-timing the finalists, batch 2, eager", "tune: checking the choice, batch 2")

@@ -117,7 +117,7 @@ def test_sam_encoders_export(tmp_path, method, params):
 
 def test_an_open_clip_tower_exports(tmp_path):
     """open_clip's MultiheadAttention run through SDPA with the log-size bias, the class-token pool and proj."""
-    pytest.importorskip("open_clip", reason="open_clip is not installed (pip install 'timm-tokcomp[open_clip]')")
+    pytest.importorskip("open_clip", reason="open_clip is not installed (pip install 'timm-tokcomp[openclip]')")
     from open_clip.transformer import VisionTransformer
 
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ import torch
 import timm_tokcomp
 from conftest import check_edges, real_model_and_images
 
-open_clip = pytest.importorskip("open_clip", reason="open_clip is not installed (pip install 'timm-tokcomp[open_clip]')")
+open_clip = pytest.importorskip("open_clip", reason="open_clip is not installed (pip install 'timm-tokcomp[openclip]')")
 from open_clip.transformer import VisionTransformer  # noqa: E402
 
 from timm_tokcomp.families.openclip import mha_attention  # noqa: E402

@@ -85,9 +85,8 @@ class StageBar:
     it and are kept for table.md."""
 
     def __init__(self, budget: TimeBudget, show: bool):
-        self.budget, self.lines, self.name = budget, [], "starting"
-        self.bar = tqdm(total=1, desc=self._desc(), disable=not show, file=sys.stderr,
-                        bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} {unit}")
+        self.budget, self.lines, self.name, self.show = budget, [], "starting", show
+        self.bar = None  # shown from the first piece of work
 
     def _desc(self) -> str:
         return f"tune: {self.name} ({self.budget.text()}) "
@@ -95,11 +94,17 @@ class StageBar:
     def start(self, name: str, total: int, unit: str) -> None:
         """A new piece of work: the bar counts its `total` units from 0."""
         self.name = name
+        if self.bar is None:
+            self.bar = tqdm(total=max(total, 1), desc=self._desc(), disable=not self.show, file=sys.stderr,
+                            unit=unit, bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} {unit}")
+            return
         self.bar.unit = unit
         self.bar.reset(total=max(total, 1))
         self.bar.set_description_str(self._desc())
 
     def update(self, n: int = 1) -> None:
+        if self.bar is None:
+            return
         n = min(n, self.bar.total - self.bar.n)
         if n > 0:
             self.bar.set_description_str(self._desc(), refresh=False)
@@ -107,7 +112,8 @@ class StageBar:
 
     def finish(self) -> None:
         """The piece of work has ended: what it did not need (an early stop, a pruned candidate) is credited."""
-        self.update(self.bar.total - self.bar.n)
+        if self.bar is not None:
+            self.update(self.bar.total - self.bar.n)
 
     def say(self, line: str) -> None:
         """A stage line: printed above the bar (always, on stderr) and kept for table.md."""
@@ -115,4 +121,5 @@ class StageBar:
         tqdm.write(line, file=sys.stderr)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()

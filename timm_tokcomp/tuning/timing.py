@@ -47,7 +47,7 @@ class TimingStage:
         self.bar.start(f"{'timing screen' if screen else 're-timing the finalists'}, batch {batch}, {mode}",
                        len(timed_here) * most, "rounds")
         x = self.images[torch.arange(batch) % len(self.images)].to(self.device)
-        counts = {"other": 0, "not reached": 0}
+        counts = {"other": 0}
         while todo:
             best = None if screen else self._best_within(rows.values())
             best_lo = 0.0 if best is None else best.speedup_lo
@@ -73,19 +73,20 @@ class TimingStage:
             if not chunk:
                 break
             if self.budget.over(stage):
-                counts["not reached"] += len(chunk) + len(todo)
                 break
             self._time_chunk(batch, mode, chunk, x, (best_lo, None if best is None else best.candidate), most,
                              screen)
             self._write()
         self.bar.finish()
-        timed = [r for r in rows.values() if r.speedup is not None and r.status in (SCREENED, TIMED)]
-        slower = sum(r.status.startswith(SLOWER) for r in rows.values())
-        failed = sum(r.status.startswith("failed") for r in rows.values())
-        not_reached = sum(r.status == f"{NOT_REACHED} ({stage})" for r in rows.values()) + counts["not reached"]
+        mine = [rows[c.name] for c in timed_here]  # what this call was to time
+        done = (lambda r: r.status == SCREENED and r.rounds is not None) if screen else (lambda r: r.status == TIMED)
+        timed = [r for r in mine if done(r)]
+        slower = sum(r.status.startswith(SLOWER) for r in mine)
+        failed = sum(r.status.startswith("failed") for r in mine)
+        not_reached = sum(r.status in (WAITING, SCREENED, f"{NOT_REACHED} ({stage})") and r not in timed for r in mine)
         if screen:
             self.bar.say(f"timing screen, batch {batch}, {mode}: {count(len(timed) + slower, 'setting')} timed "
-                         f"on its default path, {slower} surely slower than plain (never checked for accuracy), "
+                         f"on the default path, {slower} surely slower than plain (never checked for accuracy), "
                          f"{failed} failed, {not_reached} not reached")
         else:
             macs = sum(r.status.startswith("pruned: MACs") for r in rows.values())
@@ -141,7 +142,8 @@ class TimingStage:
                     plain(x)  # each model has run once: the screen's eager rounds need no further warm-up
                 rounds, warmup = 0, (0 if screen else 1) if mode == "eager" else 2
                 while active and rounds < most and not self.budget.over(stage):
-                    step = most if screen else min(5 if rounds == 0 else 3, most - rounds)
+                    step = 1 if screen else min(5 if rounds == 0 else 3, most - rounds)  # the screen's bar moves
+                    # round by round
                     new = time_runs({NO_REDUCTION: plain, **active}, x, rounds=step,
                                     warmup=warmup if rounds == 0 else 0, stop=lambda: self.budget.over(stage))
                     step = len(new[NO_REDUCTION])  # fewer where the time budget ended the step
