@@ -199,7 +199,7 @@ def calibrate_dymu(base: nn.Module, batches: Sequence[torch.Tensor], model_name:
     the same images for its GMACs per image and agreement with `base`. progress(msg) after every batch."""
     _check_unreduced(base)
     _check_batches(batches)
-    schedule = resolve_r(validate_r(r), len(base.blocks))
+    schedule = resolve_r(validate_r(r, "--r"), len(base.blocks))
     if not any(schedule):
         raise ValueError(f"--r must merge in at least one block, got {r!r}")
     model = apply(copy.deepcopy(base), "dymu", thresholds=[1.0 if r_l else None for r_l in schedule])

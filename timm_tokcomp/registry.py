@@ -18,7 +18,8 @@ from timm.models._features import FeatureGetterNet
 from timm.models._pretrained import DefaultCfg
 
 from .families import FAMILIES, UNSERVED_MODULES, Family, served_classes
-from .methods import TAG_SUMMARY, listed_tags, match_method_tag, method_class, parse_method_tag
+from .methods import (TAG_SUMMARY, listed_tags, match_method_tag, method_class, parse_method_tag,
+                      refuse_tagless_method)
 from .hub import hub_access, pretrained_unreachable
 
 # timm drops the name's tag when pretrained_cfg is also given; the method tag the name carried is remembered here,
@@ -111,6 +112,7 @@ def split_method_tag(arch: str, tag: str, parsed: Optional[MethodTag] = None) ->
         base = tag
     known = _pretrained_tags(arch)
     if base and base not in known:
+        refuse_tagless_method(last, f"unknown tag {tag!r} for {arch}")
         shown = ", ".join(t for t in known if t) or "(none)"
         raise ValueError(
             f"unknown tag {tag!r} for {arch}; valid forms: {arch}, {arch}.<pretrained tag>, "

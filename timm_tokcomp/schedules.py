@@ -147,17 +147,18 @@ def resolve_r(r: RSpec, num_blocks: int) -> List[int]:
     return constant_schedule(r, num_blocks)
 
 
-def validate_r(r: RSpec) -> RSpec:
-    """Check an r spec's form without knowing the block count (a list's length is checked per forward).
+def validate_r(r: RSpec, name: str = "r") -> RSpec:
+    """Check an r spec's form without knowing the block count (a list's length is checked per forward); errors name
+    it as `name` (the flag, on the command line).
 
     int: the same r in every block; list: one r per block; tuple (r, inflection): linear schedule.
     """
     if isinstance(r, tuple):
         if len(r) != 2 or not is_real(r[1]):
-            raise ValueError(f"r as a tuple must be (r, inflection) with inflection in [-1, 1], got {r!r}")
+            raise ValueError(f"{name} as a tuple must be (r, inflection) with inflection in [-1, 1], got {r!r}")
         if not -1.0 <= r[1] <= 1.0:
-            raise ValueError(f"r inflection must be in [-1, 1], got {r[1]}")
-        return check_int("r", r[0]), float(r[1])
+            raise ValueError(f"{name} inflection must be in [-1, 1], got {r[1]}")
+        return check_int(name, r[0]), float(r[1])
     if isinstance(r, list):
-        return [check_int(f"r[{i}]", v) for i, v in enumerate(r)]
-    return check_int("r", r)
+        return [check_int(f"{name}[{i}]", v) for i, v in enumerate(r)]
+    return check_int(name, r)

@@ -374,3 +374,20 @@ def test_a_format_number_that_is_not_the_integer_is_refused_by_every_versioned_f
     (learned / config_file("patchmerger")).write_text(json.dumps({**config, "format_version": version}))
     with pytest.raises(ValueError, match="expected format_version"):
         load_learned("patchmerger", learned)
+
+
+def test_a_method_without_tags_names_its_route_at_every_door(tmp_path, capsys):
+    """DyMU's thresholds belong to one model: `vit_tiny_patch16_224.dymu_r2` and `--methods dymu_r2` name `tokcomp
+    calibrate --method dymu`, not the list of tag forms; a bad --r is named as the flag."""
+    import timm
+
+    from timm_tokcomp.cli import main
+
+    with pytest.raises(ValueError, match=r"unknown tag 'dymu_r2' for vit_tiny_patch16_224: dymu has no tag: .*"
+                                         r"`tokcomp calibrate MODEL --method dymu --r R`"):
+        timm.create_model("vit_tiny_patch16_224.dymu_r2")
+    with pytest.raises(ValueError, match="dymu has no tag"):
+        parse_methods("none,dymu_r2")
+    assert main(["calibrate", MODEL, "--method", "dymu", "--r", "-1", "--data", str(_images(tmp_path / "i")),
+                 "--out", str(tmp_path / "c.json"), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == "tokcomp: error: --r must be an integer >= 0, got -1"

@@ -140,8 +140,17 @@ def parse_method_tag(tag: str) -> Tuple[str, Dict[str, Any]]:
     """match_method_tag, raising ValueError listing the valid forms for a tag that is no method's."""
     found = match_method_tag(tag)
     if found is None:
+        refuse_tagless_method(tag, f"unknown token-reduction tag {tag!r}")
         raise ValueError(f"unknown token-reduction tag {tag!r}; valid forms: {TAG_SUMMARY} (k >= 0)")
     return found
+
+
+def refuse_tagless_method(tag: str, error: str) -> None:
+    """A tag spelled as a method that has no tag form (DyMU: thresholds calibrated per model): ValueError naming
+    that method's route (its tag_legend) after `error`."""
+    prefix = tag.split("_")[0]
+    if prefix in METHODS and not any(form == prefix or form.startswith(f"{prefix}_") for form in TAG_FORMS):
+        raise ValueError(f"{error}: {METHODS[prefix].tag_legend()}")
 
 
 def is_method_tag(tag: str) -> bool:

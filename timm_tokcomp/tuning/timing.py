@@ -39,9 +39,10 @@ class TimingStage:
         waiting = (lambda r: r.status == WAITING) if screen else self._finalist
         defaults = {c.name for c in self.candidates if c.mode == mode and self._is_default(c)}
         todo = [c for c in self.candidates if c.mode == mode and waiting(rows[c.name])]
+        # re-timing: the settings within the budget first (the answer), then those a promise needs more images for;
         # ToMe and EViT first (the study's methods, ToMe's axis always screened), each by MACs saved
-        todo.sort(key=lambda c: (c.name not in defaults, c.method not in PREFERRED, -(rows[c.name].mac_ratio or 1.0),
-                                 c.name))
+        todo.sort(key=lambda c: (not screen and not self._within(rows[c.name]), c.name not in defaults,
+                                 c.method not in PREFERRED, -(rows[c.name].mac_ratio or 1.0), c.name))
         most = min(SCREEN_ROUNDS, self.s["max_rounds"]) if screen else self.s["max_rounds"]
         timed_here = [c for c in todo if not screen or c.name in defaults]  # in the screen, other paths follow
         self.bar.start(f"{'timing screen' if screen else 're-timing the finalists'}, batch {batch}, {mode}",
