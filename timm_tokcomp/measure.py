@@ -4,7 +4,8 @@ timm_tokcomp.timing).
 MACs are FLOPs / 2 as counted by `torch.utils.flop_counter.FlopCounterMode`, plus a formula for every fused
 attention op that the installed torch dispatches to but has no formula for (torch >= 2.10 runs CPU
 `F.scaled_dot_product_attention` as `aten._scaled_dot_product_flash_attention_for_cpu`, which FlopCounterMode
-silently counts as 0). A guard then checks every attention op that ran against its analytic count, so a
+silently counts as 0; `nn.MultiheadAttention`'s inference fast path runs `aten._native_multi_head_attention`, its
+projections included). A guard then checks every attention op that ran against its analytic count, so a
 missing or doubled formula raises `AttentionCountError` instead of giving a wrong number.
 """
 import threading
@@ -47,6 +48,20 @@ def attention_macs(layout: str, query_shape: Sequence[int], key_shape: Sequence[
     return b * h * n * m * (d + dv)
 
 
+# nn.MultiheadAttention's fused inference path (every real CLIP tower takes it): in-projection, attention and
+# out-projection in one op, query (B, N, E), key / value (B, M, E)
+FUSED_MHA = "_native_multi_head_attention"
+
+
+def mha_macs(query_shape: Sequence[int], key_shape: Sequence[int]) -> Optional[int]:
+    """MACs of a fused multi-head attention: q, k, v and out projections (E x E each) and softmax(q kᵀ) v over all
+    heads, B·E·(2·N·E + 2·M·E + 2·N·M). None for shapes that are not (B, N, E)."""
+    if not (len(query_shape) == len(key_shape) == 3):
+        return None
+    (b, n, e), m = query_shape, key_shape[1]
+    return b * e * (2 * n * e + 2 * m * e + 2 * n * m)
+
+
 def _op_name(packet) -> str:
     """'aten._scaled_dot_product_flash_attention_for_cpu' -> '_scaled_dot_product_flash_attention_for_cpu'."""
     return str(packet).split(".")[-1]
@@ -69,6 +84,14 @@ def _missing_formulas() -> Dict[object, Callable]:
 
         flops._get_raw = True  # receives tensors, on every torch (older ones never wrap custom formulas)
         formulas[packet] = flops
+    packet = getattr(torch.ops.aten, FUSED_MHA, None)
+    if packet is not None and packet not in flop_counter.flop_registry:
+        def mha_flops(query, key, value, *args, **kwargs) -> int:
+            macs = mha_macs(query.shape, key.shape)
+            return 0 if macs is None else 2 * macs
+
+        mha_flops._get_raw = True
+        formulas[packet] = mha_flops
     return formulas
 
 
@@ -106,8 +129,11 @@ class _AttentionRecorder(TorchDispatchMode):
         if "attention" in name:
             layout = ATTENTION_LAYOUTS.get(name)
             macs = None
-            if layout is not None and len(args) >= 3 and all(isinstance(a, torch.Tensor) for a in args[:3]):
+            tensors = len(args) >= 3 and all(isinstance(a, torch.Tensor) for a in args[:3])
+            if layout is not None and tensors:
                 macs = attention_macs(layout, args[0].shape, args[1].shape, args[2].shape)
+            elif name == FUSED_MHA and tensors:
+                macs = mha_macs(args[0].shape, args[1].shape)
             self.calls.append((packet, macs))
         return out
 

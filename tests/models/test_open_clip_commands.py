@@ -113,7 +113,8 @@ def test_what_the_door_cannot_serve_is_refused_by_name(tmp_path, capsys, monkeyp
     assert f"MODEL {NAME}: tokcomp finetune does not train open_clip towers" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "open_clip", None)
     assert main(["speed", NAME, "--no-progress"]) == 2
-    assert f"MODEL {NAME} needs open_clip" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"MODEL {NAME} needs open-clip-torch" in err and "[openclip]" in err
 
 
 def test_speed_bench_tune_and_export_take_an_open_clip_name(tmp_path, capsys, unlabelled_folder):
@@ -147,3 +148,29 @@ def test_bench_on_real_images_scores_the_imagenet_labels(tmp_path):
                  "--no-progress"]) == 0
     rows = {r["method"]: r for r in csv.DictReader(open(tmp_path / "b.csv"))}
     assert float(rows["none"]["agreement"]) == 100.0 and 0 <= float(rows["tome_r2"]["top1"]) <= 100
+
+
+def test_a_real_towers_fused_attention_is_counted_as_its_unfused_path():
+    """ViT-B-32's real configuration (12 heads of 64): in inference nn.MultiheadAttention takes its fused fast path
+    (aten._native_multi_head_attention, projections included), which the 1-head test tower never takes. The MACs
+    counted through it equal those of the unfused path, and bench's count of the plain and the reduced tower runs."""
+    from timm_tokcomp import apply
+    from timm_tokcomp.measure import MacCounter, OpCounter, forward_counting
+
+    torch.manual_seed(0)
+    tower = open_clip.create_model("ViT-B-32").visual.eval()
+    x = torch.randn(2, 3, 224, 224)
+    with torch.inference_mode():
+        with OpCounter() as ops, MacCounter() as fused:
+            tower(x)
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            with MacCounter() as unfused:
+                tower(x)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+    assert ops.counts["aten._native_multi_head_attention.default"] == 12
+    assert fused.total == unfused.total == pytest.approx(2 * 4.409e9, rel=1e-3)
+    plain = forward_counting(tower, x)[1]
+    reduced = forward_counting(apply(tower, "tome", r=3), x)[1]
+    assert plain == fused.total and reduced < plain

@@ -6,14 +6,15 @@ Stages (each written to the CSV as it is measured, so --resume continues from an
 --time-budget, budget.STAGE_ENDS, read before every batch of images and every timed round, and says in one line what
 it kept and stopped):
   1. the timing screen (timing.TimingStage, screen=True): every setting (one token schedule under two names timed
-     once) on every path and mode, interleaved with the plain model for a few rounds; a candidate surely slower than
-     plain (its interval below 1) is pruned, never checked for accuracy;
+     once) on its default path in every mode, interleaved with the plain model for a few rounds; one surely slower
+     than plain (its interval below 1) is pruned, never checked for accuracy;
   2. accuracy, fastest first (accuracy.AccuracyStage): per batch size the settings ranked by their screened
      speed-up (ties: ToMe and EViT first), each checked with a sequential test (screened on the first
      `prune_images` images, then held out until surely within or surely above the budget) until the first within
      the budget with no faster one unchecked; a setting stronger than one above the budget on its axis is not
      checked, nor one slower than the answer;
-  3. re-timing the finalists (the settings held out whose loss is below the budget), up to max_rounds;
+  3. re-timing the finalists (the settings held out whose loss is below the budget) on every path, up to
+     max_rounds; a stage cut short by its share gets what the later ones left (up to MAX_PASSES passes);
   4. the choice, per batch size: the fastest finalist whose loss is within the budget at its one-sided 95 % upper
      bound and whose speed-up's lower bound against the fastest plain model measured is above 1 (select.choose),
      re-checked on its own path; otherwise 'no reduction' in the preset, and the answer lines name the best measured
