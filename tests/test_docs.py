@@ -2,8 +2,9 @@
 either runs here or says what it needs, and the mkdocs site (docs/ and the API pages) builds with warnings as
 errors, so a renamed function breaks the tests and not the reader.
 
-Stand-ins for what the tests cannot reach: timm's pretrained weights (no network) leave the random initialisation,
-and a file a snippet reads that an earlier command block writes (a tune preset, a calibration) is written here."""
+A Python block runs as a reader without the network runs it: a fresh interpreter in an empty folder, offline
+(HF_HUB_OFFLINE=1). A file it reads that the page's commands make (a tune preset, a calibration, a folder of the
+repository's hub_cards/) it names on a '# needs:' line, and the tests make it."""
 import json
 import os
 import re
@@ -50,46 +51,61 @@ def test_every_fence_names_its_language():
     assert not untagged, f"fenced blocks without a language (use python, bash or text): {untagged}"
 
 
-@pytest.fixture
-def reader_folder(tmp_path, monkeypatch):
-    """A fresh working folder with the repository's shipped folders at hand and the files that the pages'
-    command blocks would have written; timm's pretrained download is a no-op (random weights)."""
-    import timm.models._builder as builder
+# files a snippet may say it needs ('# needs: PATH (what makes it)') that the page's own commands would make; the
+# tests make them here: a preset of the kind those commands write, or the repository's folder the page names
+PRESET_STAND_INS = {"tuned/preset_b64.json": ("tome", {"r": 8}), "tuned/preset.json": ("tome", {"r": 8}),
+                    "atm_preset.json": ("atm", {"theta_min": 0.87})}
 
+
+def make_needed_files(needs: List[str], folder: Path) -> None:
+    """The files the snippet's '# needs:' lines name, made in folder; AssertionError for one the tests cannot make."""
     from timm_tokcomp.kit.presets import PRESET_FORMAT
 
-    monkeypatch.setattr(builder, "load_pretrained", lambda *args, **kwargs: None)
+    for need in needs:
+        path = need.split()[0]
+        if any(need.startswith(k) for k in KNOWN_NEEDS):
+            continue
+        if path in PRESET_STAND_INS:
+            method, params = PRESET_STAND_INS[path]
+            (folder / path).parent.mkdir(parents=True, exist_ok=True)
+            (folder / path).write_text(json.dumps({"format": PRESET_FORMAT, "method": method, "params": params}))
+        elif path.startswith("hub_cards/") and (ROOT / path).is_dir():
+            shutil.copytree(ROOT / path, folder / path)
+        else:
+            raise AssertionError(f"'# needs: {need}': not a need the tests know ({KNOWN_NEEDS}, a preset of "
+                                 f"{sorted(PRESET_STAND_INS)}, or a folder of hub_cards/)")
+
+
+@pytest.fixture
+def reader_folder(tmp_path, monkeypatch):
+    """A fresh, empty working folder, as a reader's: what a snippet needs it says, and make_needed_files makes."""
     monkeypatch.chdir(tmp_path)
-    for shipped in ("hub_cards", "examples"):
-        (tmp_path / shipped).symlink_to(ROOT / shipped)
-    (tmp_path / "tuned").mkdir()
-    stand_ins = {"tuned/preset_b64.json": ("tome", {"r": 8}), "atm_preset.json": ("atm", {"theta_min": 0.87})}
-    for name, (method, params) in stand_ins.items():
-        (tmp_path / name).write_text(json.dumps({"format": PRESET_FORMAT, "method": method, "params": params}))
     torch.manual_seed(0)
     return tmp_path
 
 
-# what a fresh interpreter runs before a snippet: timm's pretrained download becomes a no-op (random weights) and
-# the seed is fixed; it imports timm only, so a snippet that forgets `import timm_tokcomp` fails as it would for a
-# reader
+# what a fresh interpreter runs before a snippet: the seed is fixed; it imports torch only, so a snippet that forgets
+# `import timm_tokcomp` fails as it would for a reader
 SNIPPET_PRELUDE = """\
-import timm.models._builder as _builder
 import torch as _torch
-_builder.load_pretrained = lambda *args, **kwargs: None
 _torch.manual_seed(0)
 """
+# a reader without the network (the Hub unreachable): a snippet must run offline as written
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 @pytest.mark.parametrize("page,line,code", PYTHON, ids=_ids(PYTHON))
 def test_python_snippet_runs(page, line, code, reader_folder):
-    """Each block on its own, as a reader pastes it into a fresh interpreter: its own imports and inputs."""
+    """Each block on its own, as a reader pastes it into a fresh interpreter in an empty folder, offline: its own
+    imports and inputs, and the files its '# needs:' lines name (made by the page's commands)."""
     needs = NEEDS.findall(code)
     if "gpu" in "".join(needs) and not torch.cuda.is_available():
         pytest.skip(f"{page}:{line} needs a GPU ({needs[0]})")
+    make_needed_files(needs, reader_folder)
     script = reader_folder / "snippet.py"
     script.write_text(SNIPPET_PRELUDE + code)
-    run = subprocess.run([sys.executable, str(script)], cwd=reader_folder, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(script)], cwd=reader_folder, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, **OFFLINE))
     assert run.returncode == 0, f"{page}:{line} failed in a fresh interpreter:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
 
 
@@ -98,6 +114,19 @@ def test_the_snippet_runner_sees_a_missing_import(reader_folder):
     code = "import timm\ntimm.create_model('deit_tiny_patch16_224.tome_r16')\n"
     with pytest.raises(AssertionError, match="Invalid pretrained tag"):
         test_python_snippet_runs("x.md", 1, code, reader_folder)
+
+
+def test_the_snippet_runner_is_offline_and_in_an_empty_folder(reader_folder):
+    """pretrained=True fails there as it fails for a reader without the network; a repository path the snippet does
+    not say it needs is not there."""
+    code = "import timm\ntimm.create_model('deit_tiny_patch16_224', pretrained=True)\n"
+    with pytest.raises(AssertionError, match="failed in a fresh interpreter"):
+        test_python_snippet_runs("x.md", 1, code, reader_folder)
+    code = "import timm_tokcomp.tocom as t\nt.load('hub_cards/deit_tiny_patch16_224-tocom')\n"
+    with pytest.raises(AssertionError, match="failed in a fresh interpreter"):
+        test_python_snippet_runs("x.md", 1, code, reader_folder)
+    test_python_snippet_runs("x.md", 1, "# needs: hub_cards/deit_tiny_patch16_224-tocom (the repository's)\n"
+                             + code, reader_folder)
 
 
 # folders only the package's developers have: a page names what the data is instead
@@ -110,8 +139,16 @@ def test_pages_point_to_nothing_only_the_developers_have(page):
     assert not found, f"{page.name} points readers to {found}, which they do not have: say what the data is"
 
 
+@pytest.fixture
+def clone_folder(reader_folder):
+    """A reader's folder beside a clone: the command blocks run the repository's examples/ scripts."""
+    for shipped in ("hub_cards", "examples"):
+        (reader_folder / shipped).symlink_to(ROOT / shipped)
+    return reader_folder
+
+
 @pytest.mark.parametrize("page,line,code", COMMANDS, ids=_ids(COMMANDS))
-def test_command_block_runs_or_says_what_it_needs(page, line, code, reader_folder):
+def test_command_block_runs_or_says_what_it_needs(page, line, code, clone_folder):
     """A command block marked '# needs: data / gpu / network / minutes' names what it needs; every other block runs
     here, in a fresh folder, and succeeds."""
     needs = NEEDS.findall(code)
@@ -120,7 +157,7 @@ def test_command_block_runs_or_says_what_it_needs(page, line, code, reader_folde
         assert not unknown, f"{page}:{line}: '# needs:' names {unknown}; say one of {KNOWN_NEEDS}"
         pytest.skip(f"{page}:{line} needs {'; '.join(needs)}")
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    run = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=reader_folder, env=env, capture_output=True,
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=clone_folder, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, f"{page}:{line} failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}"
 

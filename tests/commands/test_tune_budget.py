@@ -273,3 +273,23 @@ def test_a_bad_time_budget_is_refused_naming_the_flag(value, image_folder, tmp_p
                  "--time-budget", value])
     assert code != 0 and "--time-budget must be a finite number > 0 (minutes" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_finalist_the_re_timing_did_not_reach_keeps_its_screen_timing(image_folder, monkeypatch):
+    """The accuracy stage ends at 96 % of the budget: no time is left to re-time the answer, so it keeps the
+    screen's figures (3 rounds), is chosen with them, and a note says so (a resume re-times it)."""
+    clock = Clock()
+    monkeypatch.setattr(tuning.budget, "monotonic", clock)
+    real = tuning_run._Tuner._search
+
+    def search(self, *args):
+        real(self, *args)
+        clock.now = 0.96 * 60
+
+    monkeypatch.setattr(tuning_run._Tuner, "_search", search)
+    time_runs, seen = _recorded(clock, 0.0, by_r={"1": 0.9, "2": 0.8, "3": 0.7})
+    monkeypatch.setattr(tuning_timing, "time_runs", time_runs)
+    result = _tune(image_folder, time_budget=1.0)
+    row = result.choices[0].row
+    assert row is not None and row.setting.endswith("r=3") and len(seen) == row.rounds <= 3  # the screen's
+    assert any("kept the timing screen's speed-up (3 rounds" in n for n in result.settings["notes"])

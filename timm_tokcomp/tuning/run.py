@@ -46,7 +46,7 @@ from ..checks import check_int, check_real, is_int
 from ..kit.stats import promisable_loss
 from .budget import STAGE_ENDS, StageBar, TimeBudget, count, plan_text
 from .report import OUT_FILES, TuneResult, sample_notes, write_outputs
-from .rows import BUDGET_MEASURES, NOT_REACHED, SCREENED, WAITING, Candidate, Choice, TuneRow
+from .rows import BUDGET_MEASURES, NOT_REACHED, SCREENED, TIMED, WAITING, Candidate, Choice, TuneRow
 from .search import make_axes
 from .select import best_measured, bound_text, choose, promise_text
 from .space import accuracy_twin, applicable_candidates, check_space, default_modes
@@ -249,8 +249,20 @@ class _Tuner(AccuracyStage, TimingStage):
         for row in self.rows.values():
             if row.status == f"{NOT_REACHED} (screen)" or row.status.startswith("pruned: the same token"):
                 row.status = WAITING
-            elif row.status.startswith((f"{NOT_REACHED} (", *DECIDED_UNCHECKED)):
-                row.status = SCREENED
+            elif row.status.startswith((f"{NOT_REACHED} (", *DECIDED_UNCHECKED)) or (
+                    row.status == TIMED and (row.rounds or 0) <= SCREEN_ROUNDS < self.s["max_rounds"]):
+                row.status = SCREENED  # (a finalist with only the screen's rounds is re-timed)
+
+    def _keep_screen_timing(self) -> None:
+        """A finalist whose re-timing the time budget did not reach keeps the timing screen's figures (a few rounds:
+        a wide interval, but a measured one), so that the choice and the answer can use it; a note says which."""
+        kept = [r for r in self.rows.values() if self._finalist(r) and r.speedup is not None]
+        for r in kept:
+            r.status = TIMED
+        if kept:
+            self.notes.append(f"{count(len({r.setting for r in kept}), 'setting')} kept the timing screen's speed-up "
+                              f"({SCREEN_ROUNDS} rounds; the time budget did not reach its re-timing: --resume with "
+                              f"more minutes re-times them): {', '.join(sorted({r.setting for r in kept}))}")
 
     def _open_work(self) -> bool:
         """Whether anything is left to measure: a candidate not screened, a setting not checked, a finalist not
@@ -291,6 +303,7 @@ class _Tuner(AccuracyStage, TimingStage):
                     bar.say(f"pass {passes + 1}: {self.budget.left() / 60:.1f} min left, shared by the stages again")
                     self._reopen()
                     self.budget.rebase()
+            self._keep_screen_timing()
             choices = []
             for b in batches:
                 bar.start(f"checking the choice, batch {b}", 1, "batch size")
