@@ -32,16 +32,16 @@ def _train(image_folder, out, *extra):
 
 def test_a_second_run_into_the_same_folder_is_refused(image_folder, tmp_path, capsys):
     out = tmp_path / "o"
-    assert _train(image_folder, out, "--steps", "50", "--stop-after", "12", "--checkpoint-every", "4") == 0
+    assert _train(image_folder, out, "--steps", "50", "--stop-after-steps", "12", "--checkpoint-every", "4") == 0
     log_before = (out / "training" / "loss_log.csv").read_text()
     assert torch.load(out / "training" / "checkpoint.pt", weights_only=True)["step"] == 12
     capsys.readouterr()
-    assert _train(image_folder, out, "--steps", "50", "--stop-after", "2") == 2
+    assert _train(image_folder, out, "--steps", "50", "--stop-after-steps", "2") == 2
     err = capsys.readouterr().err
     assert "--out" in err and "--resume" in err and "--overwrite" in err and "Traceback" not in err
     assert torch.load(out / "training" / "checkpoint.pt", weights_only=True)["step"] == 12
     assert (out / "training" / "loss_log.csv").read_text() == log_before
-    assert _train(image_folder, out, "--steps", "50", "--stop-after", "2", "--overwrite") == 0
+    assert _train(image_folder, out, "--steps", "50", "--stop-after-steps", "2", "--overwrite") == 0
     assert torch.load(out / "training" / "checkpoint.pt", weights_only=True)["step"] == 2
     assert len((out / "training" / "loss_log.csv").read_text().splitlines()) == 3
 
@@ -50,7 +50,7 @@ def test_overwrite_deletes_only_the_previous_runs_files(image_folder, tmp_path):
     out = tmp_path / "o"
     assert _train(image_folder, out, "--steps", "2") == 0
     (out / "notes.txt").write_text("mine")
-    assert _train(image_folder, out, "--steps", "2", "--stop-after", "1", "--overwrite") == 0
+    assert _train(image_folder, out, "--steps", "2", "--stop-after-steps", "1", "--overwrite") == 0
     assert (out / "notes.txt").read_text() == "mine"
     assert not (out / "tocom_config.json").exists() and not list(out.glob("step_*"))
 
@@ -67,7 +67,7 @@ def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_open_its_data(i
 def test_bench_and_calibrate_refuse_to_replace_an_output_file(tmp_path, capsys):
     csv = tmp_path / "r.csv"
     csv.write_text("keep")
-    fast = ["--batch-size", "2", "--timing-rounds", "1", "--no-progress"]
+    fast = ["--batch-size", "2", "--rounds", "1", "--no-progress"]
     assert main(["bench", "test_vit", "--methods", "tome_r2", "--out", str(csv), *fast]) == 2
     assert "--out" in capsys.readouterr().err and csv.read_text() == "keep"
     assert main(["bench", "test_vit", "--methods", "tome_r2", "--out", str(csv), "--overwrite", *fast]) == 0
@@ -125,7 +125,7 @@ def test_calibrate_refuses_a_reduced_model():
 
 # 4. training guards
 
-@pytest.mark.parametrize("flag, value", [("--lr", "inf"), ("--lr", "nan"), ("--temperature", "inf"),
+@pytest.mark.parametrize("flag, value", [("--lr-base", "inf"), ("--lr-base", "nan"), ("--temperature", "inf"),
                                          ("--scale", "-1"), ("--weight-decay", "nan"), ("--scale-grid", "0.1,inf"),
                                          ("--mosaic", "a,b")])
 def test_non_finite_or_out_of_range_settings_are_refused_before_any_work(image_folder, tmp_path, capsys, flag, value):
@@ -137,7 +137,7 @@ def test_non_finite_or_out_of_range_settings_are_refused_before_any_work(image_f
 
 def test_a_diverging_run_stops_and_saves_nothing_non_finite(image_folder, tmp_path, capsys):
     out = tmp_path / "o"
-    assert _train(image_folder, out, "--steps", "30", "--checkpoint-every", "1", "--lr", "1e30") == 1
+    assert _train(image_folder, out, "--steps", "30", "--checkpoint-every", "1", "--lr-base", "1e30") == 1
     assert "training diverged" in capsys.readouterr().err
     assert not (out / "tocom_config.json").exists()
     checkpoint = out / "training" / "checkpoint.pt"
@@ -329,7 +329,7 @@ def test_a_model_whose_features_are_tracked_still_pickles_and_copies():
 
 def test_cli_names_a_truncated_adapter_file_and_refuses_a_non_finite_scale(tmp_path, capsys):
     folder = _tiny_adapter(tmp_path / "adapter")
-    fast = ["bench", "test_vit", "--methods", "tome_r2", "--batch-size", "2", "--timing-rounds", "1", "--no-progress"]
+    fast = ["bench", "test_vit", "--methods", "tome_r2", "--batch-size", "2", "--rounds", "1", "--no-progress"]
     assert main([*fast, "--tocom", str(folder), "--tocom-scale", "nan"]) == 2
     assert "scale must be a finite number" in capsys.readouterr().err
     weights = folder / "step_03" / "adapter_model.safetensors"

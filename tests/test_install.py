@@ -27,7 +27,7 @@ assert timm_tokcomp.get_reducer(model).params["r"] == 8 and timm_tokcomp.is_redu
 rows = run_bench("deit_tiny_patch16_224", parse_methods("none,tome_r8"), batch_size=2, timing_rounds=1, latency_runs=0,
                  show_progress=False)
 assert rows[1].gmacs < rows[0].gmacs
-assert main(["bench", "deit_tiny_patch16_224", "--methods", "none,tome_r8", "--batch-size", "2", "--timing-rounds",
+assert main(["bench", "deit_tiny_patch16_224", "--methods", "none,tome_r8", "--batch-size", "2", "--rounds",
              "1", "--latency-runs", "0", "--no-progress", "--out", {str(tmp_path / "b.csv")!r}]) == 0
 assert "peft" not in sys.modules or sys.modules["peft"] is None
 print("core ok")

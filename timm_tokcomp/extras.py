@@ -4,7 +4,7 @@ the extra to install:
   tocom, train   peft (ToCom adapters, tokcomp train-tocom, tokcomp finetune)
   plot           matplotlib (bench --plot, tune's pareto.png)
   analysis       scipy, scikit-learn, matplotlib (tokcomp analyze)
-  export         onnx, onnxscript, onnxruntime (tokcomp export, bench --backend onnx)
+  export         onnx, onnxscript, onnxruntime (tokcomp export, bench --modes onnx)
   hf             transformers (its vision encoders as models to reduce; peft brings it too)
   open_clip      open-clip-torch (its image towers as models to reduce)
   all            every one of them

@@ -65,15 +65,76 @@ def test_the_random_weights_note_follows_the_result(capsys):
     assert "no timing" in captured.out and "latency" not in captured.out.splitlines()[0]  # nothing was timed
 
 
-def test_train_tocom_takes_the_model_first_and_still_reads_the_old_flag(tmp_path, capsys):
+def test_the_model_is_given_first_or_as_timm_spells_it_and_once(tmp_path, capsys):
     assert main(["train-tocom", "--data", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
-    assert "the model is required" in capsys.readouterr().err
-    assert main(["train-tocom", "deit_tiny_patch16_224", "--model", "deit_tiny_patch16_224", "--data", str(tmp_path),
+    assert "give MODEL (a timm architecture, or open_clip:ARCH): first, or as --model / -m" in capsys.readouterr().err
+    assert main(["train-tocom", "deit_tiny_patch16_224", "--model", "vit_tiny_patch16_224", "--data", str(tmp_path),
                  "--out", str(tmp_path / "o")]) == 2
-    assert "give the model once" in capsys.readouterr().err
-    assert main(["train-tocom", "--model", "test_vit", "--data", str(tmp_path / "none"), "--out",
-                 str(tmp_path / "o"), "--steps", "0"]) == 2  # the old spelling parses; the bad setting is refused
+    assert "give MODEL once" in capsys.readouterr().err
+    assert main(["train-tocom", "-m", "test_vit", "--data", str(tmp_path / "none"), "--out",
+                 str(tmp_path / "o"), "--steps", "0"]) == 2  # -m parses; the bad setting is refused
     assert "--steps must be an integer >= 1" in capsys.readouterr().err
+
+
+def _subcommands():
+    parser = build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+# one concept, one visible spelling across every command (timm's where timm has one); old spellings are hidden
+CONCEPTS = {
+    "timed rounds": (r"rounds", {"--rounds"}),
+    "execution mode": (r"^--(modes?|backend)$", {"--modes"}),
+    "LoRA rank": (r"rank", {"--lora-rank"}),
+    "stopping early": (r"^--stop-after", {"--stop-after-steps", "--stop-after-epochs"}),
+    "one batch size": (r"^--batch-size$|^-b$", {"--batch-size", "-b"}),
+    "the model": (r"^--model$|^-m$", {"--model", "-m"}),
+    "learning rate": (r"^--lr", {"--lr", "--lr-base"}),
+}
+
+
+def test_every_command_spells_each_concept_one_way():
+    """Read from every subcommand's parser: the visible spellings of each concept (deprecated ones are hidden), the
+    learning rates' two meanings under timm's two names, a stop flag's unit in its name, no --dtype in any help."""
+    visible = {}
+    for name, command in _subcommands().items():
+        for action in command._actions:
+            if action.help != argparse.SUPPRESS:
+                for option in action.option_strings:
+                    visible.setdefault(option, []).append((name, action))
+    for concept, (pattern, spellings) in CONCEPTS.items():
+        found = {option for option in visible if re.search(pattern, option)}
+        assert found == spellings, (concept, found)
+    for name, action in visible["--lr-base"]:
+        assert "per 256 images" in action.help
+    for name, action in visible["--lr"]:
+        assert "per 256" not in action.help
+    for option in ("--stop-after-steps", "--stop-after-epochs"):
+        for name, action in visible[option]:
+            assert option.rsplit("-", 1)[-1].rstrip("s") in action.help
+    assert "--dtype" not in visible and "--timing-rounds" not in visible and "--max-rounds" not in visible
+    for name, command in _subcommands().items():
+        if any(a.dest == "model" and not a.option_strings for a in command._actions):
+            assert command.format_usage().split()[3].lstrip("([") == "MODEL", name  # first, however it is given
+
+
+@pytest.mark.parametrize("old,new", [("--timing-rounds", "--rounds"), ("--backend", "--modes")])
+def test_an_old_spelling_still_works_with_a_note(old, new, tmp_path, capsys):
+    argv = ["bench", "-m", "deit_tiny_patch16_224", "--methods", "none", "-b", "2", "--latency-runs", "0",
+            "--no-progress", "--results-file", str(tmp_path / "r.csv")]
+    value = {"--timing-rounds": "1", "--backend": "eager"}[old]
+    assert main(argv + [old, value] + (["--rounds", "1"] if old == "--backend" else [])) == 0
+    err = capsys.readouterr().err
+    assert f"note: {old} is deprecated and goes in the next release: use {new}" in err
+    assert (tmp_path / "r.csv").is_file()
+
+
+def test_timms_torchcompile_is_the_compile_mode():
+    args = build_parser().parse_args(["bench", "--torchcompile"])
+    assert args.backend == "compile"
+    assert build_parser().parse_args(["tune", "x", "--data", "d", "--out", "o", "--torchcompile"]).modes == "compile"
+    assert build_parser().parse_args(["train-tocom", "x", "--rank", "4", "--lr", "0.1", "--stop-after", "3",
+                                      "--data", "d", "--out", "o"]).rank == 4
 
 
 def test_precision_is_spelled_as_timm_spells_it_and_the_old_flag_still_works(tmp_path, capsys):

@@ -367,7 +367,7 @@ def test_only_the_images_a_limit_reads_are_checked(tmp_path, capsys):
         with pytest.raises(ValueError, match="--limit must be an integer >= 1"):
             open_images(folder, lambda img: img, limit=bad)
     code, err = _run(["bench", MODEL, "--data", str(folder), "--limit", "2", "--methods", "tome_r8",
-                      "--timing-rounds", "1", "--no-progress"], capsys)
+                      "--rounds", "1", "--no-progress"], capsys)
     assert code == 0, err
 
 

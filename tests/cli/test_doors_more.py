@@ -125,7 +125,7 @@ def test_bench_plot_format_is_checked_before_any_work(tmp_path, capsys):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("flags, named", [(["--timing-rounds", "0"], "--timing-rounds"),
+@pytest.mark.parametrize("flags, named", [(["--rounds", "0"], "--rounds"),
                                           (["--no-timing", "--latency-runs", "-1"], "--latency-runs"),
                                           (["--latency-runs", "-1"], "--latency-runs")])
 def test_bench_timing_flags_are_named(capsys, flags, named):

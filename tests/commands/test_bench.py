@@ -11,7 +11,7 @@ from timm_tokcomp.calibrate import CalibrationResult, save_preset
 from timm_tokcomp.cli import main
 
 # one timed batch and two single-image forwards per model (the default 30 would be most of a test's time in bf16)
-FAST = ["--batch-size", "4", "--timing-rounds", "1", "--latency-runs", "2", "--num-workers", "0", "--no-progress"]
+FAST = ["--batch-size", "4", "--rounds", "1", "--latency-runs", "2", "--num-workers", "0", "--no-progress"]
 
 
 def _write_images(folder, n, seed=0):

@@ -108,11 +108,11 @@ def test_distill_loss_is_kl_times_t_squared_or_l1():
     assert distill_loss(s, t, 1.0, False).item() == pytest.approx((s - t).abs().mean().item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("bad, flag", [(dict(steps=0), "--steps"), (dict(lr=0), "--lr"),
+@pytest.mark.parametrize("bad, flag", [(dict(steps=0), "--steps"), (dict(lr=0), "--lr-base"),
                                        (dict(crop_scale=(0.5, 0.2)), "--crop-min"), (dict(method="atm"), "--method"),
                                        (dict(mosaic=(0,)), "--mosaic"), (dict(scale_targets=(17,)), "--scale-targets"),
                                        (dict(warmup_steps=5000), "--warmup-steps"), (dict(holdout=-1), "--holdout"),
-                                       (dict(lr=float("inf")), "--lr"), (dict(temperature=float("nan")), "--temperature"),
+                                       (dict(lr=float("inf")), "--lr-base"), (dict(temperature=float("nan")), "--temperature"),
                                        (dict(steps=2.5), "--steps")])
 def test_bad_settings_are_refused_naming_the_flag(bad, flag):
     with pytest.raises(ValueError, match=flag):

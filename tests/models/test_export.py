@@ -1,4 +1,4 @@
-"""ONNX export (`tokcomp export`, timm_tokcomp.export) checked in onnxruntime, and `tokcomp bench --backend`."""
+"""ONNX export (`tokcomp export`, timm_tokcomp.export) checked in onnxruntime, and `tokcomp bench --modes`."""
 import csv
 
 import pytest
@@ -75,17 +75,17 @@ def test_export_refuses_what_it_cannot_do(tmp_path, capsys):
 
 def test_bench_onnx_backend_reports_throughput_and_latency(tmp_path, capsys):
     out = tmp_path / "r.csv"
-    assert main(["bench", "test_vit", "--methods", "tome_r8", "--backend", "onnx", "--batch-size", "2",
-                 "--timing-rounds", "1", "--latency-runs", "3", "--no-progress", "--out", str(out)]) == 0
-    assert "backend onnx, latency: 3 single-image forwards" in capsys.readouterr().out
+    assert main(["bench", "test_vit", "--methods", "tome_r8", "--modes", "onnx", "--batch-size", "2",
+                 "--rounds", "1", "--latency-runs", "3", "--no-progress", "--out", str(out)]) == 0
+    assert "mode onnx, latency: 3 single-image forwards" in capsys.readouterr().out
     rows = list(csv.DictReader(open(out)))
     assert [r["backend"] for r in rows] == ["onnx", "onnx"]
     assert float(rows[0]["latency_speedup"]) == 1.0
     assert float(rows[1]["latency_ms"]) > 0 and float(rows[1]["latency_p90_ms"]) >= float(rows[1]["latency_ms"])
-    assert main(["bench", "deit_tiny_patch16_224", "--methods", "atm", "--backend", "onnx"]) == 2
+    assert main(["bench", "deit_tiny_patch16_224", "--methods", "atm", "--modes", "onnx"]) == 2
     assert "atm cannot be exported" in capsys.readouterr().err
-    assert main(["bench", "deit_tiny_patch16_224", "--backend", "onnx", "--dtype", "bf16"]) == 2
-    assert "--backend onnx runs fp32" in capsys.readouterr().err
+    assert main(["bench", "deit_tiny_patch16_224", "--modes", "onnx", "--dtype", "bf16"]) == 2
+    assert "--modes onnx runs fp32" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name, method, params", [("pe_core_rope_map", "tome", {"r": 3}),

@@ -282,13 +282,13 @@ def test_speed_and_bench_take_a_transformers_folder(name, tmp_path, capsys, unla
                      "--no-progress"]) == 0
     assert "tome_r8" in capsys.readouterr().out
     with pytest.warns(UserWarning, match="no preprocessor_config.json"):
-        assert main(["bench", "--hf-model", str(folder), "--methods", "none,tome_r8", "--timing-rounds", "2",
+        assert main(["bench", "--hf-model", str(folder), "--methods", "none,tome_r8", "--rounds", "2",
                      "--latency-runs", "0", "--batch-size", "2", "--no-progress"]) == 0
     if name == "vit_classifier":  # tune: its weights are the folder's, not random ones
         with pytest.warns(UserWarning, match="no preprocessor_config.json"):
             assert main(["tune", "--hf-model", str(folder), "--data", str(unlabelled_folder), "--out",
                          str(tmp_path / "tune"), "--limit", "96", "--prune-images", "32", "--methods", "tome_r8",
-                         "--max-rounds", "3", "--no-progress"]) == 0
+                         "--rounds", "3", "--no-progress"]) == 0
         assert (tmp_path / "tune" / "preset.json").is_file() and "random weights" not in capsys.readouterr().err
 
 

@@ -129,7 +129,7 @@ def test_speed_bench_tune_and_export_take_an_open_clip_name(tmp_path, capsys, un
     rows = (tmp_path / "b.csv").read_text()
     assert rows.count(NAME) == 3
     assert main(["tune", NAME, "--data", str(unlabelled_folder), "--out", str(tmp_path / "tune"), "--limit", "48",
-                 "--prune-images", "16", "--methods", "tome_r2", "--max-rounds", "3", "--no-progress"]) == 0
+                 "--prune-images", "16", "--methods", "tome_r2", "--rounds", "3", "--no-progress"]) == 0
     assert (tmp_path / "tune" / "preset.json").is_file()
     pytest.importorskip("onnxruntime")
     assert main(["export", f"{NAME}.tome_r2", "--out", str(tmp_path / "m.onnx")]) == 0

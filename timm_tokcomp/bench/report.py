@@ -49,7 +49,7 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     lines += ["", "; ".join(legend + ["tokens@last: tokens entering the last block"])]
     lines += noise_notes([(r.method, {"tput x": (r.speedup_lo, r.speedup_hi),
                                       "lat x": (r.latency_speedup_lo, r.latency_speedup_hi)})
-                          for r in rows if r.method not in plain], "--timing-rounds, --latency-runs")
+                          for r in rows if r.method not in plain], "--rounds, --latency-runs")
     idle = [r.method for r in rows if r.method not in plain and r.tokens_last_block == rows[0].tokens_last_block
             and r.gmacs >= rows[0].gmacs]
     plain_presets = [r.method for r in rows if r.plain_preset and r.method in idle]
@@ -62,7 +62,7 @@ def format_table(rows: Sequence[BenchRow]) -> str:
         lines.append("note: " + ", ".join(f"{r.method} {_ratio_cell(r.speedup, r.speedup_lo, r.speedup_hi)}"
                                           for r in drifted) +
                      ": the plain model against itself, yet its interval excludes 1.00x: the machine drifted between "
-                     "rounds, so read every ratio here with that margin (--timing-rounds, a quieter machine)")
+                     "rounds, so read every ratio here with that margin (--rounds, a quieter machine)")
     idle = [name for name in idle if name not in plain_presets]
     if idle:
         lines.append(f"note: reduced nothing on these inputs: {', '.join(idle)} (an adaptive method merges only tokens "

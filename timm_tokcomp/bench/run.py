@@ -86,14 +86,14 @@ def row_modes(items: Sequence[MethodItem], backend: str) -> Dict[str, str]:
 def check_backend(backend: str, device: str, dtype: str, items: Sequence[MethodItem]) -> None:
     """Raise ValueError naming the flag when the backend cannot run this device, dtype or a method, or a preset's
     recorded mode cannot run here."""
-    check_mode(backend, device, dtype, flag="--backend", allowed=BACKENDS)
+    check_mode(backend, device, dtype, flag="--modes", allowed=BACKENDS)
     for name, mode in row_modes(items, backend).items():
         if mode != backend:
             check_mode(mode, device, dtype, flag=f"--methods {name}: its recorded execution mode")
     if backend == "onnx":
         for item in items:
             if item.method != BASELINE and not method_class(item.method).exportable():
-                raise ValueError(f"--backend onnx: {item.name} cannot be exported to ONNX: "
+                raise ValueError(f"--modes onnx: {item.name} cannot be exported to ONNX: "
                                  f"{method_class(item.method).export_refusal}; exportable: "
                                  f"{', '.join(exportable_methods())}")
 
@@ -185,7 +185,7 @@ def run_bench(
     forwards timed per model (0: none)."""
     check_dtype(dtype)
     check_int("--batch-size", batch_size, 1)
-    check_int("--timing-rounds", timing_rounds, 0, "(0: no timing)")
+    check_int("--rounds", timing_rounds, 0, "(0: no timing)")
     if checkpoint and pretrained:
         raise ValueError("give --checkpoint or --pretrained, not both")
     check_int("--latency-runs", latency_runs, 0, "(0: none)")

@@ -21,6 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser = lambda *a, **k: add_parser(*a, formatter_class=HelpFormatter, **k)  # defaults in every help
     for command in COMMANDS:
         command.add(sub)
+    for command in sub.choices.values():  # MODEL, however it is given, first; required unless a default stands in
+        if any(a.dest == "model" and not a.option_strings for a in command._actions):
+            given = "MODEL | --model MODEL" + (" | --hf-model FOLDER" if "hf_model" in command._defaults or any(
+                a.dest == "hf_model" for a in command._actions) else "")
+            optional = command.get_default("default_model") is not None
+            command.usage = f"%(prog)s {'[' if optional else '('}{given}{']' if optional else ')'} [options]"
     for command in sub.choices.values():  # an option without help text still shows its default
         for action in command._actions:
             if action.help is None and action.default not in (None, False, argparse.SUPPRESS):
@@ -47,8 +53,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..precision import check_device
 
     args = build_parser().parse_args(argv)
-    args.notes = []  # what qualifies the result, printed after it: an error stays the only line
+    args.notes = list(getattr(args, "deprecated", []))  # what qualifies the result, printed after it: an error stays
+    # the only line
     try:
+        if getattr(args, "model_flag", None) is not None:  # --model / -m, as timm's scripts spell MODEL
+            if args.model is not None and args.model != args.model_flag:
+                raise ValueError(f"give MODEL once: positional {args.model!r} or --model {args.model_flag!r}")
+            args.model = args.model_flag
         if getattr(args, "hf_model", None) is not None:  # a transformers model folder stands for MODEL
             if args.model is not None:
                 raise ValueError(f"give MODEL or --hf-model FOLDER, not both (MODEL {args.model!r}, --hf-model "
@@ -59,6 +70,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                         "(no config.json in it)")
         elif getattr(args, "model", None) is None and getattr(args, "default_model", None):
             args.model = args.default_model
+        if hasattr(args, "model") and args.model is None:
+            other = " or --hf-model FOLDER" if hasattr(args, "hf_model") else ""
+            raise ValueError(f"give MODEL (a timm architecture, or open_clip:ARCH): first, or as --model / -m{other}")
         if getattr(args, "inference_precision", False):
             args.dtype = resolve_precision(args)
         if isinstance(getattr(args, "device", None), str):  # one device check for every command, before any work

@@ -2,20 +2,20 @@
 import argparse
 
 from ..methods import FAMILIES
-from .flags import FOLDER_OUT, device_flag, progress_flag, weights_flags
+from .flags import FOLDER_OUT, batch_size_flag, device_flag, model_flags, progress_flag, weights_flags
 
 
 def add(sub: argparse._SubParsersAction) -> None:
     an = sub.add_parser("analyze", help="record what several methods do to every patch, compare them with the "
                                         "study's pattern metrics, draw pictures, write a Markdown report")
-    an.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
+    model_flags(an, "timm architecture, e.g. deit_tiny_patch16_224")
     an.add_argument("--methods", default="tome_r8,evit_r8,atm",
                     help=f"comma list of two or more method tags ({FAMILIES}) or presets; default: %(default)s")
     an.add_argument("--data", required=True, help="folder of images (labels.csv, ImageFolder or plain; labels unused)")
     an.add_argument("--limit", type=int, default=256, help="first N images (default: %(default)s)")
     an.add_argument("--out", required=True, help="report folder")
     weights_flags(an)
-    an.add_argument("--batch-size", type=int, default=32)
+    batch_size_flag(an, 32)
     an.add_argument("--overlays", type=int, default=4,
                     help="images drawn with each method's groups (default: %(default)s)")
     device_flag(an)

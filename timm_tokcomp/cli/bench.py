@@ -2,13 +2,14 @@
 import argparse
 
 from ..methods import FAMILIES
-from .flags import FILE_OUT, device_flag, hf_model_flag, precision_flags, progress_flag, random_weights, weights_flags
+from .flags import (FILE_OUT, batch_size_flag, deprecated, device_flag, hf_model_flag, model_flags, precision_flags,
+                    progress_flag, random_weights, weights_flags)
 
 
 def add(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="GMACs / throughput / accuracy table of several methods, side by side")
-    bench.add_argument("model", nargs="?", help="timm architecture (default: deit_tiny_patch16_224), --hf-model, or "
-                                               "open_clip:ARCH (its image tower, zero-shot ImageNet head)")
+    model_flags(bench, "timm architecture (default: deit_tiny_patch16_224), --hf-model, or open_clip:ARCH (its image "
+                       "tower, zero-shot ImageNet head)")
     bench.add_argument("--methods", default="none,tome_r8,tome_r16",
                        help=f"comma list of 'none' and method tags ({FAMILIES}); default: %(default)s")
     weights_flags(bench)
@@ -16,22 +17,27 @@ def add(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--data", help="ImageFolder tree or folder with labels.csv (file,label): top-1 and "
                                       "agreement; a plain folder of images: agreement only; without it, "
                                       "random inputs and no accuracy")
-    bench.add_argument("--batch-size", type=int, default=64)
+    batch_size_flag(bench, 64)
     device_flag(bench)
     precision_flags(bench)
-    bench.add_argument("--backend", choices=("eager", "compile", "onnx"), default="eager",
-                       help="what runs the timed forwards: PyTorch eager, torch.compile, or the ONNX export in "
-                            "onnxruntime (CPU, fp32; needs the export extra); default: %(default)s")
+    bench.add_argument("--modes", dest="backend", choices=("eager", "compile", "onnx"), default="eager",
+                       help="the execution mode of the timed forwards (one; a preset's row runs in its own): PyTorch "
+                            "eager, torch.compile, or the ONNX export in onnxruntime (CPU, fp32; needs the export "
+                            "extra); default: %(default)s")
+    bench.add_argument("--torchcompile", dest="backend", action="store_const", const="compile",
+                       help="timm's spelling of --modes compile")
+    deprecated(bench, "--backend", "--modes", "backend", choices=("eager", "compile", "onnx"))
     bench.add_argument("--latency-runs", type=int, default=30,
                        help="single-image forwards timed per method for latency (median, p90; 0: none; "
                             "default: %(default)s)")
-    bench.add_argument("--timing-rounds", type=int, default=5,
+    bench.add_argument("--rounds", dest="timing_rounds", type=int, default=5,
                        help="timed rounds, each one forward of every method, interleaved: img/s from the median "
                             "round, the speed-up the geometric mean of the rounds' ratios (default: %(default)s)")
+    deprecated(bench, "--timing-rounds", "--rounds", "timing_rounds", type=int)
     bench.add_argument("--no-timing", action="store_true", help="GMACs and accuracy only: no throughput or latency")
     bench.add_argument("--limit", type=int, help="evaluate only the first N images")
     bench.add_argument("--num-workers", type=int, default=2, help="data loading workers")
-    bench.add_argument("--out", help="write the table as CSV")
+    bench.add_argument("--out", "--results-file", help="write the table as CSV (--results-file: timm's spelling)")
     bench.add_argument("--plot", help="write a GMACs-vs-accuracy Pareto plot (PNG)")
     bench.add_argument("--tocom", help="ToCom compensator (folder or Hub repo): adds a '+ToCom' row after each "
                                        "tome / evit row")
@@ -53,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         if args.no_timing and not args.data:
             raise ValueError("--plot needs --data or timing: with --no-timing and random inputs there is nothing to plot")
     # checked with --no-timing too: a flag's value is checked whether or not it is used
-    check_int("--timing-rounds", args.timing_rounds, 1, "(--no-timing times nothing)")
+    check_int("--rounds", args.timing_rounds, 1, "(--no-timing times nothing)")
     check_int("--latency-runs", args.latency_runs, 0, "(0: no latency)")
     if random_weights(args):
         args.notes.append("no --checkpoint or --pretrained: random weights, accuracy columns are meaningless")
@@ -77,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         latency_runs=0 if args.no_timing else args.latency_runs,
     )
-    timing = ("no timing" if args.no_timing else f"backend {args.backend}"
+    timing = ("no timing" if args.no_timing else f"mode {args.backend}"
               + (f", latency: {args.latency_runs} single-image forwards" if args.latency_runs else ""))
     print(describe_settings(args.device, args.dtype, args.tf32) + f", batch {args.batch_size}, {timing}")
     print(format_table(rows))

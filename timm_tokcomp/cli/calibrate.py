@@ -2,7 +2,7 @@
 for an r schedule."""
 import argparse
 
-from .flags import FILE_OUT, device_flag, progress_flag, random_weights, weights_flags
+from .flags import FILE_OUT, batch_size_flag, device_flag, model_flags, progress_flag, random_weights, weights_flags
 
 
 ATM_TOLERANCE, ATM_ALPHA = 0.02, 1.0
@@ -12,7 +12,7 @@ ATM_FLAGS = (("tolerance", "--tolerance"), ("alpha", "--alpha"), ("split_layer",
 def add(sub: argparse._SubParsersAction) -> None:
     cal = sub.add_parser("calibrate", help="find ATM thresholds that hit a GMACs budget, or DyMU's per-block "
                                           "thresholds, on your images (no labels)")
-    cal.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224, or open_clip:ARCH")
+    model_flags(cal, "timm architecture, e.g. deit_tiny_patch16_224, or open_clip:ARCH")
     cal.add_argument("--method", choices=("atm", "dymu"), default="atm",
                      help="atm: thresholds for a GMACs target (--target-gmacs / --target-ratio); dymu: DyMU's "
                           "thresholds for --r merges per image and block (default: %(default)s)")
@@ -27,7 +27,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--alpha", type=float, help=f"atm: initial threshold, kept fixed (default: {ATM_ALPHA})")
     cal.add_argument("--split-layer", type=int, help="atm: blocks after it use size-distinctive matching "
                                                     "(default: three quarters of the depth)")
-    cal.add_argument("--batch-size", type=int, default=64)
+    batch_size_flag(cal, 64)
     device_flag(cal)
     cal.add_argument("--num-workers", type=int, default=2, help="data loading workers")
     cal.add_argument("--out", help="where to save the preset (default: <method>_preset.json)")

@@ -3,15 +3,14 @@ import argparse
 import sys
 
 from ..methods import exportable_methods
-from .flags import FILE_OUT, weights_flags
+from .flags import FILE_OUT, model_flags, weights_flags
 
 
 def add(sub: argparse._SubParsersAction) -> None:
     exportable = exportable_methods()
     ex = sub.add_parser("export", help=f"write a plain or reduced model ({', '.join(exportable)}) as ONNX (dynamic "
                                        f"batch) and check it in onnxruntime")
-    ex.add_argument("model", help="timm architecture (or open_clip:ARCH), or a tagged name such as "
-                                        "deit_tiny_patch16_224.tome_r16")
+    model_flags(ex, "timm architecture (or open_clip:ARCH), or a tagged name such as deit_tiny_patch16_224.tome_r16")
     ex.add_argument("--method", help=f"method tag of {', '.join(exportable)} (atm, ats and kmedoids do not export: "
                                      f"their token counts or round-off depend on the data)")
     weights_flags(ex)

@@ -3,14 +3,14 @@ import argparse
 from typing import List
 
 from ..methods import FAMILIES, parameter_table
-from .flags import FOLDER_OUT, training_flags, weights_flags
+from .flags import FOLDER_OUT, batch_size_flag, model_flags, training_flags, weights_flags
 
 
 def add(sub: argparse._SubParsersAction) -> None:
     ft = sub.add_parser("finetune", help="parameter-efficient fine-tuning on labelled images: LoRA on qkv, a new "
                                          "head and the method's own parameters (PYRA's recipe); with --distill, on "
                                          "unlabelled images, learning the unreduced model's outputs")
-    ft.add_argument("model", help="timm architecture, e.g. deit_tiny_patch16_224")
+    model_flags(ft, "timm architecture, e.g. deit_tiny_patch16_224")
     ft.add_argument("--method", default="none", help=f"token reduction trained with: a method tag ({FAMILIES}) "
                                                      f"or none (default: %(default)s)")
     ft.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -26,8 +26,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     ft.add_argument("--out", required=True, help="folder to write: peft adapter, method parameters, card, training/")
     weights_flags(ft)
     ft.add_argument("--epochs", type=int, default=10, help="(default: %(default)s)")
-    ft.add_argument("--batch-size", type=int, default=32, help="(default: %(default)s)")
-    ft.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default: %(default)s)")
+    batch_size_flag(ft, 32)
+    ft.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate, as given (timm's --lr; "
+                                                           "default: %(default)s)")
     ft.add_argument("--weight-decay", type=float, default=1e-4, help="(default: %(default)s)")
     ft.add_argument("--warmup-epochs", type=int, help="linear warm-up before the cosine decay (default: 1, or 0 "
                                                       "with --epochs 1)")

@@ -16,6 +16,36 @@ class HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+class Deprecated(argparse.Action):
+    """An old spelling kept for one release, hidden from the help: it sets the flag it stands for (dest) and main()
+    prints a note naming the new spelling."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.deprecated = getattr(namespace, "deprecated", []) + [
+            f"{option_string} is deprecated and goes in the next release: use {self.new}"]
+
+
+def deprecated(parser: argparse.ArgumentParser, old: str, new: str, dest: str, **kwargs) -> None:
+    """Accept `old` as a hidden, noted spelling of `new` (whose value is args.dest)."""
+    parser.add_argument(old, dest=dest, action=Deprecated, new=new, **kwargs)
+
+
+def model_flags(parser: argparse.ArgumentParser, help: str) -> None:
+    """MODEL, positional or as timm's scripts spell it (--model / -m); main() takes either, and refuses both."""
+    parser.add_argument("model", nargs="?", metavar="MODEL", help=help)
+    parser.add_argument("--model", "-m", dest="model_flag", metavar="MODEL", help="MODEL, as timm's scripts spell it")
+
+
+def batch_size_flag(parser: argparse.ArgumentParser, default: int, help: str = "") -> None:
+    """One batch size, spelled as timm's scripts do (-b / --batch-size)."""
+    parser.add_argument("--batch-size", "-b", type=int, default=default, help=help or None)
+
+
 def numbers(flag: str, text: str, kind: type) -> tuple:
     """'2,3' -> (2, 3); a ValueError naming the flag otherwise."""
     try:
@@ -40,8 +70,9 @@ def training_flags(parser: argparse.ArgumentParser, unit: str) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the previous run in OUT (set aside, deleted when this run ends; a non-empty OUT "
                              "is refused without --resume or --overwrite)")
-    parser.add_argument("--stop-after", type=int,
+    parser.add_argument(f"--stop-after-{unit}s", dest="stop_after", type=int,
                         help=f"leave after this {unit} with a checkpoint (continue with --resume)")
+    deprecated(parser, "--stop-after", f"--stop-after-{unit}s", "stop_after", type=int)
     parser.add_argument("--num-workers", type=int, default=2, help="data loading workers per process "
                                                                    "(default: %(default)s)")
     progress_flag(parser)
@@ -83,8 +114,8 @@ def precision_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--amp", action="store_true", help="autocast every forward (evaluation and timing) to "
                                                           "--amp-dtype, as a half-precision deployment does")
     parser.add_argument("--amp-dtype", choices=("bfloat16", "float16"), default="bfloat16", help="with --amp")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
-                        help="deprecated spelling: --dtype bf16 is --amp, --dtype fp16 is --amp --amp-dtype float16")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help=argparse.SUPPRESS)  # deprecated: bf16 is
+    # --amp, fp16 is --amp --amp-dtype float16 (resolve_precision notes it)
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (torch's default: off)")
     parser.set_defaults(inference_precision=True)
 

@@ -2,7 +2,8 @@
 import argparse
 
 from ..methods import FAMILIES
-from .flags import FILE_OUT, device_flag, hf_model_flag, numbers, precision_flags, progress_flag, weights_flags
+from .flags import (FILE_OUT, device_flag, hf_model_flag, model_flags, numbers, precision_flags, progress_flag,
+                    weights_flags)
 
 
 SPEED_METHODS = "tome_r8,tome_r16,evit_r8,evit_r16"
@@ -15,8 +16,8 @@ SPEED_METHODS_CUDA = (",tome_r8@torch,tome_r16@torch,evit_r8@torch,evit_r16@torc
 def add(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("speed", help="forward time of each method against the plain model and against its limit "
                                       "(no matching), per batch size, in eager / compiled / CUDA-graph mode")
-    sp.add_argument("model", nargs="?", help="timm architecture (default: deit_tiny_patch16_224, as bench; the GPU "
-                                             "tables use deit_base_patch16_224; or --hf-model, or open_clip:ARCH)")
+    model_flags(sp, "timm architecture (default: deit_tiny_patch16_224, as bench; the GPU tables use "
+                    "deit_base_patch16_224; or --hf-model, or open_clip:ARCH)")
     sp.add_argument("--methods", help=f"comma list of method tags ({FAMILIES}), '<tag>@<path>' "
                                       f"(a kernel, a prop_attn implementation or both: tome_r16@triton, "
                                       f"tome_r16@fold_qkv, tome_r16@triton+fold) or presets; default: "
@@ -26,6 +27,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--modes", default="eager", help="comma list of eager, compile (torch.compile), cudagraph "
                                                      "(compile with CUDA graphs, CUDA only), graph (the "
                                                      "eager forward in a CUDA graph, CUDA only); default: %(default)s")
+    sp.add_argument("--torchcompile", dest="modes", action="store_const", const="compile",
+                    help="timm's spelling of --modes compile")
     device_flag(sp)
     precision_flags(sp)
     sp.add_argument("--rounds", type=int, default=20,
@@ -35,7 +38,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     hf_model_flag(sp)
     sp.add_argument("--data", help="folder of images whose first batch is timed (random inputs without it; "
                                    "adaptive methods such as ATM need real images)")
-    sp.add_argument("--out", help="write the rows as CSV when the run ends; until then the rows so far are in "
+    sp.add_argument("--out", "--results-file", help="write the rows as CSV when the run ends; until then the rows so far are in "
                                   "OUT.partial, rewritten after each (mode, batch), so a run stopped later keeps "
                                   "what it measured and OUT is left as it was")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing --out file")

@@ -2,27 +2,28 @@
 import argparse
 
 from ..methods import tocom_methods
-from .flags import FOLDER_OUT, numbers, random_weights, training_flags, weights_flags
+from .flags import FOLDER_OUT, batch_size_flag, deprecated, model_flags, numbers, random_weights, training_flags, weights_flags
 
 
 def add(sub: argparse._SubParsersAction) -> None:
     tr = sub.add_parser("train-tocom", help="train ToCom compensator plugins by self-distillation (no labels); "
                                             "runs under torchrun --nproc_per_node=N too")
-    tr.add_argument("model", nargs="?", help="timm architecture, e.g. deit_tiny_patch16_224 (required; the older "
-                                             "--model spelling also works)")
-    tr.add_argument("--model", dest="model_flag", help="deprecated spelling of the positional MODEL")
+    model_flags(tr, "timm architecture, e.g. deit_tiny_patch16_224")
     weights_flags(tr)
     tr.add_argument("--data", required=True, help="folder of images (plain, labels.csv or ImageFolder; labels unused)")
     tr.add_argument("--out", required=True, help="adapter repository folder to write (training state in OUT/training)")
     tr.add_argument("--steps", type=int, default=1100, help="optimizer steps (default: %(default)s)")
-    tr.add_argument("--batch-size", type=int, default=32, help="images per step and process (default: %(default)s)")
-    tr.add_argument("--lr", type=float, default=0.03, help="AdamW lr per 256 images, scaled by the global batch "
-                                                           "(default: %(default)s)")
+    batch_size_flag(tr, 32, "images per step and process (default: %(default)s)")
+    tr.add_argument("--lr-base", dest="lr", type=float, default=0.03,
+                    help="AdamW lr per 256 images, scaled by the global batch (timm's --lr-base; default: %(default)s)")
+    deprecated(tr, "--lr", "--lr-base (the same per-256-images rate)", "lr", type=float)
     tr.add_argument("--weight-decay", type=float, default=0.01)
     tr.add_argument("--warmup-steps", type=int, help="linear warmup before the cosine decay (default: 5%% of steps)")
     tr.add_argument("--temperature", type=float, default=1.0, help="KL softmax temperature (default: %(default)s)")
     tr.add_argument("--scale", type=float, default=0.1, help="plugin scale s during training (default: %(default)s)")
-    tr.add_argument("--rank", type=int, default=2, help="LoRA rank h per projection and step (default: %(default)s)")
+    tr.add_argument("--lora-rank", dest="rank", type=int, default=2,
+                    help="LoRA rank h per projection and step (default: %(default)s)")
+    deprecated(tr, "--rank", "--lora-rank", "rank", type=int)
     tr.add_argument("--groups", type=int, default=16, help="plugins, i.e. the largest r (default: %(default)s)")
     tr.add_argument("--method", choices=tocom_methods(), default="tome", help="token reduction trained with")
     tr.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default: %(default)s)")
@@ -59,14 +60,6 @@ def run(args: argparse.Namespace) -> int:
         accumulate=args.accumulate)
     config.validate()
     check_device(args.device)
-    if args.model_flag is not None:
-        if args.model is not None:
-            raise ValueError(f"give the model once: positional {args.model!r} or --model {args.model_flag!r}")
-        args.notes.append("train-tocom --model MODEL is deprecated: give the model first, as every command takes it "
-                          "(tokcomp train-tocom MODEL ...)")
-        args.model = args.model_flag
-    if args.model is None:
-        raise ValueError("the model is required: tokcomp train-tocom MODEL --data DIR --out DIR")
     with distributed(args.device) as device:  # under torchrun: the process group, one GPU per process
         writer = rank_and_world()[0] == 0
         if random_weights(args) and writer:

@@ -2,7 +2,8 @@
 import argparse
 import sys
 
-from .flags import (FOLDER_OUT, device_flag, hf_model_flag, numbers, precision_flags, progress_flag, random_weights,
+from .flags import (FOLDER_OUT, deprecated, device_flag, hf_model_flag, model_flags, numbers, precision_flags,
+                    progress_flag, random_weights,
                     weights_flags)
 
 
@@ -10,8 +11,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     tu = sub.add_parser("tune", help="measure the training-free methods on this device and choose the fastest that "
                                       "keeps accuracy within a budget (top-1 with labels, agreement without), or no "
                                       "reduction")
-    tu.add_argument("model", nargs="?", help="timm architecture, e.g. deit_small_patch16_224 (or --hf-model, or "
-                                            "open_clip:ARCH)")
+    model_flags(tu, "timm architecture, e.g. deit_small_patch16_224, or open_clip:ARCH (required, unless "
+                    "--hf-model)")
     tu.add_argument("--data", required=True, help="folder of images (labels not needed; with labels top-1 is reported)")
     tu.add_argument("--out", required=True, help="folder for tune.csv, table.md, pareto.png and preset.json "
                                                  "(preset_b<B>.json per batch size when several)")
@@ -29,6 +30,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     tu.add_argument("--min-speedup", type=float, help="choose only a candidate at least this much faster (>= 1)")
     tu.add_argument("--modes", help="execution modes to try (eager, compile, cudagraph, graph); default: eager on "
                                     "the CPU, all four on CUDA")
+    tu.add_argument("--torchcompile", dest="modes", action="store_const", const="compile",
+                    help="timm's spelling of --modes compile")
     tu.add_argument("--methods", help="candidate settings instead of the default space: method tags or presets, "
                                       "comma separated (each still tried on every path and mode)")
     tu.add_argument("--limit", type=int, default=1500,
@@ -36,7 +39,8 @@ def add(sub: argparse._SubParsersAction) -> None:
                          "a loss can be promised)")
     tu.add_argument("--prune-images", type=int, default=128, help="the first images, used to screen candidates; "
                                                                   "the rest decide (default: %(default)s)")
-    tu.add_argument("--max-rounds", type=int, default=30, help="timed rounds per candidate at most (a round: one "
+    deprecated(tu, "--max-rounds", "--rounds", "max_rounds", type=int)
+    tu.add_argument("--rounds", dest="max_rounds", type=int, default=30, help="timed rounds per candidate at most (a round: one "
                                                                "forward of it and one of the plain model; default: "
                                                                "%(default)s)")
     tu.add_argument("--time-budget", type=float, default=15.0, metavar="MINUTES",
@@ -55,8 +59,6 @@ def run(args: argparse.Namespace) -> int:
     from ..kit.grammar import parse_space
     from ..tuning import preset_paths, tune
 
-    if args.model is None:
-        raise ValueError("give MODEL (a timm architecture or open_clip:ARCH) or --hf-model FOLDER")
     if random_weights(args):
         args.notes.append("no --checkpoint or --pretrained: random weights were tuned, whose agreement says nothing")
     space = None if args.methods is None else parse_space(args.methods)

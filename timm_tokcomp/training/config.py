@@ -12,14 +12,15 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def int_field(name: str, low: int) -> Param:
-    """An integer field >= low."""
-    return Param(name, check=integer(flag(name), low))
+def int_field(name: str, low: int, shown: str = "") -> Param:
+    """An integer field >= low; its error names `shown` (the flag, where it is not flag(name))."""
+    return Param(name, check=integer(shown or flag(name), low))
 
 
-def real_field(name: str, low: float = 0.0, strict: bool = True, allow_none: bool = False) -> Param:
-    """A finite number field above low (at least low where not strict); None allowed with allow_none."""
-    check: Callable[[Any], Any] = real(flag(name), low, strict)
+def real_field(name: str, low: float = 0.0, strict: bool = True, allow_none: bool = False, shown: str = "") -> Param:
+    """A finite number field above low (at least low where not strict); None allowed with allow_none; its error
+    names `shown` (the flag, where it is not flag(name))."""
+    check: Callable[[Any], Any] = real(shown or flag(name), low, strict)
     return Param(name, check=optional(check) if allow_none else check)
 
 

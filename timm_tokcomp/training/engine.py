@@ -204,7 +204,7 @@ def train(make_task: Callable[[str, int], TrainingTask], out: str, run_entries: 
     before make_task does any work. old_settings: settings added since a checkpoint may have been written, at the
     value such a checkpoint ran with."""
     if stop_after is not None:
-        check_int("--stop-after", stop_after, 1, f"({stop_unit}s)")
+        check_int(f"--stop-after-{stop_unit}s", stop_after, 1)
     rank, world = rank_and_world()
     dev = torch.device(device)
     forked = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []

@@ -63,9 +63,10 @@ class TrainConfig(CheckedFields):
     amp_dtype: str = "bfloat16"
     accumulate: int = 1  # batches per optimiser step (the global batch is batch_size x processes x accumulate)
 
-    FIELDS = (*(int_field(name, 1) for name in ("steps", "batch_size", "rank", "groups", "checkpoint_every")),
-              *(int_field(name, 0) for name in ("holdout", "seed")),
-              *(real_field(name) for name in ("lr", "temperature", "scale")), real_field("weight_decay", strict=False),
+    FIELDS = (*(int_field(name, 1) for name in ("steps", "batch_size", "groups", "checkpoint_every")),
+              int_field("rank", 1, "--lora-rank"), *(int_field(name, 0) for name in ("holdout", "seed")),
+              real_field("lr", shown="--lr-base"), *(real_field(name) for name in ("temperature", "scale")),
+              real_field("weight_decay", strict=False),
               choice_field("holdout_pick", HOLDOUT_PICKS), CROP_SCALE)
 
     def validate(self) -> None:

@@ -91,7 +91,7 @@ def _check_args(batches, budget, min_speedup, limit, prune_images, max_rounds, m
     if not is_int(limit) or limit < prune_images + 1:
         raise ValueError(f"--limit must be an integer above --prune-images ({prune_images}): the images after the "
                          f"first {prune_images} are held out for the agreement that decides; got {limit!r}")
-    check_int("--max-rounds", max_rounds, 3)
+    check_int("--rounds", max_rounds, 3)
     check_device(device)
     check_modes(modes, device)
 
