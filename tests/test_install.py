@@ -68,6 +68,7 @@ def test_every_extra_installs_as_the_docs_spell_it_with_any_pip():
     assert provided == set(declared), "the installed metadata is stale: pip install -e . again"
     texts = [p.read_text() for p in [root / "README.md", *(root / "docs").glob("*.md"), *(root / "tests").rglob("*.py"),
                                      *(root / "timm_tokcomp").rglob("*.py")]]
-    spelled = {e for t in texts for group in re.findall(r"timm[-_]tokcomp\[([a-z_,.-]+)\]", t) for e in group.split(",")}
+    spelled = {e for t in texts for group in re.findall(r"timm[-_]tokcomp\[([a-z_,.-]+)\]", t)
+               for e in group.split(",")}
     spelled |= set(re.findall(r'require\("[\w.]+", "([\w-]+)"', "\n".join(texts)))
     assert spelled and spelled <= provided, sorted(spelled - provided)

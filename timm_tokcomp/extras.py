@@ -33,7 +33,8 @@ def require(module: str, extra: str, purpose: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError:
-        package = {"sklearn": "scikit-learn", "open_clip": "open-clip-torch"}.get(module.split(".")[0], module.split(".")[0])
+        top = module.split(".")[0]
+        package = {"sklearn": "scikit-learn", "open_clip": "open-clip-torch"}.get(top, top)
         raise MissingExtra(f"{purpose} needs {package}, which the core install leaves out: "
                            f"{install_hint(package, extra)}") from None
 

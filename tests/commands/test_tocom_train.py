@@ -112,7 +112,8 @@ def test_distill_loss_is_kl_times_t_squared_or_l1():
                                        (dict(crop_scale=(0.5, 0.2)), "--crop-min"), (dict(method="atm"), "--method"),
                                        (dict(mosaic=(0,)), "--mosaic"), (dict(scale_targets=(17,)), "--scale-targets"),
                                        (dict(warmup_steps=5000), "--warmup-steps"), (dict(holdout=-1), "--holdout"),
-                                       (dict(lr=float("inf")), "--lr-base"), (dict(temperature=float("nan")), "--temperature"),
+                                       (dict(lr=float("inf")), "--lr-base"),
+                                       (dict(temperature=float("nan")), "--temperature"),
                                        (dict(steps=2.5), "--steps")])
 def test_bad_settings_are_refused_naming_the_flag(bad, flag):
     with pytest.raises(ValueError, match=flag):

@@ -99,7 +99,8 @@ def test_a_stage_cut_short_gets_what_later_stages_left(image_folder, monkeypatch
     time_runs, _ = _recorded(clock, seconds_per_forward=2.0, screen_only=monkeypatch)
     monkeypatch.setattr(tuning_timing, "time_runs", time_runs)
     result = _tune(image_folder, time_budget=1.0, batches=[4, 8])
-    assert any(line.startswith("pass 2: 0.5 min left, shared by the stages again") for line in result.settings["stages"])
+    assert any(line.startswith("pass 2: 0.5 min left, shared by the stages again")
+               for line in result.settings["stages"])
     defaults = [r for r in result.rows if r.batch == 8 and r.path == "torch, mask"]
     assert all(r.rounds >= 2 and not r.status.startswith("not reached") for r in defaults), defaults
     assert result.answer[-1].startswith("tune ended: all decided")

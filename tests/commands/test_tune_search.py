@@ -153,7 +153,8 @@ def test_a_token_schedule_is_measured_once_however_it_is_named(image_folder, mon
 def test_too_few_images_name_the_best_setting_and_write_a_preset_per_finalist(image_folder, tmp_path, monkeypatch):
     """Every setting changes one image in four (25 %) against a 40 % budget: below it as a point, above it at the
     95 % upper bound on 12 held-out images. Nothing is promised (preset.json: none), but the answer names the one
-    closest to a promise (all are as close: the fastest, r = 3), with both intervals and what would let it be promised, and candidates/ holds its preset."""
+    closest to a promise (all are as close: the fastest, r = 3), with both intervals and what would let it be
+    promised, and candidates/ holds its preset."""
     _fake(monkeypatch, breaks_from=1, every=4)
     out = tmp_path / "t"
     result = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[4], budget=40.0, space=SPACE[:3],
@@ -242,5 +243,6 @@ def test_the_cli_ends_with_the_answer_and_verbose_shows_every_candidate(image_fo
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith("tune ended: all decided in ") and out[-2].startswith("batch 4: tome prop_attn=True "
                                                                                     "r=8 [torch, mask] eager, 1.42x [")
-    assert any(line.startswith("batch 4: evit prop_attn=False r=8 [torch] eager: not checked: slower than tome") for line in out), \
+    evit = "batch 4: evit prop_attn=False r=8 [torch] eager: not checked: slower than tome"
+    assert any(line.startswith(evit) for line in out), \
         [line for line in out if line.startswith("batch")]

@@ -38,9 +38,10 @@ def add(sub: argparse._SubParsersAction) -> None:
     hf_model_flag(sp)
     sp.add_argument("--data", help="folder of images whose first batch is timed (random inputs without it; "
                                    "adaptive methods such as ATM need real images)")
-    sp.add_argument("--out", "--results-file", help="write the rows as CSV when the run ends; until then the rows so far are in "
-                                  "OUT.partial, rewritten after each (mode, batch), so a run stopped later keeps "
-                                  "what it measured and OUT is left as it was")
+    sp.add_argument("--out", "--results-file",
+                    help="write the rows as CSV when the run ends; until then the rows so far are in OUT.partial, "
+                         "rewritten after each (mode, batch), so a run stopped later keeps what it measured and OUT "
+                         "is left as it was (--results-file: timm's spelling)")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     progress_flag(sp)
     sp.set_defaults(default_model="deit_tiny_patch16_224", func=run, outputs=(FILE_OUT,))

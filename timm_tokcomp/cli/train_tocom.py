@@ -2,7 +2,8 @@
 import argparse
 
 from ..methods import tocom_methods
-from .flags import FOLDER_OUT, batch_size_flag, deprecated, model_flags, numbers, random_weights, training_flags, weights_flags
+from .flags import (FOLDER_OUT, batch_size_flag, deprecated, model_flags, numbers, random_weights, training_flags,
+                    weights_flags)
 
 
 def add(sub: argparse._SubParsersAction) -> None:

@@ -40,9 +40,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     tu.add_argument("--prune-images", type=int, default=128, help="the first images, used to screen candidates; "
                                                                   "the rest decide (default: %(default)s)")
     deprecated(tu, "--max-rounds", "--rounds", "max_rounds", type=int)
-    tu.add_argument("--rounds", dest="max_rounds", type=int, default=30, help="timed rounds per candidate at most (a round: one "
-                                                               "forward of it and one of the plain model; default: "
-                                                               "%(default)s)")
+    tu.add_argument("--rounds", dest="max_rounds", type=int, default=30,
+                    help="timed rounds per candidate at most (a round: one forward of it and one of the plain "
+                         "model; default: %(default)s)")
     tu.add_argument("--time-budget", type=float, default=15.0, metavar="MINUTES",
                     help="wall-clock minutes for the whole run, loading included; every stage ends by its share, and "
                          "when the budget ends tune chooses from what it measured and says what it did not reach "

@@ -117,7 +117,8 @@ class AccuracyStage:
                 if r.setting in search.verdicts:
                     continue
                 if by is not None:
-                    r.status = f"pruned: budget (stronger than {by} on its axis, which is above the budget: not checked)"
+                    r.status = (f"pruned: budget (stronger than {by} on its axis, which is above the budget: not "
+                                f"checked)")
                     stronger.add(r.setting)
                 elif answer is not None and r.setting in search.milder_than(answer):
                     r.status = f"pruned: milder than {answer} on its axis, which keeps the budget: never faster"
