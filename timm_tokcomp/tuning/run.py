@@ -375,7 +375,8 @@ class _Tuner(AccuracyStage, TimingStage):
                 lines.append(f"batch {choice.batch}: {row.candidate}, {row.speedup:.2f}x [{row.speedup_lo:.2f}, "
                              f"{row.speedup_hi:.2f}], {bound_text(row, self.measure, budget)} ({preset})")
                 continue
-            lines.append(f"batch {choice.batch}: no reduction promised ({preset}): {choice.reason}")
+            why = choice.reason.split(" (closest")[0].split("; ")[0]  # the full reason is in table.md and the preset
+            lines.append(f"batch {choice.batch}: no reduction promised ({preset}): {why}")
             best = best_measured(list(self.rows.values()), choice.batch, self.measure)
             if best is not None:
                 lines.append(f"  best measured: {best.candidate}, {best.speedup:.2f}x [{best.speedup_lo:.2f}, "
