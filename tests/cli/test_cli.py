@@ -129,6 +129,14 @@ def test_an_old_spelling_still_works_with_a_note(old, new, tmp_path, capsys):
     assert (tmp_path / "r.csv").is_file()
 
 
+def test_an_old_spelling_leaves_the_new_flags_default():
+    for argv in (["tune", "x", "--data", "d", "--out", "o"], ["bench"], ["train-tocom", "x", "--data", "d", "--out", "o"]):
+        args = build_parser().parse_args(argv)
+        assert getattr(args, "max_rounds", 30) == 30 and getattr(args, "timing_rounds", 5) == 5
+        assert getattr(args, "backend", "eager") == "eager" and getattr(args, "rank", 2) == 2
+        assert getattr(args, "lr", 0.03) == 0.03
+
+
 def test_timms_torchcompile_is_the_compile_mode():
     args = build_parser().parse_args(["bench", "--torchcompile"])
     assert args.backend == "compile"

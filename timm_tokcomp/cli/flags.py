@@ -32,7 +32,8 @@ class Deprecated(argparse.Action):
 
 def deprecated(parser: argparse.ArgumentParser, old: str, new: str, dest: str, **kwargs) -> None:
     """Accept `old` as a hidden, noted spelling of `new` (whose value is args.dest)."""
-    parser.add_argument(old, dest=dest, action=Deprecated, new=new, **kwargs)
+    parser.add_argument(old, dest=dest, action=Deprecated, new=new, default=argparse.SUPPRESS, **kwargs)  # the
+    # default is the new flag's, whichever is declared first
 
 
 def model_flags(parser: argparse.ArgumentParser, help: str) -> None:
