@@ -308,7 +308,7 @@ def test_a_faster_setting_above_the_budget_never_prunes_a_slower_one_within(imag
     (dict(space=[("tome",)]), TypeError, "space must hold"),
     (dict(min_speedup=True), ValueError, "--min-speedup must be a finite number >= 1"),
     (dict(prune_images=True), ValueError, "--prune-images must be an integer >= 1"),
-    (dict(max_rounds=float("nan")), ValueError, "--max-rounds must be an integer >= 3"),
+    (dict(max_rounds=float("nan")), ValueError, "--rounds must be an integer >= 3"),
 ])
 def test_python_arguments_are_checked_before_any_work(kwargs, error, match, tmp_path):
     args = {**dict(limit=20, prune_images=8, out=str(tmp_path / "o"), show_progress=False), **kwargs}
@@ -367,7 +367,7 @@ def test_real_deit_tiny_choice_follows_its_table_and_holds_on_unseen_images(tmp_
     monkeypatch.setattr(tuning_timing, "time_runs", recorded_times({"tome": 0.7}))  # accuracy is what is tested
     code = main(["tune", "deit_tiny_patch16_224", "--checkpoint", weights, "--data", str(data / "imagenet-val-1300"),
                  "--out", str(out), "--batches", "64", "--budget", str(budget), "--methods", "tome_r8",
-                 "--limit", "384", "--prune-images", "128", "--max-rounds", "4", "--no-progress",
+                 "--limit", "384", "--prune-images", "128", "--rounds", "4", "--no-progress",
                  "--budget-on", measure])
     assert code == 0
     rows = read_rows(out / "tune.csv")
@@ -393,7 +393,7 @@ def test_real_deit_tiny_choice_follows_its_table_and_holds_on_unseen_images(tmp_
 
 
 def test_max_rounds_is_an_upper_bound_and_progress_shows_each_phase(image_folder, monkeypatch, capsys):
-    """Timings that never settle run exactly --max-rounds rounds (not the next step above it); the progress bar
+    """Timings that never settle run exactly --rounds rounds (not the next step above it); the progress bar
     names the phase it is in."""
     calls = []
 

@@ -238,7 +238,7 @@ def test_the_cli_ends_with_the_answer_and_verbose_shows_every_candidate(image_fo
     _fake(monkeypatch, breaks_from=99, times={"tome r=8": 0.7, "evit r=8": 0.8})
     code = main(["tune", "deit_tiny_patch16_224", "--data", str(image_folder), "--out", str(tmp_path / "t"),
                  "--batches", "4", "--budget", "100", "--methods", "tome_r8,evit_r8", "--limit", "20",
-                 "--prune-images", "8", "--max-rounds", "3", "--no-progress", "--verbose"])
+                 "--prune-images", "8", "--rounds", "3", "--no-progress", "--verbose"])
     assert code == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith("tune ended: all decided in ") and out[-2].startswith("batch 4: tome prop_attn=True "
