@@ -23,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         command.add(sub)
     for command in sub.choices.values():  # MODEL, however it is given, first; required unless a default stands in
         if any(a.dest == "model" and not a.option_strings for a in command._actions):
-            given = "MODEL | --model MODEL" + (" | --hf-model FOLDER" if "hf_model" in command._defaults or any(
-                a.dest == "hf_model" for a in command._actions) else "")
+            hf = any(a.dest == "hf_model" for a in command._actions)
+            given = "MODEL | --model MODEL" + (" | --hf-model FOLDER" if hf else "")
             optional = command.get_default("default_model") is not None
             command.usage = f"%(prog)s {'[' if optional else '('}{given}{']' if optional else ')'} [options]"
     for command in sub.choices.values():  # an option without help text still shows its default
