@@ -3,7 +3,7 @@ speed-up intervals on interleaved timing rounds, percentiles. Pure Python."""
 import functools
 import math
 import statistics
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 
 def p90(values: List[float]) -> float:
@@ -81,9 +81,13 @@ def images_needed(measure: str, n: int, changed: int, gained: int, lost: int, bu
         scale = m / n
         return loss_bounds(measure, m, round(changed * scale), round(gained * scale), round(lost * scale))[2] <= budget
 
-    if fits(n):
-        return n
-    lo, hi = n, 2 * n
+    return _fewest_fitting(fits, n, most)
+
+
+def _fewest_fitting(fits: Callable[[int], bool], start: int, most: int) -> Optional[int]:
+    """The fewest images m >= start, within 1 %, for which fits(m) (which holds from some m on): doubling from start,
+    then bisection; None when it needs more than `most`."""
+    lo = hi = start
     while not fits(hi):
         if hi > most:
             return None
@@ -160,16 +164,8 @@ def images_for_promise(measure: str, loss: float, budget: float, discordant: flo
         lost, gained = round(m * (d + rate) / 2), round(m * (d - rate) / 2)
         return loss_bounds(measure, m, lost + gained, gained, lost)[2] <= budget
 
-    lo = hi = max(1, math.ceil(10 / d)) if measure == "top1" else 1  # top-1: ten changed images at least, so
-    # that rounding the counts does not decide
-    while not fits(hi):
-        if hi > most:
-            return None
-        lo, hi = hi, 2 * hi
-    while hi - lo > max(1, lo // 100):
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi
+    # top-1: from ten changed images at least, so that rounding the counts does not decide
+    return _fewest_fitting(fits, max(1, math.ceil(10 / d)) if measure == "top1" else 1, most)
 
 
 def promisable_loss(measure: str, held_out: int, budget: float, discordant: float = TYPICAL_DISCORDANT) -> float:

@@ -17,7 +17,7 @@ from ..measure import forward_counting
 from .budget import count
 from .rows import BUDGET_MEASURES, NOT_REACHED, SCREENED
 from .search import FastestFirst, SettingFacts
-from .select import bound_text
+from .select import against_fastest_plain, bound_text
 from .space import accuracy_twin
 
 # the confidence of the looks taken before a setting's last image (stricter than the decision's 95 %: repeated looks)
@@ -71,8 +71,6 @@ class AccuracyStage:
                 held: Predictions) -> None:
         """Check the settings in FastestFirst's order (_check), then give the unchecked ones their reason, and say
         in one line what the stage did."""
-        from .select import against_fastest_plain
-
         alive = [r for r in self.rows.values() if r.status == SCREENED and r.setting in facts]
         score = against_fastest_plain([r for r in self.rows.values() if r.speedup is not None])
         speedups: Dict[int, Dict[str, float]] = {b: {} for b in self.s["batches"]}
@@ -138,8 +136,7 @@ class AccuracyStage:
             return None
         if rows[0].status.startswith(("pruned: budget (screening", "pruned: held-out")):
             return False
-        upper = rows[0].loss_upper(self.measure)
-        return None if upper is None else upper <= self.s["budget"] + 1e-9
+        return None if rows[0].agree_n is None else rows[0].keeps(self.measure, self.s["budget"])
 
     def _check(self, setting: str, facts: SettingFacts, screen: Predictions, held: Predictions
                ) -> Tuple[Optional[bool], bool]:
@@ -177,7 +174,7 @@ class AccuracyStage:
                 self._write()
                 return None, False
             self._set(setting, **self._figures(paired))
-        within = rows[0].loss_upper(self.measure) <= self.s["budget"] + 1e-9
+        within = rows[0].keeps(self.measure, self.s["budget"])
         if not within and rows[0].loss(self.measure) >= self.s["budget"]:
             futile = (f"; at these rates not even all {len(self.images) - first} held-out images would bring the "
                       f"bound within the budget") if how == FUTILE else ""

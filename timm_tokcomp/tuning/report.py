@@ -163,7 +163,7 @@ def candidate_presets(result: TuneResult, out: str) -> Dict[Path, Choice]:
         if r.status != "timed":
             continue
         name = re.sub(r"[^A-Za-z0-9.=-]+", "_", r.candidate).strip("_") + (f"_b{r.batch}" if several else "")
-        promised = "within the budget" if r.loss_upper(measure) <= budget + 1e-9 else "NOT promised: above the budget"
+        promised = "within the budget" if r.keeps(measure, budget) else "NOT promised: above the budget"
         out_paths[Path(out) / CANDIDATES / f"{name}.json"] = Choice(
             r.batch, r, f"a finalist, {promised} at its 95 % upper bound: {r.speedup:.2f}x plain in {r.mode} mode "
                         f"(95 % interval {r.speedup_lo:.2f}-{r.speedup_hi:.2f}), {bound_text(r, measure, budget)}")

@@ -112,6 +112,12 @@ class TuneRow:
             return None
         return loss_bounds(measure, self.agree_n, self.changed, self.gained or 0, self.lost or 0)[2]
 
+    def keeps(self, measure: str, budget: float) -> bool:
+        """Whether its held-out loss keeps `budget` at the one-sided 95 % upper bound (False where not measured):
+        the promise tune makes."""
+        upper = self.loss_upper(measure)
+        return upper is not None and upper <= budget + 1e-9
+
 
 @dataclass
 class Choice:

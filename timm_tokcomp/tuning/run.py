@@ -226,8 +226,7 @@ class _Tuner(AccuracyStage, TimingStage):
                 r.status = status
 
     def _within(self, row: TuneRow) -> bool:
-        upper = row.loss_upper(self.measure)
-        return upper is not None and upper <= self.s["budget"] + 1e-9
+        return row.keeps(self.measure, self.s["budget"])
 
     def _finalist(self, row: TuneRow) -> bool:
         """A row waiting to be re-timed: not surely slower, held out, its loss below the budget."""
@@ -383,7 +382,7 @@ class _Tuner(AccuracyStage, TimingStage):
                              f"{best.speedup_hi:.2f}], {bound_text(best, self.measure, budget)}; to promise it: "
                              f"{promise_text(best, self.measure, budget, self.s['prune_images'])}; its preset: "
                              f"candidates/ (deploy it knowingly)")
-        left = self.budget.seconds - self.budget.elapsed()
+        left = self.budget.left()
         if not cut:
             unused = "" if self.budget.minutes is None else f", {left / 60:.1f} min of the budget unused"
             lines.append(f"tune ended: all decided in {self.budget.elapsed() / 60:.1f} min{unused}")
@@ -420,7 +419,7 @@ class _Tuner(AccuracyStage, TimingStage):
                 checked = copy.copy(choice.row)
                 for k, v in own.items():
                     setattr(checked, k, v)
-                if checked.loss_upper(self.measure) <= self.s["budget"] + 1e-9:
+                if self._within(checked):
                     for k, v in own.items():
                         setattr(choice.row, k, v)
                     choice.row.chosen = True

@@ -70,7 +70,7 @@ def choose(rows: Sequence[TuneRow], batch: int, budget: float, min_speedup: Opti
     many would be needed (with the --limit that gives them when prune_images is given)."""
     timed = [r for r in rows if r.batch == batch and r.status == "timed"]
     unit = BUDGET_MEASURES[measure]
-    within = [r for r in timed if r.loss_upper(measure) is not None and r.loss_upper(measure) <= budget + 1e-9]
+    within = [r for r in timed if r.keeps(measure, budget)]
     score = against_fastest_plain(timed)
     faster = [r for r in within if r.speedup_lo is not None and score[id(r)][1] > 1.0]
     enough = [r for r in faster if min_speedup is None or r.speedup >= min_speedup]

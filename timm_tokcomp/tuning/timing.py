@@ -96,8 +96,7 @@ class TimingStage:
 
     def _best_within(self, rows) -> Optional[TuneRow]:
         """The re-timed row within the budget with the highest lower bound, or None."""
-        within = [r for r in rows if r.status == TIMED and r.loss_upper(self.measure) is not None
-                  and r.loss_upper(self.measure) <= self.s["budget"] + 1e-9]
+        within = [r for r in rows if r.status == TIMED and self._within(r)]
         return max(within, key=lambda r: r.speedup_lo, default=None)
 
     def _is_default(self, c: Candidate) -> bool:
