@@ -246,6 +246,29 @@ def test_pages_speak_to_the_reader_not_about_the_projects_past(page):
     assert not found, f"{page.name}: {found}"
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_prose_reads_in_short_sentences_without_dates_of_changes(page):
+    """Plain technical writing: a page's prose (tables, code and headings aside) averages at most 22 words a
+    sentence, none over 50; no sentence dates a change ("since 2026-11-28": CHANGELOG.md keeps the history)."""
+    from prose import DATED, sentences, words
+
+    found = sentences(page.read_text())
+    long = [s for s in found if words(s) > 50]
+    average = sum(map(words, found)) / max(1, len(found))
+    assert not long and average <= 22, f"{page.name}: {average:.1f} words a sentence; over 50: {long[:3]}"
+    dated = [s for s in found if DATED.search(s)]
+    assert not dated, f"{page.name}: {dated}"
+
+
+def test_the_prose_reader_cuts_sentences_as_a_reader_does():
+    from prose import sentences
+
+    page = ("Intro text, e.g. a list vs. a table. Second one.\n\n| a | b |\n| --- | --- |\n\n```bash\nx. Y. Z.\n```\n"
+            "- An item with `code. Inside` it. Another sentence!\n# Heading. Not prose")
+    assert sentences(page) == ["Intro text, e.g. a list vs. a table.", "Second one.", "An item with CODE it.",
+                               "Another sentence!"]
+
+
 def test_the_onnx_export_list_names_every_method_and_only_those_that_export():
     from timm_tokcomp.methods import METHODS, method_class
 
