@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .core import apply, get_reducer, is_reduced, set_params
+from .families import facade
 from .kit.presets import write_preset
 from .kit.agreement import compare, predict
 from .checks import check_choice, check_int, check_real, is_real
@@ -147,7 +148,7 @@ def calibrate(
             hits.append((agreement, -distance, beta, theta_min, gmacs))
         return gmacs
 
-    depth = len(base.blocks)
+    depth = len(facade(base).blocks)  # open_clip's and transformers' blocks under timm's name
     for beta in sorted(betas):
         # floors below the last block's unfloored threshold change nothing: bisect above it
         lo, hi = max(-1.0, threshold_schedule(alpha, beta, -math.inf, depth)[-1]), alpha
@@ -199,7 +200,7 @@ def calibrate_dymu(base: nn.Module, batches: Sequence[torch.Tensor], model_name:
     the same images for its GMACs per image and agreement with `base`. progress(msg) after every batch."""
     _check_unreduced(base)
     _check_batches(batches)
-    schedule = resolve_r(validate_r(r, "--r"), len(base.blocks))
+    schedule = resolve_r(validate_r(r, "--r"), len(facade(base).blocks))
     if not any(schedule):
         raise ValueError(f"--r must merge in at least one block, got {r!r}")
     model = apply(copy.deepcopy(base), "dymu", thresholds=[1.0 if r_l else None for r_l in schedule])
