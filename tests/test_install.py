@@ -71,4 +71,8 @@ def test_every_extra_installs_as_the_docs_spell_it_with_any_pip():
     spelled = {e for t in texts for group in re.findall(r"timm[-_]tokcomp\[([a-z_,.-]+)\]", t)
                for e in group.split(",")}
     spelled |= set(re.findall(r'require\("[\w.]+", "([\w-]+)"', "\n".join(texts)))
+    spelled |= {e for t in texts for group in re.findall(r"\.\[([a-z_,.-]+)\]", t) for e in group.split(",")}
+    readme = (root / "README.md").read_text()
+    table = readme.split("| extra | brings | for |")[1].split("\n\n")[0]
+    spelled |= {e for row in re.findall(r"^\| ([^|]+) \|", table, re.M) for e in re.findall(r"`([\w-]+)`", row)}
     assert spelled and spelled <= provided, sorted(spelled - provided)
