@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..outputs import replacing
+from ..families import facade
 from ..patch import trace_blocks
 
 
@@ -102,15 +103,17 @@ def block_assignment(source: torch.Tensor, num_prefix: int) -> Tuple[torch.Tenso
 def record(model: nn.Module, method: str, batches: Iterable[torch.Tensor],
            progress: Optional[Callable[[int], None]] = None) -> Recording:
     """Run a token-reducing model (timm_tokcomp.apply'd) over batches of images (B, 3, H, W) and record it."""
-    num_prefix = model.num_prefix_tokens
-    grid = tuple(model.patch_embed.grid_size)
+    view = facade(model)  # timm's attribute names on every served family (NaFlexVit: its embeds' grid)
+    num_prefix = view.num_prefix_tokens
+    grid: Tuple[int, ...] = ()
     assigns: List[np.ndarray] = []
     depths: List[np.ndarray] = []
     features: List[np.ndarray] = []
     for x in batches:
         per_block: List[torch.Tensor] = []
+        grid = tuple(view.patch_embed.dynamic_feat_size(tuple(x.shape[-2:])))  # the images' grid: one size in a run
         depth = torch.ones(x.shape[0], grid[0] * grid[1], dtype=torch.int64)  # every patch enters block 0 alone
-        last = len(model.blocks) - 1
+        last = len(view.blocks) - 1
 
         def on_block(i: int, tokens: torch.Tensor, source: torch.Tensor, positions) -> None:
             assign, own = block_assignment(source.float(), num_prefix)

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from ..checks import check_int, integer, optional
 from ..core import __version__, apply
+from ..families import facade
 from ..extras import require
 from ..kit.grammar import method_spec
 from ..methods import method_class
@@ -57,6 +58,11 @@ def run_analysis(model_name: str, methods: Sequence[str], data: str, out: str, l
         raise ValueError(f"--methods needs two or more different methods to compare, got {list(methods)}")
     if "none" in methods:
         raise ValueError("--methods: 'none' reduces nothing (every patch stays its own token); list reducing methods")
+    from ..open_clip_models import is_open_clip_name
+
+    if is_open_clip_name(model_name):  # before the run folder: nothing written
+        raise ValueError(f"MODEL {model_name}: analyze records timm models (their source maps, grid and head); "
+                         f"time and measure open_clip towers with bench, speed or tune")
     try:
         specs = {name: method_spec(name) for name in methods}  # an unknown tag fails before any work
     except ValueError as e:
@@ -90,7 +96,9 @@ def _analyze(model_name, specs, data, out, limit, checkpoint, pretrained, batch_
     records = Path(out) / "records"
     recordings: Dict[str, Recording] = {}
     weights, images = weights_digest(base), data_digest(data)
-    max_bytes = Recording.bytes_at_most(count, len(base.blocks), math.prod(base.patch_embed.grid_size),
+    view = facade(base)  # timm's attribute names on every served family
+    grid = view.patch_embed.dynamic_feat_size(tuple(dataset[0][0].shape[-2:]))  # the eval transform's images
+    max_bytes = Recording.bytes_at_most(count, len(view.blocks), math.prod(grid),
                                         max(base.num_features, getattr(base, "head_hidden_size", 0) or 0))
     for name, (method, params) in specs.items():
         path = records / f"{name}.npz"
@@ -105,7 +113,7 @@ def _analyze(model_name, specs, data, out, limit, checkpoint, pretrained, batch_
             rec = record(model, name, (x.to(device) for x, _ in loader), bar.update)
         rec.save(path, settings)
         recordings[name] = rec
-    depth = len(base.blocks)
+    depth = len(view.blocks)
     blocks = compared_blocks(depth)
     pairs = len(methods) * (len(methods) - 1) // 2
     with tqdm(total=pairs, desc="compare", disable=not show_progress, file=sys.stderr) as bar:
