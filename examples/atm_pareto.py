@@ -13,11 +13,11 @@ from typing import Dict, List, Sequence, Tuple
 import timm
 import torch
 
-from timm_tokcomp.bench import build_method_models
-from timm_tokcomp.kit.agreement import evaluate
-from timm_tokcomp.kit.grammar import parse_methods
-from timm_tokcomp.models import build_base_model
-from timm_tokcomp.data import open_dataset
+from timm_tokcomp.commands.bench import build_method_models
+from timm_tokcomp.measure.agreement import evaluate
+from timm_tokcomp.deployment.specs import parse_methods
+from timm_tokcomp.models.build import build_base_model
+from timm_tokcomp.files.data import open_dataset
 
 TOME = ["tome_r4", "tome_r8", "tome_r12", "tome_r16"]
 

@@ -21,8 +21,8 @@ from torch import nn
 
 import timm_tokcomp
 from timm_tokcomp import kernels
-from timm_tokcomp.matching import bipartite_soft_matching
-from timm_tokcomp.timing import time_side_by_side
+from timm_tokcomp.ops.matching import bipartite_soft_matching
+from timm_tokcomp.measure.timing import time_side_by_side
 from timm_tokcomp.plans.merge import group_index
 
 PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}  # SXM memory bandwidth, GB/s

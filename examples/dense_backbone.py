@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import timm_tokcomp  # noqa: F401  (registers the method names)
-from timm_tokcomp.measure import count_macs
+from timm_tokcomp.measure.counting import count_macs
 
 
 class SimplePyramid(nn.Module):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from pyra_downstream import correct_flags, run_arms
-from timm_tokcomp.kit.stats import mcnemar_exact_p
+from timm_tokcomp.measure.stats import mcnemar_exact_p
 from timm_tokcomp.training.folder import FINETUNE_CONFIG
 
 ARMS = [("g_fpet", "fpet", {}, (0,)), ("h_fpet_norefine", "fpet_norefine", {}, (0,))]

@@ -33,7 +33,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from tqdm import tqdm
 
     import timm_tokcomp
-    from timm_tokcomp.data import open_images
+    from timm_tokcomp.files.data import open_images
 
     model = timm.create_model(args.model, pretrained=args.checkpoint is None).eval()
     if args.checkpoint:

@@ -18,10 +18,10 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.kit.stats import mcnemar_exact_p
-from timm_tokcomp.data import open_dataset
-from timm_tokcomp.measure import count_macs
-from timm_tokcomp.schedules import NAMED_SCHEDULES
+from timm_tokcomp.measure.stats import mcnemar_exact_p
+from timm_tokcomp.files.data import open_dataset
+from timm_tokcomp.measure.counting import count_macs
+from timm_tokcomp.methods.schedules import NAMED_SCHEDULES
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
 from timm_tokcomp.training.finetune import predict
 from timm_tokcomp.training.folder import FINETUNE_CONFIG

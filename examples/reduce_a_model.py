@@ -6,7 +6,7 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.measure import count_macs
+from timm_tokcomp.measure.counting import count_macs
 
 model = timm.create_model("deit_tiny_patch16_224").eval()  # pretrained=True needs the Hugging Face Hub
 x = torch.randn(2, 3, 224, 224)

@@ -16,10 +16,10 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.kit.stats import mcnemar_exact_p
-from timm_tokcomp.data import open_dataset
+from timm_tokcomp.measure.stats import mcnemar_exact_p
+from timm_tokcomp.files.data import open_dataset
 from timm_tokcomp.methods import parse_method_tag
-from timm_tokcomp.models import build_base_model
+from timm_tokcomp.models.build import build_base_model
 from timm_tokcomp.training.finetune import predict
 
 MODEL = "deit_tiny_patch16_224"

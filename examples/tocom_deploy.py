@@ -18,7 +18,7 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.data import open_dataset
+from timm_tokcomp.files.data import open_dataset
 from timm_tokcomp.tocom import attach, detach, load, set_compression
 
 DEFAULT_TOCOM = Path(__file__).resolve().parents[1] / "hub_cards" / "deit_tiny_patch16_224-tocom"

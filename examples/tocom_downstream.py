@@ -19,8 +19,8 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.kit.stats import mcnemar_exact_p
-from timm_tokcomp.data import open_dataset
+from timm_tokcomp.measure.stats import mcnemar_exact_p
+from timm_tokcomp.files.data import open_dataset
 from timm_tokcomp.tocom import attach, detach, load, set_compression
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
 from timm_tokcomp.training.finetune import predict

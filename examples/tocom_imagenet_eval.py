@@ -29,8 +29,8 @@ import torch
 from tqdm import tqdm
 
 import timm_tokcomp
-from timm_tokcomp.kit.stats import mcnemar_exact_p
-from timm_tokcomp.data import open_dataset, open_images
+from timm_tokcomp.measure.stats import mcnemar_exact_p
+from timm_tokcomp.files.data import open_dataset, open_images
 from timm_tokcomp.tocom import attach, detach, load, set_compression
 from timm_tokcomp.training.mosaic import heldout_indices
 from timm_tokcomp.training.engine import distill_loss

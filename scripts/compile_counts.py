@@ -1,7 +1,7 @@
 """What torch.compile pays for a reduced model against its plain model, counted with torch's own counters: graphs,
 graph breaks, recompiles for a second batch size and for a new r, Inductor's generated kernels, and the wall and
 CPU seconds to the first output. Each row compiles in a fresh process with an empty Inductor cache, as a user's
-first run does. The package's compiled modes (timm_tokcomp.compiling) build each row.
+first run does. The package's compiled modes (timm_tokcomp.runtime.compile) build each row.
 
     python scripts/compile_counts.py deit_tiny_patch16_224 --settings none tome_r16 evit_r16 --batches 2 4
     python scripts/compile_counts.py deit_tiny_patch16_224 --settings none tome_r16 --torch-compile  # as users do
@@ -26,7 +26,7 @@ def one_row(model_name: str, setting: str, batches, new_r: int, whole: bool) -> 
     from torch._inductor import metrics
 
     import timm_tokcomp
-    from timm_tokcomp import compiling
+    from timm_tokcomp.runtime import compile as compiling
 
     torch.manual_seed(0)
     name = model_name if setting == "none" else f"{model_name}.{setting}"

@@ -1,6 +1,6 @@
 """What a GPU pays for, counted on any machine: aten ops per forward (all, and the non-view ones that launch a
 kernel) and host syncs, on the first forward of a fresh model and on a later one, for one method on each
-proportional-attention implementation (timm_tokcomp.measure.OpCounter; random weights and inputs, fp32).
+proportional-attention implementation (timm_tokcomp.measure.counting.OpCounter; random weights and inputs, fp32).
 
     python scripts/count_ops.py                                   # DeiT-Tiny, tome_r16, batch 8
     python scripts/count_ops.py --model deit_small_patch16_224 --methods tome_r8 --batch-size 2
@@ -19,10 +19,10 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.attention import PROP_ATTN_IMPLS
-from timm_tokcomp.measure import OpCounter
-from timm_tokcomp.kit.grammar import method_spec
-from timm_tokcomp.models import HFFolder, build_base_model
+from timm_tokcomp.ops.attention import PROP_ATTN_IMPLS
+from timm_tokcomp.measure.counting import OpCounter
+from timm_tokcomp.deployment.specs import method_spec
+from timm_tokcomp.models.build import HFFolder, build_base_model
 
 VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias", "permute", "transpose", "t", "expand", "unsqueeze",
          "squeeze", "select", "slice", "unbind", "split", "split_with_sizes", "alias", "as_strided", "detach",

@@ -13,10 +13,10 @@ import torch
 from tqdm import tqdm
 
 import timm_tokcomp
-from timm_tokcomp.data import open_images
-from timm_tokcomp.kit.agreement import predict
-from timm_tokcomp.kit.grammar import method_spec
-from timm_tokcomp.models import build_base_model
+from timm_tokcomp.files.data import open_images
+from timm_tokcomp.measure.agreement import predict
+from timm_tokcomp.deployment.specs import method_spec
+from timm_tokcomp.models.build import build_base_model
 
 
 def main() -> None:

@@ -16,9 +16,9 @@ from timm.data.naflex_dataset import NaFlexCollator
 from timm.data.naflex_transforms import Patchify
 
 import timm_tokcomp
-from timm_tokcomp.measure import OpCounter
-from timm_tokcomp.timing import time_side_by_side
-from timm_tokcomp.registry import split_method_tag
+from timm_tokcomp.measure.counting import OpCounter
+from timm_tokcomp.measure.timing import time_side_by_side
+from timm_tokcomp.models.timm_names import split_method_tag
 
 # (rows, cols) patch grids of about the same token count, different aspect ratios
 GRIDS = ((16, 16), (12, 20), (20, 12), (14, 18), (18, 14), (10, 24), (24, 10), (13, 19))

@@ -1,6 +1,6 @@
 """Methods against reference methods image by image, on a labelled folder: GMACs per image (counted from the run),
 top-1, agreement with the plain model, and against each reference the images gained and lost with the exact
-McNemar p (timm_tokcomp.kit.agreement). The study's protocol for a new method at matched GMACs.
+McNemar p (timm_tokcomp.measure.agreement). The study's protocol for a new method at matched GMACs.
 
     python scripts/paired_methods.py --data $TOKCOMP_DATA/imagenet-val-1300 \\
         --checkpoint $TOKCOMP_DATA/deit_tiny_patch16_224.safetensors --reference tome_k70,dpcknn_k70 \\
@@ -19,10 +19,10 @@ import torch
 from tqdm import tqdm
 
 import timm_tokcomp
-from timm_tokcomp.data import open_images
-from timm_tokcomp.kit.agreement import compare, predict
-from timm_tokcomp.kit.grammar import method_spec
-from timm_tokcomp.models import build_base_model
+from timm_tokcomp.files.data import open_images
+from timm_tokcomp.measure.agreement import compare, predict
+from timm_tokcomp.deployment.specs import method_spec
+from timm_tokcomp.models.build import build_base_model
 from timm_tokcomp.training import load_finetuned
 from timm_tokcomp.training.folder import FINETUNE_CONFIG
 

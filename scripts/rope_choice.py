@@ -19,8 +19,8 @@ from torch import nn
 from tqdm import tqdm
 
 import timm_tokcomp
-from timm_tokcomp.kit.stats import mcnemar_exact_p
-from timm_tokcomp.data import UnlabeledImages
+from timm_tokcomp.measure.stats import mcnemar_exact_p
+from timm_tokcomp.files.data import UnlabeledImages
 from timm_tokcomp.training.engine import SeededAugment, Schedule, TrainingTask, distill_loss, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -21,9 +21,9 @@ from timm.layers import resample_abs_pos_embed
 from tqdm import tqdm
 
 import timm_tokcomp
-from timm_tokcomp.data import open_images
-from timm_tokcomp.kit.grammar import method_spec
-from timm_tokcomp.measure import count_macs
+from timm_tokcomp.files.data import open_images
+from timm_tokcomp.deployment.specs import method_spec
+from timm_tokcomp.measure.counting import count_macs
 
 
 def sam_from_deit(checkpoint: str, img_size: int) -> torch.nn.Module:

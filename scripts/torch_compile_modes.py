@@ -19,12 +19,12 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.checks import check_int
+from timm_tokcomp.utils.checks import check_int
 from timm_tokcomp.cli.flags import numbers
-from timm_tokcomp.compiling import COMPILE_MODES
-from timm_tokcomp.kit.modes import check_batches
-from timm_tokcomp.kit.stats import speedup_interval
-from timm_tokcomp.timing import no_silent_eager_fallback, synchronizer, time_runs
+from timm_tokcomp.runtime.compile import COMPILE_MODES
+from timm_tokcomp.deployment.modes import check_batches
+from timm_tokcomp.measure.stats import speedup_interval
+from timm_tokcomp.measure.timing import no_silent_eager_fallback, synchronizer, time_runs
 
 
 def first_output_s(fn, x) -> float:

@@ -84,7 +84,7 @@ def reducing_params(method: str, depth: int) -> dict:
 
 def positions_seen(model, images):
     """Run model on images, returning (plan kind, coords before, coords after) of every rotary-position reduction."""
-    from timm_tokcomp.rope import TokenPositions
+    from timm_tokcomp.ops.rope import TokenPositions
 
     seen = []
     original = TokenPositions.reduced
@@ -119,7 +119,7 @@ def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int = 1) -> 
 def op_counts(model: torch.nn.Module, x: torch.Tensor):
     """The aten ops, kernel launches and host synchronisations of model(x) under no_grad, after one call that warms
     it (measure.OpCounter)."""
-    from timm_tokcomp.measure import OpCounter
+    from timm_tokcomp.measure.counting import OpCounter
 
     with torch.no_grad():
         model(x)

@@ -1,7 +1,8 @@
-"""The house rules DESIGN.md sets, read from the source: nothing inside the package imports its face
-(timm_tokcomp/__init__.py), no import cycle (imports inside functions count; `if TYPE_CHECKING` ones do not), and
-one training loop (the only optimiser step is the engine's)."""
+"""The house rules, read from the source: the floors of docs/architecture.md (a room imports only rooms below it),
+nothing inside the package imports its face (timm_tokcomp/__init__.py), no import cycle (imports inside functions
+count; `if TYPE_CHECKING` ones do not), and one training loop (the only optimiser step is the engine's)."""
 import ast
+import re
 from pathlib import Path
 from typing import Dict, List, Set
 
@@ -79,61 +80,74 @@ def test_the_engine_holds_the_only_optimiser_step():
     assert sorted(steps) == ["timm_tokcomp.training.engine", "timm_tokcomp.training.engine (AdamW)"]
 
 
-# The floors, bottom up: a module imports only from its own floor or below. A new module must be given a floor here.
-FLOORS = (
-    ("tensors and files", ("checks", "state", "schedules", "tables", "extras", "userfiles", "hub", "outputs", "plans", "timing",
-                           "matching", "ops", "attention", "rope", "measure", "precision", "device_table", "graphs", "data", "identity",
-                           "kernels")),
-    ("methods", ("methods",)),
-    ("models", ("regions", "handoff", "reducing", "dense", "compiling", "families", "patch", "core", "registry", "open_clip_models",
-                "models", "export", "learned", "tocom", "tocom.compensator", "tocom.hub", "tocom.plugins")),
-    ("kit", ("kit",)),
-    ("commands", ("bench", "speed", "tuning", "calibrate", "analysis", "training", "selfcheck",
-                  "kernels.selfcheck")),  # the GPU kit's name for `python -m timm_tokcomp.selfcheck`
-    ("command line", ("cli",)),
-)
-COMMANDS = ("bench", "speed", "tuning", "calibrate", "analysis", "selfcheck", "cli")  # they stand side by side; the CLI ties them
+# The floors: docs/architecture.md's table (floor | rooms | what lives there | tests), read here so the page and the
+# rule cannot drift apart. A room is a folder of timm_tokcomp/ or a module at its top.
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+ROW = re.compile(r"^\| (\d+) \| ([^|]+) \| [^|]+ \| ([^|]+) \|$", re.M)
 
 
-def _longest_prefix(name: str, prefixes) -> str:
-    inside = name[len("timm_tokcomp."):]
-    found = [p for p in prefixes if inside == p or inside.startswith(p + ".")]
-    return max(found, key=len) if found else ""
+def floors() -> Dict[str, int]:
+    """room -> floor, from docs/architecture.md ("__init__" is the face, timm_tokcomp itself)."""
+    found: Dict[str, int] = {}
+    for floor, rooms, _ in ROW.findall(ARCHITECTURE.read_text()):
+        for room in re.findall(r"`([\w]+)`", rooms):
+            assert room not in found, f"{room} stands on two floors"
+            found[room] = int(floor)
+    return found
 
 
-def _floor(name: str) -> int:
-    """The floor a module stands on (the face above them all); -1 where FLOORS does not place it."""
-    if name == "timm_tokcomp":
-        return len(FLOORS)
-    best = _longest_prefix(name, [p for _, prefixes in FLOORS for p in prefixes])
-    return next((i for i, (_, prefixes) in enumerate(FLOORS) if best in prefixes), -1) if best else -1
+def room_of(name: str) -> str:
+    """The room of a module: its top folder below timm_tokcomp, its top-level module, or the face."""
+    parts = name.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
 
 
-def test_every_module_stands_on_a_floor_and_no_import_runs_up_a_floor():
+def _floor_of(name: str, placed: Dict[str, int]) -> int:
+    return placed.get(room_of(name), -1)
+
+
+def test_every_room_stands_on_a_floor_and_imports_only_rooms_below_it():
     modules = _modules()
-    assert sorted(name for name in modules if _floor(name) < 0) == []
-    upward = sorted(f"{name} ({FLOORS[_floor(name)][0]}) imports {dep} ({FLOORS[_floor(dep)][0]})"
-                    for name, path in modules.items() if name != "timm_tokcomp"
-                    for dep in _imports(name, path, modules) if _floor(dep) > _floor(name))
-    assert upward == []
+    placed = floors()
+    rooms = {room_of(name) for name in modules}
+    assert sorted(rooms - set(placed)) == [], "rooms docs/architecture.md does not place"
+    assert sorted(set(placed) - rooms) == [], "rooms docs/architecture.md places that do not exist"
+    wrong = sorted(f"{name} (floor {_floor_of(name, placed)}) imports {dep} (floor {_floor_of(dep, placed)})"
+                   for name, path in modules.items() for dep in _imports(name, path, modules)
+                   if room_of(dep) != room_of(name) and _floor_of(dep, placed) >= _floor_of(name, placed))
+    assert wrong == []
 
 
-def test_no_command_module_imports_a_sibling_command_except_the_cli():
+def test_the_house_has_few_rooms_and_a_short_top_level():
+    """At most 25 rooms (a folder one room) and 5 modules at the top of timm_tokcomp/."""
+    rooms = {room_of(name) for name in _modules()}
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(rooms) <= 25, sorted(rooms)
+    assert len(top) <= 5, top
+
+
+def command_of(name: str) -> str:
+    """The command a module of timm_tokcomp.commands belongs to ('' outside it; paths is shared by them all)."""
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "commands" and parts[2] != "paths" else ""
+
+
+def test_no_command_imports_another_command():
     modules = _modules()
-    sideways = sorted(f"{name} imports {dep}" for name, path in modules.items()
-                      if _longest_prefix(name, COMMANDS) not in ("", "cli")
-                      for dep in _imports(name, path, modules)
-                      if _longest_prefix(dep, COMMANDS) not in ("", _longest_prefix(name, COMMANDS)))
+    sideways = sorted(f"{name} imports {dep}" for name, path in modules.items() if command_of(name)
+                      for dep in _imports(name, path, modules) if command_of(dep) not in ("", command_of(name)))
     assert sideways == []
 
 
 def test_the_floor_rules_catch_what_they_forbid():
-    """The two rules above on made-up imports: a method importing the kit, the kit importing bench, speed importing
-    bench."""
-    assert _floor("timm_tokcomp.methods.tome") < _floor("timm_tokcomp.kit.modes") < _floor("timm_tokcomp.bench")
-    assert _floor("timm_tokcomp.selfcheck") > _floor("timm_tokcomp.models") > _floor("timm_tokcomp.kernels")
-    assert _longest_prefix("timm_tokcomp.speed", COMMANDS) != _longest_prefix("timm_tokcomp.bench", COMMANDS)
-    assert _longest_prefix("timm_tokcomp.analysis.report", COMMANDS) == "analysis"
+    """The rules above on made-up imports: a method importing a command, a command importing another."""
+    placed = floors()
+    assert _floor_of("timm_tokcomp.methods.tome", placed) < _floor_of("timm_tokcomp.commands.bench.run", placed)
+    assert _floor_of("timm_tokcomp.runtime.loop", placed) > _floor_of("timm_tokcomp.kernels.library", placed) > 0
+    assert _floor_of("timm_tokcomp.nowhere", placed) == -1
+    assert command_of("timm_tokcomp.commands.tune.run") != command_of("timm_tokcomp.commands.bench.run")
+    assert command_of("timm_tokcomp.commands.paths") == "" == command_of("timm_tokcomp.runtime.loop")
+    assert room_of("timm_tokcomp") == "__init__" and room_of("timm_tokcomp.patch") == "patch"
 
 
 def _plan_kinds():
@@ -181,7 +195,7 @@ def test_only_plans_execute_plans():
                 if {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} & names:
                     probes.append(f"{name}: {ast.unparse(node)}")
     assert probes == []
-    loop = ast.unparse(ast.parse((ROOT / "reducing.py").read_text()))
+    loop = ast.unparse(ast.parse((ROOT / "runtime" / "loop.py").read_text()))
     assert "plan.apply(x, size, source)" in loop
 
 
@@ -201,14 +215,12 @@ def test_no_test_module_is_over_450_lines():
 
 
 def test_the_tests_mirror_the_floors():
-    """A test module sits in the folder of the floor it tests (tests/<floor>/), or at tests/ when it checks the
-    whole package (its architecture, docs, examples, install, guarantees, public API properties)."""
+    """A test module sits in the folder docs/architecture.md names for its floor (tests/<folder>/), or at tests/ when
+    it checks the whole package (its architecture, docs, examples, install, guarantees, public API properties)."""
     tests = Path(__file__).resolve().parent
-    folders = {"tensors and files": "tensors", "methods": "methods", "models": "models", "kit": "kit",
-               "commands": "commands", "command line": "cli"}
-    assert [name for name, _ in FLOORS] == list(folders)
+    named = {folder.strip() for _, _, folder in ROW.findall(ARCHITECTURE.read_text())} - {"whole package"}
     found = {p.parent.name for p in tests.rglob("test_*.py")} - {tests.name}
-    assert found == set(folders.values())
+    assert found == named
     whole = {p.name for p in tests.glob("test_*.py")}
     assert whole == {"test_architecture.py", "test_docs.py", "test_examples.py", "test_install.py",
                      "test_guarantees.py", "test_properties.py"}

@@ -59,7 +59,7 @@ PRESET_STAND_INS = {"tuned/preset_b64.json": ("tome", {"r": 8}), "tuned/preset.j
 
 def make_needed_files(needs: List[str], folder: Path) -> None:
     """The files the snippet's '# needs:' lines name, made in folder; AssertionError for one the tests cannot make."""
-    from timm_tokcomp.kit.presets import PRESET_FORMAT
+    from timm_tokcomp.deployment.presets import PRESET_FORMAT
 
     for need in needs:
         path = need.split()[0]

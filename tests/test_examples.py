@@ -99,7 +99,7 @@ def test_kernel_paths_example_compares_both_paths_image_by_image(capsys):
 
 
 def test_study_paired_example_counts_images_gained_and_lost_per_set_and_pooled():
-    from timm_tokcomp.kit.stats import mcnemar_exact_p
+    from timm_tokcomp.measure.stats import mcnemar_exact_p
 
     study = _load("study_paired")
     right = {"imagenet-val-1300": {"dpcknn_k50": torch.tensor([1, 1, 1, 0], dtype=torch.bool),

@@ -16,7 +16,7 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp.cli import main
-from timm_tokcomp.outputs import replacing
+from timm_tokcomp.files.outputs import replacing
 from timm_tokcomp.tocom import load
 from conftest import make_model
 
@@ -116,7 +116,7 @@ def test_unreduced_features_pool_plainly_without_a_record():
 # 3. calibration refuses a reduced reference
 
 def test_calibrate_refuses_a_reduced_model():
-    from timm_tokcomp.calibrate import calibrate
+    from timm_tokcomp.commands.calibrate import calibrate
 
     model = timm_tokcomp.apply(make_model("cls"), "tome", r=4)
     with pytest.raises(ValueError, match="unmodified model as its reference"):

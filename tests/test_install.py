@@ -17,8 +17,8 @@ def _run(code: str) -> subprocess.CompletedProcess:
 def test_the_core_install_runs_apply_the_names_and_bench(tmp_path):
     done = _run(f"""
 import timm, torch, timm_tokcomp
-from timm_tokcomp.bench import run_bench
-from timm_tokcomp.kit.grammar import parse_methods
+from timm_tokcomp.commands.bench import run_bench
+from timm_tokcomp.deployment.specs import parse_methods
 from timm_tokcomp.cli import main
 from timm_tokcomp.tocom import Compensator, load
 model = timm.create_model("deit_tiny_patch16_224.tome_r8")

@@ -7,8 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import timm_tokcomp
 from conftest import make_model

@@ -10,14 +10,14 @@ Vision Transformers.
 """
 from typing import Any
 
-from .compiling import compile
-from .kit.deploy import deploy
-from .kit.presets import load_preset
-from .core import (NO_REDUCTION, __version__, apply, get_reducer, is_reduced, last_stats, remove,
-                   set_params)
+from .runtime.compile import compile
+from .deployment.deploy import deploy
+from .deployment.presets import load_preset
+from .core import NO_REDUCTION, __version__, apply, get_reducer, is_reduced, last_stats, remove, set_params
 from .methods import METHODS
-from .registry import register_all as _register_all
-from .state import ReductionStats
+from ._moved import install as _install_moved_paths
+from .models.timm_names import register_all as _register_all
+from .runtime.state import ReductionStats
 
 __all__ = ["apply", "remove", "set_params", "compile", "get_reducer", "last_stats", "is_reduced", "load_preset", "deploy", "tune", "METHODS",
            "ReductionStats", "NO_REDUCTION", "__version__"]
@@ -25,10 +25,11 @@ __all__ = ["apply", "remove", "set_params", "compile", "get_reducer", "last_stat
 
 def tune(*args: Any, **kwargs: Any):
     """Measure the candidates on this device and choose the fastest within an accuracy budget, or none
-    (timm_tokcomp.tuning.tune; its docstring lists the arguments)."""
-    from .tuning import tune as _tune
+    (timm_tokcomp.commands.tune.tune; its docstring lists the arguments)."""
+    from .commands.tune import tune as _tune
 
     return _tune(*args, **kwargs)
 
 
+_install_moved_paths()  # the old module paths, one release, with a DeprecationWarning
 _register_all()

@@ -9,7 +9,7 @@ from . import patch as _patch
 from .families import patched_family, resolve
 from .methods import make_reducer, method_class
 from .methods.base import TokenReducer
-from .state import ReductionStats
+from .runtime.state import ReductionStats
 
 __version__ = "0.2.0"
 NO_REDUCTION = "none"  # the plain model as a method choice (a tune preset that found nothing faster within budget)

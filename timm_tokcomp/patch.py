@@ -9,8 +9,8 @@ from torch import nn
 
 from .families import Family, family_of, patched_family, resolve
 from .methods.base import TokenReducer
-from .reducing import patch_grid, prefix_only_last
-from .state import ReductionStats, feature_stats, forget_last, last_of
+from .runtime.loop import patch_grid, prefix_only_last
+from .runtime.state import ReductionStats, feature_stats, forget_last, last_of
 
 _ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_block_cost", "_tokcomp_pool_sizes", "_tokcomp_depth")
 _BLOCK_ATTRS = ("_tokcomp_reducer", "_tokcomp_setting", "_tokcomp_num_prefix")

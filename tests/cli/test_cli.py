@@ -161,7 +161,7 @@ def test_precision_is_spelled_as_timm_spells_it_and_the_old_flag_still_works(tmp
 
 
 def test_ctrl_c_is_one_line_saying_what_was_kept_and_exit_130(tmp_path, capsys, monkeypatch):
-    import timm_tokcomp.speed
+    import timm_tokcomp.commands.speed
     from timm_tokcomp.cli import main
 
     def interrupted(*args, on_rows=None, **kwargs):
@@ -169,7 +169,7 @@ def test_ctrl_c_is_one_line_saying_what_was_kept_and_exit_130(tmp_path, capsys, 
             (tmp_path / "speed.csv.partial").write_text("mode,batch\n")  # what on_rows writes after a step
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(timm_tokcomp.speed, "run_speed", interrupted)
+    monkeypatch.setattr(timm_tokcomp.commands.speed, "run_speed", interrupted)
     argv = ["speed", "--methods", "tome_r8", "--batches", "1", "--no-progress"]
     assert main(argv + ["--out", str(tmp_path / "speed.csv")]) == 130
     err = capsys.readouterr().err

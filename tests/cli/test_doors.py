@@ -14,8 +14,8 @@ from timm.models.vision_transformer import VisionTransformer
 
 from conftest import SMALL
 from timm_tokcomp import cli
-from timm_tokcomp.data import open_images
-from timm_tokcomp.userfiles import UserFileError
+from timm_tokcomp.files.data import open_images
+from timm_tokcomp.files.userfiles import UserFileError
 
 MODEL = "deit_tiny_patch16_224"
 
@@ -210,7 +210,7 @@ def test_an_uncached_pretrained_name_offline_says_what_to_do_in_python(tmp_path)
     import sys
 
     code = ("import timm, timm_tokcomp\n"
-            "from timm_tokcomp.hub import HubUnreachableError\n"
+            "from timm_tokcomp.files.hub import HubUnreachableError\n"
             "for name in ('deit_tiny_patch16_224.tome_r8', 'deit_tiny_patch16_224'):\n"
             "    try:\n"
             "        timm.create_model(name, pretrained=True)\n"
@@ -326,7 +326,7 @@ def test_a_failing_run_keeps_the_earlier_run_in_its_folder(tmp_path, capsys, com
 def test_a_failing_command_keeps_the_earlier_file(tmp_path, capsys, command, out_flag):
     """Every command writing one file refuses an existing one without --overwrite, and with it replaces the file
     only once it has succeeded."""
-    from timm_tokcomp import selfcheck
+    from timm_tokcomp.commands import selfcheck
 
     out = tmp_path / "earlier.csv"
     out.write_text("earlier\n")
@@ -373,7 +373,7 @@ def test_only_the_images_a_limit_reads_are_checked(tmp_path, capsys):
 
 def _writers():
     """Every public function that writes a finished output a user names: (name, write(path, overwrite))."""
-    from timm_tokcomp import bench, calibrate, speed, tuning
+    from timm_tokcomp.commands import bench, calibrate, speed, tune as tuning
     from timm_tokcomp.tocom import Compensator
     from timm_tokcomp.tocom.hub import save
 

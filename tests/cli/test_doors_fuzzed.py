@@ -3,13 +3,12 @@ image folders load or name the file, never crash otherwise."""
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
 from safetensors.torch import save_file
 
-from timm_tokcomp.data import open_dataset, open_images, read_labels
-from timm_tokcomp.userfiles import UserFileError, read_json, read_safetensors, read_state_dict
+from timm_tokcomp.files.data import open_dataset, open_images, read_labels
+from timm_tokcomp.files.userfiles import UserFileError, read_json, read_safetensors, read_state_dict
 
 
 FILES = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -13,8 +13,8 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from test_doors import MODEL, _assert_refused, _commands, _images
-from timm_tokcomp import outputs
-from timm_tokcomp.kit.grammar import parse_methods
+from timm_tokcomp.files import outputs
+from timm_tokcomp.deployment.specs import parse_methods
 
 FILE_COMMANDS = {  # every command writing one file, with the flag naming it
     "bench": ["bench", MODEL, "--methods", "tome_r8", "--no-timing", "--no-progress"],
@@ -147,8 +147,8 @@ def test_tune_device_batches_and_data_are_named(tmp_path, capsys):
 
 @pytest.mark.parametrize("content", [b"\xff\xfe\x00\x01binary", b"batch,mode\n1,2,3,4\n"])
 def test_a_garbage_tune_csv_on_resume_names_the_file(tmp_path, content):
-    from timm_tokcomp.tuning import read_rows
-    from timm_tokcomp.userfiles import UserFileError
+    from timm_tokcomp.commands.tune import read_rows
+    from timm_tokcomp.files.userfiles import UserFileError
 
     path = tmp_path / "tune.csv"
     path.write_bytes(content)
@@ -158,7 +158,7 @@ def test_a_garbage_tune_csv_on_resume_names_the_file(tmp_path, content):
 
 def test_a_preset_without_a_method_names_the_file(tmp_path, capsys):
     from timm_tokcomp import load_preset
-    from timm_tokcomp.userfiles import UserFileError
+    from timm_tokcomp.files.userfiles import UserFileError
 
     preset = tmp_path / "p.json"
     preset.write_text(json.dumps({"format": 1, "params": {}}))
@@ -201,12 +201,12 @@ def test_finetunes_default_warm_up_fits_a_single_epoch():
 
 
 def test_selfcheck_on_the_cpu_without_the_interpreter_says_how(monkeypatch, capsys):
-    from timm_tokcomp import selfcheck
+    from timm_tokcomp.commands import selfcheck
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(SystemExit) as e:
         selfcheck.main(["--device", "cpu", "--no-timing"])
-    assert e.value.code == 2 and "TRITON_INTERPRET=1 python -m timm_tokcomp.selfcheck" in \
+    assert e.value.code == 2 and "TRITON_INTERPRET=1 python -m timm_tokcomp.commands.selfcheck" in \
         capsys.readouterr().err
 
 
@@ -240,7 +240,7 @@ def test_an_unreachable_hub_fails_in_one_line_without_retries(tmp_path):
 
 def test_a_local_looking_compensator_path_says_no_such_folder_with_python_advice(tmp_path, monkeypatch):
     from timm_tokcomp import tocom
-    from timm_tokcomp.userfiles import UserFileError
+    from timm_tokcomp.files.userfiles import UserFileError
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -304,7 +304,7 @@ def test_tune_refuses_the_dense_variant_which_reduces_no_token(tmp_path):
 
 
 def test_bench_explains_a_none_preset_as_the_plain_model(tmp_path):
-    from timm_tokcomp.bench import format_table, run_bench
+    from timm_tokcomp.commands.bench import format_table, run_bench
 
     preset = tmp_path / "none.json"
     preset.write_text(json.dumps({"format": 1, "method": "none", "params": {}}))
@@ -351,10 +351,10 @@ def test_a_format_number_that_is_not_the_integer_is_refused_by_every_versioned_f
     """JSON true == 1 in Python: every reader of a versioned file (presets, learned parameters, versioned folders)
     checks its format number as an integer, as the schema does its other integers."""
     from timm_tokcomp import load_preset
-    from timm_tokcomp.checks import is_version
-    from timm_tokcomp.kit.presets import PRESET_FORMAT
-    from timm_tokcomp.learned import config_file, load_learned, save_learned
-    from timm_tokcomp.userfiles import UserFileError, read_versioned_json
+    from timm_tokcomp.utils.checks import is_version
+    from timm_tokcomp.deployment.presets import PRESET_FORMAT
+    from timm_tokcomp.methods.learned import config_file, load_learned, save_learned
+    from timm_tokcomp.files.userfiles import UserFileError, read_versioned_json
 
     assert PRESET_FORMAT == 1 and not is_version(version, 1) and is_version(1, 1)
     preset = tmp_path / "p.json"

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from test_doors import _RunsCode
 from timm_tokcomp import cli
-from timm_tokcomp.data import open_dataset
-from timm_tokcomp.userfiles import UserFileError, read_json
+from timm_tokcomp.files.data import open_dataset
+from timm_tokcomp.files.userfiles import UserFileError, read_json
 
 REPO = Path(__file__).resolve().parents[2]
 PYRA = REPO / "hub_cards" / "deit_tiny_patch16_224-caltech101-pyra-high"
@@ -34,7 +34,7 @@ def _capped(code: str) -> str:
     script = textwrap.dedent("""
         import resource, sys, torch
         torch.set_num_threads(1)
-        import timm_tokcomp, timm_tokcomp.training, timm_tokcomp.tocom, timm_tokcomp.analysis.report, transformers
+        import timm_tokcomp, timm_tokcomp.training, timm_tokcomp.tocom, timm_tokcomp.commands.analyze.report, transformers
         pages = int(open("/proc/self/statm").read().split()[0])
         limit = pages * resource.getpagesize() + int({gib} * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -119,12 +119,12 @@ def test_a_tocom_rank_larger_than_its_files_is_refused_before_allocating(tmp_pat
 
 
 def test_a_pyra_config_larger_than_its_weights_is_refused_before_allocating(tmp_path):
-    from timm_tokcomp.learned import load_learned
+    from timm_tokcomp.methods.learned import load_learned
 
     folder = tmp_path / "pyra"
     shutil.copytree(PYRA, folder)
     _edit_json(folder / "pyra_config.json", dim=200_000, ranks=[2_000] * 12)  # ~4 GB of parameters
-    message = _capped(f"timm_tokcomp.learned.load_learned('pyra', {str(folder)!r})")
+    message = _capped(f"timm_tokcomp.methods.learned.load_learned('pyra', {str(folder)!r})")
     assert "does not match" in message and "pyra_config.json" in message
     assert load_learned("pyra", PYRA) is not None  # the shipped folder still loads
 
@@ -145,12 +145,12 @@ def test_an_hf_config_larger_than_its_weights_is_refused_before_building(tmp_pat
         "hidden_size": 8192, "intermediate_size": 32768, "num_attention_heads": 64, "image_size": 32,
         "patch_size": 16}))
     save_file({"vit.embeddings.cls_token": torch.zeros(1, 1, 8192)}, str(folder / "model.safetensors"))
-    message = _capped(f"timm_tokcomp.models.load_hf_model({str(folder)!r})")
+    message = _capped(f"timm_tokcomp.models.build.load_hf_model({str(folder)!r})")
     assert "config.json" in message and "refused before building" in message
 
 
 def test_a_recording_that_unpacks_beyond_this_run_is_not_decompressed(tmp_path):
-    from timm_tokcomp.analysis.record import Recording
+    from timm_tokcomp.commands.analyze.record import Recording
 
     path = tmp_path / "tome_r8.npz"
     with open(path, "wb") as f:  # 3 GB of zeros, a few MB compressed
@@ -158,7 +158,7 @@ def test_a_recording_that_unpacks_beyond_this_run_is_not_decompressed(tmp_path):
     settings = {"model": "m"}
     small = Recording.bytes_at_most(images=4, depth=12, patches=196, features=192)
     assert _capped(f"""
-        from timm_tokcomp.analysis.record import Recording
+        from timm_tokcomp.commands.analyze.record import Recording
         rec = Recording.load_if({str(path)!r}, "tome_r8", {settings!r}, {small})
         raise ValueError(f"load_if gave {{rec}}")
     """) == "load_if gave None"
@@ -240,7 +240,7 @@ def test_a_pickled_hf_weights_file_is_one_line_and_runs_nothing(tmp_path, capsys
 def test_a_hub_download_is_asked_for_by_prefix(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from timm_tokcomp.hub import hub_snapshot
+    from timm_tokcomp.files.hub import hub_snapshot
 
     fetched = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: fetched.append(repo) or str(tmp_path))

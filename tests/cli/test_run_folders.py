@@ -4,9 +4,8 @@ neither run code through its checkpoint nor lead a read or write outside through
 import pytest
 import torch
 
-from test_doors import EARLIER, _RunsCode, _assert_refused, _commands, _digest, _earlier_run
-from test_doors import _images as door_images
-from timm_tokcomp.outputs import run_folder
+from test_doors import EARLIER, _RunsCode, _assert_refused, _commands, _digest, _earlier_run, _images as door_images
+from timm_tokcomp.files.outputs import run_folder
 
 
 def test_run_folder_restores_sets_aside_and_finally_replaces(tmp_path, capsys):
@@ -87,7 +86,7 @@ def test_a_symbolic_link_in_the_run_folder_is_refused_before_any_work(tmp_path, 
 
 
 def test_a_run_never_writes_through_a_link(tmp_path):
-    from timm_tokcomp.outputs import OutputError, write_text
+    from timm_tokcomp.files.outputs import OutputError, write_text
 
     target = tmp_path / "target.txt"
     target.write_text("mine\n")

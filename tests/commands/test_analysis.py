@@ -8,9 +8,9 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.analysis.plots import DROPPED_GREY, overlay
-from timm_tokcomp.analysis.record import record
-from timm_tokcomp.analysis.report import run_analysis
+from timm_tokcomp.commands.analyze.plots import DROPPED_GREY, overlay
+from timm_tokcomp.commands.analyze.record import record
+from timm_tokcomp.commands.analyze.report import run_analysis
 from timm_tokcomp.cli import main
 
 
@@ -91,13 +91,13 @@ def test_analyze_writes_the_report_and_resumes_from_its_recordings(image_folder,
 
     with pytest.raises(FileExistsError, match="--resume"):
         _run(image_folder, out)
-    real_record = __import__("timm_tokcomp.analysis.report", fromlist=["record"]).record
-    monkeypatch.setattr("timm_tokcomp.analysis.report.record", lambda *a, **k: pytest.fail("recorded again"))
+    real_record = __import__("timm_tokcomp.commands.analyze.report", fromlist=["record"]).record
+    monkeypatch.setattr("timm_tokcomp.commands.analyze.report.record", lambda *a, **k: pytest.fail("recorded again"))
     again = _run(image_folder, out, resume=True, overlays=0, checkpoint=str(weights))
     assert [r.value for r in again] == [r.value for r in rows]
     assert not list(out.glob("overlay_*.png"))  # not drawn this time, so none of the last run's is left
     recorded = []
-    monkeypatch.setattr("timm_tokcomp.analysis.report.record", lambda model, name, *a: recorded.append(name) or
+    monkeypatch.setattr("timm_tokcomp.commands.analyze.report.record", lambda model, name, *a: recorded.append(name) or
                         real_record(model, name, *a))
     _run(image_folder, out, resume=True, overlays=0)  # random weights: other ones than the checkpoint's
     assert sorted(recorded) == ["evit_r8", "tome_r8", "topk_k70"]

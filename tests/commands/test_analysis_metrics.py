@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from timm_tokcomp.analysis.metrics import (assignment_agreement, depth_map_similarity, grid_emd, kept_overlap,
+from timm_tokcomp.commands.analyze.metrics import (assignment_agreement, depth_map_similarity, grid_emd, kept_overlap,
                                            linear_cka, procrustes_distance, pwcca_distance)
 
 
@@ -63,9 +63,9 @@ def test_depth_spearman_is_undefined_for_a_constant_map_and_the_csv_stays_numeri
     None (not NaN), written as an empty cell, shown as 'undefined' with the reason."""
     import csv
 
-    from timm_tokcomp.analysis.compare import MetricRow
-    from timm_tokcomp.analysis.metrics import depth_map_similarity
-    from timm_tokcomp.analysis.report import _write_csv
+    from timm_tokcomp.commands.analyze.compare import MetricRow
+    from timm_tokcomp.commands.analyze.metrics import depth_map_similarity
+    from timm_tokcomp.commands.analyze.report import _write_csv
 
     varied = np.arange(16.0).reshape(4, 4)
     got = depth_map_similarity(np.full((4, 4), 12.0), varied)

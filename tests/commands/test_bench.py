@@ -5,9 +5,9 @@ import pytest
 import torch
 from PIL import Image
 
-from timm_tokcomp.kit.grammar import method_spec, parse_methods
-from timm_tokcomp.kit.stats import mcnemar_exact_p
-from timm_tokcomp.calibrate import CalibrationResult, save_preset
+from timm_tokcomp.deployment.specs import method_spec, parse_methods
+from timm_tokcomp.measure.stats import mcnemar_exact_p
+from timm_tokcomp.commands.calibrate import CalibrationResult, save_preset
 from timm_tokcomp.cli import main
 
 # one timed batch and two single-image forwards per model (the default 30 would be most of a test's time in bf16)
@@ -89,7 +89,7 @@ def test_bench_dtype_autocasts_every_forward_and_says_so(tmp_path, capsys):
 
 
 def test_precision_autocasts_and_restores_tf32():
-    from timm_tokcomp.precision import precision
+    from timm_tokcomp.measure.precision import precision
 
     before = torch.backends.cuda.matmul.allow_tf32
     with precision("cpu", "bf16", tf32=not before):
@@ -183,7 +183,7 @@ def test_bench_adds_tocom_rows_after_tome_and_evit_rows(tmp_path, capsys):
 
 
 def test_tocom_rows_count_the_images_whose_agreement_changed(tmp_path):
-    from timm_tokcomp.bench import run_bench
+    from timm_tokcomp.commands.bench import run_bench
     from timm_tokcomp.tocom import Compensator, save
 
     names = _write_images(tmp_path / "val" / "images", 24, seed=3)
@@ -229,7 +229,7 @@ def test_no_timing_reports_gmacs_and_accuracy_only(tmp_path, capsys):
 
 
 def test_the_table_names_its_columns_and_flags_ratios_within_noise():
-    from timm_tokcomp.bench import BenchRow, format_table
+    from timm_tokcomp.commands.bench import BenchRow, format_table
 
     rows = [BenchRow("none", 1.25, None, 100.0, 1.0, None, None, 197, speedup_lo=1.0, speedup_hi=1.0),
             BenchRow("tome_r8", 0.9, None, 130.0, 1.3, None, None, 109, speedup_lo=1.2, speedup_hi=1.4),
@@ -246,7 +246,7 @@ def test_the_table_names_its_columns_and_flags_ratios_within_noise():
 
 
 def test_a_plain_preset_whose_interval_excludes_one_is_called_drift(tmp_path):
-    from timm_tokcomp.bench import BenchRow, format_table
+    from timm_tokcomp.commands.bench import BenchRow, format_table
 
     preset = str(tmp_path / "none.json")  # the row says it is a plain preset: the table reads no file
     plain = BenchRow("none", 1.25, None, 100.0, 1.0, None, None, 197, speedup_lo=1.0, speedup_hi=1.0)
@@ -271,7 +271,7 @@ def test_a_preset_is_read_once_per_bench_run(tmp_path, monkeypatch):
     params, its recorded mode), and the file is not opened again."""
     import json
 
-    from timm_tokcomp.bench import run_bench
+    from timm_tokcomp.commands.bench import run_bench
     from timm_tokcomp.kit import presets
 
     path = tmp_path / "p.json"

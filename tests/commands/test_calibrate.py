@@ -6,10 +6,10 @@ import torch
 from PIL import Image
 
 import timm_tokcomp
-from timm_tokcomp.calibrate import calibrate, save_preset
-from timm_tokcomp.kit.presets import load_preset
+from timm_tokcomp.commands.calibrate import calibrate, save_preset
+from timm_tokcomp.deployment.presets import load_preset
 from timm_tokcomp.cli import main
-from timm_tokcomp.measure import count_macs
+from timm_tokcomp.measure.counting import count_macs
 from conftest import SMALL, make_model
 
 

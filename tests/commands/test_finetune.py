@@ -47,7 +47,7 @@ def _predictions_are_the_models(model, images, out):
     the model's eval transform); returns (those images (n, 3, H, W), the CSV rows)."""
     import timm
 
-    from timm_tokcomp.data import open_images
+    from timm_tokcomp.files.data import open_images
 
     with open(out / "training" / "predictions.csv") as f:
         rows = list(csv.DictReader(f))

@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import load_file
 
 import timm_tokcomp
-from timm_tokcomp.bench import run_bench
+from timm_tokcomp.commands.bench import run_bench
 from conftest import REPO, require_data
-from timm_tokcomp.kit.grammar import parse_methods
+from timm_tokcomp.deployment.specs import parse_methods
 
 pytestmark = pytest.mark.realdata
 

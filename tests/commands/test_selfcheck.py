@@ -1,4 +1,4 @@
-"""`python -m timm_tokcomp.selfcheck`, the GPU check of the fused kernels against their torch references, run here in
+"""`python -m timm_tokcomp.commands.selfcheck`, the GPU check of the fused kernels against their torch references, run here in
 Triton's CPU interpreter (fp32, untimed)."""
 import json
 import subprocess
@@ -7,14 +7,14 @@ import sys
 import pytest
 import torch
 
-from timm_tokcomp import selfcheck
+from timm_tokcomp.commands import selfcheck
 from timm_tokcomp.kernels import triton_tome
-from timm_tokcomp.matching import bipartite_soft_matching
+from timm_tokcomp.ops.matching import bipartite_soft_matching
 from timm_tokcomp.plans.merge import merge_mean
 
 
 def test_selfcheck_compares_every_step_and_fails_loudly(tmp_path, monkeypatch, capsys):
-    """`python -m timm_tokcomp.selfcheck`, the GPU check of the kernels, run here in the interpreter (fp32,
+    """`python -m timm_tokcomp.commands.selfcheck`, the GPU check of the kernels, run here in the interpreter (fp32,
     untimed): every step within tolerance; a step beyond it makes the exit status 1 (checked on ToMe's steps alone,
     --steps tome); bad dtypes and steps are refused."""
     out = tmp_path / "check.json"

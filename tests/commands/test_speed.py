@@ -8,13 +8,13 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp import speed
+from timm_tokcomp.commands import speed
 from timm_tokcomp.kit import modes
 from timm_tokcomp.cli import main
 from timm_tokcomp.families import VIT
 from timm_tokcomp.patch import patch
-from timm_tokcomp.speed import LimitReducer, limit_schedule
-from timm_tokcomp.kit.grammar import parse_methods
+from timm_tokcomp.commands.speed import LimitReducer, limit_schedule
+from timm_tokcomp.deployment.specs import parse_methods
 
 FAST = ["--rounds", "1", "--no-progress"]
 
@@ -124,7 +124,7 @@ def test_speed_compiled_mode_skips_data_dependent_methods_and_never_falls_back_s
 
 
 def test_speed_compares_every_mode_with_the_fastest_plain_model_and_states_first_calls(monkeypatch):
-    from timm_tokcomp import compiling
+    from timm_tokcomp.runtime import compile as compiling
 
     # the package's compiled mode (regions for the reduced models), traced by dynamo's 'eager' backend
     monkeypatch.setattr(modes, "runner", lambda m, mode, x: m if mode == "eager" else compiling.compile(m, backend="eager"))
@@ -166,7 +166,7 @@ def test_limit_of_a_study_method_reduces_where_the_method_does():
 
 
 def test_a_preset_that_declined_is_a_row_of_its_own_timed_as_plain(tmp_path, capsys):
-    from timm_tokcomp.kit.presets import write_preset
+    from timm_tokcomp.deployment.presets import write_preset
 
     preset = tmp_path / "declined.json"
     write_preset(preset, "none", {}, execution={"mode": "eager"})

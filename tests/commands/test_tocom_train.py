@@ -19,8 +19,7 @@ from timm_tokcomp.training.mosaic import Mosaic, heldout_indices, split_images
 from timm_tokcomp.tocom.plugins import Plugins
 from timm_tokcomp.training.tocom import TrainConfig, draw_pair, train_tocom, warmup_steps
 from timm_tokcomp.training.engine import SeededAugment, distill_loss, epoch_batches, warmup_cosine_lr
-from conftest import make_model
-from conftest import _random_compensator
+from conftest import make_model, _random_compensator
 
 TINY = dict(steps=4, batch_size=4, holdout=4, checkpoint_every=2, scale_grid=(0.05, 0.1), scale_targets=(8, 16))
 

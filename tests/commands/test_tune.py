@@ -8,15 +8,14 @@ import pytest
 import torch
 
 import timm_tokcomp
-from timm_tokcomp import tuning
-from timm_tokcomp.tuning import run as tuning_run
-from timm_tokcomp.tuning import timing as tuning_timing
+from timm_tokcomp.commands import tune as tuning
+from timm_tokcomp.commands.tune import run as tuning_run, timing as tuning_timing
 from timm_tokcomp.kit import modes
-from timm_tokcomp.bench import run_bench
+from timm_tokcomp.commands.bench import run_bench
 from timm_tokcomp.cli import main
-from timm_tokcomp.tuning import choose, read_rows
+from timm_tokcomp.commands.tune import choose, read_rows
 from conftest import DATA, make_model, require_data
-from timm_tokcomp.kit.grammar import parse_methods
+from timm_tokcomp.deployment.specs import parse_methods
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -101,7 +100,7 @@ def test_loading_a_preset_elsewhere_warns(tuned):
 
 
 def test_bench_runs_a_no_reduction_preset_as_the_plain_model(tmp_path):
-    from timm_tokcomp.tuning import save_tuned_preset
+    from timm_tokcomp.commands.tune import save_tuned_preset
 
     path = tmp_path / "preset.json"
     settings = {"model": "deit_tiny_patch16_224", "device_name": "elsewhere", "dtype": "bf16", "tf32": False,

@@ -8,11 +8,9 @@ import pytest
 import torch
 
 import timm_tokcomp
-from timm_tokcomp import tuning
+from timm_tokcomp.commands import tune as tuning
 from timm_tokcomp.kit import stats
-from timm_tokcomp.tuning import TuneRow, choose, read_rows
-from timm_tokcomp.tuning import run as tuning_run
-from timm_tokcomp.tuning import timing as tuning_timing
+from timm_tokcomp.commands.tune import TuneRow, choose, read_rows, run as tuning_run, timing as tuning_timing
 from timm_tokcomp.cli import main
 from test_tune import _small_model
 

@@ -4,9 +4,9 @@ budgets, and the candidates a device offers."""
 import pytest
 import torch
 
-from timm_tokcomp import tuning
+from timm_tokcomp.commands import tune as tuning
 from timm_tokcomp.kit import stats
-from timm_tokcomp.tuning import TuneRow, candidate_paths, choose
+from timm_tokcomp.commands.tune import TuneRow, candidate_paths, choose
 from conftest import make_model
 
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -132,7 +132,7 @@ def test_the_speed_up_estimate_lies_inside_its_interval():
 
 
 def test_speed_prints_intervals_and_names_cells_within_noise():
-    from timm_tokcomp.speed import SpeedRow, format_speed
+    from timm_tokcomp.commands.speed import SpeedRow, format_speed
 
     rows = [SpeedRow("eager", 1, "none", 10.0, 1.0, None), SpeedRow("eager", 1, "atm", 4.3, 2.31, 0.9, 0.6, 8.9),
             SpeedRow("eager", 1, "tome_r8", 6.0, 1.66, 0.95, 1.5, 1.8)]
@@ -164,7 +164,7 @@ def test_a_top1_budget_judges_the_points_of_top1_lost():
 
 
 def test_a_sample_too_small_for_the_budget_is_noted_with_what_would_do():
-    from timm_tokcomp.tuning import sample_notes
+    from timm_tokcomp.commands.tune import sample_notes
 
     (note,) = sample_notes(172, 128, 1.0, "top1")
     assert "172 held-out images" in note and "0.58 points" in note and "300 held-out images" in note
@@ -184,7 +184,7 @@ def test_the_images_needed_table_in_the_docs_is_what_the_statistics_give():
     import re
     from pathlib import Path
 
-    from timm_tokcomp.kit.stats import images_for_promise, loss_bounds, promisable_loss
+    from timm_tokcomp.measure.stats import images_for_promise, loss_bounds, promisable_loss
 
     root = Path(__file__).resolve().parents[2]
     table = dict(re.findall(r"^\| (0\.\d) \| about ([\d,]+) \|$", (root / "docs" / "speed.md").read_text(), re.M))

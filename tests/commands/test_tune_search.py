@@ -8,10 +8,9 @@ import json
 import pytest
 
 import timm_tokcomp
-from timm_tokcomp import tuning
-from timm_tokcomp.tuning import run as tuning_run
-from timm_tokcomp.tuning import timing as tuning_timing
-from timm_tokcomp.tuning.search import FastestFirst, SettingFacts, make_axes, ranking
+from timm_tokcomp.commands import tune as tuning
+from timm_tokcomp.commands.tune import run as tuning_run, timing as tuning_timing
+from timm_tokcomp.commands.tune.search import FastestFirst, SettingFacts, make_axes, ranking
 from conftest import SMALL
 from test_tune import _small_model
 from test_tune_budget import Clock
@@ -220,7 +219,7 @@ def test_a_setting_no_promise_can_come_of_stops_early(image_folder, monkeypatch)
     """Half of every batch changed (50 %) against a budget of 25 %: not surely above at 4 held-out images (the 99 %
     lower bound of 2 / 4 is 4 %), but at these rates not even all 12 held-out images would bring its upper bound
     within 25 %, so it stops there (futility, after the first batch here) instead of spending the rest."""
-    from timm_tokcomp.tuning import accuracy
+    from timm_tokcomp.commands.tune import accuracy
 
     monkeypatch.setattr(accuracy, "FUTILE_LEAST", 4)
     _fake(monkeypatch, breaks_from=1, every=2)

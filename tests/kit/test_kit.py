@@ -11,11 +11,11 @@ import timm_tokcomp
 from timm_tokcomp import methods
 from timm_tokcomp.cli import main
 from timm_tokcomp.kit import modes
-from timm_tokcomp.kit.paths import FastPath, default_path, fast_paths
-from timm_tokcomp.kit.presets import versions, write_preset
-from timm_tokcomp.precision import device_description
+from timm_tokcomp.commands.paths import FastPath, default_path, fast_paths
+from timm_tokcomp.deployment.presets import versions, write_preset
+from timm_tokcomp.measure.precision import device_description
 from conftest import REPO, make_model
-from timm_tokcomp.kit.grammar import parse_methods
+from timm_tokcomp.deployment.specs import parse_methods
 
 
 def _preset(path, method="tome", params=None, mode="eager", dtype="fp32", device="cpu"):
@@ -93,7 +93,7 @@ def test_deploy_refuses_what_it_cannot_run(tmp_path):
 
 
 def test_bench_times_a_preset_in_its_recorded_mode(tmp_path, monkeypatch):
-    from timm_tokcomp.bench import format_table, run_bench
+    from timm_tokcomp.commands.bench import format_table, run_bench
 
     built = []
 
@@ -140,7 +140,7 @@ def test_the_chooser_lists_the_paths_the_device_offers():
 
 
 def test_on_cuda_the_chooser_offers_triton_compiled_where_the_step_is_an_operator(monkeypatch):
-    import timm_tokcomp.kit.paths as paths_module
+    import timm_tokcomp.commands.paths as paths_module
 
     monkeypatch.setattr(paths_module, "check_device", lambda device: None)  # the paths of a CUDA machine, listed
     model = make_model("cls")
@@ -156,7 +156,7 @@ def test_on_cuda_the_chooser_offers_triton_compiled_where_the_step_is_an_operato
 
 
 def test_tune_asks_the_chooser():
-    from timm_tokcomp.tuning import candidate_paths
+    from timm_tokcomp.commands.tune import candidate_paths
 
     model = make_model("cls")
     for method, params in (("tome", {"r": 2}), ("atm", {}), ("topk", {"r": 1})):
@@ -166,10 +166,10 @@ def test_tune_asks_the_chooser():
 
 
 def test_a_new_method_is_its_class_and_its_line_in_methods(toy_method, monkeypatch, capsys):
-    from timm_tokcomp import speed
-    from timm_tokcomp.bench import run_bench
-    from timm_tokcomp.export import check_exportable
-    from timm_tokcomp.tuning import candidate_paths
+    from timm_tokcomp.commands import speed
+    from timm_tokcomp.commands.bench import run_bench
+    from timm_tokcomp.deployment.onnx import check_exportable
+    from timm_tokcomp.commands.tune import candidate_paths
 
     assert methods.parse_method_tag("toykeep_r2") == ("toykeep", {"r": 2})
     plain, tagged = run_bench("deit_tiny_patch16_224", parse_methods("none,toykeep_r2"), batch_size=2, timing_rounds=0,

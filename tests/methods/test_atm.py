@@ -6,7 +6,7 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.matching import batch_adaptive_r, best_matches, count_above, size_distinctive_split
+from timm_tokcomp.ops.matching import batch_adaptive_r, best_matches, count_above, size_distinctive_split
 from timm_tokcomp.methods.atm import ATM, PRESETS, ATMStep, get_preset, model_family, threshold_schedule
 from conftest import REPO, SMALL, make_model
 

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 import timm_tokcomp
 from conftest import SMALL, make_model
-from timm_tokcomp.learned import load_learned, save_learned
+from timm_tokcomp.methods.learned import load_learned, save_learned
 from timm_tokcomp.plans import KeepMergePlan
-from timm_tokcomp.measure import count_macs
+from timm_tokcomp.measure.counting import count_macs
 from timm_tokcomp.methods import make_reducer
 from timm_tokcomp.methods.diffrate import DiffRateParams, macs_share
-from timm_tokcomp.schedules import BlockCost
+from timm_tokcomp.methods.schedules import BlockCost
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
 
 N_PATCH = (SMALL["img_size"] // SMALL["patch_size"]) ** 2
@@ -177,8 +177,8 @@ def test_a_schedule_of_another_depth_is_refused():
 
 
 def test_a_searched_schedule_in_a_preset_file_deploys_by_name(tmp_path, images):
-    from timm_tokcomp.kit.grammar import method_spec
-    from timm_tokcomp.kit.presets import write_preset
+    from timm_tokcomp.deployment.specs import method_spec
+    from timm_tokcomp.deployment.presets import write_preset
 
     model = _small(macs_target=0.5).eval()
     with torch.no_grad():

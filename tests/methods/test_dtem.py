@@ -7,8 +7,8 @@ import torch
 
 import timm_tokcomp
 from conftest import SMALL, make_model
-from timm_tokcomp.learned import load_learned, save_learned
-from timm_tokcomp.matching import bipartite_soft_matching
+from timm_tokcomp.methods.learned import load_learned, save_learned
+from timm_tokcomp.ops.matching import bipartite_soft_matching
 from timm_tokcomp.methods.dtem import DTEMParams, soft_selection
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.calibrate import calibrate_dymu
+from timm_tokcomp.commands.calibrate import calibrate_dymu
 from timm_tokcomp.cli import main
-from timm_tokcomp.matching import alternate_matches
+from timm_tokcomp.ops.matching import alternate_matches
 from conftest import SMALL, make_model
 
 

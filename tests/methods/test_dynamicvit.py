@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.learned import load_learned, save_learned
+from timm_tokcomp.methods.learned import load_learned, save_learned
 from timm_tokcomp.methods.dynamicvit import EPS, RATIO_WEIGHT
 from conftest import SMALL, make_model
 

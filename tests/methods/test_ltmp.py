@@ -8,11 +8,11 @@ import torch.nn.functional as F
 
 import timm_tokcomp
 from conftest import SMALL, make_model, thresholds
-from timm_tokcomp.learned import load_learned, save_learned
+from timm_tokcomp.methods.learned import load_learned, save_learned
 from timm_tokcomp.plans import GroupPlan
 from timm_tokcomp.methods import make_reducer
 from timm_tokcomp.methods.base import BlockSetting
-from timm_tokcomp.schedules import BlockCost
+from timm_tokcomp.methods.schedules import BlockCost
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
 
 N_PATCH = (SMALL["img_size"] // SMALL["patch_size"]) ** 2
@@ -102,7 +102,7 @@ def test_the_training_forward_makes_the_eval_decisions_and_its_penalty_reads_the
 def test_training_through_finetune_moves_the_macs_toward_the_target(image_folder, tmp_path):
     """`tokcomp finetune --distill --lora-rank 0 --method ltmp_m50`: only the thresholds train, the folder holds them,
     and the reloaded model runs at fewer MACs than the thresholds' start (which merges little and prunes nothing)."""
-    from timm_tokcomp.measure import count_macs
+    from timm_tokcomp.measure.counting import count_macs
 
     out = tmp_path / "ltmp"
     config = FinetuneConfig(method="ltmp_m50", epochs=4, warmup_epochs=0, batch_size=10, distill=True, lora_rank=0,
@@ -146,8 +146,8 @@ def test_bad_settings_are_refused_naming_the_parameter(params, match):
 
 
 def test_trained_thresholds_carried_as_numbers_in_a_preset_give_the_same_model(tmp_path, images):
-    from timm_tokcomp.kit.grammar import method_spec
-    from timm_tokcomp.kit.presets import write_preset
+    from timm_tokcomp.deployment.specs import method_spec
+    from timm_tokcomp.deployment.presets import write_preset
 
     torch.manual_seed(0)
     model = timm_tokcomp.apply(make_model("cls"), "ltmp", threshold_params=thresholds(4, 0.3, 12.0)).eval()
@@ -168,7 +168,7 @@ def test_trained_thresholds_carried_as_numbers_in_a_preset_give_the_same_model(t
 
 
 def test_ltmp_waits_for_the_device_once_per_block(images):
-    from timm_tokcomp.measure import OpCounter
+    from timm_tokcomp.measure.counting import OpCounter
 
     torch.manual_seed(0)
     model = timm_tokcomp.apply(make_model("cls"), "ltmp", threshold_params=thresholds(4, 0.3, 12.0)).eval()

@@ -12,16 +12,16 @@ import torch.nn.functional as F
 import timm_tokcomp
 import math
 
-from timm_tokcomp.matching import bipartite_soft_matching
+from timm_tokcomp.ops.matching import bipartite_soft_matching
 from timm_tokcomp.methods.atc import agglomerative_clusters
 from timm_tokcomp.methods.dct import dct_resample
 from timm_tokcomp.methods.mctf import mctf_matching
 from timm_tokcomp.methods.pitome import energy_matching, energy_scores
-from timm_tokcomp.measure import count_macs
+from timm_tokcomp.measure.counting import count_macs
 from timm_tokcomp.methods.tofu import MLERP, PRUNE, ToFu
 from timm_tokcomp.plans.cluster import cluster_attention, cluster_sum
 from timm_tokcomp.plans.merge import merge_keep_destination, merge_mlerp, merge_sum
-from timm_tokcomp.schedules import BlockCost
+from timm_tokcomp.methods.schedules import BlockCost
 from conftest import real_model_and_images
 
 

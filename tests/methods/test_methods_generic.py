@@ -119,10 +119,10 @@ def test_numpy_numbers_are_accepted_by_every_numeric_argument_check():
     """The same rule (schedules.is_int / is_real) at the other doors that take numbers from Python callers."""
     import numpy as np
 
-    from timm_tokcomp.kit.modes import check_batches
+    from timm_tokcomp.deployment.modes import check_batches
     from timm_tokcomp.tocom import Compensator, attach, set_compression
     from timm_tokcomp.tocom.compensator import check_scale
-    from timm_tokcomp.tuning.run import _check_args
+    from timm_tokcomp.commands.tune.run import _check_args
 
     check_batches([np.int64(1), np.int32(8)])
     _check_args([np.int64(2)], np.float32(1.0), np.float64(1.1), np.int64(200), np.int64(100), np.int64(5),

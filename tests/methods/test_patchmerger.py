@@ -5,7 +5,7 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.learned import load_learned, save_learned
+from timm_tokcomp.methods.learned import load_learned, save_learned
 from timm_tokcomp.plans import ClusterPlan, SoftPlan
 from timm_tokcomp.methods.patchmerger import MergerLayer, PatchMergerParams
 from conftest import make_model

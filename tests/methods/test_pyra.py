@@ -5,10 +5,10 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.learned import config_file, load_learned, save_learned
-from timm_tokcomp.matching import bipartite_soft_matching
+from timm_tokcomp.methods.learned import config_file, load_learned, save_learned
+from timm_tokcomp.ops.matching import bipartite_soft_matching
 from timm_tokcomp.methods.pyra import PyraParams, pyra_merge
-from timm_tokcomp.schedules import NAMED_SCHEDULES
+from timm_tokcomp.methods.schedules import NAMED_SCHEDULES
 
 HIGH, LOW = NAMED_SCHEDULES["high"], NAMED_SCHEDULES["low"]
 

@@ -5,7 +5,7 @@ import pytest
 import timm
 import torch
 
-from timm_tokcomp.data import open_dataset
+from timm_tokcomp.files.data import open_dataset
 from timm_tokcomp.training import load_finetuned
 from timm_tokcomp.training.finetune import predict
 from conftest import REPO, require_data

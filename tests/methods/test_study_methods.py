@@ -6,16 +6,16 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp.families import VIT
-from timm_tokcomp.measure import count_macs
+from timm_tokcomp.measure.counting import count_macs
 from timm_tokcomp.methods.ats import adaptive_sampling
-from timm_tokcomp.matching import float32_linspace
+from timm_tokcomp.ops.matching import float32_linspace
 from timm_tokcomp.methods.dpcknn import density_peaks
 from timm_tokcomp.methods.kmedoids import k_medoids
 from timm_tokcomp.methods.topk import top_k_pruning
 from timm_tokcomp.plans import ClusterPlan
 from timm_tokcomp.methods import parse_method_tag
 from timm_tokcomp.methods.radial import centre_order
-from timm_tokcomp.schedules import stage_schedule
+from timm_tokcomp.methods.schedules import stage_schedule
 from conftest import make_model, real_model_and_images
 
 
@@ -127,7 +127,7 @@ def test_the_written_out_linspace_is_linspace_and_rounds_as_it_does():
 def test_the_linspace_is_built_once_outside_a_trace_and_written_out_inside_it():
     """Eager blocks reuse one tensor per (end, steps) (no op per forward); a compiled one computes the same values
     with symbolic sizes (one graph for two counts)."""
-    from timm_tokcomp.measure import OpCounter
+    from timm_tokcomp.measure.counting import OpCounter
     cpu = torch.device("cpu")
     first = float32_linspace(96, 13, cpu)
     with OpCounter() as ops:

@@ -9,7 +9,7 @@ import torch
 
 import timm_tokcomp
 from conftest import reducing_setting
-from timm_tokcomp.compiling import traced_whole
+from timm_tokcomp.runtime.compile import traced_whole
 from timm_tokcomp.methods import METHODS
 
 

@@ -1,4 +1,4 @@
-"""The whole reduced forward compiled (timm_tokcomp.compiling): the embedding (patch convolution, position
+"""The whole reduced forward compiled (timm_tokcomp.runtime.compile): the embedding (patch convolution, position
 embedding or rope table, prefix tokens) and the end (final norm, pooling with the sizes, head) are compiled regions
 like the blocks, so no aten op of a compiled forward runs eagerly, for every family; and torch.compile(model), the
 way every timm model is compiled, takes the same regions (counted with dynamo's counters)."""
@@ -12,8 +12,8 @@ from torch._dynamo.utils import counters
 
 import timm_tokcomp
 from conftest import SMALL, family_model, reducing_setting
-from timm_tokcomp import compiling
-from timm_tokcomp.graphs import GraphedByShape
+from timm_tokcomp.runtime import compile as compiling
+from timm_tokcomp.runtime.graphs import GraphedByShape
 from timm_tokcomp.methods import METHODS
 
 
@@ -138,7 +138,7 @@ def test_torch_compile_hands_its_mode_and_options_to_the_regions(monkeypatch, kw
     """Inductor's options reach the regions' compile; its CUDA graphs are the whole forward captured per input shape
     (graphs.GraphedByShape, as timm_tokcomp.compile's 'cudagraph' mode), not Inductor's own per region. The regions
     are compiled here by the 'eager' backend (the arguments recorded), so no Inductor compile runs on this CPU."""
-    from timm_tokcomp import handoff
+    from timm_tokcomp.runtime import handoff
 
     asked = []
 
@@ -171,7 +171,7 @@ def test_the_regions_handed_on_do_not_keep_the_model_alive():
     import gc
     import weakref
 
-    from timm_tokcomp import handoff
+    from timm_tokcomp.runtime import handoff
 
     model = _vit("tome", r=8)
     fast = torch.compile(model, backend="eager")
@@ -192,7 +192,7 @@ def test_cuda_graphs_replay_only_inference_forwards_of_an_image_batch_on_the_gpu
     fixed-count method; every other forward is told why not."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from timm_tokcomp.handoff import _why_not_graphed
+    from timm_tokcomp.runtime.handoff import _why_not_graphed
 
     with FakeTensorMode():
         images = torch.empty(2, 3, 32, 32, device="cuda")

@@ -1,4 +1,4 @@
-"""timm_tokcomp.compiling and kernels.library: a reduced model compiled by regions traces its block once for every
+"""timm_tokcomp.runtime.compile and kernels.library: a reduced model compiled by regions traces its block once for every
 block, batch size and r, counted with torch's own counters (graphs, graph breaks); the reduction step is one custom
 operator (checked by torch.library.opcheck) that runs the Triton kernels inside the compiled graph. The 'eager' and
 'aot_eager' backends check what is captured without Inductor's code generation (scripts/compile_counts.py times
@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 import timm_tokcomp
 from conftest import SMALL, reducing_setting
-from timm_tokcomp import compiling
+from timm_tokcomp.runtime import compile as compiling
 from timm_tokcomp.kernels import library
 from timm_tokcomp.kit import modes
 from timm_tokcomp.methods import METHODS
@@ -75,7 +75,7 @@ def test_compiles_three_graphs_for_every_block_batch_and_r(method):
 
 
 def test_flex_attention_compiles_by_region_and_matches_the_mask(monkeypatch):
-    from timm_tokcomp import attention
+    from timm_tokcomp.ops import attention
 
     recorder = GraphRecorder()
     monkeypatch.setattr(attention, "_flex_runs", lambda q, dropout_p: dropout_p == 0)  # as on CUDA: flex is traced
@@ -281,7 +281,7 @@ def test_cudagraph_mode_captures_the_regionally_compiled_forward_once_per_shape(
     """Inductor's CUDA graphs would start a new generation at each block's compiled call and overwrite the outputs
     the next block reads (an H200 run failed so): the regions compile plainly and one CUDA graph per input shape
     replays the whole forward. On the CPU the capture is refused with the CUDA reason."""
-    from timm_tokcomp.graphs import GraphedByShape
+    from timm_tokcomp.runtime.graphs import GraphedByShape
     model = _model("tome", r=8)
     fast = compiling.compile(model, mode="cudagraph", backend="eager")
     assert isinstance(fast, GraphedByShape) and isinstance(fast.forward, compiling.RegionallyCompiled)
@@ -294,7 +294,7 @@ def test_cudagraph_mode_captures_the_regionally_compiled_forward_once_per_shape(
 def test_a_cuda_graph_by_shape_is_captured_again_when_the_method_changes(monkeypatch):
     """set_params gives the model a new method instance: the graph captured with the old one would replay the old r,
     so the next call of that shape captures again (a stand-in capture records r: the CPU has no CUDA graphs)."""
-    from timm_tokcomp import graphs
+    from timm_tokcomp.runtime import graphs
 
     captured = []
 

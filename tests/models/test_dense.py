@@ -5,11 +5,11 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp import ops
+from timm_tokcomp.ops import dense_merge as ops
 from timm_tokcomp.plans.merge import group_index
 from timm_tokcomp.kernels import resolve_backend, triton_dense
-from timm_tokcomp.matching import bipartite_soft_matching
-from timm_tokcomp.measure import MacCounter
+from timm_tokcomp.ops.matching import bipartite_soft_matching
+from timm_tokcomp.measure.counting import MacCounter
 from conftest import SMALL, VARIANTS, make_model
 
 

@@ -1,4 +1,4 @@
-"""ONNX export (`tokcomp export`, timm_tokcomp.export) checked in onnxruntime, and `tokcomp bench --modes`."""
+"""ONNX export (`tokcomp export`, timm_tokcomp.deployment.onnx) checked in onnxruntime, and `tokcomp bench --modes`."""
 import csv
 
 import pytest
@@ -9,7 +9,7 @@ import timm_tokcomp
 from conftest import reducing_setting
 from timm_tokcomp.methods import METHODS
 from timm_tokcomp.cli import main
-from timm_tokcomp.export import compare_onnxruntime, export_onnx
+from timm_tokcomp.deployment.onnx import compare_onnxruntime, export_onnx
 from conftest import SMALL, real_model_and_images, require_data
 
 for module in ("onnx", "onnxscript", "onnxruntime"):

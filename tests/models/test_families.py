@@ -12,7 +12,7 @@ from torch import nn
 import timm_tokcomp
 from timm_tokcomp.plans import ClusterPlan
 from timm_tokcomp.methods import METHODS
-from timm_tokcomp.rope import TokenPositions, grid_coords, rope_rows
+from timm_tokcomp.ops.rope import TokenPositions, grid_coords, rope_rows
 from conftest import (FAMILY_MODELS, FAMILY_SMALL, TOKEN_METHODS, eva_from_deit, family_model, positions_seen,
                       real_model_and_images, reducing_params)
 
@@ -211,7 +211,7 @@ def test_compile_runs_a_rope_model(images):
 def test_rope_models_compiled_by_region_match_eager(name, images):
     """ToMe's and EViT's compiled steps move the rotary coordinates inside their operators (tome_merge_rope,
     evit_prune_rope): the compiled model gives the eager model's output on every rope family."""
-    from timm_tokcomp import compiling
+    from timm_tokcomp.runtime import compile as compiling
 
     for method in ("tome", "evit"):
         model = family_model(name)

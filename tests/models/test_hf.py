@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.measure import count_macs
+from timm_tokcomp.measure.counting import count_macs
 from timm_tokcomp.methods import METHODS
 from conftest import DATA, require_data
 
@@ -231,7 +231,7 @@ def real_pair(tmp_path_factory):
 def test_deit_tiny_converted_into_transformers_gives_timms_logits_plain_and_reduced(real_pair):
     import timm
 
-    from timm_tokcomp.models import load_hf_model
+    from timm_tokcomp.models.build import load_hf_model
 
     timm_model, hf, folder = real_pair
     cfg = timm.data.resolve_model_data_config(timm_model)
@@ -312,7 +312,7 @@ def test_a_folder_that_is_not_a_served_transformers_model_is_refused_by_flag(tmp
 def test_a_reduced_transformers_model_compiles_by_region_without_graph_breaks():
     from torch._dynamo.utils import counters
 
-    from timm_tokcomp import compiling
+    from timm_tokcomp.runtime import compile as compiling
 
     model = timm_tokcomp.apply(hf_model("vit_classifier"), "tome", r=8)
     torch._dynamo.reset()
@@ -428,7 +428,7 @@ def test_hf_model_images_get_the_folders_processor_pixels(processor, tmp_path):
     import numpy as np
     from PIL import Image
 
-    from timm_tokcomp.models import eval_transform, load_hf_model
+    from timm_tokcomp.models.build import eval_transform, load_hf_model
 
     hf_model("vit_classifier").save_pretrained(tmp_path)
     processor().save_pretrained(tmp_path)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from timm_tokcomp.cli import main
-from timm_tokcomp.models import HFFolder, build_base_model, is_hf_folder
+from timm_tokcomp.models.build import HFFolder, build_base_model, is_hf_folder
 from test_hf import hf_model, transformers  # noqa: F401 (transformers: the module skips without it)
 
 SPEED = ["--batches", "1", "--rounds", "1", "--methods", "tome_r8", "--no-progress"]
@@ -90,7 +90,7 @@ def test_weights_holding_nan_are_refused_naming_the_file(classifier_folder, tmp_
 
 
 def test_class_scores_holding_nan_are_refused():
-    from timm_tokcomp.kit.agreement import class_scores
+    from timm_tokcomp.measure.agreement import class_scores
 
     with pytest.raises(ValueError, match="class scores hold NaN or inf on a batch of 2 images"):
         class_scores(torch.tensor([[0.0, float("nan")], [1.0, 2.0]]))

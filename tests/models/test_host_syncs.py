@@ -6,7 +6,7 @@ import torch
 import timm_tokcomp
 from conftest import reducing_setting
 from timm_tokcomp.methods import METHODS
-from timm_tokcomp.measure import OpCounter
+from timm_tokcomp.measure.counting import OpCounter
 
 
 def _count(method=None, **params):

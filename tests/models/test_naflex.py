@@ -316,7 +316,7 @@ def test_a_naflex_batch_trains_and_compiles(images):
     compiled by region) equals the eager one on a NaFlex batch (images: as every family, tests/models/test_families)."""
     from torch._dynamo.utils import counters
 
-    from timm_tokcomp import compiling
+    from timm_tokcomp.runtime import compile as compiling
 
     model = timm_tokcomp.apply(naflex_model("eva02_rope"), "tome", r=2).train()
     batch = naflex_batch(images)

@@ -1,4 +1,4 @@
-"""open_clip models as the commands' MODEL ('open_clip:ARCH', timm_tokcomp.open_clip_models): the image tower with
+"""open_clip models as the commands' MODEL ('open_clip:ARCH', timm_tokcomp.models.open_clip): the image tower with
 CLIP's zero-shot ImageNet head, its weights from --checkpoint, through bench, speed, tune and export; a small
 architecture registered with open_clip for the tests."""
 import json
@@ -37,7 +37,7 @@ def images(n=3, seed=1):
 def test_the_tower_scores_imagenet_classes_zero_shot_with_its_own_text_tower():
     from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
 
-    from timm_tokcomp.models import build_base_model
+    from timm_tokcomp.models.build import build_base_model
 
     tower = build_base_model(NAME, None, False, "cpu")
     clip = clip_model()
@@ -56,7 +56,7 @@ def test_the_tower_scores_imagenet_classes_zero_shot_with_its_own_text_tower():
 
 def test_the_head_stays_through_apply_and_remove():
     import timm_tokcomp
-    from timm_tokcomp.models import build_base_model
+    from timm_tokcomp.models.build import build_base_model
 
     tower = build_base_model(NAME, None, False, "cpu")
     x = images()
@@ -70,7 +70,7 @@ def test_the_head_stays_through_apply_and_remove():
 
 
 def test_weights_come_from_the_checkpoint(tmp_path, caplog):
-    from timm_tokcomp.models import build_base_model
+    from timm_tokcomp.models.build import build_base_model
 
     trained = clip_model(seed=5)
     torch.save(trained.state_dict(), tmp_path / "clip.pt")
@@ -155,7 +155,7 @@ def test_a_real_towers_fused_attention_is_counted_as_its_unfused_path():
     (aten._native_multi_head_attention, projections included), which the 1-head test tower never takes. The MACs
     counted through it equal those of the unfused path, and bench's count of the plain and the reduced tower runs."""
     from timm_tokcomp import apply
-    from timm_tokcomp.measure import MacCounter, OpCounter, forward_counting
+    from timm_tokcomp.measure.counting import MacCounter, OpCounter, forward_counting
 
     torch.manual_seed(0)
     tower = open_clip.create_model("ViT-B-32").visual.eval()

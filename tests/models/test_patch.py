@@ -5,8 +5,8 @@ import torch
 from timm.models.vision_transformer import Block, ResPostBlock, VisionTransformer
 
 import timm_tokcomp
-from timm_tokcomp.state import ReductionStats
-from timm_tokcomp.measure import count_macs
+from timm_tokcomp.runtime.state import ReductionStats
+from timm_tokcomp.measure.counting import count_macs
 from conftest import SMALL, VARIANTS, make_model
 
 N_PATCH = (SMALL["img_size"] // SMALL["patch_size"]) ** 2

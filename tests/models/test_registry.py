@@ -8,7 +8,7 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp.families import UNSERVED_MODULES, family_of
-from timm_tokcomp import registry
+from timm_tokcomp.models import timm_names as registry
 from timm_tokcomp.methods import METHODS
 from timm_tokcomp.families.vit import ReducingVisionTransformer, ReducingVisionTransformerDistilled
 
@@ -239,7 +239,7 @@ def test_build_args_reads_what_an_entrypoint_builds_without_building_it():
 def test_a_names_method_tag_is_parsed_once(name, kwargs, monkeypatch):
     """The door that reads the name parses its method tag; what comes after reuses the parse (a pretrained_cfg the
     user gives is read once, for a method tag of its own)."""
-    from timm_tokcomp import registry
+    from timm_tokcomp.models import timm_names as registry
 
     parsed = []
     real = registry.match_method_tag

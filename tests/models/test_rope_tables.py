@@ -8,8 +8,8 @@ from timm.layers.pos_embed_sincos import RotaryEmbeddingDinoV3
 
 import timm_tokcomp
 from conftest import family_model
-from timm_tokcomp import compiling
-from timm_tokcomp.rope import RotaryEmbeddingDinoV3Once
+from timm_tokcomp.runtime import compile as compiling
+from timm_tokcomp.ops.rope import RotaryEmbeddingDinoV3Once
 from test_compiled_whole import InGraphs
 
 

@@ -9,7 +9,7 @@ import torch
 from timm.models.vision_transformer_sam import VisionTransformerSAM
 
 import timm_tokcomp
-from timm_tokcomp.measure import count_macs
+from timm_tokcomp.measure.counting import count_macs
 from timm_tokcomp.methods.cubist import CubistSetting, grid_merge
 from timm_tokcomp.plans import gather_tokens
 from conftest import check_edges
@@ -174,8 +174,8 @@ def test_proportional_attention_adds_log_sizes_to_the_relative_position_bias():
 def test_speed_times_sam_without_a_limit_that_would_break_the_grid():
     """tokcomp speed's limit (the schedule with no matching) drops tokens, which SAM's grid cannot take: no limit row
     for it there; the method itself is timed."""
-    from timm_tokcomp.kit.grammar import parse_methods
-    from timm_tokcomp.speed import LIMIT_SUFFIX, _models
+    from timm_tokcomp.deployment.specs import parse_methods
+    from timm_tokcomp.commands.speed import LIMIT_SUFFIX, _models
 
     models = _models(sam(), parse_methods("cubist_r2,dense_tome_r2"), images(1), static=False)
     assert sorted(models) == ["cubist_r2", "dense_tome_r2", "none"]
@@ -185,7 +185,7 @@ def test_speed_times_sam_without_a_limit_that_would_break_the_grid():
 def test_sam_compiles_whole():
     """timm's windows read the grid as Python ints: timm_tokcomp.compile traces a SAM encoder whole (static shapes),
     not by region, and gets the eager outputs."""
-    from timm_tokcomp.compiling import by_region
+    from timm_tokcomp.runtime.compile import by_region
 
     model = timm_tokcomp.apply(sam(), "cubist", r_rows=2, r_cols=3)
     assert not by_region(model)

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 import timm_tokcomp
-from conftest import DATA, SMALL, make_model, positions_seen, thresholds
-from conftest import family_model
+from conftest import DATA, SMALL, make_model, positions_seen, thresholds, family_model
 
 DEPTH = SMALL["depth"]
 
@@ -197,7 +196,7 @@ def test_set_params_does_not_blame_learned_parameters_the_user_never_gave(method
 def test_a_saved_learned_tensor_with_nan_is_refused_naming_the_file_and_the_tensor(method, params, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from timm_tokcomp.learned import load_learned, save_learned, weights_file
+    from timm_tokcomp.methods.learned import load_learned, save_learned, weights_file
 
     model = timm_tokcomp.apply(make_model("cls"), method, **params)
     save_learned(model.tokcomp[method], method, tmp_path)
@@ -231,8 +230,8 @@ def _preset(tmp_path, doc, name="preset.json"):
     (dict(method="none", params={"r": 2}), r"key 'params' must be empty for method 'none'"),
 ])
 def test_the_preset_schema_is_checked_once_at_the_door_naming_the_file_and_the_key(doc, match, tmp_path):
-    from timm_tokcomp.kit.grammar import parse_methods
-    from timm_tokcomp.kit.presets import read_preset
+    from timm_tokcomp.deployment.specs import parse_methods
+    from timm_tokcomp.deployment.presets import read_preset
 
     path = _preset(tmp_path, doc)
     with pytest.raises(ValueError, match=f"preset file {path}.*{match}"):
@@ -254,8 +253,8 @@ def test_deploy_leaves_the_model_as_it_was_when_the_preset_does_not_apply(tmp_pa
 
 
 def test_bench_names_the_methods_item_whose_preset_fails_to_apply(tmp_path):
-    from timm_tokcomp.bench import build_method_models
-    from timm_tokcomp.kit.grammar import parse_methods
+    from timm_tokcomp.commands.bench import build_method_models
+    from timm_tokcomp.deployment.specs import parse_methods
 
     path = _preset(tmp_path, dict(params={"r": -3}))
     with pytest.raises(ValueError, match=f"--methods {path}: "):
@@ -280,7 +279,7 @@ def test_every_command_checks_its_device_at_the_door_with_one_line(command, caps
 def test_tune_resume_of_a_run_on_random_weights_says_why_and_what_to_give(tmp_path):
     import json
 
-    from timm_tokcomp.tuning.store import resume_rows
+    from timm_tokcomp.commands.tune.store import resume_rows
 
     saved = {"model": "deit_tiny_patch16_224", "weights_sha256": "a", "data_sha256": "d", "random_weights": True}
     (tmp_path / "tune_config.json").write_text(json.dumps(saved))
@@ -312,7 +311,7 @@ def test_random_weights_are_the_same_on_every_call_so_a_resume_meets_them_again(
     """Without --checkpoint / --pretrained, build_base_model draws timm's random init from a fixed seed (the caller's
     random stream untouched): `analyze --resume` reuses its recordings and writes the same metrics."""
     from timm_tokcomp.cli import main
-    from timm_tokcomp.models import build_base_model
+    from timm_tokcomp.models.build import build_base_model
 
     state = torch.random.get_rng_state()
     a = build_base_model("deit_tiny_patch16_224", None, False, "cpu").state_dict()
@@ -333,7 +332,7 @@ def test_random_weights_are_the_same_on_every_call_so_a_resume_meets_them_again(
 def test_rope_grid_coordinates_are_made_once_per_module_grid_and_device(images):
     """The reduced Eva forward copies nothing from the host per call (a CUDA graph cannot capture such a copy): the
     grid coordinates are made once and reused."""
-    from timm_tokcomp.rope import grid_coords
+    from timm_tokcomp.ops.rope import grid_coords
 
     model = timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "tome", r=2)
     with torch.no_grad():
@@ -355,7 +354,7 @@ def test_dynamicvit_trains_on_a_rope_model_its_masks_moving_no_position(images):
 
 
 def test_rope_grid_coordinates_follow_a_change_of_the_rope_modules_grid_settings(images):
-    from timm_tokcomp.rope import grid_coords
+    from timm_tokcomp.ops.rope import grid_coords
 
     model = family_model("eva02_cat_swiglu")
     shape = tuple(model.patch_embed.grid_size)

@@ -100,7 +100,7 @@ def test_graphed_forward_calls_from_threads_take_turns_on_its_buffers():
     shows an interleaving as a wrong result."""
     import time
 
-    from timm_tokcomp.graphs import GraphedForward
+    from timm_tokcomp.runtime.graphs import GraphedForward
 
     graphed = GraphedForward.__new__(GraphedForward)
     graphed._replaying = threading.Lock()

@@ -8,7 +8,7 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.matching import bipartite_soft_matching
+from timm_tokcomp.ops.matching import bipartite_soft_matching
 from timm_tokcomp.methods import listed_tags
 
 LISTED_TAGS = listed_tags()

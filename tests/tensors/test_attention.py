@@ -1,4 +1,4 @@
-"""Proportional-attention implementations (timm_tokcomp.attention): each equals the float-mask reference, in the
+"""Proportional-attention implementations (timm_tokcomp.ops.attention): each equals the float-mask reference, in the
 attention step and on whole models; 'auto' resolves from the device table; the padded qkv follows its weights."""
 import copy
 import warnings
@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import timm_tokcomp
-from timm_tokcomp import attention, device_table
+from timm_tokcomp.ops import attention
+from timm_tokcomp.measure import device_table
 from conftest import make_model
 
 IMPLS = list(attention.PROP_ATTN_IMPLS)
@@ -83,7 +84,7 @@ def test_bad_values_are_refused(value):
 @pytest.mark.parametrize("impl", ["fold", "fold_qkv"])  # flex: compiled only (the op counter cannot enter it)
 def test_no_host_wait_even_on_a_first_forward(impl, images):
     """A fresh model's first forward builds its padded qkv without reading the host."""
-    from timm_tokcomp.measure import OpCounter
+    from timm_tokcomp.measure.counting import OpCounter
 
     model = timm_tokcomp.apply(make_model("cls"), "tome", r=4, prop_attn=impl)
     with torch.no_grad(), OpCounter() as ops:
@@ -220,7 +221,7 @@ def test_auto_resolves_from_the_device_table(monkeypatch, images):
 
 def test_compiled_blocks_without_rope_take_the_tables_compiled_choice(monkeypatch, images):
     from conftest import family_model
-    from timm_tokcomp import compiling
+    from timm_tokcomp.runtime import compile as compiling
 
     calls = []
     real = attention.fold_qk

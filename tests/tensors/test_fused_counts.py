@@ -7,7 +7,7 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.measure import MacCounter, OpCounter, count_macs
+from timm_tokcomp.measure.counting import MacCounter, OpCounter, count_macs
 from conftest import op_counts, real_model_and_images
 
 

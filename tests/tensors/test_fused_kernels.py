@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import timm_tokcomp
-from timm_tokcomp import ops
+from timm_tokcomp.ops import dense_merge as ops
 from timm_tokcomp.plans.merge import group_index, merge_mean
 from timm_tokcomp.kernels import triton_dense, triton_evit, triton_tome
-from timm_tokcomp.matching import (attentive_pruning, batch_adaptive_r, best_matches, bipartite_soft_matching,
+from timm_tokcomp.ops.matching import (attentive_pruning, batch_adaptive_r, best_matches, bipartite_soft_matching,
     class_attention, count_above, merge_top_r, size_distinctive_split)
-from timm_tokcomp.measure import OpCounter
+from timm_tokcomp.measure.counting import OpCounter
 from conftest import assert_within_ulps, make_model, op_counts
 
 CASES = [  # (batch, tokens, prefix, r, metric dim, channels)

@@ -1,4 +1,4 @@
-"""The CUDA-graph path (timm_tokcomp.graphs): what decides capturability is checked on the CPU; the capture
+"""The CUDA-graph path (timm_tokcomp.runtime.graphs): what decides capturability is checked on the CPU; the capture
 itself and its replays run where CUDA is available."""
 import os
 import time
@@ -8,7 +8,7 @@ import timm
 import torch
 
 import timm_tokcomp
-from timm_tokcomp.graphs import GraphedForward, check_capturable, host_syncs
+from timm_tokcomp.runtime.graphs import GraphedForward, check_capturable, host_syncs
 from conftest import make_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -88,7 +88,7 @@ def test_rope_tables_are_made_once_for_a_capture(name, made_inside):
     module gets its own get_embed back afterwards. A reduced model's rope made its table once already, at the
     forward before (rope.RotaryEmbeddingDinoV3Once)."""
     from timm.layers.pos_embed_sincos import RotaryEmbeddingDinoV3
-    from timm_tokcomp.graphs import fixed_rope_tables
+    from timm_tokcomp.runtime.graphs import fixed_rope_tables
     model = timm.create_model(name, img_size=64).eval()
     rope = next(m for m in model.modules() if isinstance(m, RotaryEmbeddingDinoV3))
     made = []

@@ -1,10 +1,10 @@
-"""timm_tokcomp.identity: weights and image folders identified by content, not by how their paths are spelled."""
+"""timm_tokcomp.files.identity: weights and image folders identified by content, not by how their paths are spelled."""
 import copy
 
 import pytest
 import torch
 
-from timm_tokcomp.identity import data_digest, weights_digest
+from timm_tokcomp.files.identity import data_digest, weights_digest
 from conftest import make_model
 
 

@@ -1,7 +1,7 @@
 """Matching and merge ops against a plain per-image reference written with Python loops."""
 import torch
 
-from timm_tokcomp.matching import attentive_pruning, bipartite_soft_matching
+from timm_tokcomp.ops.matching import attentive_pruning, bipartite_soft_matching
 from timm_tokcomp.plans.merge import merge_mean, merge_sum
 
 
@@ -96,7 +96,7 @@ def test_attentive_pruning_fuses_least_attended():
 def test_pairwise_distances_are_exactly_symmetric_with_a_zero_diagonal():
     """A large component shared by all tokens (as in a ViT's residual stream) must neither break the symmetry (a
     two-member cluster's medoid tie) nor cancel the precision of the differences."""
-    from timm_tokcomp.matching import pairwise_distances
+    from timm_tokcomp.ops.matching import pairwise_distances
 
     torch.manual_seed(0)
     x = torch.randn(2, 37, 64) * 0.1 + torch.randn(2, 1, 64) * 50

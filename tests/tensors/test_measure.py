@@ -9,8 +9,8 @@ import torch
 from torch.utils import flop_counter
 
 import timm_tokcomp
-from timm_tokcomp import measure
-from timm_tokcomp.measure import AttentionCountError, MacCounter, attention_macs, count_macs
+from timm_tokcomp.measure import counting as measure
+from timm_tokcomp.measure.counting import AttentionCountError, MacCounter, attention_macs, count_macs
 
 DEIT_TINY_GMACS = 1.2537  # measured with torch's own formulas where they covered SDPA (shared/NOTES.md)
 
@@ -129,8 +129,8 @@ def test_counters_count_flex_attention():
     counts its MACs as the mask's."""
     import torch.nn.attention.flex_attention as fa
     from conftest import make_model
-    from timm_tokcomp.graphs import host_syncs
-    from timm_tokcomp.measure import OpCounter
+    from timm_tokcomp.runtime.graphs import host_syncs
+    from timm_tokcomp.measure.counting import OpCounter
 
     model = timm_tokcomp.apply(make_model("cls"), "tome", r=4, prop_attn="flex")
     mask = timm_tokcomp.apply(make_model("cls"), "tome", r=4, prop_attn="mask")
@@ -151,7 +151,7 @@ def test_counters_in_threads_restore_the_flex_switch_when_the_last_closes():
     import threading
 
     import torch.nn.attention.flex_attention as fa
-    from timm_tokcomp.measure import OpCounter
+    from timm_tokcomp.measure.counting import OpCounter
 
     held, release = threading.Event(), threading.Event()
     seen = []
@@ -187,7 +187,7 @@ def test_a_thread_counting_triton_launches_never_changes_another_threads_count()
     import threading
 
     from conftest import make_model
-    from timm_tokcomp.measure import OpCounter
+    from timm_tokcomp.measure.counting import OpCounter
 
     plain, reduced = make_model("cls").eval(), timm_tokcomp.apply(make_model("cls").eval(), "tome", r=4,
                                                                    kernel="triton")

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from timm_tokcomp.schedules import (
+from timm_tokcomp.methods.schedules import (
     BlockCost, decreasing_schedule, inflection_schedule, resolve_r, schedule_macs, solve_flops_schedule,
 )
 
@@ -52,7 +52,7 @@ def test_flops_targets_are_reachable_whenever_a_stronger_one_is(num_patch):
     """A milder flops_ratio is never refused where a stronger one is accepted (at 160 px, 100 patches, every target
     was refused: the target's own schedule shape is clamped at half the tokens per block), and every accepted
     schedule keeps its MACs within the budget."""
-    from timm_tokcomp.schedules import schedule_macs, solve_flops_schedule
+    from timm_tokcomp.methods.schedules import schedule_macs, solve_flops_schedule
 
     cost = BlockCost(attn_linear=4 * 384 * 384, attn_dim=384, mlp_linear=8 * 384 * 384)
     full = schedule_macs([0] * 12, num_patch + 1, 1, cost)
@@ -74,7 +74,7 @@ def test_apply_checks_r_once_and_a_forward_does_not_check_it_again(monkeypatch):
 
     import timm_tokcomp
     from conftest import make_model
-    from timm_tokcomp import schedules
+    from timm_tokcomp.methods import schedules
 
     real, names = schedules.check_int, []
 

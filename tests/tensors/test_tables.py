@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from timm_tokcomp.tables import text_table
+from timm_tokcomp.utils.tables import text_table
 
 
 def _cells(line: str):
@@ -21,7 +21,7 @@ def test_columns_take_the_width_of_their_widest_cell():
 
 
 def test_bench_cells_never_run_together():
-    from timm_tokcomp.bench import BenchRow, format_table
+    from timm_tokcomp.commands.bench import BenchRow, format_table
 
     rows = [BenchRow("none", 1.2537, None, 26.0, 1.0, None, None, 197, speedup_lo=1.0, speedup_hi=1.0,
                      latency_ms=31.75, latency_p90_ms=31.87, latency_speedup=1.0, latency_speedup_lo=1.0,
@@ -37,7 +37,7 @@ def test_bench_cells_never_run_together():
 
 
 def test_speed_cells_never_run_together():
-    from timm_tokcomp.speed import SpeedRow, format_speed
+    from timm_tokcomp.commands.speed import SpeedRow, format_speed
 
     rows = [SpeedRow("eager", 1, "plain", 21.0, 1.0, None), SpeedRow("eager", 256, "plain", 233456.7, 1.0, None),
             SpeedRow("eager", 256, "tome_r16", 123456.7, 1.89, 0.91)]
@@ -48,7 +48,7 @@ def test_speed_cells_never_run_together():
 
 
 def test_selfcheck_cells_never_run_together():
-    from timm_tokcomp.selfcheck import StepCheck, format_checks
+    from timm_tokcomp.commands.selfcheck import StepCheck, format_checks
 
     lines = format_checks([StepCheck("tome_merge", "fp32", 1e-7, 1e-5, 12345.678, 0.5),
                            StepCheck("evit_prune", "bf16", 0.5, 1e-2, None, None)]).splitlines()

@@ -18,11 +18,11 @@ from triton.backends.compiler import GPUTarget
 
 import timm_tokcomp
 from timm_tokcomp import kernels
-from timm_tokcomp import regions
+from timm_tokcomp.runtime import regions
 from timm_tokcomp.kernels import library
 from timm_tokcomp.patch import patch
-from timm_tokcomp.reducing import resolve_prop_attn
-from timm_tokcomp.speed import LimitReducer
+from timm_tokcomp.runtime.loop import resolve_prop_attn
+from timm_tokcomp.commands.speed import LimitReducer
 
 
 class Sm90Driver:

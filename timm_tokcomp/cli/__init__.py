@@ -48,9 +48,9 @@ def _one_line(error: Exception) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     from ..training.engine import TrainingDiverged
 
-    from ..models import HFFolder, is_hf_folder
-    from ..outputs import check_output
-    from ..precision import check_device
+    from ..models.build import HFFolder, is_hf_folder
+    from ..files.outputs import check_output
+    from ..measure.precision import check_device
 
     args = build_parser().parse_args(argv)
     args.notes = list(getattr(args, "deprecated", []))  # what qualifies the result, printed after it: an error stays
@@ -100,7 +100,7 @@ def _kept(args: argparse.Namespace) -> str:
     --out F), a run folder to continue with --resume, or nothing."""
     from pathlib import Path
 
-    from ..outputs import partial_path
+    from ..files.outputs import partial_path
 
     kept = []
     for dest, flag, folder in getattr(args, "outputs", ()):

@@ -28,7 +28,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..analysis.report import run_analysis
+    from ..commands.analyze.report import run_analysis
 
     methods = [item.strip() for item in args.methods.split(",") if item.strip()]
     run_analysis(args.model, methods, args.data, args.out, limit=args.limit, checkpoint=args.checkpoint,

@@ -49,10 +49,10 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench import check_plot_format, format_table, plot_pareto, run_bench, write_csv
-    from ..checks import check_int
-    from ..kit.grammar import parse_methods
-    from ..precision import describe_settings
+    from ..commands.bench import check_plot_format, format_table, plot_pareto, run_bench, write_csv
+    from ..utils.checks import check_int
+    from ..deployment.specs import parse_methods
+    from ..measure.precision import describe_settings
 
     if args.plot:
         check_plot_format(args.plot)  # before any work, as main() checks every output path

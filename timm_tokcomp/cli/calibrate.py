@@ -37,7 +37,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..calibrate import calibrate_folder, save_preset
+    from ..commands.calibrate import calibrate_folder, save_preset
 
     if args.method == "dymu" and args.r is None:
         raise ValueError("--r is needed with --method dymu (the merges per image and block to calibrate for)")
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give one of --target-gmacs and --target-ratio (or --method dymu with --r)")
     out = args.out
     if out is None:  # the default path depends on --method: checked here as main() checks a given one
-        from ..outputs import check_output
+        from ..files.outputs import check_output
 
         out = f"{args.method}_preset.json"
         check_output(out, "--out", args.overwrite)

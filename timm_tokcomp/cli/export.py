@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..core import is_reduced
-    from ..export import build_named, compare_onnxruntime, export_onnx
+    from ..deployment.onnx import build_named, compare_onnxruntime, export_onnx
 
     model, tag = build_named(args.model, args.method, args.checkpoint, args.pretrained)
     size = timm.data.resolve_model_data_config(model)["input_size"]

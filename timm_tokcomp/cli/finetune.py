@@ -45,7 +45,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..precision import check_device
+    from ..measure.precision import check_device
     from ..training import FinetuneConfig, finetune
     from ..training.engine import distributed, rank_and_world
 

@@ -2,7 +2,7 @@
 outputs each command declares (checked by main before any work), and the parsing of flag values."""
 import argparse
 
-from ..precision import AMP_NAMES
+from ..measure.precision import AMP_NAMES
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -89,7 +89,7 @@ def weights_flags(parser: argparse.ArgumentParser) -> None:
 def random_weights(args: argparse.Namespace) -> bool:
     """Whether the command's model keeps timm's random initialisation: no --checkpoint, no --pretrained, and MODEL
     not a transformers folder (which holds its weights)."""
-    from ..models import is_hf_folder
+    from ..models.build import is_hf_folder
 
     model = getattr(args, "model", None)
     return not args.checkpoint and not args.pretrained and not (isinstance(model, str) and is_hf_folder(model))

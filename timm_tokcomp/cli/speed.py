@@ -48,10 +48,10 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..precision import describe_settings, device_description
-    from ..outputs import partial_path
-    from ..kit.grammar import parse_methods
-    from ..speed import format_speed, run_speed, write_speed_csv
+    from ..measure.precision import describe_settings, device_description
+    from ..files.outputs import partial_path
+    from ..deployment.specs import parse_methods
+    from ..commands.speed import format_speed, run_speed, write_speed_csv
 
     batches = numbers("--batches", args.batches, int)
     methods = args.methods or SPEED_METHODS + (SPEED_METHODS_CUDA if args.device.startswith("cuda") else "")

@@ -44,8 +44,8 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..models import build_base_model
-    from ..precision import check_device
+    from ..models.build import build_base_model
+    from ..measure.precision import check_device
     from ..training.tocom import TrainConfig, train_tocom
     from ..training.engine import distributed, rank_and_world
 

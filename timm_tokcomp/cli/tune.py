@@ -3,8 +3,7 @@ import argparse
 import sys
 
 from .flags import (FOLDER_OUT, deprecated, device_flag, hf_model_flag, model_flags, numbers, precision_flags,
-                    progress_flag, random_weights,
-                    weights_flags)
+                    progress_flag, random_weights, weights_flags)
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -56,8 +55,8 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..kit.grammar import parse_space
-    from ..tuning import preset_paths, tune
+    from ..deployment.specs import parse_space
+    from ..commands.tune import preset_paths, tune
 
     if random_weights(args):
         args.notes.append("no --checkpoint or --pretrained: random weights were tuned, whose agreement says nothing")

@@ -1,5 +1,5 @@
 """The model families timm_tokcomp serves, one adapter each (what differs: embedding, attention with the log-size
-bias and rotary positions, pooling); the reducing loop they share is timm_tokcomp.reducing. A new family is one
+bias and rotary positions, pooling); the reducing loop they share is timm_tokcomp.runtime.loop. A new family is one
 module here with its Family and a line in FAMILIES. Hugging Face transformers' vision encoders (families.hf) and
 open_clip's image towers (families.openclip) are served where their library is installed: their entries are
 LazyFamily, the adapter imported on first use."""

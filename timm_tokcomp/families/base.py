@@ -1,7 +1,7 @@
 """What a model family adapter declares: the timm classes it serves and their reducing and dense counterparts,
 the checks of what it cannot serve (of a built model, and of an architecture from the arguments timm would build it
 with), and the MACs of one block; and the attention helpers the adapters share. The reducing loop itself is shared
-(timm_tokcomp.reducing); patch.py swaps classes by these tables."""
+(timm_tokcomp.runtime.loop); patch.py swaps classes by these tables."""
 import inspect
 import threading
 from dataclasses import dataclass, field
@@ -12,10 +12,10 @@ from timm.layers import Attention, AttentionPoolLatent
 from timm.models.vision_transformer import ATTN_LAYERS, Block
 from torch import nn
 
-from ..attention import check_fold_qkv
+from ..ops.attention import check_fold_qkv
 from ..methods.base import TokenReducer
-from ..reducing import ReducingBlockMixin
-from ..schedules import BlockCost
+from ..runtime.loop import ReducingBlockMixin
+from ..methods.schedules import BlockCost
 
 
 class BuildArgs(NamedTuple):
@@ -151,7 +151,7 @@ class Family:
     (BuildArgs), so the registry lists no name it would refuse; attn_dim(attention) gives heads * head_dim."""
 
     name: str
-    timm_modules: Tuple[str, ...]  # timm's model modules whose architectures take method tags (timm_tokcomp.registry)
+    timm_modules: Tuple[str, ...]  # timm's model modules whose architectures take method tags (timm_tokcomp.models.timm_names)
     models: Dict[type, type]
     dense_models: Dict[type, type]
     blocks: Dict[type, type]

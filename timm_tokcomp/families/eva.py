@@ -1,5 +1,5 @@
 """timm's Eva class (EVA02, DINOv3, PE-Core / PE-Spatial, NAVER RoPE-ViT, timm's vit_*_rope_* models): rotary
-positions travel with the tokens (timm_tokcomp.rope), fused or split qkv, q / k norm, SwiGLU / GLU MLPs,
+positions travel with the tokens (timm_tokcomp.ops.rope), fused or split qkv, q / k norm, SwiGLU / GLU MLPs,
 LayerScale, register tokens, an attention-pool head. Reducing and dense subclasses of EvaAttention, EvaBlock /
 EvaBlockPostNorm and Eva."""
 from typing import Optional, Tuple
@@ -11,11 +11,11 @@ from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 from timm.models.eva import Eva, EvaAttention, EvaBlock, EvaBlockPostNorm
 from torch import nn
 
-from .. import attention
-from ..dense import DenseBlockMixin, DenseModel
+from ..ops import attention
+from ..runtime.dense import DenseBlockMixin, DenseModel
 from ..methods.base import TokenReducer
-from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel
-from ..rope import PATCH_DROP_REFUSAL, ROPE_CLASSES, TokenPositions, check_rope, grid_coords
+from ..runtime.loop import BlockBranches, ReducingBlockMixin, ReducingModel
+from ..ops.rope import PATCH_DROP_REFUSAL, ROPE_CLASSES, TokenPositions, check_rope, grid_coords
 from .base import Family, eva_skips_qkv_module, project_heads, reducer_metric
 
 

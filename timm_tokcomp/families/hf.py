@@ -32,9 +32,9 @@ from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer, Sigli
 from transformers.models.vit.modeling_vit import ViTForImageClassification, ViTLayer, ViTModel
 
 from ..methods.base import TokenReducer
-from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel, patch_grid
-from ..handoff import compiled_whole, forward_by_region
-from ..regions import compiled_regions
+from ..runtime.loop import BlockBranches, ReducingBlockMixin, ReducingModel, patch_grid
+from ..runtime.handoff import compiled_whole, forward_by_region
+from ..runtime.regions import compiled_regions
 from .base import BlockView, Facade, Family, PatchGrid, reducer_metric
 from .hf_call import bind_call
 

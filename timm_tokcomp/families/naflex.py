@@ -24,10 +24,10 @@ from timm.layers.attention import AttentionRope
 from torch import nn
 
 from ..plans import gather_tokens
-from ..reducing import SIZED_POOLS, ReducingModel, spread_tokens
-from ..handoff import compiled_whole, forward_by_region
-from ..rope import PATCH_DROP_REFUSAL, ROPE_CLASSES, TokenPositions, check_rope, grid_coords
-from ..state import ReductionStats, remember_last
+from ..runtime.loop import SIZED_POOLS, ReducingModel, spread_tokens
+from ..runtime.handoff import compiled_whole, forward_by_region
+from ..ops.rope import PATCH_DROP_REFUSAL, ROPE_CLASSES, TokenPositions, check_rope, grid_coords
+from ..runtime.state import ReductionStats, remember_last
 from .base import BuildArgs, Facade, Family, eva_skips_qkv_module, vit_block_refusal
 from .eva import ReducingAttentionRope, ReducingEvaAttention, ReducingEvaBlock, ReducingEvaBlockPostNorm
 from .vit import ReducingAttention, ReducingBlock

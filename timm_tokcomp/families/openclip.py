@@ -16,14 +16,13 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-from open_clip.transformer import LayerScale as OpenClipLayerScale
-from open_clip.transformer import ResidualAttentionBlock, VisionTransformer
+from open_clip.transformer import LayerScale as OpenClipLayerScale, ResidualAttentionBlock, VisionTransformer
 from torch import nn
 
 from ..methods.base import TokenReducer
-from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel, patch_grid
-from ..schedules import BlockCost
-from ..state import ReductionStats
+from ..runtime.loop import BlockBranches, ReducingBlockMixin, ReducingModel, patch_grid
+from ..methods.schedules import BlockCost
+from ..runtime.state import ReductionStats
 from .base import BlockView, Facade, Family, PatchGrid, linear_macs, reducer_metric
 
 POOLS = {"tok": "token", "avg": "avg", "none": ""}  # open_clip's pool_type -> timm's global_pool

@@ -10,18 +10,17 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple, Type, Union
 
 import torch
-from timm.models.vision_transformer_sam import Attention as SamAttention
-from timm.models.vision_transformer_sam import Block as SamBlock
+from timm.models.vision_transformer_sam import Attention as SamAttention, Block as SamBlock
 from timm.models.vision_transformer_sam import (VisionTransformerSAM, get_decomposed_rel_pos_bias, window_partition,
                                                 window_unpartition)
 from timm.layers import resample_abs_pos_embed_nhwc
 from torch import nn
 
-from ..dense import DenseBlockMixin, DenseModel
+from ..runtime.dense import DenseBlockMixin, DenseModel
 from ..methods.base import TokenReducer
 from ..plans import Plan, gather_tokens
-from ..reducing import ReducingBlockMixin, ReducingModel
-from ..state import ReductionStats
+from ..runtime.loop import ReducingBlockMixin, ReducingModel
+from ..runtime.state import ReductionStats
 from .base import BuildArgs, Facade, Family, reducer_metric
 from .vit import BlockBranchesVit
 

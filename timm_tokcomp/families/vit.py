@@ -8,10 +8,10 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
-from .. import attention
-from ..dense import DenseBlockMixin, DenseModel
+from ..ops import attention
+from ..runtime.dense import DenseBlockMixin, DenseModel
 from ..methods.base import TokenReducer
-from ..reducing import BlockBranches, ReducingBlockMixin, ReducingModel
+from ..runtime.loop import BlockBranches, ReducingBlockMixin, ReducingModel
 from .base import Family, project_heads, reducer_metric, vit_block_refusal
 
 

@@ -3,7 +3,7 @@
 and the fused Triton kernels in `triton_tome` / `triton_dense` (imported on first use).
 
 backend 'auto' picks, for CUDA tensors when no gradient is needed, what the measured table of the device class says
-(timm_tokcomp.device_table; Triton where it has no entry), torch otherwise; 'triton'
+(timm_tokcomp.measure.device_table; Triton where it has no entry), torch otherwise; 'triton'
 forces the kernels (CUDA, or any device under TRITON_INTERPRET=1), 'torch' the reference.
 """
 import os
@@ -12,8 +12,8 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from .. import ops
-from ..device_table import measured
+from ..ops import dense_merge as ops
+from ..measure.device_table import measured
 
 BACKENDS = ("auto", "torch", "triton")
 

@@ -32,7 +32,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..matching import attentive_pruning, bipartite_soft_matching, class_attention, max_merges
+from ..ops.matching import attentive_pruning, bipartite_soft_matching, class_attention, max_merges
 
 
 def merged_count(num_tokens: int, num_prefix: int, r: int) -> int:
@@ -117,7 +117,7 @@ def _tome_merge_rope(metric: torch.Tensor, x: torch.Tensor, size: Optional[torch
         merged, merged_size, log_size, moved = triton_tome.tome_merge_with_coords(metric, x, size, r, num_prefix,
                                                                                    coords, coords_merge)
     else:
-        from ..rope import moved_coords
+        from ..ops.rope import moved_coords
 
         plan = bipartite_soft_matching(_head_mean(metric), r, num_prefix)
         merged, merged_size, _ = plan.apply(x, size, None)
@@ -183,7 +183,7 @@ def _evit_prune_rope(q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch
         from . import triton_evit
 
         return _fresh(*triton_evit.evit_prune_with_coords(q, k, attn_bias, scale, x, size, r, num_prefix, coords))
-    from ..rope import moved_coords
+    from ..ops.rope import moved_coords
 
     plan = attentive_pruning(class_attention(q, k, attn_bias, scale).mean(dim=1), r, num_prefix)
     pruned, pruned_size, _ = plan.apply(x, size, None)

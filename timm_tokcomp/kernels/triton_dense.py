@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..measure import kernel_launch
+from ..measure.counting import kernel_launch
 
 
 # token counts (and what follows them: widths, strides, slice offsets) change per block and, for ATM, per batch:

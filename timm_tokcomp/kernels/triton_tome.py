@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..measure import kernel_launch
-from ..rope import with_prefix_rows
+from ..measure.counting import kernel_launch
+from ..ops.rope import with_prefix_rows
 from .triton_common import contiguous_empty, descending_rank, launched, store_size
 
 # workspace row (int32): node_max (float32 bits) [n_a] | node_idx [n_a] | rank [n_a] | kept A [n_a - r] |

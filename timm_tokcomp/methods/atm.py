@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..matching import batch_adaptive_r, best_matches, count_above, max_merges, merge_top_r, size_distinctive_split
+from ..ops.matching import batch_adaptive_r, best_matches, count_above, max_merges, merge_top_r, size_distinctive_split
 from ..plans import MergePlan
-from ..checks import check_int, real
-from ..schedules import BlockCost
+from ..utils.checks import check_int, real
+from .schedules import BlockCost
 from .base import TokenReducer, warn_if_compiling
 from .params import COMMON, REQUIRED, Param, kernel_choice
 from .tome import HeadKeys, ToMe, key_metric

@@ -8,9 +8,9 @@ from typing import List, Optional
 
 import torch
 
-from ..matching import class_attention
+from ..ops.matching import class_attention
 from ..plans import PrunePlan
-from ..schedules import BlockCost
+from .schedules import BlockCost
 from .base import ScheduledReducer, warn_if_compiling
 
 

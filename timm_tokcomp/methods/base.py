@@ -1,5 +1,5 @@
 """Base classes of the token-reduction methods: common parameters, the per-block settings, and the hooks the
-reducing loop (timm_tokcomp.reducing) calls, the same for every method:
+reducing loop (timm_tokcomp.runtime.loop) calls, the same for every method:
 
   settings = reducer.settings_for(L, N, num_prefix, cost, grid)    # once per shape: per-block settings (None: nothing)
   reducer.record_block(stats, x, size)                              # each block: what the stats keep
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..plans import Plan
-from ..schedules import BlockCost, resolve_r, solve_flops_schedule, stage_schedule
+from .schedules import BlockCost, resolve_r, solve_flops_schedule, stage_schedule
 from .params import COMMON, SCHEDULE, Param, bind, signature
 from .tags import RTagged, parse_keep_tag, parse_r_tag
 
@@ -46,8 +46,8 @@ class TokenReducer(ABC):
     attribute of its name, then validate() checks them together. Those every token-dropping method takes (COMMON):
 
     prop_attn: add log(token size) to the attention scores; None picks the method's default. True (or 'auto') uses
-        the implementation measured fastest for the device (timm_tokcomp.device_table; 'mask' where unmeasured);
-        'mask', 'fold', 'fold_qkv' or 'flex' name one (timm_tokcomp.attention; all give the same result).
+        the implementation measured fastest for the device (timm_tokcomp.measure.device_table; 'mask' where unmeasured);
+        'mask', 'fold', 'fold_qkv' or 'flex' name one (timm_tokcomp.ops.attention; all give the same result).
     trace_source: keep a (B, N, N0) map of the original patches each token holds.
     prefix_only_last_block: in the last block keep only the prefix tokens after attention, so its MLP
         runs on those alone. Exact when the head reads only the class (and distillation) token
@@ -81,7 +81,7 @@ class TokenReducer(ABC):
     data_dependent: ClassVar[bool] = False  # token counts read from the data (a host-side count per block):
     # eager only in speed / tune, no CUDA graph, no ONNX
     compiles_by_region: bool = True  # torch.compile traces its block once, the token count and the per-block
-    # settings symbolic (timm_tokcomp.compiling); False: its plan reads a per-block Python value (a layer's module
+    # settings symbolic (timm_tokcomp.runtime.compile); False: its plan reads a per-block Python value (a layer's module
     # looked up by number, a position list) that must stay constant, so the model compiles whole, with static shapes.
     # A method whose answer depends on its parameters sets it on the instance (PYRA, by its form)
     export_refusal: ClassVar[Optional[str]] = "it has not been checked against onnxruntime"  # None: exports to ONNX
@@ -164,7 +164,7 @@ class TokenReducer(ABC):
         shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None)
         return f"{type(self).__name__}({shown})"
 
-    # The hooks the reducing loop (timm_tokcomp.reducing) calls; a method overrides those where it differs.
+    # The hooks the reducing loop (timm_tokcomp.runtime.loop) calls; a method overrides those where it differs.
     #   reduces_at: 'after_attention' (between attention and MLP), 'after_mlp' (at the end of the block, the study
     #   protocol's place), or 'before_attention' (at its start, with lookahead(), from this block's attention
     #   probabilities at the unreduced count, which are then merged and reused: MCTF).
@@ -263,7 +263,7 @@ class TokenReducer(ABC):
         return None
 
     # The learned-method protocol (LearnedParams implements it): a training-free method learns nothing.
-    learned_class: ClassVar[Optional[type]] = None  # the nn.Module class of its parameters (timm_tokcomp.learned)
+    learned_class: ClassVar[Optional[type]] = None  # the nn.Module class of its parameters (timm_tokcomp.methods.learned)
     learned_param: ClassVar[Optional[str]] = None  # the constructor argument that takes saved parameters
 
     def mark_made(self) -> None:
@@ -284,7 +284,7 @@ class TokenReducer(ABC):
 
 class LearnedParams:
     """Mixin for a method with learned parameters: learned_class is their nn.Module class (with config() /
-    from_config() for timm_tokcomp.learned), learned_param the constructor argument that takes saved ones and
+    from_config() for timm_tokcomp.methods.learned), learned_param the constructor argument that takes saved ones and
     the attribute that holds them (None until bind makes untrained ones)."""
 
     learned_class: ClassVar[type]
@@ -298,7 +298,7 @@ class LearnedParams:
         self._learned_given = value is not None and not getattr(value, "_tokcomp_made", False)
         if value is not None and type(value) is not self.learned_class:
             raise ValueError(f"{self.learned_param} must be {self.learned_class.__name__} (e.g. from "
-                             f"timm_tokcomp.learned.load_learned), got {type(value).__name__}")
+                             f"timm_tokcomp.methods.learned.load_learned), got {type(value).__name__}")
         super().validate()
 
     def learned_module(self) -> Optional[nn.Module]:

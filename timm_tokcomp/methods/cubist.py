@@ -14,10 +14,10 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_int, integer
+from ..utils.checks import check_int, integer
 from ..plans import GridMergePlan
 from ..plans.grid import max_magnitude
-from ..schedules import BlockCost
+from .schedules import BlockCost
 from .base import GridSettings, PlansOnTokens, TokenReducer
 from .params import COMMON, Param
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..checks import boolean, optional
+from ..utils.checks import boolean, optional
 from ..plans import ResamplePlan
 from .base import PlansOnTokens, ScheduledReducer
 from .params import COMMON, SCHEDULE, Param

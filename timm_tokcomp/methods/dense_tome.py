@@ -7,8 +7,8 @@ import torch
 
 from .. import kernels
 from ..plans import MergePlan
-from ..checks import check_int
-from ..schedules import BlockCost
+from ..utils.checks import check_int
+from .schedules import BlockCost
 from .base import TokenReducer
 from .tags import RTagged
 from .params import Param, kernel_choice, optional

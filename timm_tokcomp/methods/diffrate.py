@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..matching import class_attention
+from ..ops.matching import class_attention
 from ..plans import KeepMergePlan, Plan, Reduced, gather_tokens
-from ..checks import integer, is_int, real
-from ..schedules import BlockCost
+from ..utils.checks import integer, is_int, real
+from .schedules import BlockCost
 from .base import LearnedParams, TokenReducer
 from .tags import MacsTargetTagged
 from .params import COMMON, MACS_TARGET, REQUIRED, FromConfig, Param, optional

@@ -4,7 +4,7 @@ nearest neighbours), every token joins its nearest centre, and each cluster beco
 (sizes and source maps tracked as for ToMe)."""
 import torch
 
-from ..matching import nearest_centre, pairwise_distances
+from ..ops.matching import nearest_centre, pairwise_distances
 from .clustering import ClusterMerging
 
 

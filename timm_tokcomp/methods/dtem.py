@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..matching import bipartite_soft_matching, max_merges
+from ..ops.matching import bipartite_soft_matching, max_merges
 from ..plans import Plan, Reduced, gather_tokens
-from ..checks import int_list, integer
-from ..schedules import BlockCost
+from ..utils.checks import int_list, integer
+from .schedules import BlockCost
 from .base import LearnedParams, ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param
 from .straight_through import clamp_through

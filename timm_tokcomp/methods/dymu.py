@@ -14,12 +14,12 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
-from ..matching import alternate_matches
+from ..ops.matching import alternate_matches
 from ..plans import GroupPlan
-from ..schedules import BlockCost
+from .schedules import BlockCost
 from .base import TokenReducer, warn_if_compiling
 from .params import COMMON, REQUIRED, Param
-from ..checks import is_real
+from ..utils.checks import is_real
 
 
 def check_thresholds(value: Any) -> List[Optional[float]]:

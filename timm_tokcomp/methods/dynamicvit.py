@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import int_list, integer
+from ..utils.checks import int_list, integer
 from ..plans import Plan, PrunePlan, Reduced
 from .base import LearnedParams, ScheduledReducer
 from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param

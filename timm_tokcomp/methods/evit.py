@@ -6,7 +6,7 @@ import torch
 
 from .. import kernels
 from ..kernels import library
-from ..matching import attentive_pruning, class_attention
+from ..ops.matching import attentive_pruning, class_attention
 from ..plans import PrunePlan
 from .fused import FusedScheduledReducer
 

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..matching import merge_top_r
+from ..ops.matching import merge_top_r
 from ..plans import MergePlan, Reduced
-from ..checks import boolean, integer, is_int
-from ..schedules import BlockCost
+from ..utils.checks import boolean, integer, is_int
+from .schedules import BlockCost
 from .base import GridSettings, LearnedParams, TokenReducer
 from .params import COMMON, REQUIRED, FromConfig, Param, optional
 

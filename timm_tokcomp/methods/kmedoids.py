@@ -3,7 +3,7 @@ features) into as many clusters as tokens stay, with 3 K-Medoids iterations from
 each cluster becomes its size-weighted mean (sizes and source maps tracked as for ToMe)."""
 import torch
 
-from ..matching import float32_linspace, nearest_centre, pairwise_distances
+from ..ops.matching import float32_linspace, nearest_centre, pairwise_distances
 from .clustering import ClusterMerging
 
 

@@ -27,10 +27,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..matching import alternate_matches, keep_best
+from ..ops.matching import alternate_matches, keep_best
 from ..plans import GroupPlan, Plan, Reduced
-from ..checks import check_real, integer, is_real, real
-from ..schedules import BlockCost
+from ..utils.checks import check_real, integer, is_real, real
+from .schedules import BlockCost
 from .base import BlockSetting, LearnedParams, TokenReducer, warn_if_compiling
 from .tags import MacsTargetTagged
 from .params import COMMON, MACS_TARGET, REQUIRED, FromConfig, Param, optional

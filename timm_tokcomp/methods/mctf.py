@@ -8,11 +8,11 @@ from typing import Any, List, Optional
 
 import torch
 
-from ..matching import max_merges
+from ..ops.matching import max_merges
 from ..plans import ClusterPlan, split_tokens
 from ..plans.cluster import cluster_attention, cluster_sum
-from ..checks import real
-from ..schedules import BlockCost
+from ..utils.checks import real
+from .schedules import BlockCost
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
 

@@ -6,11 +6,11 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Sequence, Tuple
 
-from ..attention import check_prop_attn
+from ..ops.attention import check_prop_attn
 from ..kernels import check_kernel
-from ..rope import check_rope_merge
-from ..checks import boolean, check_real, optional
-from ..schedules import STUDY_STAGES, check_keep_rate, check_stages, validate_r
+from ..ops.rope import check_rope_merge
+from ..utils.checks import boolean, check_real, optional
+from .schedules import STUDY_STAGES, check_keep_rate, check_stages, validate_r
 
 REQUIRED = inspect.Parameter.empty  # a Param default meaning: no default, the caller must give it
 
@@ -31,7 +31,7 @@ class Param:
 
 
 class FromConfig:
-    """Mixin for a learned module saved as its config and weights (timm_tokcomp.learned): CONFIG declares its
+    """Mixin for a learned module saved as its config and weights (timm_tokcomp.methods.learned): CONFIG declares its
     constructor's arguments as Params, each checked once (ValueError naming the config field); from_config builds
     the module of the shape a config describes (its values to be loaded)."""
 

@@ -16,7 +16,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from ..checks import int_list, integer
+from ..utils.checks import int_list, integer
 from ..plans import SoftPlan
 from .base import LearnedParams, ScheduledReducer
 from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param

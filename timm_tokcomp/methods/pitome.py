@@ -6,10 +6,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..matching import best_matches, merge_top_r
+from ..ops.matching import best_matches, merge_top_r
 from ..plans import MergePlan
-from ..checks import check_real
-from ..schedules import BlockCost
+from ..utils.checks import check_real
+from .schedules import BlockCost
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
 

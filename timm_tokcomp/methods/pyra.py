@@ -20,8 +20,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..checks import check_choice, int_list, integer
-from ..matching import float32_linspace
+from ..utils.checks import check_choice, int_list, integer
+from ..ops.matching import float32_linspace
 from ..plans import MergePlan, Reduced, gather_tokens, split_tokens
 from ..plans.merge import merge_sum
 from .base import LearnedParams

@@ -6,9 +6,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..matching import built_once
+from ..ops.matching import built_once
 from ..plans import PrunePlan
-from ..schedules import BlockCost
+from .schedules import BlockCost
 from .base import GridSettings, ScheduledReducer
 
 

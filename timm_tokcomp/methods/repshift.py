@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..checks import check_choice
+from ..utils.checks import check_choice
 from ..plans import PrunePlan
 from .base import ScheduledReducer
 from .params import COMMON, SCHEDULE, Param

@@ -2,7 +2,7 @@
 mixins that give a method its parse_tag / tag_forms."""
 from typing import Any, ClassVar, Dict, Optional, Tuple
 
-from ..schedules import NAMED_SCHEDULES
+from .schedules import NAMED_SCHEDULES
 
 
 def parse_r_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:

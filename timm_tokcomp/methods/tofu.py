@@ -9,8 +9,8 @@ import torch
 
 from ..plans import MergePlan, Reduced
 from ..plans.merge import merge_keep_destination, merge_mlerp, merge_sum
-from ..checks import check_int
-from ..schedules import BlockCost
+from ..utils.checks import check_int
+from .schedules import BlockCost
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param, optional
 from .tome import tome_plan

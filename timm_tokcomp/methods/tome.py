@@ -5,7 +5,7 @@ import torch
 
 from .. import kernels
 from ..kernels import library
-from ..matching import bipartite_soft_matching, max_merges
+from ..ops.matching import bipartite_soft_matching, max_merges
 from ..plans import MergePlan
 from .base import prop_attn_unless_avg_pool
 from .fused import FusedScheduledReducer

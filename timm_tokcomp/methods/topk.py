@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from ..matching import class_attention
+from ..ops.matching import class_attention
 from ..plans import PrunePlan
 from .base import ScheduledReducer
 

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ..core import apply, get_reducer, is_reduced, remove, set_params
-from ..registry import architecture_of
-from ..checks import is_int, is_real
+from ..models.timm_names import architecture_of
+from ..utils.checks import is_int, is_real
 
 QUERY, VALUE = 0, 1  # index of the projection in the plugin tensors
 

@@ -13,11 +13,11 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from safetensors.torch import save_file
 
-from ..checks import is_int
-from ..extras import require
-from ..outputs import new_output, refuse_existing, replacing, write_text
-from ..hub import hub_snapshot
-from ..userfiles import inside, read_safetensors, read_versioned_json, safetensors_shapes
+from ..utils.checks import is_int
+from ..utils.extras import require
+from ..files.outputs import new_output, refuse_existing, replacing, write_text
+from ..files.hub import hub_snapshot
+from ..files.userfiles import inside, read_safetensors, read_versioned_json, safetensors_shapes
 from .compensator import Compensator, check_scale
 
 FORMAT_VERSION = 1

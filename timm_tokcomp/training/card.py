@@ -26,7 +26,7 @@ trained parameters in all, with the token-reduction method `{method}` active in 
 | --- | --- | --- | --- | --- |
 | {result.images} (`{eval_data}`) | {_percent(result.top1)} | {_percent(result.agreement)} | {result.gmacs:.4f} | {result.images_per_second:.1f} |
 
-GMACs are counted from a run (timm_tokcomp.measure). Throughput is from the machine that trained it.
+GMACs are counted from a run (timm_tokcomp.measure.counting). Throughput is from the machine that trained it.
 
 ## Recipe
 

@@ -3,7 +3,7 @@ as a Param whose error names the field's command-line flag, all run by validate_
 of fields together."""
 from typing import Any, Callable, ClassVar, Sequence, Tuple
 
-from ..checks import check_bool, check_choice, integer, is_real, optional, real
+from ..utils.checks import check_bool, check_choice, integer, is_real, optional, real
 from ..methods.params import Param
 
 

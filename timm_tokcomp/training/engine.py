@@ -27,10 +27,10 @@ from torch import nn
 from tqdm import tqdm
 
 from ..core import __version__
-from ..precision import AMP_NAMES, DTYPES
-from ..outputs import replacing, run_folder, write_text
-from ..checks import check_int, is_int, is_real, is_version
-from ..userfiles import read_torch
+from ..measure.precision import AMP_NAMES, DTYPES
+from ..files.outputs import replacing, run_folder, write_text
+from ..utils.checks import check_int, is_int, is_real, is_version
+from ..files.userfiles import read_torch
 
 # 1: the two trainers' own checkpoints, before this engine (timm_tokcomp 0.1.0); 2: inputs by path; 3: by content;
 # 4: tensors and plain values only, read back with torch.load(weights_only=True) (userfiles.read_torch)
@@ -200,7 +200,7 @@ def train(make_task: Callable[[str, int], TrainingTask], out: str, run_entries: 
     torch.distributed every rank calls this with the same arguments; rank 0 writes.
 
     settings (the recipe) and run (what it trains on: the model's name and the identities of its weights and data,
-    timm_tokcomp.identity) are what a resumed run must share: with resume, the checkpoint is checked against them
+    timm_tokcomp.files.identity) are what a resumed run must share: with resume, the checkpoint is checked against them
     before make_task does any work. old_settings: settings added since a checkpoint may have been written, at the
     value such a checkpoint ran with."""
     if stop_after is not None:

@@ -30,13 +30,13 @@ from tqdm import tqdm
 
 from ..core import apply, get_reducer
 from ..methods import method_class
-from ..extras import require
-from ..identity import data_digest, weights_digest
-from ..kit.agreement import compare
-from ..kit.grammar import MethodItem
-from ..data import check_num_classes, open_dataset, open_images
-from ..models import build_base_model, eval_transform
-from ..outputs import replacing
+from ..utils.extras import require
+from ..files.identity import data_digest, weights_digest
+from ..measure.agreement import compare
+from ..deployment.specs import MethodItem
+from ..files.data import check_num_classes, open_dataset, open_images
+from ..models.build import build_base_model, eval_transform
+from ..files.outputs import replacing
 from ..patch import adapter_skip
 from .engine import SeededAugment, Schedule, TrainingTask, distill_loss, rank_and_world, rank_share, train
 from .folder import RUN_ENTRIES, finish_folder, load_finetuned, lora_config, save_folder
@@ -221,8 +221,8 @@ def _final_evaluation(out: Path, task: FinetuneTask, train_seconds: float, train
     """Reload the saved folder (LoRA merged), then top-1 (and agreement with the reference predictions),
     per-image predictions, MACs counted from a run and forward throughput on the evaluation images (in fp32, in
     this process only)."""
-    from ..measure import count_macs
-    from ..timing import time_side_by_side
+    from ..measure.counting import count_macs
+    from ..measure.timing import time_side_by_side
 
     config, eval_set, reference, device = task.config, task.eval_set, task.reference, task.device
     model = load_finetuned(str(out), checkpoint=task.checkpoint, pretrained=task.pretrained, device=device)

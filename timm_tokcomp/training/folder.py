@@ -12,16 +12,16 @@ import torch
 from torch import nn
 
 from ..core import apply
-from ..extras import require
-from ..kit.grammar import MethodItem
-from ..learned import load_learned, save_learned
+from ..utils.extras import require
+from ..deployment.specs import MethodItem
+from ..methods.learned import load_learned, save_learned
 from ..methods import method_class
-from ..models import build_base_model
-from ..outputs import FILE_MODE, write_text
+from ..models.build import build_base_model
+from ..files.outputs import FILE_MODE, write_text
 from ..patch import adapter_skip
-from ..checks import is_int
-from ..hub import hub_snapshot
-from ..userfiles import fail, read_json, read_versioned_json, safetensors_shapes
+from ..utils.checks import is_int
+from ..files.hub import hub_snapshot
+from ..files.userfiles import fail, read_json, read_versioned_json, safetensors_shapes
 from .card import model_card
 from .recipe import FinetuneConfig, FinetuneResult
 

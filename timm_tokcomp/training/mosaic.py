@@ -60,8 +60,8 @@ def heldout_indices(count: int, holdout: int, pick: str) -> List[int]:
 
 def split_images(data: str, model: nn.Module, config: "TrainConfig") -> Tuple[SeededAugment, torch.utils.data.Dataset]:
     """(training mosaics, the held-out images with the model's eval transform)."""
-    from ..data import open_images
-    from ..models import eval_transform
+    from ..files.data import open_images
+    from ..models.build import eval_transform
 
     pil = open_images(data, lambda img: img)
     evaluation = open_images(data, eval_transform(model))

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from ..kit.grammar import MethodItem
+from ..deployment.specs import MethodItem
 from ..methods import METHODS, make_reducer, method_class, parse_method_tag
 from .config import CROP_SCALE, CheckedFields, bool_field, choice_field, int_field, real_field
 from .engine import check_loop_settings

@@ -18,13 +18,12 @@ import torch
 from torch import nn
 
 from ..core import apply, remove, set_params
-from ..extras import require
-from ..identity import data_digest, weights_digest
+from ..utils.extras import require
+from ..files.identity import data_digest, weights_digest
 from ..methods import tocom_methods
 from ..families import patched_family, resolve
 from .config import CROP_SCALE, CheckedFields, choice_field, int_field, real_field
-from .engine import (Schedule, TrainingDiverged, TrainingTask, check_loop_settings, distill_loss,
-                               rank_and_world, train)
+from .engine import Schedule, TrainingDiverged, TrainingTask, check_loop_settings, distill_loss, rank_and_world, train
 from ..tocom.compensator import Compensator
 from ..tocom.plugins import Plugins
 from .tocom_heldout import HeldoutReport, choose_scale, results_summary, write_report

@@ -12,7 +12,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..core import set_params
-from ..outputs import write_text
+from ..files.outputs import write_text
 from ..tocom.plugins import Plugins
 from .engine import distill_loss, is_distributed, rank_share
 

@@ -1,0 +1,201 @@
+"""Image datasets: an ImageFolder tree, a folder with labels.csv (`file,label`), or (for label-free
+work such as calibration) a plain folder of images. The one loader of image folders and labels files: every file
+is checked at the door (it exists, it is an image; every label is a class index in range), and every error names
+the flag and the file (userfiles.UserFileError)."""
+import csv
+import os
+import warnings
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple, Union
+
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+
+from ..utils.checks import check_int
+from .userfiles import UserFileError, fail, inside
+
+DEFAULT_MAX_IMAGE_PIXELS = 64_000_000  # 8000 x 8000: ~190 MB decoded as RGB; raise with TOKCOMP_MAX_IMAGE_PIXELS
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".bmp", ".webp", ".tif", ".tiff")
+PathLike = Union[str, Path]
+
+
+def max_image_pixels() -> int:
+    """The most pixels an image may have (width x height, from its header): TOKCOMP_MAX_IMAGE_PIXELS, default
+    DEFAULT_MAX_IMAGE_PIXELS. A small file can declare a huge image (a decompression bomb); it is refused by name
+    before it is decoded."""
+    value = os.environ.get("TOKCOMP_MAX_IMAGE_PIXELS", str(DEFAULT_MAX_IMAGE_PIXELS))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"TOKCOMP_MAX_IMAGE_PIXELS must be an integer >= 1 (pixels), got {value!r}")
+    return int(value)
+
+
+def _open_checked(path: Path, flag: str) -> Image.Image:
+    """The image at path, opened (its header read, nothing decoded) and within max_image_pixels()."""
+    cap = max_image_pixels()
+    over = f"megapixels), over the {cap / 1e6:g}-megapixel cap; raise TOKCOMP_MAX_IMAGE_PIXELS if you mean it"
+    try:
+        with warnings.catch_warnings():  # PIL's own bomb warning: the cap below says it with the file's name
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(path)
+    except Image.DecompressionBombError as e:  # over PIL's own limit (twice its MAX_IMAGE_PIXELS)
+        raise fail(flag, path, f"is a decompression bomb ({e}; {over[over.index('over'):]})") from None
+    width, height = img.size
+    if width * height > cap:
+        img.close()
+        raise fail(flag, path, f"is a {width} x {height} image ({width * height / 1e6:.0f} {over}")
+    return img
+
+
+def _check_image(path: Path, flag: str) -> None:
+    """Refuse a file PIL cannot identify as an image, or one over the pixel cap (its header only: cheap)."""
+    try:
+        _open_checked(path, flag).close()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{flag}: {path} not found") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        if isinstance(e, UserFileError):
+            raise
+        raise fail(flag, path, f"is not an image ({type(e).__name__}: {e})") from None
+
+
+def _load_rgb(path: Path, flag: str) -> Image.Image:
+    """The image at path as RGB; a file that stops decoding (truncated) or is over the pixel cap is refused
+    naming it."""
+    try:
+        with _open_checked(path, flag) as img:
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        if isinstance(e, UserFileError):
+            raise
+        raise fail(flag, path, f"cannot be decoded as an image ({type(e).__name__}: {e})") from None
+
+
+class _CheckedImages(Dataset):
+    """(path, label) samples (the first `limit` of them, all for None) checked at the door; items are
+    (transform(image), label)."""
+
+    def __init__(self, samples: List[Tuple[Path, int]], base: Path, transform: Callable, flag: str,
+                 limit: Optional[int] = None) -> None:
+        samples = samples[:limit]  # only what will be read is checked
+        for path, _ in samples:
+            _check_image(path, flag)
+        self.samples, self.base, self.transform, self.flag = samples, base, transform, flag
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        path, label = self.samples[i]
+        return self.transform(_load_rgb(path, self.flag)), label
+
+    @property
+    def labels(self) -> List[int]:
+        return [label for _, label in self.samples]
+
+    @property
+    def names(self) -> List[str]:
+        """Each image's path relative to the folder its names are given in."""
+        return [path.relative_to(self.base).as_posix() for path, _ in self.samples]
+
+
+class LabeledImages(_CheckedImages):
+    """Images listed in `root/<labels>` (default labels.csv; header `file,label`, 0-based class indices);
+    files are looked up in `root/images/` if that folder exists, else in `root`, and must stay inside it (an
+    absolute name, '..' or a link leading out is refused: userfiles.inside)."""
+
+    def __init__(self, root: PathLike, transform: Callable, labels: str = "labels.csv", flag: str = "--data",
+                 limit: Optional[int] = None) -> None:
+        root = Path(root)
+        self.image_dir = root / "images" if (root / "images").is_dir() else root
+        rows = read_labels(root / labels, flag)
+        super().__init__([(inside(self.image_dir, name, root / labels, flag), label) for name, label in rows],
+                         self.image_dir, transform, flag, limit)
+
+
+class ImageTree(_CheckedImages):
+    """An ImageFolder tree: root/<class name>/<image>, classes numbered in sorted order (as torchvision's)."""
+
+    def __init__(self, root: PathLike, transform: Callable, flag: str = "--data", limit: Optional[int] = None) -> None:
+        root = Path(root)
+        self.classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        samples = [(p, i) for i, name in enumerate(self.classes) for p in sorted((root / name).rglob("*"))
+                   if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
+        if not samples:
+            raise fail(flag, root, f"has class subfolders but no image files ({', '.join(IMAGE_SUFFIXES)})")
+        super().__init__(samples, root, transform, flag, limit)
+
+
+class UnlabeledImages(_CheckedImages):
+    """Every image file directly in `root`, sorted by name; the label is -1."""
+
+    def __init__(self, root: PathLike, transform: Callable, flag: str = "--data", limit: Optional[int] = None) -> None:
+        files = sorted(p for p in Path(root).iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        super().__init__([(p, -1) for p in files], Path(root), transform, flag, limit)
+
+
+def read_labels(path: Path, flag: str = "--data") -> List[Tuple[str, int]]:
+    """(file, class index) rows of a `file,label` CSV; a non-integer or negative label is refused with its line."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{flag}: {path} not found") from None
+    except UnicodeDecodeError:
+        raise fail(flag, path, "is not a text file (expected CSV with columns file,label)") from None
+    reader = csv.DictReader(text.splitlines())
+    if reader.fieldnames is None or not {"file", "label"} <= set(reader.fieldnames):
+        raise fail(flag, path, "must have a header with columns 'file' and 'label'")
+    rows = []
+    for line, row in enumerate(reader, start=2):
+        label = (row.get("label") or "").strip()
+        if not label.lstrip("-").isdigit() or int(label) < 0:
+            raise fail(flag, path, f", line {line}: label {label!r} is not a class index (an integer >= 0; class "
+                                   "names belong in an ImageFolder tree)")
+        if not row.get("file"):
+            raise fail(flag, path, f", line {line}: no file name")
+        rows.append((row["file"], int(label)))
+    return rows
+
+
+def check_num_classes(dataset: Dataset, num_classes: int, flag: str = "--data") -> None:
+    """Refuse labels the model cannot predict (>= num_classes); unlabelled datasets pass."""
+    labels = getattr(dataset, "labels", [])
+    top = max(labels, default=-1)
+    if top >= num_classes:
+        raise fail(flag, getattr(dataset, "root", ""), f"has class index {top}, but the model has {num_classes} "
+                                                        f"classes (0..{num_classes - 1})")
+
+
+def open_images(path: PathLike, transform: Callable, flag: str = "--data", limit: Optional[int] = None) -> Dataset:
+    """Images whose labels are not needed: a labelled dataset as open_dataset reads it, or a plain
+    folder of image files. limit: only the first `limit` images (None: all)."""
+    path = Path(path)
+    if path.is_dir() and not (path / "labels.csv").is_file() and not any(p.is_dir() for p in path.iterdir()):
+        dataset = UnlabeledImages(path, transform, flag, _check_limit(limit))
+        if len(dataset) == 0:
+            raise fail(flag, path, f"holds no image files ({', '.join(IMAGE_SUFFIXES)})")
+        return _rooted(dataset, path)
+    return open_dataset(path, transform, flag, limit)
+
+
+def open_dataset(path: PathLike, transform: Callable, flag: str = "--data", limit: Optional[int] = None) -> Dataset:
+    """A labelled image dataset from a labels.csv folder, a labels file itself (`<folder>/<name>.csv`, e.g.
+    one split of a folder), or an ImageFolder tree (class subfolders). limit: only the first `limit` images."""
+    path, limit = Path(path), _check_limit(limit)
+    if path.suffix == ".csv" and path.is_file():
+        return _rooted(LabeledImages(path.parent, transform, labels=path.name, flag=flag, limit=limit), path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{flag}: {path} is not a folder")
+    if (path / "labels.csv").is_file():
+        return _rooted(LabeledImages(path, transform, flag=flag, limit=limit), path / "labels.csv")
+    if not any(p.is_dir() for p in path.iterdir()):
+        raise fail(flag, path, "has neither labels.csv nor class subfolders (ImageFolder layout)")
+    return _rooted(ImageTree(path, transform, flag, limit), path)
+
+
+def _check_limit(limit: Optional[int]) -> Optional[int]:
+    return None if limit is None else check_int("--limit", limit, 1)
+
+
+def _rooted(dataset: Dataset, root: Optional[Path]) -> Dataset:
+    dataset.root = root  # what an error about its labels names
+    return dataset
