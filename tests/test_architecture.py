@@ -224,3 +224,14 @@ def test_the_tests_mirror_the_floors():
     whole = {p.name for p in tests.glob("test_*.py")}
     assert whole == {"test_architecture.py", "test_docs.py", "test_examples.py", "test_install.py",
                      "test_guarantees.py", "test_properties.py"}
+
+
+def test_only_the_timm_adapter_touches_timms_private_registry():
+    """timm's private registry and factory (timm.models._registry, _factory and their _-names) are read and
+    patched in models/timm_names.py only: a timm release that renames them costs the registered names there
+    (tests/models/test_registry.py), nothing else."""
+    private = ("_registry", "_factory", "_model_entrypoints", "_model_pretrained_cfgs", "_model_has_pretrained",
+               "_resolve_model_source", "_module_to_models", "_deprecated_models")
+    touching = sorted(name for name, path in _modules().items() if name != "timm_tokcomp.models.timm_names"
+                      and any(word in path.read_text() for word in private))
+    assert touching == []

@@ -259,3 +259,46 @@ def test_a_failed_resolution_leaves_no_method_tag_for_the_next_call():
         registry._keep_method_tag(failing)("deit_tiny_patch16_224.tome_r8", "fb_in1k", {})
     model = timm.models.model_entrypoint("deit_tiny_patch16_224")(pretrained_cfg="fb_in1k")  # the wrapped one
     assert not timm_tokcomp.is_reduced(model)
+
+
+# a timm whose private registry moved or changed: (what the script does to timm before importing timm_tokcomp,
+# what the warning names)
+_TIMM_CHANGES = {
+    "renamed module": ("import timm.models, sys; del timm.models._registry; sys.modules['timm.models._registry'] = None",
+                       "import of timm.models._registry"),
+    "renamed table": ("import timm.models._registry as r; r._model_entrypoints_renamed = r.__dict__.pop("
+                      "'_model_entrypoints')", "AttributeError"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(_TIMM_CHANGES))
+def test_a_timm_whose_private_registry_changed_costs_the_names_only(change):
+    """Every touch of timm's private registry and factory is in models/timm_names.py; where a timm release renames
+    one, `import timm_tokcomp` warns naming the timm version, and apply, set_params and remove still work."""
+    import subprocess
+    import sys
+
+    before, error = _TIMM_CHANGES[change]
+    script = f"""{before}
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import timm_tokcomp
+said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+assert len(said) == 1 and "timm " in said[0] and "{error}" in said[0] and "not registered" in said[0], said
+import torch
+from timm.models.vision_transformer import VisionTransformer
+model = VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=5).eval()
+x = torch.randn(2, 3, 32, 32)
+with torch.no_grad():
+    plain = model(x)
+    timm_tokcomp.apply(model, "tome", r=2)
+    timm_tokcomp.set_params(model, r=3)
+    model(x)
+    assert timm_tokcomp.last_stats(model).tokens_per_block == [17, 14]
+    timm_tokcomp.remove(model)
+    assert torch.equal(model(x), plain)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

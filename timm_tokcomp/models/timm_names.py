@@ -8,13 +8,22 @@ the tagged names are unchanged copies of the base cfgs: no compression parameter
 import contextlib
 import contextvars
 import functools
+import warnings
 from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
-from timm.models import _factory, _registry as treg
-from timm.models._features import FeatureGetterNet
-from timm.models._pretrained import DefaultCfg
+import timm
+
+try:  # timm's private registry and factory: every touch of them is in this module
+    from timm.models import _factory, _registry as treg
+    from timm.models._features import FeatureGetterNet
+    from timm.models._pretrained import DefaultCfg
+except ImportError as e:  # a timm that moved them: the registered names are lost, never apply or the import
+    _factory = treg = FeatureGetterNet = DefaultCfg = None
+    _PRIVATE_MISSING: Optional[str] = f"{type(e).__name__}: {e}"
+else:
+    _PRIVATE_MISSING = None
 
 from ..families import FAMILIES, UNSERVED_MODULES, Family, served_classes
 from ..methods import TAG_SUMMARY, listed_tags, match_method_tag, method_class, parse_method_tag, refuse_tagless_method
@@ -339,9 +348,25 @@ def _unserved_archs() -> Dict[str, str]:
     return unserved
 
 
-def register_all() -> None:
+def register_all() -> bool:
     """Wrap the supported entry points, register the short names, list the tagged names, and let timm's
-    lookups by name resolve every method-tagged name. Idempotent."""
+    lookups by name resolve every method-tagged name. Idempotent. Where this timm's private registry or factory
+    differs from what they read, the names are not registered and a warning says so, naming the timm version:
+    apply, remove, set_params and the commands on plain names work without them. True when registered."""
+    why = _PRIVATE_MISSING
+    if why is None:
+        try:
+            _register_all()
+            return True
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            why = f"{type(e).__name__}: {e}"
+    warnings.warn(f"timm {timm.__version__}: its private model registry differs from what timm_tokcomp reads "
+                  f"({why}), so the method-tagged names (deit_small.tome_r16, ...) are not registered; "
+                  f"timm_tokcomp.apply(model, method, ...) works on the plain model", RuntimeWarning, stacklevel=2)
+    return False
+
+
+def _register_all() -> None:
     for arch in supported_archs():
         if arch in SHORT_NAMES:
             continue
