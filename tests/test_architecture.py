@@ -236,3 +236,14 @@ def test_only_the_timm_adapter_touches_timms_private_registry():
     touching = sorted(name for name, path in _modules().items() if name != "timm_tokcomp.models.timm_names"
                       and word.search(path.read_text()))
     assert touching == []
+
+
+def test_a_reduced_model_carries_one_state_object():
+    """What timm_tokcomp keeps on a model or block is one object (runtime/state.py: model._tokcomp, ModelState or
+    BlockState): no other `_tokcomp_` attribute is set or read anywhere in the package."""
+    loose = re.compile(r"\._tokcomp_\w+|[\"']_tokcomp_\w+[\"']")
+    found = sorted(f"{name}: {m.group(0)}" for name, path in _modules().items() if name != "timm_tokcomp.runtime.state"
+                   for m in loose.finditer(path.read_text()))
+    assert found == []
+    assert loose.search("model._tokcomp_depth = 3") and loose.search('getattr(m, "_tokcomp_reducer")')
+    assert not loose.search("model._tokcomp.depth")

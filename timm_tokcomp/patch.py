@@ -10,10 +10,9 @@ from torch import nn
 from .families import Family, family_of, patched_family, resolve
 from .methods.base import TokenReducer
 from .runtime.loop import patch_grid, prefix_only_last
-from .runtime.state import ReductionStats, feature_stats, forget_last, last_of
+from .runtime.state import (BlockState, ModelState, ReductionStats, drop_state, feature_stats, forget_last, last_of,
+                            set_state, state_of)
 
-_ATTRS = ("_tokcomp_reducer", "_tokcomp_prop_attn", "_tokcomp_block_cost", "_tokcomp_pool_sizes", "_tokcomp_depth")
-_BLOCK_ATTRS = ("_tokcomp_reducer", "_tokcomp_setting", "_tokcomp_num_prefix")
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -23,9 +22,10 @@ def is_patched(model: nn.Module) -> bool:
 def model_depth(model: nn.Module, view: Any) -> int:
     """The blocks a method's schedule is laid over: the model's blocks, or, for a model timm pruned to its
     first blocks (prune_intermediate_layers, as features_only does) before or after the method was applied,
-    the depth it was built with (model._tokcomp_depth), so each kept block does what it does in the full model.
+    the depth it was built with (ModelState.depth), so each kept block does what it does in the full model.
     view: the model's facade (Family.facade)."""
-    depth = model.__dict__.get("_tokcomp_depth")
+    state = state_of(model)
+    depth = None if state is None else state.depth
     return len(view.blocks) if depth is None else depth
 
 
@@ -65,11 +65,9 @@ def patch(model: nn.Module, reducer: TokenReducer, family: Optional[Family] = No
         if refusal is not None:
             raise ValueError(refusal)
     _swap_classes(model, family, dense=False)
-    model._tokcomp_reducer = reducer
-    model._tokcomp_prop_attn = prop_attn
-    model._tokcomp_block_cost = block_cost
-    model._tokcomp_depth = depth
-    model._tokcomp_pool_sizes = None
+    state = state_of(model, create=True)
+    state.unpatched()  # a method switched: nothing of the previous one stays
+    state.reducer, state.prop_attn, state.block_cost, state.depth = reducer, prop_attn, block_cost, depth
     forget_last(model)
     _attach_learned(model, reducer.learned_module(), reducer.name)
 
@@ -120,10 +118,10 @@ def _patch_dense(model: nn.Module, reducer: TokenReducer, family: Family, view: 
                                     family.block_cost(view.blocks[0]), patch_grid(view))
     _swap_classes(model, family, dense=True)
     for blk, setting in zip(view.blocks, settings):
-        blk._tokcomp_reducer = reducer
-        blk._tokcomp_setting = setting
-        blk._tokcomp_num_prefix = num_prefix
-    model._tokcomp_reducer = reducer
+        set_state(blk, BlockState(reducer, setting, num_prefix))
+    state = state_of(model, create=True)
+    state.unpatched()
+    state.reducer = reducer
     forget_last(model)
 
 
@@ -133,11 +131,13 @@ def unpatch(model: nn.Module) -> None:
     if family is None:
         raise ValueError("model is not patched by timm_tokcomp")
     for blk in family.facade(model).blocks:
-        for name in _BLOCK_ATTRS:
-            blk.__dict__.pop(name, None)
+        drop_state(blk)
     family.restore(model)
-    for name in _ATTRS:
-        model.__dict__.pop(name, None)
+    state = state_of(model)
+    if state is not None:
+        state.unpatched()
+        if state == ModelState():
+            drop_state(model)  # nothing else kept on it: the plain model has no state at all
     model._modules.pop(LEARNED_KEY, None)
 
 
@@ -147,7 +147,7 @@ def trace_blocks(model: nn.Module, x: torch.Tensor,
     on_block(i, tokens (B, N_i, C), source (B, N_i, N0), positions) after every block i. Returns what
     forward_features returns, registered so that forward_head / pool on it use its token sizes."""
     reducer_of(model)  # raises if not patched
-    if model._tokcomp_reducer.dense:
+    if state_of(model).reducer.dense:
         raise ValueError("dense methods keep every token (nothing to trace); trace a token-reducing method")
     tokens, stats = model._reduce_blocks(*model._embed(x), for_intermediates=True, on_block=on_block,
                                          grid=patch_grid(model, x.shape[-2:]))
@@ -157,7 +157,7 @@ def trace_blocks(model: nn.Module, x: torch.Tensor,
 def reducer_of(model: nn.Module) -> TokenReducer:
     if not is_patched(model):
         raise ValueError("model is not patched by timm_tokcomp; call timm_tokcomp.apply first")
-    return model._tokcomp_reducer
+    return state_of(model).reducer
 
 
 def stats_of(model: nn.Module, features: Optional[torch.Tensor] = None) -> Optional[ReductionStats]:

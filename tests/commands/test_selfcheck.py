@@ -67,9 +67,10 @@ def test_selfcheck_measures_errors_relative_above_magnitude_one():
 
 
 def test_selfcheck_runs_by_the_gpu_kits_name():
-    """The shared GPU kit's part 1 runs `python -m timm_tokcomp.kernels.selfcheck`: that name is the same command
-    (here its refusal of a bad --dtypes, which runs no check)."""
-    done = subprocess.run([sys.executable, "-m", "timm_tokcomp.kernels.selfcheck", "--device", "cpu", "--dtypes",
+    """The shared GPU kit's part 1 runs the first of `timm_tokcomp.commands.selfcheck`, `timm_tokcomp.selfcheck`,
+    `timm_tokcomp.kernels.selfcheck` that exists, with `python -m`: the first is the command (here its refusal of a
+    bad --dtypes, which runs no check)."""
+    done = subprocess.run([sys.executable, "-m", "timm_tokcomp.commands.selfcheck", "--device", "cpu", "--dtypes",
                            "fp8"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--dtypes: each must be one of fp32, bf16, fp16" in done.stderr

@@ -77,7 +77,7 @@ def test_the_search_forward_makes_the_eval_decisions_with_every_token_in_place(i
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     params = model.tokcomp["diffrate"]
     share = macs_share(params, params._record)
-    cost = model._tokcomp_block_cost
+    cost = model._tokcomp.block_cost
     want = 0.0  # each block's attention on the count entering it (the eval stats), its MLP on what it keeps
     for block in range(SMALL["depth"]):
         kept = params.counts()[block - 1] if block else (N_PATCH, N_PATCH)
@@ -102,7 +102,7 @@ def test_the_measured_macs_of_the_eval_model_are_the_share_the_penalty_reads():
     model(x)
     share = macs_share(model.tokcomp["diffrate"], model.tokcomp["diffrate"]._record).item()
     model.eval()
-    cost, n, depth = model._tokcomp_block_cost, 197, 12
+    cost, n, depth = model._tokcomp.block_cost, 197, 12
     blocks = depth * cost.macs(n, n)
     other = count_macs(plain, x) - blocks
     assert (count_macs(model, x) - other) / blocks == pytest.approx(share, rel=2e-3)
@@ -124,7 +124,7 @@ def test_the_search_through_finetune_meets_its_macs_target(image_folder, tmp_pat
     x = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
         torch.testing.assert_close(preset(x), model(x), atol=1e-5, rtol=1e-5)
-    cost, n, depth = preset._tokcomp_block_cost, 197, 12
+    cost, n, depth = preset._tokcomp.block_cost, 197, 12
     blocks = depth * cost.macs(n, n)
     other = count_macs(plain, x[:1]) - blocks  # count_macs counts the whole batch
     assert (count_macs(preset, x[:1]) - other) / blocks == pytest.approx(0.6, abs=0.01)

@@ -23,7 +23,7 @@ def test_eval_merges_as_tome_does_on_the_embedding_of_the_attention_input(images
     with torch.no_grad():
         x = model._embed(images)[0]
         inputs = block.norm1(x)
-        plan = method.plan(inputs, method.settings_for(4, 65, 1, model._tokcomp_block_cost, (8, 8))[0], 1, None)
+        plan = method.plan(inputs, method.settings_for(4, 65, 1, model._tokcomp.block_cost, (8, 8))[0], 1, None)
         want = bipartite_soft_matching(model.tokcomp["dtem"].layers["0"](inputs), 6, 1)
         for field in ("unm_idx", "src_idx", "dst_idx"):
             assert torch.equal(getattr(plan, field), getattr(want, field))

@@ -88,7 +88,7 @@ def test_the_training_forward_makes_the_eval_decisions_and_its_penalty_reads_the
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     # the eval run's kept fractions leaving each block (the last block's: the tokens out of its MLP)
     fractions = [(c - 1) / N_PATCH for c in stats.tokens_per_block[1:] + [stats.tokens_out]]
-    cost, n = model._tokcomp_block_cost, N_PATCH + 1
+    cost, n = model._tokcomp.block_cost, N_PATCH + 1
     before, shares = 1.0, []
     for after in fractions:
         shares.append(cost.macs(1 + before * N_PATCH, 1 + after * N_PATCH) / cost.macs(n, n))

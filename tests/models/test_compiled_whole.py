@@ -220,7 +220,7 @@ def test_module_compile_and_a_model_compiled_whole_keep_their_forms():
     counters.clear()
     # PatchMerger's queries are shaped per block, so it does not compile by region: traced whole, no break
     whole = _vit("patchmerger", **reducing_setting(METHODS["patchmerger"], 4, {"keep_rate": 0.7, "stages": (2, 4, 5)}))
-    assert not whole._tokcomp_reducer.compiles_by_region
+    assert not whole._tokcomp.reducer.compiles_by_region
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(whole, backend="eager")(_images(2)), whole(_images(2)),
                                    rtol=1e-5, atol=1e-5)

@@ -38,7 +38,7 @@ def test_fixed_r_methods_never_wait_for_the_device(method, params):
 def test_atm_waits_at_most_once_per_merging_block():
     model = timm.create_model("deit_tiny_patch16_224").eval()
     timm_tokcomp.apply(model, "atm")
-    settings = timm_tokcomp.get_reducer(model).block_settings(12, 197, 1, model._tokcomp_block_cost)
+    settings = timm_tokcomp.get_reducer(model).block_settings(12, 197, 1, model._tokcomp.block_cost)
     assert _count("atm").host_syncs <= sum(s is not None for s in settings)
 
 

@@ -140,7 +140,7 @@ def test_forward_features_direct_call(images):
 
 def test_avg_pool_is_size_weighted(images):
     model = timm_tokcomp.apply(make_model("avgpool_noclass"), "tome", r=7)
-    assert model._tokcomp_prop_attn is False  # MAE-style default
+    assert model._tokcomp.prop_attn is False  # MAE-style default
     with torch.no_grad():
         feats = model.forward_features(images)
         size = timm_tokcomp.last_stats(model).size

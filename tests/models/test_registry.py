@@ -213,7 +213,7 @@ def test_build_args_reads_what_an_entrypoint_builds_without_building_it():
     from timm_tokcomp.families import VIT
 
     entry = timm.models._registry._model_entrypoints["deit_tiny_patch16_224"]
-    args = VIT.build_args(getattr(entry, "_tokcomp_original", entry))
+    args = VIT.build_args(getattr(entry, "tokcomp_original", entry))
     assert args.model_class is VisionTransformer
     assert (args.arg("embed_dim"), args.arg("depth"), args.arg("class_token")) == (192, 12, True)
     assert VIT.builds_class_token(args)

@@ -44,7 +44,7 @@ def tome_analytic_macs(tokens_per_block, tokens_out, dim=192, head_dim=64, num_p
 @pytest.mark.parametrize("fused", [True, False])
 def test_tome_with_size_bias_counts_its_analytic_total(fused):
     model = timm_tokcomp.apply(deit_tiny(fused), "tome", r=16)
-    assert model._tokcomp_reducer.prop_attn is not False  # the log-size bias is passed to attention
+    assert model._tokcomp.reducer.prop_attn is not False  # the log-size bias is passed to attention
     x = torch.randn(2, 3, 224, 224)
     macs = count_macs(model, x)
     stats = timm_tokcomp.last_stats(model)

@@ -119,10 +119,10 @@ def _later_block_ops(model, setting, log_size_given):
     compiled = regions.compile_regions(model, backend=_recording(graphs))
     x, size = torch.randn(2, 17, model.embed_dim), torch.full((2, 17, 1), 2.0)
     log_size = size.log() if log_size_given else None
-    prop_attn = resolve_prop_attn(model._tokcomp_prop_attn, x, compiled=True)  # as the loop resolves it
+    prop_attn = resolve_prop_attn(model._tokcomp.prop_attn, x, compiled=True)  # as the loop resolves it
     try:
         with torch.no_grad(), regions.running(model, compiled):
-            compiled.block(model.blocks[1], x, size, None, None, setting, model._tokcomp_reducer, prop_attn, 1, 1,
+            compiled.block(model.blocks[1], x, size, None, None, setting, model._tokcomp.reducer, prop_attn, 1, 1,
                            False, log_size)
     except _Traced:
         pass

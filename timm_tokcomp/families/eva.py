@@ -128,7 +128,7 @@ class ReducingEva(ReducingModel, Eva):
         if table is None:
             return x, None
         coords = grid_coords(self.rope, feat_shape, x.device).expand(x.shape[0], -1, -1)
-        return x, TokenPositions(self.rope, coords, table, self._tokcomp_reducer.rope_merge)
+        return x, TokenPositions(self.rope, coords, table, self._tokcomp.reducer.rope_merge)
 
 
 class DenseEva(DenseModel, Eva):

@@ -117,7 +117,7 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
         coordinates."""
         if self.rope is None:
             return None
-        merge = self._tokcomp_reducer.rope_merge
+        merge = self._tokcomp.reducer.rope_merge
         if len(set(grids)) == 1:
             coords = grid_coords(self.rope, grids[0], x.device).expand(x.shape[0], -1, -1)
             return TokenPositions(self.rope, coords, self.rope.get_embed(shape=list(grids[0])), merge)
@@ -196,14 +196,14 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
                                              num_blocks=num_blocks, on_block=on_block if take else None, final=final,
                                              grid=grids[0])
             runs.append(GroupRun(images, idx, columns, self.norm(out), stats))
-        x, stats = pad_runs(runs, p, width_in, self._tokcomp_reducer.trace_source)
+        x, stats = pad_runs(runs, p, width_in, self._tokcomp.reducer.trace_source)
         remember_last(self, stats)
         return x, stats, spread
 
     def _groups(self, valid: torch.Tensor, coord: torch.Tensor) -> List[Group]:
         """The groups a NaFlex batch runs as (naflex_groups): images of one count together, of one grid too where the
         method's settings read it."""
-        return naflex_groups(valid, coord, by_grid=self._tokcomp_reducer.reads_grid, fills_grid=self.rope is not None)
+        return naflex_groups(valid, coord, by_grid=self._tokcomp.reducer.reads_grid, fills_grid=self.rope is not None)
 
     def _pool(self, x: torch.Tensor, pool_type: Optional[str] = None, patch_valid: Optional[torch.Tensor] = None
               ) -> torch.Tensor:

@@ -14,6 +14,7 @@ attention (MCTF) does both in lookahead(). A step of its own (a training step, a
 its own apply, in the method's file.
 """
 import warnings
+import weakref
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Tuple, Union
 
@@ -25,18 +26,17 @@ from .schedules import BlockCost, resolve_r, solve_flops_schedule, stage_schedul
 from .params import COMMON, SCHEDULE, Param, bind, signature
 from .tags import RTagged, parse_keep_tag, parse_r_tag
 
+
 def warn_if_compiling(method: str) -> None:
     """Say, under torch.compile, that a data-dependent method breaks the graph at its host-side count."""
     if torch.compiler.is_compiling():
-        warnings.warn(f"{method} counts its tokens from the data (one host-side count per reducing block): under "
-                      f"torch.compile the graph breaks there and each block's reduction runs between compiled "
-                      f"pieces, correct but with little gain; fixed-count methods (tome, evit, topk, dense_tome, "
-                      f"...) compile as whole graphs", stacklevel=3)
+        warnings.warn(f"{method} counts its tokens from the data (a host-side count per reducing block): the graph "
+                      f"breaks there, correct but with little gain; fixed-count methods (tome, evit, topk, "
+                      f"dense_tome, ...) compile as whole graphs", stacklevel=3)
 
 
 def prop_attn_unless_avg_pool(self, global_pool: str) -> bool:
-    """ToMe's default_prop_attn, shared by the merging methods: merged tokens weigh by their size in attention,
-    except in avg-pooled models."""
+    """ToMe's default_prop_attn, shared by the merging methods: merged tokens weigh by size, except in avg pools."""
     return global_pool != "avg"
 
 
@@ -263,7 +263,7 @@ class TokenReducer(ABC):
         return None
 
     # The learned-method protocol (LearnedParams implements it): a training-free method learns nothing.
-    learned_class: ClassVar[Optional[type]] = None  # the nn.Module class of its parameters (timm_tokcomp.methods.learned)
+    learned_class: ClassVar[Optional[type]] = None  # the nn.Module class of its parameters (methods/learned.py)
     learned_param: ClassVar[Optional[str]] = None  # the constructor argument that takes saved parameters
 
     def mark_made(self) -> None:
@@ -289,13 +289,13 @@ class LearnedParams:
 
     learned_class: ClassVar[type]
     learned_param: ClassVar[str]
+    made: ClassVar["weakref.WeakSet[nn.Module]"] = weakref.WeakSet()  # modules bind made, not given: across set_params
     params: Dict[str, Any]
 
     def validate(self) -> None:
         """The learned parameters given are of learned_class (ValueError naming it otherwise)."""
         value = getattr(self, self.learned_param)
-        # given by the user (else bind makes them; a made module stays marked so across set_params)
-        self._learned_given = value is not None and not getattr(value, "_tokcomp_made", False)
+        self._learned_given = value is not None and value not in LearnedParams.made  # given by the user
         if value is not None and type(value) is not self.learned_class:
             raise ValueError(f"{self.learned_param} must be {self.learned_class.__name__} (e.g. from "
                              f"timm_tokcomp.methods.learned.load_learned), got {type(value).__name__}")
@@ -323,7 +323,7 @@ class LearnedParams:
         """Called after bind: learned parameters bind made (not given) are marked so (see params_for_update)."""
         module = self.learned_module()
         if module is not None and not self._learned_given:
-            module._tokcomp_made = True
+            LearnedParams.made.add(module)
 
     @classmethod
     def learns(cls, params: Dict[str, Any]) -> bool:

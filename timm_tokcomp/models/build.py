@@ -18,6 +18,7 @@ from ..utils.extras import require
 from ..families import HF_CLASSES
 from ..measure.precision import check_device
 from ..files.hub import hub_access, hub_error
+from ..runtime.state import state_of
 from .open_clip import is_open_clip_name, load_open_clip
 from ..files.userfiles import check_declared_size, load_weights, numel, safetensors_shapes, torch_file_shapes
 
@@ -53,7 +54,8 @@ class ProcessorTransform:
 def eval_transform(model: nn.Module) -> Callable[[Any], torch.Tensor]:
     """The transform a model's images are evaluated with: a transformers folder's own image processor (load_hf_model),
     else timm's eval transform of the model's data config."""
-    own = model.__dict__.get("_tokcomp_eval_transform")
+    state = state_of(model)
+    own = None if state is None else state.eval_transform
     return own if own is not None else timm.data.create_transform(**timm.data.resolve_model_data_config(model))
 
 
@@ -126,7 +128,7 @@ def load_hf_model(folder: str) -> nn.Module:
         raise ValueError(f"--hf-model {folder}: its weights cannot be read ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''})") from None
     model.pretrained_cfg = {"architecture": str(folder), **hf_data_config(path, model.config.image_size)}
-    model._tokcomp_eval_transform = ProcessorTransform(_image_processor(transformers, path, model.config.image_size))
+    state_of(model, create=True).eval_transform = ProcessorTransform(_image_processor(transformers, path, model.config.image_size))
     return model
 
 

@@ -28,6 +28,7 @@ else:
 from ..families import FAMILIES, UNSERVED_MODULES, Family, served_classes
 from ..methods import TAG_SUMMARY, listed_tags, match_method_tag, method_class, parse_method_tag, refuse_tagless_method
 from ..files.hub import hub_access, pretrained_unreachable
+from ..runtime.state import state_of
 
 # timm drops the name's tag when pretrained_cfg is also given; the method tag the name carried is remembered here,
 # (name, parsed MethodTag), by the door that read it (timm's name split or resolution), for the entrypoint that
@@ -72,7 +73,7 @@ def arch_facts(arch: str) -> Optional[ArchFacts]:
         module = treg._model_to_module.get(arch)
         family = next((f for f in FAMILIES if module in f.timm_modules), None)
         fn = treg._model_entrypoints.get(arch)
-        args = None if family is None or fn is None else family.build_args(getattr(fn, "_tokcomp_original", fn))
+        args = None if family is None or fn is None else family.build_args(getattr(fn, "tokcomp_original", fn))
         _FACTS[arch] = None if args is None else ArchFacts(family.arch_refusal(args), family.builds_class_token(args),
                                                            family)
     return _FACTS[arch]
@@ -159,13 +160,13 @@ def _wrap_entrypoint(arch: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
             if isinstance(model, FeatureGetterNet):
                 # timm pruned the blocks after the last out_index; the schedule stays the full model's
-                model.model._tokcomp_depth = len(model.model.feature_info)
+                state_of(model.model, create=True).depth = len(model.model.feature_info)
                 apply(model.model, method_tag.method, **method_tag.params)
             else:
                 apply(model, method_tag.method, **method_tag.params)
         return model
 
-    entrypoint._tokcomp_original = fn
+    entrypoint.tokcomp_original = fn
     return entrypoint
 
 
@@ -184,7 +185,7 @@ def _refusing_entrypoint(arch: str, why: str, fn: Callable[..., Any]) -> Callabl
                             f"timm_tokcomp reduces tokens in timm's {served_classes()}.")
         return fn(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
 
-    entrypoint._tokcomp_original = fn
+    entrypoint.tokcomp_original = fn
     return entrypoint
 
 
@@ -219,7 +220,7 @@ def _keep_method_tag(resolve: Callable[..., Any]) -> Callable[..., Any]:
             _NAME_METHOD_TAG.set(None)  # no entrypoint follows: the next call must not read this name's tag
             raise
 
-    resolve_keeping_method._tokcomp_original = resolve
+    resolve_keeping_method.tokcomp_original = resolve
     return resolve_keeping_method
 
 
@@ -232,7 +233,7 @@ def _remember_method_tag(split: Callable[..., Tuple[str, str]]) -> Callable[...,
         _NAME_METHOD_TAG.set((SHORT_NAMES.get(name, name), method_tag) if method_tag else None)
         return name, tag
 
-    split_remembering_method._tokcomp_original = split
+    split_remembering_method.tokcomp_original = split
     return split_remembering_method
 
 
@@ -243,7 +244,7 @@ def _make_short_entrypoint(short: str, arch: str) -> Callable[..., Any]:
     entrypoint.__name__ = entrypoint.__qualname__ = short
     entrypoint.__module__ = __name__
     entrypoint.__doc__ = f"{arch} under the short name {short} (takes the same method tags)."
-    entrypoint._tokcomp_short = arch
+    entrypoint.tokcomp_short = arch
     return entrypoint
 
 
@@ -254,7 +255,7 @@ default_cfgs = {}
 
 def _register_short_names() -> None:
     for short, arch in SHORT_NAMES.items():
-        if getattr(treg._model_entrypoints.get(short), "_tokcomp_short", None) == arch:
+        if getattr(treg._model_entrypoints.get(short), "tokcomp_short", None) == arch:
             continue
         tags = _pretrained_tags(arch)
         cfgs = {tag: treg._model_pretrained_cfgs[f"{arch}.{tag}" if tag else arch] for tag in tags}
@@ -371,20 +372,20 @@ def _register_all() -> None:
         if arch in SHORT_NAMES:
             continue
         fn = treg._model_entrypoints[arch]
-        if not hasattr(fn, "_tokcomp_original"):
+        if not hasattr(fn, "tokcomp_original"):
             treg._model_entrypoints[arch] = _wrap_entrypoint(arch, fn)
     for arch, why in _unserved_archs().items():
         fn = treg._model_entrypoints[arch]
-        if not hasattr(fn, "_tokcomp_original"):
+        if not hasattr(fn, "tokcomp_original"):
             treg._model_entrypoints[arch] = _refusing_entrypoint(arch, why, fn)
     _register_short_names()
     for arch in supported_archs():
         _list_method_names(arch)
     _supported.cache_clear()
     resolve = getattr(_factory, "_resolve_model_source", None)  # timm >= 1.0.31; older versions resolve inline
-    if resolve is not None and not hasattr(resolve, "_tokcomp_original"):
+    if resolve is not None and not hasattr(resolve, "tokcomp_original"):
         _factory._resolve_model_source = _keep_method_tag(resolve)
-    elif resolve is None and not hasattr(_factory.split_model_name_tag, "_tokcomp_original"):
+    elif resolve is None and not hasattr(_factory.split_model_name_tag, "tokcomp_original"):
         _factory.split_model_name_tag = _remember_method_tag(_factory.split_model_name_tag)
     if type(treg._model_pretrained_cfgs) is dict:
         treg._model_pretrained_cfgs = _PretrainedCfgs(treg._model_pretrained_cfgs)

@@ -56,7 +56,7 @@ class RegionallyCompiled:
 def by_region(model: nn.Module) -> bool:
     """Whether compile() compiles model by regions: a reduced model of a family and a method that compile by region
     (ReducingModel.compiles_by_region, TokenReducer.compiles_by_region)."""
-    return isinstance(model, ReducingModel) and model.compiles_by_region and model._tokcomp_reducer.compiles_by_region
+    return isinstance(model, ReducingModel) and model.compiles_by_region and model._tokcomp.reducer.compiles_by_region
 
 
 def compile(model: nn.Module, mode: str = "compile", backend: str = "inductor"

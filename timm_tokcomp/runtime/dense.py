@@ -13,6 +13,7 @@ from ..methods.tome import HeadKeys
 from ..ops.dense_merge import unmerge
 from ..plans.merge import group_index
 from .loop import NOT_SCRIPTABLE, refuse_fx_tracing
+from .state import BlockState, ModelState
 
 
 def dense_groups(x: torch.Tensor, metric: Any, reducer: TokenReducer, setting: Any, num_prefix: int):
@@ -42,7 +43,7 @@ def merged_mlp(x: torch.Tensor, norm: nn.Module, mlp: nn.Module, groups, reducer
 class DenseModel:
     """Marks a model whose blocks are dense blocks; the timm forward is unchanged."""
 
-    _tokcomp_reducer: TokenReducer
+    _tokcomp: ModelState  # its reducer (runtime.state)
 
     def __prepare_scriptable__(self):
         raise RuntimeError(NOT_SCRIPTABLE)
@@ -52,9 +53,7 @@ class DenseBlockMixin:
     """A block for dense prediction, run inside the unmodified model forward. Its family's class gives the branches
     (reducing.BlockBranches): _attn_branch, _mlp_branch, and the MLP's layer scale for the unmerged output."""
 
-    _tokcomp_reducer: TokenReducer
-    _tokcomp_setting: Any  # this block's reducer setting (None: plain block)
-    _tokcomp_num_prefix: int
+    _tokcomp: BlockState  # reducer, this block's setting (None: plain block), num_prefix (runtime.state)
 
     def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = None, attn_mask=None,
                 is_causal: bool = False) -> torch.Tensor:
@@ -62,7 +61,7 @@ class DenseBlockMixin:
         refuse_fx_tracing()
         if attn_mask is not None or is_causal:
             raise ValueError("attn_mask / is_causal are not supported by the dense token-merging blocks")
-        reducer, setting, num_prefix = self._tokcomp_reducer, self._tokcomp_setting, self._tokcomp_num_prefix
+        reducer, setting, num_prefix = self._tokcomp.reducer, self._tokcomp.setting, self._tokcomp.num_prefix
         h, metric = self._attn_branch(x, None, rope, reducer if setting is not None else None, "mask")
         x = x + h
         groups = None if metric is None else dense_groups(x, metric, reducer, setting, num_prefix)

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..measure.counting import OpCounter
 from ..utils.checks import check_int
+from .state import state_of
 
 
 def host_syncs(model: nn.Module, example: torch.Tensor) -> Dict[str, int]:
@@ -109,7 +110,7 @@ class GraphedByShape:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, 3, H, W), a CUDA tensor -> model's output for x."""
         model = self.model()
-        method = getattr(model, "_tokcomp_reducer", None)
+        method = getattr(state_of(model), "reducer", None)
         key = (tuple(x.shape), x.dtype, x.device, torch.is_autocast_enabled("cuda"),
                torch.get_autocast_dtype("cuda"))
         with self._capturing:

@@ -47,7 +47,7 @@ def compiled_whole(model: nn.Module) -> bool:
     method compiles by region: the forward then hands itself to its regions (forward_by_region). Never while
     exporting (torch.export traces the whole forward as it is) or within traced_whole()."""
     return (torch.compiler.is_compiling() and not _exporting() and not _TRACED_WHOLE
-            and model._tokcomp_reducer.compiles_by_region)
+            and model._tokcomp.reducer.compiles_by_region)
 
 
 def _exporting() -> bool:
@@ -144,8 +144,8 @@ def _why_not_graphed(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, 
         return "a CUDA graph per input shape replays forwards of an image batch on the GPU given alone"
     if model.training or torch.is_grad_enabled():
         return "a CUDA graph replays inference forwards (model.eval() and torch.no_grad() or torch.inference_mode())"
-    if model._tokcomp_reducer.data_dependent:
-        return f"{model._tokcomp_reducer.name} reads its token counts from the data (a host wait per block)"
+    if model._tokcomp.reducer.data_dependent:
+        return f"{model._tokcomp.reducer.name} reads its token counts from the data (a host wait per block)"
     return None
 
 

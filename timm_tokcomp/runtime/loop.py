@@ -16,8 +16,7 @@ from ..plans import gather_tokens
 from .handoff import compiled_whole, forward_by_region
 from .regions import Regions, UnitSizes, compiled_regions
 from ..methods.base import TokenReducer
-from ..methods.schedules import BlockCost
-from .state import ReductionStats, feature_stats, remember_last
+from .state import ModelState, ReductionStats, feature_stats, remember_last
 
 NOT_SCRIPTABLE = (
     "TorchScript is not supported on a timm_tokcomp model: its blocks call the method's Python objects (plans, "
@@ -208,11 +207,7 @@ class ReducingBlockMixin:
 class ReducingModel:
     """Mixin over a family's timm model class running the reducing blocks. The family's class gives _embed."""
 
-    _tokcomp_reducer: TokenReducer
-    _tokcomp_prop_attn: Union[bool, str]  # False, or the implementation ('auto' or one of PROP_ATTN_IMPLS)
-    _tokcomp_block_cost: BlockCost
-    _tokcomp_pool_sizes: Optional[Tuple[Optional[torch.Tensor]]]  # traced forwards only: (this call's sizes,)
-    _tokcomp_depth: int  # blocks the schedule is laid over (see patch.model_depth)
+    _tokcomp: ModelState  # what patch set (runtime.state): reducer, prop_attn, block_cost, depth, pool_sizes
     map_pool_reads_prefix: bool = False  # the attention-pool head ('map') reads the prefix tokens too
     compiles_by_region: bool = True  # False: timm_tokcomp.compile compiles it whole, static shapes (families.sam)
 
@@ -240,11 +235,11 @@ class ReducingModel:
     def _finish(self, x: torch.Tensor, size: Optional[torch.Tensor]) -> torch.Tensor:
         """A traced forward's end: the last block's tokens x (B, N', C) with their sizes (B, N', 1) or None ->
         logits (final norm, the head pooling with size)."""
-        self._tokcomp_pool_sizes = (size,)
+        self._tokcomp.pool_sizes = (size,)
         try:
             return self.forward_head(self.norm(x))
         finally:
-            self._tokcomp_pool_sizes = None
+            self._tokcomp.pool_sizes = None
 
     def forward_features(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
         """x: (B, 3, H, W) -> (B, N', C) with N' <= N tokens (prefix tokens first). The token sizes travel
@@ -287,19 +282,19 @@ class ReducingModel:
         (patch_grid). unit_sizes: the compiled embedding region's sizes of one (None: the first block takes no
         sizes)."""
         refuse_fx_tracing()
-        reducer, num_prefix = self._tokcomp_reducer, self.num_prefix_tokens
-        settings = reducer.settings_for(self._tokcomp_depth, x.shape[1], num_prefix, self._tokcomp_block_cost, grid)
+        reducer, num_prefix = self._tokcomp.reducer, self.num_prefix_tokens
+        settings = reducer.settings_for(self._tokcomp.depth, x.shape[1], num_prefix, self._tokcomp.block_cost, grid)
         prefix_only_last_block = prefix_only_last(self, reducer) and final
         source = None
         if reducer.trace_source or for_intermediates:
             source = torch.eye(x.shape[1], device=x.device, dtype=x.dtype).expand(x.shape[0], -1, -1)
         stats = ReductionStats(num_prefix=num_prefix, rope_merge=None if positions is None else positions.merge)
         use_checkpoint = self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting()
-        last = self._tokcomp_depth - 1
+        last = self._tokcomp.depth - 1
         blocks = self.blocks if num_blocks is None else self.blocks[:num_blocks]
         regions = None if use_checkpoint else compiled_regions(self)
         compiled = None if regions is None else regions.block
-        prop_attn = resolve_prop_attn(self._tokcomp_prop_attn, x, compiled=compiled is not None or
+        prop_attn = resolve_prop_attn(self._tokcomp.prop_attn, x, compiled=compiled is not None or
                                       torch.compiler.is_compiling(), rope=positions is not None)
         size, log_size = (None, None) if unit_sizes is None else (unit_sizes.size,
                                                                   unit_sizes.log_size if prop_attn else None)
@@ -360,7 +355,7 @@ class ReducingModel:
 
     def _token_sizes(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """(B, N, 1) sizes of the tokens x: (B, N, C); None when every token has size 1."""
-        pooled = self._tokcomp_pool_sizes  # set while a traced forward runs its head (_finish)
+        pooled = self._tokcomp.pool_sizes  # set while a traced forward runs its head (_finish)
         stats = feature_stats(self).get(x) if pooled is None else None
         if pooled is not None:
             size = pooled[0]

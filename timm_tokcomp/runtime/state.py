@@ -1,13 +1,72 @@
-"""Per-forward token bookkeeping, created fresh by every forward of the block stack, and where a model's calls keep
-it: per returned feature tensor (feature_stats) and per thread (remember_last / last_of)."""
+"""What timm_tokcomp keeps on a model, in one place: a reduced model's state (ModelState, as model._tokcomp, read by
+state_of) and each reducing block's (BlockState, as block._tokcomp); the per-forward token bookkeeping, created fresh
+by every forward of the block stack (ReductionStats), and where a model's calls keep it: per returned feature tensor
+(feature_stats) and per thread (remember_last / last_of)."""
 import threading
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
+
+
+STATE = "_tokcomp"  # the one attribute timm_tokcomp sets on a model or block (no other name is set on them)
+
+
+@dataclass
+class ModelState:
+    """A model's timm_tokcomp state (model._tokcomp). What patch sets (PATCHED, reset by unpatched(): remove takes off
+    exactly what patch put on):
+      reducer: the TokenReducer the blocks run; prop_attn: False, or the proportional-attention implementation ('auto'
+      or one of PROP_ATTN_IMPLS); block_cost: the per-token cost model of one block; depth: the blocks the schedule is
+      laid over (a model timm pruned to its first blocks keeps the depth it was built with, set before patch);
+      pool_sizes: (this call's sizes,) while a traced forward runs its head, else None.
+    Kept across patch and remove: eval_transform, the image transform of a transformers folder (models.build)."""
+
+    reducer: Any = None
+    prop_attn: Union[bool, str] = False
+    block_cost: Any = None
+    depth: Optional[int] = None
+    pool_sizes: Optional[Tuple[Optional[torch.Tensor]]] = None
+    eval_transform: Any = None
+
+    PATCHED = ("reducer", "prop_attn", "block_cost", "depth", "pool_sizes")
+
+    def unpatched(self) -> None:
+        """Every field patch sets back to its default."""
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in self.PATCHED:
+            setattr(self, name, defaults[name])
+
+
+@dataclass
+class BlockState:
+    """A dense reducing block's state (block._tokcomp): the reducer, this block's setting (None: a plain block), and
+    the prefix tokens at the front."""
+
+    reducer: Any
+    setting: Any
+    num_prefix: int
+
+
+def state_of(module: nn.Module, create: bool = False) -> Optional[Any]:
+    """The module's timm_tokcomp state (ModelState on a model, BlockState on a block), or None; create: make an empty
+    ModelState where there is none."""
+    state = module.__dict__.get(STATE)
+    if state is None and create:
+        state = ModelState()
+        module.__dict__[STATE] = state
+    return state
+
+
+def set_state(module: nn.Module, state: Any) -> None:
+    module.__dict__[STATE] = state
+
+
+def drop_state(module: nn.Module) -> None:
+    module.__dict__.pop(STATE, None)
 
 
 @dataclass
