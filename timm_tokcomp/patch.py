@@ -9,6 +9,7 @@ from torch import nn
 
 from .families import Family, family_of, patched_family, resolve
 from .methods.base import TokenReducer
+from .methods.places import ReducesAt
 from .runtime.loop import patch_grid, prefix_only_last
 from .runtime.state import (BlockState, ModelState, ReductionStats, drop_state, feature_stats, forget_last, last_of,
                             set_state, state_of)
@@ -46,7 +47,7 @@ def patch(model: nn.Module, reducer: TokenReducer, family: Optional[Family] = No
         return
     if reducer.needs_class_token and not family.has_class_token(model):
         raise ValueError(f"{reducer.name} ranks tokens by class-token attention and needs a model with a class token")
-    if reducer.reduces_at == "before_attention":
+    if reducer.reduces_at == ReducesAt.BEFORE_ATTENTION:
         refusal = family.lookahead_refusal(model)
         if refusal is not None:
             raise ValueError(refusal)

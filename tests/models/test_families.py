@@ -42,7 +42,7 @@ def test_reducing_nothing_is_the_plain_model_bit_for_bit(name, images):
 def test_every_method_reduces_every_family(name, method, images):
     if METHODS[method].needs_class_token and family_model(name).cls_token is None:
         pytest.skip("ranks by class attention; this model has no class token")
-    if METHODS[method].reduces_at == "before_attention" and name != "siglip_map":  # MCTF: timm's ViT blocks only
+    if METHODS[method].place == "before_attention" and name != "siglip_map":  # MCTF: timm's ViT blocks only
         with pytest.raises(ValueError, match="reduce before attention .mctf. serve timm's VisionTransformer blocks"):
             timm_tokcomp.apply(family_model(name), method, **reducing_params(method, len(family_model(name).blocks)))
         return

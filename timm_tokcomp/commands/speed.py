@@ -31,6 +31,7 @@ from ..measure.precision import check_dtype, precision
 from ..methods import method_class
 from ..methods.base import TokenReducer
 from ..methods.params import REQUIRED, Param
+from ..methods.places import ReducesAt
 from ..files.outputs import new_output
 from ..families import patched_family
 from ..patch import patch
@@ -58,8 +59,8 @@ class LimitReducer(TokenReducer):
     prefix_only_last_block = False
 
     @property
-    def reduces_at(self) -> str:  # type: ignore[override]
-        return "after_mlp" if self.after_mlp else "after_attention"
+    def reduces_at(self) -> ReducesAt:
+        return ReducesAt.AFTER_MLP if self.after_mlp else ReducesAt.AFTER_ATTENTION
 
     def check_depth(self, num_blocks: int) -> None:
         if len(self.kept) != num_blocks:

@@ -151,7 +151,7 @@ class Family:
     (BuildArgs), so the registry lists no name it would refuse; attn_dim(attention) gives heads * head_dim."""
 
     name: str
-    timm_modules: Tuple[str, ...]  # timm's model modules whose architectures take method tags (timm_tokcomp.models.timm_names)
+    timm_modules: Tuple[str, ...]  # timm's model modules whose architectures take method tags (models/timm_names.py)
     models: Dict[type, type]
     dense_models: Dict[type, type]
     blocks: Dict[type, type]

@@ -8,11 +8,9 @@ reducing loop (timm_tokcomp.runtime.loop) calls, the same for every method:
   plan = reducer.plan(reducer.plan_input(metric, x), settings[l], num_prefix, size)  # None: no reduction
   x, size, source = plan.apply(x, size, source)                    # the plan carries itself out (plans/)
 
-at the place in the block reducer.reduces_at names. A method with fused kernels (ToMe, EViT, ATM with
-kernel='triton') plans and reduces in one reducer.reduce_fused call where it can; one that reduces before
-attention (MCTF) does both in lookahead(). A step of its own (a training step, a learned merge) is a plan kind with
-its own apply, in the method's file.
-"""
+at the place in the block reducer.reduces_at names. A method with fused kernels (ToMe, EViT, ATM with kernel='triton')
+plans and reduces in one reducer.reduce_fused call where it can; one that reduces before attention (MCTF) does both in
+lookahead(). A step of its own (a training step, a learned merge) is a plan kind with its own apply, in its file."""
 import warnings
 import weakref
 from abc import ABC, abstractmethod
@@ -24,6 +22,7 @@ from torch import nn
 from ..plans import Plan
 from .schedules import BlockCost, resolve_r, solve_flops_schedule, stage_schedule
 from .params import COMMON, SCHEDULE, Param, bind, signature
+from .places import ReducesAt
 from .tags import RTagged, parse_keep_tag, parse_r_tag
 
 
@@ -64,8 +63,7 @@ class TokenReducer(ABC):
     default_prefix_only_last_block: ClassVar[bool] = False
     dense: ClassVar[bool] = False  # True: keeps every token (merge before the MLP, unmerge after)
     needs_class_token: ClassVar[bool] = False  # ranks tokens by the class token's attention
-    # where in its block a reducing block reduces (see reduces_at)
-    reduces_at: str = "after_attention"
+    place: ClassVar[ReducesAt] = ReducesAt.AFTER_ATTENTION  # where its blocks reduce (reduces_at)
     masks_by_size: ClassVar[bool] = False  # pads images to one count with size-0 tokens (needs prop_attn)
     # how the source map (trace_source) holds the patches: 'whole' (each by one token, sizes count them), 'dropped'
     # (a pruned patch by none), 'soft' (shared out by weights summing to 1), 'similarity' (pruned ones by none, a
@@ -165,9 +163,10 @@ class TokenReducer(ABC):
         return f"{type(self).__name__}({shown})"
 
     # The hooks the reducing loop (timm_tokcomp.runtime.loop) calls; a method overrides those where it differs.
-    #   reduces_at: 'after_attention' (between attention and MLP), 'after_mlp' (at the end of the block, the study
-    #   protocol's place), or 'before_attention' (at its start, with lookahead(), from this block's attention
-    #   probabilities at the unreduced count, which are then merged and reused: MCTF).
+    @property
+    def reduces_at(self) -> ReducesAt:
+        """Where this reducer's blocks reduce: its class's place (a method whose parameters decide overrides it)."""
+        return self.place
 
     def settings_for(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost,
                      grid: Tuple[int, int]) -> List[Any]:
@@ -379,9 +378,10 @@ class ScheduledReducer(RTagged, TokenReducer):
                              f"{1 - self.min_keep_rate:.0%} of a block's tokens), got {self.keep_rate}")
 
     @property
-    def reduces_at(self) -> str:  # type: ignore[override]
-        """The study (keep_rate) reduces at the end of the block before each stage."""
-        return "after_attention" if self.keep_rate is None else "after_mlp"
+    def reduces_at(self) -> ReducesAt:
+        """The study (keep_rate) moves a method that reduces after attention to the end of the block before a stage."""
+        study = self.keep_rate is not None and self.place == ReducesAt.AFTER_ATTENTION
+        return ReducesAt.AFTER_MLP if study else self.place
 
     @classmethod
     def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:

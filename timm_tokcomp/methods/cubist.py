@@ -18,6 +18,7 @@ from ..utils.checks import check_int, integer
 from ..plans import GridMergePlan
 from ..plans.grid import max_magnitude
 from .schedules import BlockCost
+from .places import ReducesAt
 from .base import GridSettings, PlansOnTokens, TokenReducer
 from .params import COMMON, Param
 
@@ -75,7 +76,7 @@ class CubistMerge(GridSettings, PlansOnTokens, TokenReducer):
 
     name = "cubist"
     export_refusal = None
-    reduces_at = "after_mlp"  # of block layer - 1: the input of block layer
+    place = ReducesAt.AFTER_MLP  # of block layer - 1: the input of block layer
     reads_branches = True  # nothing from attention (it runs untouched): the plan reads the block's tokens
     keeps_grid = True
     PARAMS = (Param("r_rows", 1, integer("r_rows"), "CubistMerge: grid rows the merge removes (each column loses that "

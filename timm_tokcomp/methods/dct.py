@@ -8,6 +8,7 @@ import torch
 
 from ..utils.checks import boolean, optional
 from ..plans import ResamplePlan
+from .places import ReducesAt
 from .base import PlansOnTokens, ScheduledReducer
 from .params import COMMON, SCHEDULE, Param
 
@@ -43,7 +44,7 @@ class DCT(PlansOnTokens, ScheduledReducer):
     export_refusal = None
     tune_space = ()  # not in tune's default space: far below ToMe at matched GMACs (docs/study.md)
     min_keep_rate = 0.5
-    reduces_at = "after_mlp"  # always at the end of the block, after its MLP (OpenToMe's place for it; the study's)
+    place = ReducesAt.AFTER_MLP  # always at the end of the block, after its MLP (OpenToMe's place for it; the study's)
     PARAMS = (*SCHEDULE,
               Param("inflate", False, lambda v: bool(optional(boolean("inflate"))(v)),
                     "DCT: keep OpenToMe's amplitude inflation, sqrt(n / m) per reduction (default: mean-preserving)"),

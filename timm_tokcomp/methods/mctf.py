@@ -13,6 +13,7 @@ from ..plans import ClusterPlan, split_tokens
 from ..plans.cluster import cluster_attention, cluster_sum
 from ..utils.checks import real
 from .schedules import BlockCost
+from .places import ReducesAt
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
 
@@ -73,7 +74,7 @@ class MCTF(ScheduledReducer):
     name = "mctf"
     export_refusal = None
     tune_space = ({"r": 8}, {"r": 12})
-    reduces_at = "before_attention"
+    place = ReducesAt.BEFORE_ATTENTION
     min_keep_rate = 0.5
     PARAMS = (*SCHEDULE,
               Param("info_power", 1 / 20, real("info_power"),

@@ -8,6 +8,7 @@ import torch
 
 from ..utils.checks import check_choice
 from ..plans import PrunePlan
+from .places import ReducesAt
 from .base import ScheduledReducer
 from .params import COMMON, SCHEDULE, Param
 
@@ -47,8 +48,8 @@ class RepShift(ScheduledReducer):
               *COMMON)
 
     @property
-    def reduces_at(self) -> str:  # type: ignore[override]
-        return "after_attention" if self.shift_at == "attn" and self.keep_rate is None else "after_mlp"
+    def reduces_at(self) -> ReducesAt:
+        return ReducesAt.AFTER_ATTENTION if self.shift_at == "attn" and self.keep_rate is None else ReducesAt.AFTER_MLP
 
     def branch_metric(self, attn_out: torch.Tensor, mlp_out: Optional[torch.Tensor]) -> torch.Tensor:
         """(B, N) the L2 norm, in fp32, of what the measured layer adds to each token."""

@@ -128,7 +128,8 @@ def load_hf_model(folder: str) -> nn.Module:
         raise ValueError(f"--hf-model {folder}: its weights cannot be read ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''})") from None
     model.pretrained_cfg = {"architecture": str(folder), **hf_data_config(path, model.config.image_size)}
-    state_of(model, create=True).eval_transform = ProcessorTransform(_image_processor(transformers, path, model.config.image_size))
+    processor = _image_processor(transformers, path, model.config.image_size)
+    state_of(model, create=True).eval_transform = ProcessorTransform(processor)
     return model
 
 

@@ -160,7 +160,8 @@ def forward_by_region(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 @torch.compiler.disable(reason="a model reduced by timm_tokcomp compiles by regions; for one whole graph "
-                        "(fullgraph=True, torch._dynamo.explain) trace inside timm_tokcomp.runtime.compile.traced_whole()")
+                        "(fullgraph=True, torch._dynamo.explain) trace inside "
+                        "timm_tokcomp.runtime.compile.traced_whole()")
 def _run_handed_on(model: nn.Module, compile_index: int, *args: Any, **kwargs: Any) -> Any:
     """Outside the caller's trace: the regions of model for the compile _SEEN[compile_index], made on its first
     call."""

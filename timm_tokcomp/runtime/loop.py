@@ -16,6 +16,7 @@ from ..plans import gather_tokens
 from .handoff import compiled_whole, forward_by_region
 from .regions import Regions, UnitSizes, compiled_regions
 from ..methods.base import TokenReducer
+from ..methods.places import ReducesAt
 from .state import ModelState, ReductionStats, feature_stats, remember_last
 
 NOT_SCRIPTABLE = (
@@ -162,7 +163,7 @@ class ReducingBlockMixin:
         active = setting is not None and not prefix_only and x.shape[0] > 0 and x.shape[1] - num_prefix >= 2
         rope = None if positions is None else positions.rows(block)
         where = reducer.reduces_at
-        if active and where == "before_attention":  # no rope here: patch refuses such models
+        if active and where == ReducesAt.BEFORE_ATTENTION:  # no rope here: patch refuses such models
             x, h, size, source = self._lookahead_branch(x, size, source, attn_bias, setting, reducer, num_prefix)
             x = x + h
             return _handed_on(x + self._mlp_branch(x), size, source, positions, None, prop_attn)

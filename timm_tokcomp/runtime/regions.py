@@ -1,9 +1,9 @@
 """The three compiled regions of a reduced forward, and the state that says which model runs them: its embedding
 (patch embedding, position embedding or rope table, prefix tokens), its blocks' shared forward_reduce, and its end
 (final norm, pooling with the token sizes, head). Each region is compiled once per model on its own copy of the code,
-the batch and the token count dynamic, so one graph serves every block, batch size and r. timm_tokcomp.runtime.compile
-builds the user's forms on it (timm_tokcomp.compile); torch.compile(model) reaches it through timm_tokcomp.runtime.handoff,
-which the model families' forwards call.
+the batch and the token count dynamic, so one graph serves every block, batch size and r. runtime/compile.py builds
+the user's forms on it (timm_tokcomp.compile); torch.compile(model) reaches it through runtime/handoff.py, which the
+model families' forwards call.
 
     regions = compile_regions(model)          # model: a reduced model (reducing.ReducingModel)
     with running(model, regions):
