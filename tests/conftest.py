@@ -262,7 +262,7 @@ def eva_from_deit(deit: torch.nn.Module) -> Eva:
 
 
 # ------------------------------------------------------------------ a new method, declared as the recipe says
-# (CONTRIBUTING.md): its class with its own plan kinds and its line in METHODS (the toy_method fixture). The tests
+# (CONTRIBUTING.md): its class with its own plan kinds, registered in METHODS (the toy_method fixture). The tests
 # walk it through the stack: bench, speed, tune, export and `tokcomp methods` (tests/kit/test_kit.py), a rope model,
 # and a fine-tuning run through the training engine (tests/commands/test_finetune.py).
 TOY_EPS = 1e-6  # the size a token the training step drops keeps
@@ -328,7 +328,7 @@ class KeepLast(ScheduledReducer):
 
 @pytest.fixture
 def toy_method(monkeypatch):
-    monkeypatch.setitem(METHODS, KeepLast.name, KeepLast)  # its line in METHODS
+    monkeypatch.setitem(METHODS, KeepLast.name, KeepLast)  # what @register_method does, undone after the test
     return KeepLast.name
 
 

@@ -188,16 +188,18 @@ def test_every_prop_attn_implementation_gives_the_float_mask_result(method, impl
     torch.testing.assert_close(results[impl], results["mask"], atol=1e-5, rtol=0)
 
 
-def test_methods_refuses_a_second_class_of_the_same_name():
-    from timm_tokcomp.methods import METHODS, by_name
+def test_a_method_registers_itself_and_a_second_class_of_one_name_is_refused():
+    from timm_tokcomp.methods import METHODS, register_method
+    from timm_tokcomp.methods.tome import ToMe
     from timm_tokcomp.methods.topk import TopK
 
     class Impostor(TopK):
         name = "tome"
 
-    assert list(by_name(tuple(METHODS.values()))) == list(METHODS)
+    assert METHODS["tome"] is ToMe and register_method(ToMe) is ToMe  # registering again is a no-op
     with pytest.raises(ValueError, match="two methods are named 'tome': ToMe and .*Impostor"):
-        by_name((*METHODS.values(), Impostor))
+        register_method(Impostor)
+    assert METHODS["tome"] is ToMe
 
 
 @pytest.mark.parametrize("method", TOKEN_METHODS)

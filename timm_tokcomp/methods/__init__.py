@@ -3,50 +3,43 @@
 import re
 from typing import Any, Dict, List, Optional, Tuple, Type
 
-from .ats import ATS
-from .atc import ATC
-from .atm import ATM
 from .base import TokenReducer
-from .crossget import CrossGET
-from .cubist import CubistMerge
-from .dct import DCT
-from .diffrate import DiffRate
-from .dtem import DTEM
-from .dymu import DyMU
 from .params import REQUIRED
-from .dense_tome import DenseToMe
-from .dpcknn import DPCKNN
-from .dynamicvit import DynamicViT
+from .register import METHODS, register_method
+# every method module, in the order listings show the methods (each class registers itself: @register_method)
+from .tome import ToMe
 from .evit import EViT
-from .fpet import FPET
-from .kmedoids import KMedoids
-from .ltmp import LTMP
-from .mctf import MCTF
-from .patchmerger import PatchMerger
-from .pitome import PiToMe
-from .pyra import PYRA
+from .atm import ATM
+from .dense_tome import DenseToMe
+from .topk import TopK
+from .ats import ATS
 from .radial import RadialL1, RadialL2, RadialLInf
-from .repshift import RepShift
+from .kmedoids import KMedoids
+from .dpcknn import DPCKNN
+from .pyra import PYRA
+from .patchmerger import PatchMerger
+from .dynamicvit import DynamicViT
 from .sinkhorn import Sinkhorn
 from .sit import SiT
 from .tofu import ToFu
-from .tome import ToMe
-from .topk import TopK
+from .pitome import PiToMe
+from .dct import DCT
+from .atc import ATC
+from .mctf import MCTF
+from .repshift import RepShift
+from .crossget import CrossGET
+from .cubist import CubistMerge
+from .dymu import DyMU
+from .diffrate import DiffRate
+from .ltmp import LTMP
+from .fpet import FPET
+from .dtem import DTEM
 
-def by_name(classes: Tuple[Type[TokenReducer], ...]) -> Dict[str, Type[TokenReducer]]:
-    """{name: class}; ValueError where two classes declare one name (the second would replace the first)."""
-    table: Dict[str, Type[TokenReducer]] = {}
-    for cls in classes:
-        if cls.name in table:
-            raise ValueError(f"two methods are named {cls.name!r}: {table[cls.name].__qualname__} and "
-                             f"{cls.__qualname__} ({cls.__module__})")
-        table[cls.name] = cls
-    return table
+__all__ = ["METHODS", "register_method", "TokenReducer", "REQUIRED", "ToMe", "EViT", "ATM", "DenseToMe", "TopK", "ATS",
+           "RadialL1", "RadialL2", "RadialLInf", "KMedoids", "DPCKNN", "PYRA", "PatchMerger", "DynamicViT", "Sinkhorn",
+           "SiT", "ToFu", "PiToMe", "DCT", "ATC", "MCTF", "RepShift", "CrossGET", "CubistMerge", "DyMU", "DiffRate",
+           "LTMP", "FPET", "DTEM", "method_class", "TAG_FORMS", "TAG_SUMMARY"]
 
-
-METHODS: Dict[str, Type[TokenReducer]] = by_name((
-    ToMe, EViT, ATM, DenseToMe, TopK, ATS, RadialL1, RadialL2, RadialLInf, KMedoids, DPCKNN, PYRA, PatchMerger,
-    DynamicViT, Sinkhorn, SiT, ToFu, PiToMe, DCT, ATC, MCTF, RepShift, CrossGET, CubistMerge, DyMU, DiffRate, LTMP, FPET, DTEM))
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
 

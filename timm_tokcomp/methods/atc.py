@@ -10,6 +10,7 @@ import torch
 from ..plans import ClusterPlan
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
+from .register import register_method
 
 
 LINKAGES = ("single", "average", "complete")
@@ -90,6 +91,7 @@ def _join_by_masks(d: torch.Tensor, count: torch.Tensor, i: torch.Tensor, j: tor
     return d, torch.where(at_i, count_i + count_j, count)
 
 
+@register_method
 class ATC(ScheduledReducer):
     """linkage: 'single', 'average' or 'complete' (the cluster distance: the min, mean or max of its points'
     pairwise distances). Proportional attention is on by default, as ToMe's (off for avg-pooled models). Under

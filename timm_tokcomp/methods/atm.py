@@ -30,6 +30,7 @@ from .schedules import BlockCost
 from .base import TokenReducer, warn_if_compiling
 from .params import COMMON, REQUIRED, Param, kernel_choice
 from .tome import HeadKeys, ToMe, key_metric
+from .register import register_method
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ def _check_split_layer(value: Any) -> Optional[int]:
                                                 "or None (blocks after it use size-distinctive matching)")
 
 
+@register_method
 class ATM(TokenReducer):
     """alpha: initial threshold; beta: decay rate (>= 0); theta_min: threshold floor; split_layer:
     blocks l > split_layer (1-based) use size-distinctive matching (default round(0.75 * depth), 9 of

@@ -12,6 +12,7 @@ from ..ops.matching import class_attention
 from ..plans import PrunePlan
 from .schedules import BlockCost
 from .base import ScheduledReducer, warn_if_compiling
+from .register import register_method
 
 
 def adaptive_sampling(scores: torch.Tensor, k: int, num_prefix: int) -> PrunePlan:
@@ -38,6 +39,7 @@ def adaptive_sampling(scores: torch.Tensor, k: int, num_prefix: int) -> PrunePla
     return PrunePlan(num_prefix, keep_idx, valid=valid.to(scores.dtype))
 
 
+@register_method
 class ATS(ScheduledReducer):
     """Proportional attention is always on (it masks the padding); one host synchronisation per reducing
     block (the batch's largest count)."""

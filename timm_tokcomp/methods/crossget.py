@@ -20,6 +20,7 @@ import torch
 from ..plans import MergePlan, Reduced
 from ..plans.merge import merge_sum
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
+from .register import register_method
 
 
 class GuidedKeys(NamedTuple):
@@ -75,6 +76,7 @@ def guided_matching(keys: torch.Tensor, query: torch.Tensor, r: int, num_prefix:
                              weight=importance.exp().unsqueeze(-1))
 
 
+@register_method
 class CrossGET(ScheduledReducer):
     """Needs a class token (its query guides). Proportional attention on by default (off for avg-pooled models), as
     in the paper's code. r <= n // 2 per block."""

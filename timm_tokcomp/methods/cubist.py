@@ -21,6 +21,7 @@ from .schedules import BlockCost
 from .places import ReducesAt
 from .base import GridSettings, PlansOnTokens, TokenReducer
 from .params import COMMON, Param
+from .register import register_method
 
 
 class CubistSetting(NamedTuple):
@@ -69,6 +70,7 @@ def grid_merge(tokens: torch.Tensor, setting: CubistSetting, num_prefix: int) ->
     return GridMergePlan(num_prefix, (new_row * new_cols + in_row).reshape(B, rows * cols), (new_rows, new_cols))
 
 
+@register_method
 class CubistMerge(GridSettings, PlansOnTokens, TokenReducer):
     """r_rows, r_cols: rows and columns the one merge removes (each clamped to half of the grid's); layer: the block
     whose input is merged (default 1, the paper's choice for DeiT). Needs the patch tokens on the model's grid at that

@@ -11,6 +11,7 @@ from ..plans import ResamplePlan
 from .places import ReducesAt
 from .base import PlansOnTokens, ScheduledReducer
 from .params import COMMON, SCHEDULE, Param
+from .register import register_method
 
 
 def dct_matrix(n: int, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -31,6 +32,7 @@ def dct_resample(n: int, m: int, inflate: bool = False, device: Optional[torch.d
     return matrix if inflate else matrix * (m / n) ** 0.5
 
 
+@register_method
 class DCT(PlansOnTokens, ScheduledReducer):
     """inflate False (default): the transform pair scaled by sqrt(m / n), so a constant sequence of tokens stays
     that constant and token norms do not grow. True: OpenToMe's plain pair, which scales every token by about

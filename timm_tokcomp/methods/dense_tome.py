@@ -13,10 +13,12 @@ from .base import TokenReducer
 from .tags import RTagged
 from .params import Param, kernel_choice, optional
 from .tome import HeadKeys, ToMe, tome_plan
+from .register import register_method
 
 MERGES_PER_R = 32
 
 
+@register_method
 class DenseToMe(RTagged, TokenReducer):
     """r: the paper's compression degree, k = 32 r merges per block; k: merges per block, overriding r
     (both clamped per block to half the non-prefix tokens); kernel: 'auto' (the Triton merge / unmerge on CUDA

@@ -30,6 +30,7 @@ from .base import LearnedParams, TokenReducer
 from .tags import MacsTargetTagged
 from .params import COMMON, MACS_TARGET, REQUIRED, FromConfig, Param, optional
 from .straight_through import ceil_through, hard_through
+from .register import register_method
 
 EPS = 1e-6  # the size a token dropped in the search keeps (log-size bias log(EPS) ~ -13.8)
 
@@ -142,6 +143,7 @@ def check_fits(params: DiffRateParams, settings: Sequence[Optional[RateSetting]]
                          f"model has {shape.num_blocks} blocks of {shape.num_patches}")
 
 
+@register_method
 class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
     """See the module docstring. Give `schedule` (a fixed schedule, e.g. one searched before), or the searched
     `rate_params` (a learned folder), or neither: untrained rates (every candidate count equally likely), the start

@@ -6,6 +6,7 @@ import torch
 
 from ..ops.matching import nearest_centre, pairwise_distances
 from .clustering import ClusterMerging
+from .register import register_method
 
 
 def density_peaks(x: torch.Tensor, num_clusters: int, neighbours: int = 5) -> torch.Tensor:
@@ -29,6 +30,7 @@ def density_peaks(x: torch.Tensor, num_clusters: int, neighbours: int = 5) -> to
         return nearest_centre(dist, centres)
 
 
+@register_method
 class DPCKNN(ClusterMerging):
     """neighbours: k of the k-nearest-neighbour density (the study: 5). Proportional attention as ToMe."""
 

@@ -33,6 +33,7 @@ from .schedules import BlockCost
 from .base import LearnedParams, ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param
 from .straight_through import clamp_through
+from .register import register_method
 
 CANDIDATES = 3  # k2: each A token's best B tokens the soft selection chooses among
 TAU_SCORE = 0.1  # tau1
@@ -77,6 +78,7 @@ def soft_selection(scores: torch.Tensor, r: int) -> torch.Tensor:
     return chosen / chosen.sum(dim=-1, keepdim=True).clamp_min(1.0)
 
 
+@register_method
 class DTEM(LearnedParams, ScheduledReducer):
     """See the module docstring. embed_params: trained embeddings (a learned folder), or None: untrained ones made at
     apply (a random projection). Tags: 'dtem_r<k>', 'dtem_k<pct>'."""

@@ -20,6 +20,7 @@ from .schedules import BlockCost
 from .base import TokenReducer, warn_if_compiling
 from .params import COMMON, REQUIRED, Param
 from ..utils.checks import is_real
+from .register import register_method
 
 
 def check_thresholds(value: Any) -> List[Optional[float]]:
@@ -50,6 +51,7 @@ class Calibration:
         return [s / n if n and r else None for s, n, r in zip(self.sums, self.batches, self.r)]
 
 
+@register_method
 class DyMU(TokenReducer):
     """thresholds: one per block (None: that block merges nothing), from `tokcomp calibrate --method dymu` (a preset
     file: `--methods dymu.json`). Data-dependent counts: eager in `speed` / `tune`, no ONNX, no CUDA graph."""

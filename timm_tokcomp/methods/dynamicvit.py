@@ -21,6 +21,7 @@ from ..utils.checks import int_list, integer
 from ..plans import Plan, PrunePlan, Reduced
 from .base import LearnedParams, ScheduledReducer
 from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param
+from .register import register_method
 
 EPS = 1e-6  # the size a token dropped in training keeps (log-size bias log(EPS) ~ -13.8)
 RATIO_WEIGHT = 2.0  # the paper's weight of the ratio loss
@@ -81,6 +82,7 @@ def check_fits(params: DynamicViTParams, dim: int, settings: Sequence[Optional[S
                          f"model reduces after blocks {_blocks(settings)}")
 
 
+@register_method
 class DynamicViT(LearnedParams, ScheduledReducer):
     """Learned pruning (see the module docstring). keep_rate / r / flops_ratio give the count each stage keeps
     in eval mode (and the ratio loss's targets in training). The predictors are made at apply (untrained) or

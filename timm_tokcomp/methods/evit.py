@@ -9,6 +9,7 @@ from ..kernels import library
 from ..ops.matching import attentive_pruning, class_attention
 from ..plans import PrunePlan
 from .fused import FusedScheduledReducer
+from .register import register_method
 
 
 class ClassAttentionInputs(NamedTuple):
@@ -24,6 +25,7 @@ class ClassAttentionInputs(NamedTuple):
         return class_attention(self.q, self.k, self.attn_bias, self.scale).mean(dim=1)
 
 
+@register_method
 class EViT(FusedScheduledReducer):
     """Metric: the class token's attention row, softmaxed and averaged over heads (computed next to
     SDPA at O(N) cost). The fused token is the attention-weighted mean of the pruned tokens and is

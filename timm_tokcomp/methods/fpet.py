@@ -27,6 +27,7 @@ from ..utils.checks import boolean, integer, is_int
 from .schedules import BlockCost
 from .base import GridSettings, LearnedParams, TokenReducer
 from .params import COMMON, REQUIRED, FromConfig, Param, optional
+from .register import register_method
 
 DROPOUT = 0.1
 
@@ -105,6 +106,7 @@ def checkerboard(rows: int, cols: int, device: torch.device) -> Tuple[torch.Tens
     return order[:(rows * cols + 1) // 2], order[(rows * cols + 1) // 2:]
 
 
+@register_method
 class FPET(GridSettings, LearnedParams, TokenReducer):
     """See the module docstring. layer: the reducing block (None: num_blocks // 2); refine: learn the adapter
     (adapter_params: a trained one, from a learned folder; None: made untrained at apply)."""

@@ -5,6 +5,7 @@ import torch
 
 from ..ops.matching import float32_linspace, nearest_centre, pairwise_distances
 from .clustering import ClusterMerging
+from .register import register_method
 
 
 def k_medoids(x: torch.Tensor, num_clusters: int, iterations: int = 3) -> torch.Tensor:
@@ -24,6 +25,7 @@ def k_medoids(x: torch.Tensor, num_clusters: int, iterations: int = 3) -> torch.
         return nearest_centre(dist, medoids)
 
 
+@register_method
 class KMedoids(ClusterMerging):
     """iterations: K-Medoids steps per reducing block (the study: 3). Proportional attention as ToMe."""
 

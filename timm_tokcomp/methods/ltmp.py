@@ -35,6 +35,7 @@ from .base import BlockSetting, LearnedParams, TokenReducer, warn_if_compiling
 from .tags import MacsTargetTagged
 from .params import COMMON, MACS_TARGET, REQUIRED, FromConfig, Param, optional
 from .straight_through import clamp_through, hard_through
+from .register import register_method
 
 EPS = 1e-6  # the size a token merged or pruned in training keeps
 PRUNE_UNIT = 1e-3  # the prune threshold is stored in thousandths
@@ -93,6 +94,7 @@ class LTMPParams(FromConfig, nn.Module):
         return params
 
 
+@register_method
 class LTMP(MacsTargetTagged, LearnedParams, TokenReducer):
     """See the module docstring. threshold_params: trained thresholds (a learned folder); thresholds: fixed ones as
     numbers (a preset: `threshold_params.values()`); neither: the start (merge above 0.9, prune nothing). Tags: 'ltmp', 'ltmp_m<pct>' (macs_target = pct / 100, the training's target)."""

@@ -16,6 +16,7 @@ from .schedules import BlockCost
 from .places import ReducesAt
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
+from .register import register_method
 
 
 def mctf_matching(x: torch.Tensor, received: torch.Tensor, size: Optional[torch.Tensor], r: int, num_prefix: int,
@@ -61,6 +62,7 @@ def mctf_matching(x: torch.Tensor, received: torch.Tensor, size: Optional[torch.
     return ClusterPlan(p, assign, n - r)
 
 
+@register_method
 class MCTF(ScheduledReducer):
     """The reduction a schedule puts at the end of block l runs at the start of block l + 1, before its attention
     (block 0 never reduces, as in the paper's blocks 1-11; under keep_rate the stage blocks themselves reduce): the

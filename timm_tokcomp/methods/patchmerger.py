@@ -20,6 +20,7 @@ from ..utils.checks import int_list, integer
 from ..plans import SoftPlan
 from .base import LearnedParams, ScheduledReducer
 from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param
+from .register import register_method
 
 
 class MergerSetting(NamedTuple):
@@ -76,6 +77,7 @@ def check_fits(params: PatchMergerParams, dim: int, settings: Sequence[Optional[
                          f"schedule on this model leaves {_outputs(settings)} (learned layers fit their schedule only)")
 
 
+@register_method
 class PatchMerger(LearnedParams, ScheduledReducer):
     """Learned soft merging (see the module docstring): r / flops_ratio / keep_rate say how many patch tokens
     each block leaves, as for every scheduled method. The parameters are made at apply (untrained) or given as

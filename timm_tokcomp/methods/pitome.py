@@ -12,6 +12,7 @@ from ..utils.checks import check_real
 from .schedules import BlockCost
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
+from .register import register_method
 
 # (r, block index l, block count L, protect): the block's margin, margin (1 - l / L), is computed in plan from the
 # two counts, which a compiled block keeps symbolic (a float setting would make each block a graph of its own)
@@ -55,6 +56,7 @@ def _check_margin(value: float) -> float:
                       note="(a cosine similarity offset)")
 
 
+@register_method
 class PiToMe(ScheduledReducer):
     """Metric: keys averaged over heads (cosine). Block l of L: energy with margin m_l = margin (1 - l / L); the first
     ceil(L / 2) blocks match all tokens in energy order (alternate ranks into A and B, ToMe's rule), the later ones

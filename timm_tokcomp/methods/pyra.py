@@ -27,6 +27,7 @@ from ..plans.merge import merge_sum
 from .base import LearnedParams
 from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param
 from .tome import ToMe, tome_plan
+from .register import register_method
 
 FORMS = ("paper", "pooled")
 KNOTS = 8  # rank-weight knots of the 'pooled' form
@@ -152,6 +153,7 @@ class PyraMergePlan(MergePlan):
         return x_out, size_out, None if source is None else merge_sum(source, self)
 
 
+@register_method
 class PYRA(LearnedParams, ToMe):
     """ToMe with PYRA's learned source modulation (see the module docstring). The parameters are made at
     apply (untrained: equal to ToMe) or given as `pyra_params`, and live on the model as model.tokcomp['pyra'].

@@ -10,6 +10,7 @@ from ..ops.matching import built_once
 from ..plans import PrunePlan
 from .schedules import BlockCost
 from .base import GridSettings, ScheduledReducer
+from .register import register_method
 
 
 @functools.lru_cache(maxsize=64)
@@ -81,14 +82,17 @@ class Radial(GridSettings, ScheduledReducer):
         return PrunePlan(num_prefix, keep.expand(metric.shape[0], -1))
 
 
+@register_method
 class RadialL1(Radial):
     name, ord = "l1", 1.0
 
 
+@register_method
 class RadialL2(Radial):
     name, ord = "l2", 2.0
     tune_space = ({"keep_rate": 0.9},)
 
 
+@register_method
 class RadialLInf(Radial):
     name, ord = "linf", float("inf")

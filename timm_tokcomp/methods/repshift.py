@@ -11,6 +11,7 @@ from ..plans import PrunePlan
 from .places import ReducesAt
 from .base import ScheduledReducer
 from .params import COMMON, SCHEDULE, Param
+from .register import register_method
 
 SHIFT_AT = ("block", "mlp", "attn")
 
@@ -28,6 +29,7 @@ def shift_pruning(shift: torch.Tensor, r: int, num_prefix: int, size: Optional[t
         return PrunePlan(num_prefix, order[:, : n - r].sort(dim=-1).values)
 
 
+@register_method
 class RepShift(ScheduledReducer):
     """shift_at: which layer's shift ranks the tokens: 'block' (default: both branches together, the whole block's
     change), 'mlp' (the authors' figure measures the MLP) or 'attn' (the attention branch; the block then reduces

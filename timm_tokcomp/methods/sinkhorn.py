@@ -9,6 +9,7 @@ import math
 import torch
 
 from .patchmerger import MergerLayer, PatchMerger, PatchMergerParams
+from .register import register_method
 
 ITERATIONS = 3
 EPSILON = 1.0
@@ -35,6 +36,7 @@ class SinkhornParams(PatchMergerParams):
     layer_class = SinkhornLayer
 
 
+@register_method
 class Sinkhorn(PatchMerger):
     """Learned queries with Sinkhorn-balanced soft assignment; parameters as `merger_params`, on the model as
     model.tokcomp['sinkhorn']."""

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .patchmerger import PatchMerger, PatchMergerParams
+from .register import register_method
 
 
 class SlimmingLayer(nn.Module):
@@ -34,6 +35,7 @@ class SiTParams(PatchMergerParams):
     layer_class = SlimmingLayer
 
 
+@register_method
 class SiT(PatchMerger):
     """Learned token slimming; parameters as `merger_params`, on the model as model.tokcomp['sit']."""
 

@@ -14,6 +14,7 @@ from .schedules import BlockCost
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param, optional
 from .tome import tome_plan
+from .register import register_method
 
 PRUNE, MLERP = "prune", "mlerp"
 
@@ -33,6 +34,7 @@ class FusionPlan(MergePlan):
         return merged, size, source
 
 
+@register_method
 class ToFu(ScheduledReducer):
     """Metric: keys averaged over heads (cosine), ToMe's bipartite matching. Blocks 0 .. merge_from - 1 prune
     (sources dropped), blocks from merge_from on merge by MLERP; merge_from None: depth // 2 + 1 (blocks 0-6 of 12

@@ -10,6 +10,7 @@ from ..plans import MergePlan
 from .base import prop_attn_unless_avg_pool
 from .fused import FusedScheduledReducer
 from .tags import parse_named_schedule_tag
+from .register import register_method
 
 
 class HeadKeys(NamedTuple):
@@ -29,6 +30,7 @@ def key_metric(metric: Union[torch.Tensor, HeadKeys]) -> torch.Tensor:
     return metric.mean() if isinstance(metric, HeadKeys) else metric
 
 
+@register_method
 class ToMe(FusedScheduledReducer):
     """Metric: keys averaged over heads (cosine similarity). Merge: size-weighted mean.
     Proportional attention is on by default, off for avg-pooled (MAE-style) models. Tags also name

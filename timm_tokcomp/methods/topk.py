@@ -7,6 +7,7 @@ import torch
 from ..ops.matching import class_attention
 from ..plans import PrunePlan
 from .base import ScheduledReducer
+from .register import register_method
 
 
 def top_k_pruning(cls_attn: torch.Tensor, r: int, num_prefix: int) -> PrunePlan:
@@ -19,6 +20,7 @@ def top_k_pruning(cls_attn: torch.Tensor, r: int, num_prefix: int) -> PrunePlan:
         return PrunePlan(num_prefix, order[:, : n - r].sort(dim=-1).values)
 
 
+@register_method
 class TopK(ScheduledReducer):
     """Metric: EViT's class-token attention row, computed next to SDPA. Proportional attention is off
     unless asked (kept tokens all have size 1)."""
