@@ -136,6 +136,13 @@ def make_model(variant: str, fused: bool = True, seed: int = 0) -> torch.nn.Modu
     return model
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests on the real data are slow: `-m "not slow"` (CONTRIBUTING.md's inner loop) leaves them out too."""
+    for item in items:
+        if item.get_closest_marker("realdata") is not None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="module")
 def image_folder(tmp_path_factory):
     """20 random 48 x 48 JPEGs, for training and calibration runs."""

@@ -17,6 +17,7 @@ from typing import List, Tuple
 import pytest
 import torch
 
+pytestmark = [pytest.mark.slow]  # every snippet in a fresh interpreter, the site build
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)

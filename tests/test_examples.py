@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = [pytest.mark.slow]  # the examples run
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 

@@ -20,6 +20,8 @@ from timm_tokcomp.files.outputs import replacing
 from timm_tokcomp.tocom import load
 from conftest import make_model
 
+pytestmark = [pytest.mark.slow]  # killed and resumed runs
+
 TRAIN = ["train-tocom", "test_vit", "--batch-size", "4", "--holdout", "4", "--scale-grid", "0.05,0.1",
          "--scale-targets", "8,16", "--no-progress", "--num-workers", "0"]
 

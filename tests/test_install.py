@@ -6,6 +6,9 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.slow]  # builds and installs the package
+
+
 OPTIONAL = ("peft", "matplotlib", "scipy", "sklearn", "onnx", "onnxscript", "onnxruntime", "transformers")
 BLOCK = "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in OPTIONAL)  # import raises ImportError
 
@@ -21,6 +24,7 @@ from timm_tokcomp.commands.bench import run_bench
 from timm_tokcomp.deployment.specs import parse_methods
 from timm_tokcomp.cli import main
 from timm_tokcomp.tocom import Compensator, load
+
 model = timm.create_model("deit_tiny_patch16_224.tome_r8")
 plain = timm_tokcomp.apply(timm.create_model("deit_tiny_patch16_224"), "tome", r=4)
 assert timm_tokcomp.get_reducer(model).params["r"] == 8 and timm_tokcomp.is_reduced(plain)

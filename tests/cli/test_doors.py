@@ -17,6 +17,8 @@ from timm_tokcomp import cli
 from timm_tokcomp.files.data import open_images
 from timm_tokcomp.files.userfiles import UserFileError
 
+pytestmark = [pytest.mark.slow]  # every command on every bad file
+
 MODEL = "deit_tiny_patch16_224"
 
 

@@ -10,6 +10,8 @@ from safetensors.torch import save_file
 from timm_tokcomp.files.data import open_dataset, open_images, read_labels
 from timm_tokcomp.files.userfiles import UserFileError, read_json, read_safetensors, read_state_dict
 
+pytestmark = [pytest.mark.slow]  # hypothesis through the readers
+
 
 FILES = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

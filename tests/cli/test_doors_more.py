@@ -16,6 +16,8 @@ from test_doors import MODEL, _assert_refused, _commands, _images
 from timm_tokcomp.files import outputs
 from timm_tokcomp.deployment.specs import parse_methods
 
+pytestmark = [pytest.mark.slow]  # every command on every bad file
+
 FILE_COMMANDS = {  # every command writing one file, with the flag naming it
     "bench": ["bench", MODEL, "--methods", "tome_r8", "--no-timing", "--no-progress"],
     "speed": ["speed", MODEL, "--methods", "tome_r8", "--batches", "1", "--rounds", "1", "--no-progress"],

@@ -11,6 +11,8 @@ import pytest
 
 import timm_tokcomp
 
+pytestmark = [pytest.mark.slow]  # Ctrl-C in subprocesses
+
 SCRIPT = Path(sys.executable).parent / "tokcomp"
 
 

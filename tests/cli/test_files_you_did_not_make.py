@@ -22,6 +22,8 @@ from timm_tokcomp import cli
 from timm_tokcomp.files.data import open_dataset
 from timm_tokcomp.files.userfiles import UserFileError, read_json
 
+pytestmark = [pytest.mark.slow]  # hostile files through every command
+
 REPO = Path(__file__).resolve().parents[2]
 PYRA = REPO / "hub_cards" / "deit_tiny_patch16_224-caltech101-pyra-high"
 TOCOM = REPO / "hub_cards" / "deit_tiny_patch16_224-tocom"

@@ -13,6 +13,8 @@ from timm_tokcomp.commands.analyze.record import record
 from timm_tokcomp.commands.analyze.report import run_analysis
 from timm_tokcomp.cli import main
 
+pytestmark = [pytest.mark.slow]  # analyze runs
+
 
 @pytest.fixture(scope="module")
 def deit_tiny():

@@ -272,7 +272,7 @@ def test_a_preset_is_read_once_per_bench_run(tmp_path, monkeypatch):
     import json
 
     from timm_tokcomp.commands.bench import run_bench
-    from timm_tokcomp.kit import presets
+    from timm_tokcomp.deployment import presets
 
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"format": 1, "method": "tome", "params": {"r": 2}, "execution": {"mode": "eager"}}))

@@ -12,6 +12,8 @@ from timm_tokcomp.cli import main
 from timm_tokcomp.measure.counting import count_macs
 from conftest import SMALL, make_model
 
+pytestmark = [pytest.mark.slow]  # calibration searches
+
 
 @pytest.fixture
 def batches():

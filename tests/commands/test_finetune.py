@@ -17,6 +17,8 @@ from timm_tokcomp.cli import main
 from timm_tokcomp.training import FinetuneConfig, finetune, load_finetuned
 from conftest import _hub_cache
 
+pytestmark = [pytest.mark.slow]  # training runs, torchrun
+
 MODEL = "deit_tiny_patch16_224"  # random weights: the tests check the machinery, not accuracy
 
 

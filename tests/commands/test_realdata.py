@@ -10,7 +10,7 @@ from timm_tokcomp.commands.bench import run_bench
 from conftest import REPO, require_data
 from timm_tokcomp.deployment.specs import parse_methods
 
-pytestmark = pytest.mark.realdata
+pytestmark = [pytest.mark.slow, pytest.mark.realdata]
 
 
 SHIPPED_TOCOM = REPO / "hub_cards" / "deit_tiny_patch16_224-tocom"

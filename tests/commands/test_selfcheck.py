@@ -12,6 +12,8 @@ from timm_tokcomp.kernels import triton_tome
 from timm_tokcomp.ops.matching import bipartite_soft_matching
 from timm_tokcomp.plans.merge import merge_mean
 
+pytestmark = [pytest.mark.slow]  # the kernels in Triton's interpreter
+
 
 def test_selfcheck_compares_every_step_and_fails_loudly(tmp_path, monkeypatch, capsys):
     """`python -m timm_tokcomp.commands.selfcheck`, the GPU check of the kernels, run here in the interpreter (fp32,

@@ -9,7 +9,7 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp.commands import speed
-from timm_tokcomp.kit import modes
+from timm_tokcomp.deployment import modes
 from timm_tokcomp.cli import main
 from timm_tokcomp.families import VIT
 from timm_tokcomp.patch import patch

@@ -21,6 +21,8 @@ from timm_tokcomp.training.tocom import TrainConfig, draw_pair, train_tocom, war
 from timm_tokcomp.training.engine import SeededAugment, distill_loss, epoch_batches, warmup_cosine_lr
 from conftest import make_model, _random_compensator
 
+pytestmark = [pytest.mark.slow]  # training runs
+
 TINY = dict(steps=4, batch_size=4, holdout=4, checkpoint_every=2, scale_grid=(0.05, 0.1), scale_targets=(8, 16))
 
 

@@ -10,12 +10,14 @@ import torch
 import timm_tokcomp
 from timm_tokcomp.commands import tune as tuning
 from timm_tokcomp.commands.tune import run as tuning_run, timing as tuning_timing
-from timm_tokcomp.kit import modes
+from timm_tokcomp.deployment import modes
 from timm_tokcomp.commands.bench import run_bench
 from timm_tokcomp.cli import main
 from timm_tokcomp.commands.tune import choose, read_rows
 from conftest import DATA, make_model, require_data
 from timm_tokcomp.deployment.specs import parse_methods
+
+pytestmark = [pytest.mark.slow]  # tune runs, real DeiT-Tiny
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

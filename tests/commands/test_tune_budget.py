@@ -9,7 +9,7 @@ import torch
 
 import timm_tokcomp
 from timm_tokcomp.commands import tune as tuning
-from timm_tokcomp.kit import stats
+from timm_tokcomp.measure import stats
 from timm_tokcomp.commands.tune import TuneRow, choose, read_rows, run as tuning_run, timing as tuning_timing
 from timm_tokcomp.cli import main
 from test_tune import _small_model

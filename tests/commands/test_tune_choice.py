@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from timm_tokcomp.commands import tune as tuning
-from timm_tokcomp.kit import stats
+from timm_tokcomp.measure import stats
 from timm_tokcomp.commands.tune import TuneRow, candidate_paths, choose
 from conftest import make_model
+
+pytestmark = [pytest.mark.slow]  # tune runs end to end
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -10,7 +10,7 @@ import torch
 import timm_tokcomp
 from timm_tokcomp import methods
 from timm_tokcomp.cli import main
-from timm_tokcomp.kit import modes
+from timm_tokcomp.deployment import modes
 from timm_tokcomp.commands.paths import FastPath, default_path, fast_paths
 from timm_tokcomp.deployment.presets import versions, write_preset
 from timm_tokcomp.measure.precision import device_description

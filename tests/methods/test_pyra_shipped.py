@@ -11,7 +11,7 @@ from timm_tokcomp.training.finetune import predict
 from conftest import REPO, require_data
 
 SHIPPED = REPO / "hub_cards" / "deit_tiny_patch16_224-caltech101-pyra-high"
-pytestmark = pytest.mark.realdata
+pytestmark = [pytest.mark.slow, pytest.mark.realdata]
 
 
 def test_shipped_adapter_reproduces_its_test_top1():

@@ -12,6 +12,8 @@ from conftest import reducing_setting
 from timm_tokcomp.runtime.compile import traced_whole
 from timm_tokcomp.methods import METHODS
 
+pytestmark = [pytest.mark.slow]  # Inductor compiles
+
 
 @pytest.fixture(autouse=True)
 def whole():

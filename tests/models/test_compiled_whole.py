@@ -17,7 +17,7 @@ from timm_tokcomp.runtime.graphs import GraphedByShape
 from timm_tokcomp.methods import METHODS
 
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # dynamo's caches and counters emptied around each test
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 class InGraphs:

@@ -15,14 +15,14 @@ import timm_tokcomp
 from conftest import SMALL, reducing_setting
 from timm_tokcomp.runtime import compile as compiling
 from timm_tokcomp.kernels import library
-from timm_tokcomp.kit import modes
+from timm_tokcomp.deployment import modes
 from timm_tokcomp.methods import METHODS
 
 DEEP = dict(SMALL, depth=6)  # 65 tokens, six blocks: five that share the middle graph
 STUDY = {"keep_rate": 0.7, "stages": (2, 4, 5)}
 
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # dynamo's caches and counters emptied around each test
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 def _graphs() -> int:

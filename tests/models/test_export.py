@@ -12,6 +12,8 @@ from timm_tokcomp.cli import main
 from timm_tokcomp.deployment.onnx import compare_onnxruntime, export_onnx
 from conftest import SMALL, real_model_and_images, require_data
 
+pytestmark = [pytest.mark.slow]  # ONNX export per method
+
 for module in ("onnx", "onnxscript", "onnxruntime"):
     pytest.importorskip(module, reason=f"{module} is not installed (pip install 'timm-tokcomp[export]')")
 

@@ -10,6 +10,8 @@ import torch
 
 from conftest import require_data
 
+pytestmark = [pytest.mark.slow]  # commands on open_clip towers
+
 open_clip = pytest.importorskip("open_clip")
 
 ARCH = "tokcomp-test-tiny-ViT"

@@ -11,6 +11,8 @@ import timm_tokcomp
 from timm_tokcomp.ops.matching import bipartite_soft_matching
 from timm_tokcomp.methods import listed_tags
 
+pytestmark = [pytest.mark.slow]  # every timm surface on real architectures
+
 LISTED_TAGS = listed_tags()
 
 # one plain, one distilled, one with register tokens (and a class token: 5 prefix tokens)

@@ -8,7 +8,7 @@ from timm_tokcomp.tocom import attach, compensate, detach, load, set_compression
 from conftest import REPO, real_model_and_images
 
 SHIPPED = REPO / "hub_cards" / "deit_tiny_patch16_224-tocom"
-pytestmark = pytest.mark.realdata
+pytestmark = [pytest.mark.slow, pytest.mark.realdata]
 
 
 def _qkv(model):

@@ -3,12 +3,15 @@ launches, host synchronisations and MACs against plain DeiT-Tiny and the torch p
 batch; the interpreter's time does)."""
 import copy
 
+import pytest
 import timm
 import torch
 
 import timm_tokcomp
 from timm_tokcomp.measure.counting import MacCounter, OpCounter, count_macs
 from conftest import op_counts, real_model_and_images
+
+pytestmark = [pytest.mark.slow]  # the kernels in Triton's interpreter
 
 
 def _deit_tiny_both_paths(name):

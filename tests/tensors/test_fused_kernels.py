@@ -14,6 +14,8 @@ from timm_tokcomp.ops.matching import (attentive_pruning, batch_adaptive_r, best
 from timm_tokcomp.measure.counting import OpCounter
 from conftest import assert_within_ulps, make_model, op_counts
 
+pytestmark = [pytest.mark.slow]  # the kernels in Triton's interpreter
+
 CASES = [  # (batch, tokens, prefix, r, metric dim, channels)
     (2, 197, 1, 16, 64, 48),  # DeiT-Tiny's first block
     (3, 50, 2, 10, 8, 40),  # distillation token: A starts at the first non-prefix token

@@ -12,6 +12,8 @@ import timm_tokcomp
 from timm_tokcomp.kernels import triton_dense, triton_evit, triton_tome
 from conftest import make_model
 
+pytestmark = [pytest.mark.slow]  # Triton cubins and Inductor's CUDA lowering
+
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_kernels_compile_for_real_gpus(arch):

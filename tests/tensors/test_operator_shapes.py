@@ -10,6 +10,8 @@ import torch
 import timm_tokcomp.kernels.library  # noqa: F401 (registers torch.ops.timm_tokcomp)
 from timm_tokcomp.kernels.library import merged_count, pruned_count
 
+pytestmark = [pytest.mark.slow]  # torch.library.opcheck over many shapes
+
 SHAPES = [(b, n, p, r) for b, n, p, r in itertools.product((1, 2), range(1, 6), (0, 1), (1, 3)) if n > p]
 # the fake-tensor check over the range (the schema and autograd checks do not depend on the shape: the operators'
 # other opcheck tests run them)
