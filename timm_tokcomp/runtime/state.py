@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 
-STATE = "_tokcomp"  # the one attribute timm_tokcomp sets on a model or block (no other name is set on them)
+STATE = "_tokcomp"  # the one state attribute on a model or block (learned parameters: modules under model.tokcomp)
 
 
 @dataclass
