@@ -56,13 +56,16 @@ MOVED = {
 }
 
 
+_LONGEST_FIRST = sorted(MOVED, key=len, reverse=True)  # a submodule's own entry before its package's
+
+
 def new_path(fullname: str) -> Optional[str]:
     """The new module path of an old one (timm_tokcomp.<old>[.<sub>]), or None when it did not move."""
     prefix = "timm_tokcomp."
     if not fullname.startswith(prefix):
         return None
     name = fullname[len(prefix):]
-    for old in sorted(MOVED, key=len, reverse=True):
+    for old in _LONGEST_FIRST:
         if name == old or name.startswith(old + "."):
             return prefix + MOVED[old] + name[len(old):]
     return None
