@@ -73,7 +73,7 @@ def test_the_model_is_given_first_or_as_timm_spells_it_and_once(tmp_path, capsys
     assert "give MODEL once" in capsys.readouterr().err
     assert main(["train-tocom", "-m", "test_vit", "--data", str(tmp_path / "none"), "--out",
                  str(tmp_path / "o"), "--steps", "0"]) == 2  # -m parses; the bad setting is refused
-    assert "--steps must be an integer >= 1" in capsys.readouterr().err
+    assert "argument --steps: must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 def _subcommands():

@@ -270,7 +270,7 @@ def test_the_preset_and_table_state_the_bound(image_folder, tmp_path, monkeypatc
 def test_a_bad_time_budget_is_refused_naming_the_flag(value, image_folder, tmp_path, capsys):
     code = main(["tune", "deit_tiny_patch16_224", "--data", str(image_folder), "--out", str(tmp_path / "o"),
                  "--time-budget", value])
-    assert code != 0 and "--time-budget must be a finite number > 0 (minutes" in capsys.readouterr().err
+    assert code == 2 and "argument --time-budget: must be a finite number > 0 (minutes" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 

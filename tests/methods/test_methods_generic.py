@@ -133,7 +133,7 @@ def test_numpy_numbers_are_accepted_by_every_numeric_argument_check():
     attach(model, compensator, source_r=np.int64(0))
     set_compression(model, np.int16(2))
     assert timm_tokcomp.get_reducer(model).r == 2
-    with pytest.raises(ValueError, match="--batches must be a list of integers >= 1"):
+    with pytest.raises(ValueError, match="--batches must be a non-empty list of batch sizes >= 1"):
         check_batches([np.float64(2.0)])
 
 

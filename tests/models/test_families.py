@@ -180,7 +180,7 @@ def test_dense_variant_and_refusals_on_eva(images):
                            plain(images))
     with pytest.raises(ValueError, match="fold_qkv.*EvaAttention.*'fold'"):
         timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "tome", r=2, prop_attn="fold_qkv")
-    with pytest.raises(ValueError, match="rope_merge must be one of 'dst', 'centroid'"):
+    with pytest.raises(ValueError, match="rope_merge must be one of dst, centroid"):
         timm_tokcomp.apply(family_model("eva02_cat_swiglu"), "tome", r=2, rope_merge="mean")
     with pytest.raises(TypeError, match="AttentionPoolPrr"):
         timm_tokcomp.apply(family_model("siglip_map", global_pool="prr"), "tome", r=2)

@@ -52,7 +52,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..files.outputs import check_output
     from ..measure.precision import check_device
 
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse refused a flag, in its words (a typed flag's: its check's), after the usage
+        if e.code in (0, None):  # --help, --version
+            raise
+        return e.code
     args.notes = list(getattr(args, "deprecated", []))  # what qualifies the result, printed after it: an error stays
     # the only line
     try:

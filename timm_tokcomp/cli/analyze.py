@@ -2,6 +2,8 @@
 import argparse
 
 from ..methods import FAMILIES
+from ..commands.analyze.report import LIMIT, OVERLAYS
+from ..utils.checks import flag_type
 from .flags import FOLDER_OUT, batch_size_flag, device_flag, model_flags, progress_flag, weights_flags
 
 
@@ -12,11 +14,11 @@ def add(sub: argparse._SubParsersAction) -> None:
     an.add_argument("--methods", default="tome_r8,evit_r8,atm",
                     help=f"comma list of two or more method tags ({FAMILIES}) or presets; default: %(default)s")
     an.add_argument("--data", required=True, help="folder of images (labels.csv, ImageFolder or plain; labels unused)")
-    an.add_argument("--limit", type=int, default=256, help="first N images (default: %(default)s)")
+    an.add_argument("--limit", type=flag_type(LIMIT), default=256, help="first N images (default: %(default)s)")
     an.add_argument("--out", required=True, help="report folder")
     weights_flags(an)
     batch_size_flag(an, 32)
-    an.add_argument("--overlays", type=int, default=4,
+    an.add_argument("--overlays", type=flag_type(OVERLAYS), default=4,
                     help="images drawn with each method's groups (default: %(default)s)")
     device_flag(an)
     an.add_argument("--resume", action="store_true", help="reuse OUT: recordings with the same settings are kept, "

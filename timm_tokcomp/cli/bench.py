@@ -2,8 +2,14 @@
 import argparse
 
 from ..methods import FAMILIES
-from .flags import (FILE_OUT, batch_size_flag, deprecated, device_flag, hf_model_flag, model_flags, precision_flags,
-                    progress_flag, random_weights, weights_flags)
+from ..commands.bench.run import LATENCY_RUNS, SOURCE_R
+from ..files.data import LIMIT
+from ..tocom.compensator import check_scale
+from ..utils.checks import flag_type, integer
+from .flags import (FILE_OUT, batch_size_flag, deprecated, device_flag, hf_model_flag, model_flags,
+                    num_workers_flag, precision_flags, progress_flag, random_weights, weights_flags)
+
+ROUNDS = integer("--rounds", 1, "(--no-timing times nothing)")  # the command's: 0 is --no-timing
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -27,22 +33,24 @@ def add(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--torchcompile", dest="backend", action="store_const", const="compile",
                        help="timm's spelling of --modes compile")
     deprecated(bench, "--backend", "--modes", "backend", choices=("eager", "compile", "onnx"))
-    bench.add_argument("--latency-runs", type=int, default=30,
+    bench.add_argument("--latency-runs", type=flag_type(LATENCY_RUNS), default=30,
                        help="single-image forwards timed per method for latency (median, p90; 0: none; "
                             "default: %(default)s)")
-    bench.add_argument("--rounds", dest="timing_rounds", type=int, default=5,
+    bench.add_argument("--rounds", dest="timing_rounds", type=flag_type(ROUNDS), default=5,
                        help="timed rounds, each one forward of every method, interleaved: img/s from the median "
                             "round, the speed-up the geometric mean of the rounds' ratios (default: %(default)s)")
-    deprecated(bench, "--timing-rounds", "--rounds", "timing_rounds", type=int)
+    deprecated(bench, "--timing-rounds", "--rounds", "timing_rounds", type=flag_type(ROUNDS))
     bench.add_argument("--no-timing", action="store_true", help="GMACs and accuracy only: no throughput or latency")
-    bench.add_argument("--limit", type=int, help="evaluate only the first N images")
-    bench.add_argument("--num-workers", type=int, default=2, help="data loading workers")
+    bench.add_argument("--limit", type=flag_type(LIMIT), help="evaluate only the first N images")
+    num_workers_flag(bench)
     bench.add_argument("--out", "--results-file", help="write the table as CSV (--results-file: timm's spelling)")
     bench.add_argument("--plot", help="write a GMACs-vs-accuracy Pareto plot (PNG)")
     bench.add_argument("--tocom", help="ToCom compensator (folder or Hub repo): adds a '+ToCom' row after each "
                                        "tome / evit row")
-    bench.add_argument("--source-r", type=int, default=0, help="ToMe r the model was trained at (default: %(default)s)")
-    bench.add_argument("--tocom-scale", type=float, help="compensator scale s (default: the one in its config)")
+    bench.add_argument("--source-r", type=flag_type(SOURCE_R), default=0,
+                       help="ToMe r the model was trained at (default: %(default)s)")
+    bench.add_argument("--tocom-scale", type=flag_type(check_scale, float),
+                       help="compensator scale s (default: the one in its config)")
     bench.add_argument("--overwrite", action="store_true", help="replace existing --out / --plot files")
     progress_flag(bench)
     bench.set_defaults(default_model="deit_tiny_patch16_224", func=run, outputs=(FILE_OUT, ("plot", "--plot", False)))
@@ -50,7 +58,6 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..commands.bench import check_plot_format, format_table, plot_pareto, run_bench, write_csv
-    from ..utils.checks import check_int
     from ..deployment.specs import parse_methods
     from ..measure.precision import describe_settings
 
@@ -58,9 +65,6 @@ def run(args: argparse.Namespace) -> int:
         check_plot_format(args.plot)  # before any work, as main() checks every output path
         if args.no_timing and not args.data:
             raise ValueError("--plot needs --data or timing: with --no-timing and random inputs there is nothing to plot")
-    # checked with --no-timing too: a flag's value is checked whether or not it is used
-    check_int("--rounds", args.timing_rounds, 1, "(--no-timing times nothing)")
-    check_int("--latency-runs", args.latency_runs, 0, "(0: no latency)")
     if random_weights(args):
         args.notes.append("no --checkpoint or --pretrained: random weights, accuracy columns are meaningless")
     rows = run_bench(

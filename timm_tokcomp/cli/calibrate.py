@@ -2,7 +2,11 @@
 for an r schedule."""
 import argparse
 
-from .flags import FILE_OUT, batch_size_flag, device_flag, model_flags, progress_flag, random_weights, weights_flags
+from ..commands.calibrate import (ALPHA, LIMIT, METHODS, SPLIT_LAYER, TARGET_GMACS, TARGET_RATIO, TOLERANCE,
+                                  check_r)
+from ..utils.checks import flag_type
+from .flags import (FILE_OUT, batch_size_flag, device_flag, model_flags, num_workers_flag, progress_flag,
+                    random_weights, weights_flags)
 
 
 ATM_TOLERANCE, ATM_ALPHA = 0.02, 1.0
@@ -13,23 +17,29 @@ def add(sub: argparse._SubParsersAction) -> None:
     cal = sub.add_parser("calibrate", help="find ATM thresholds that hit a GMACs budget, or DyMU's per-block "
                                           "thresholds, on your images (no labels)")
     model_flags(cal, "timm architecture, e.g. deit_tiny_patch16_224, or open_clip:ARCH")
-    cal.add_argument("--method", choices=("atm", "dymu"), default="atm",
+    cal.add_argument("--method", choices=METHODS, default="atm",
                      help="atm: thresholds for a GMACs target (--target-gmacs / --target-ratio); dymu: DyMU's "
                           "thresholds for --r merges per image and block (default: %(default)s)")
     target = cal.add_mutually_exclusive_group()
-    target.add_argument("--target-gmacs", type=float, help="atm: GMACs per image to reach")
-    target.add_argument("--target-ratio", type=float, help="atm: fraction of the unmodified model's GMACs, in (0, 1)")
-    target.add_argument("--r", type=int, help="dymu: merges per image and block the thresholds are calibrated for")
+    target.add_argument("--target-gmacs", type=flag_type(TARGET_GMACS, float), help="atm: GMACs per image to reach")
+    target.add_argument("--target-ratio", type=flag_type(TARGET_RATIO, float),
+                        help="atm: fraction of the unmodified model's GMACs, in (0, 1)")
+    target.add_argument("--r", type=flag_type(check_r),
+                        help="dymu: merges per image and block the thresholds are calibrated for")
     cal.add_argument("--data", required=True, help="folder of images (plain, labels.csv or ImageFolder; labels unused)")
     weights_flags(cal)
-    cal.add_argument("--limit", type=int, default=512, help="calibrate on the first N images (default: %(default)s)")
-    cal.add_argument("--tolerance", type=float, help=f"atm: relative GMACs tolerance (default: {ATM_TOLERANCE})")
-    cal.add_argument("--alpha", type=float, help=f"atm: initial threshold, kept fixed (default: {ATM_ALPHA})")
-    cal.add_argument("--split-layer", type=int, help="atm: blocks after it use size-distinctive matching "
-                                                    "(default: three quarters of the depth)")
+    cal.add_argument("--limit", type=flag_type(LIMIT), default=512,
+                     help="calibrate on the first N images (default: %(default)s)")
+    cal.add_argument("--tolerance", type=flag_type(TOLERANCE, float),
+                     help=f"atm: relative GMACs tolerance (default: {ATM_TOLERANCE})")
+    cal.add_argument("--alpha", type=flag_type(ALPHA, float),
+                     help=f"atm: initial threshold, kept fixed (default: {ATM_ALPHA})")
+    cal.add_argument("--split-layer", type=flag_type(SPLIT_LAYER),
+                     help="atm: blocks after it use size-distinctive matching "
+                          "(default: three quarters of the depth)")
     batch_size_flag(cal, 64)
     device_flag(cal)
-    cal.add_argument("--num-workers", type=int, default=2, help="data loading workers")
+    num_workers_flag(cal)
     cal.add_argument("--out", help="where to save the preset (default: <method>_preset.json)")
     cal.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     progress_flag(cal)

@@ -3,7 +3,15 @@ import argparse
 from typing import List
 
 from ..methods import FAMILIES, parameter_table
+from ..training.config import check_crop_min
+from ..training.recipe import AUGMENTS, FinetuneConfig
+from ..utils.checks import flag_type
 from .flags import FOLDER_OUT, batch_size_flag, model_flags, training_flags, weights_flags
+
+
+def _typed(field: str, parse: type = int):
+    """The type of the flag that sets FinetuneConfig's `field`: the field's own check."""
+    return flag_type(FinetuneConfig.check_of(field), parse)
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -25,21 +33,26 @@ def add(sub: argparse._SubParsersAction) -> None:
                                                           "folder; the evaluation reports agreement with the unreduced model")
     ft.add_argument("--out", required=True, help="folder to write: peft adapter, method parameters, card, training/")
     weights_flags(ft)
-    ft.add_argument("--epochs", type=int, default=10, help="(default: %(default)s)")
+    ft.add_argument("--epochs", type=_typed("epochs"), default=10, help="(default: %(default)s)")
     batch_size_flag(ft, 32)
-    ft.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate, as given (timm's --lr; "
-                                                           "default: %(default)s)")
-    ft.add_argument("--weight-decay", type=float, default=1e-4, help="(default: %(default)s)")
-    ft.add_argument("--warmup-epochs", type=int, help="linear warm-up before the cosine decay (default: 1, or 0 "
-                                                      "with --epochs 1)")
-    ft.add_argument("--lora-rank", type=int, default=8, help="0: no LoRA, the backbone stays frozen and only the "
-                                                             "method's parameters train (with --distill; default: "
-                                                             "%(default)s)")
-    ft.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: the rank, i.e. scaling 1)")
-    ft.add_argument("--augment", choices=("crop-flip", "none"), default="crop-flip",
+    ft.add_argument("--lr", type=_typed("lr", float), default=3e-3,
+                    help="AdamW peak learning rate, as given (timm's --lr; "
+                         "default: %(default)s)")
+    ft.add_argument("--weight-decay", type=_typed("weight_decay", float), default=1e-4, help="(default: %(default)s)")
+    ft.add_argument("--warmup-epochs", type=_typed("warmup_epochs"),
+                    help="linear warm-up before the cosine decay (default: 1, or 0 "
+                         "with --epochs 1)")
+    ft.add_argument("--lora-rank", type=_typed("lora_rank"), default=8,
+                    help="0: no LoRA, the backbone stays frozen and only the "
+                         "method's parameters train (with --distill; default: "
+                         "%(default)s)")
+    ft.add_argument("--lora-alpha", type=_typed("lora_alpha", float),
+                    help="LoRA alpha (default: the rank, i.e. scaling 1)")
+    ft.add_argument("--augment", choices=AUGMENTS, default="crop-flip",
                     help="random resized crops and flips, or none (default: %(default)s)")
-    ft.add_argument("--crop-min", type=float, default=0.5, help="smallest random-crop area (default: %(default)s)")
-    ft.add_argument("--eval-batch-size", type=int, default=64, help="(default: %(default)s)")
+    ft.add_argument("--crop-min", type=flag_type(check_crop_min, float), default=0.5,
+                    help="smallest random-crop area (default: %(default)s)")
+    ft.add_argument("--eval-batch-size", type=_typed("eval_batch_size"), default=64, help="(default: %(default)s)")
     training_flags(ft, "epoch")
     ft.set_defaults(func=run, outputs=(FOLDER_OUT,))
 

@@ -1,8 +1,10 @@
 """The flag groups every command shares (weights, device, precision, training, progress), the help formatter, the
-outputs each command declares (checked by main before any work), and the parsing of flag values."""
+outputs each command declares (checked by main before any work). Every typed flag's type is a check of
+utils.checks (flag_type), the one its command's Python call runs."""
 import argparse
 
 from ..measure.precision import AMP_NAMES
+from ..utils.checks import BATCH_SIZE, NUM_WORKERS, flag_type
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -44,38 +46,36 @@ def model_flags(parser: argparse.ArgumentParser, help: str) -> None:
 
 def batch_size_flag(parser: argparse.ArgumentParser, default: int, help: str = "") -> None:
     """One batch size, spelled as timm's scripts do (-b / --batch-size)."""
-    parser.add_argument("--batch-size", "-b", type=int, default=default, help=help or None)
+    parser.add_argument("--batch-size", "-b", type=flag_type(BATCH_SIZE), default=default, help=help or None)
 
 
-def numbers(flag: str, text: str, kind: type) -> tuple:
-    """'2,3' -> (2, 3); a ValueError naming the flag otherwise."""
-    try:
-        return tuple(kind(item) for item in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag} must be a comma list of {kind.__name__}s, got {text!r}") from None
+def num_workers_flag(parser: argparse.ArgumentParser, more: str = "") -> None:
+    parser.add_argument("--num-workers", type=flag_type(NUM_WORKERS), default=2, help=f"data loading workers{more}")
 
 
 def training_flags(parser: argparse.ArgumentParser, unit: str) -> None:
     """The flags of the training engine, the same for every command that trains (stop-after counts `unit`s)."""
-    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    from ..training.config import SEED
+    from ..training.engine import ACCUMULATE, AMP_DTYPES, stop_after_check
+
+    parser.add_argument("--seed", type=flag_type(SEED.check), default=0, help="(default: %(default)s)")
     device_flag(parser, "; under torchrun, one GPU per process")
     parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                         help="autocast in --amp-dtype, the trained parameters and optimizer in fp32 (default: on for "
                              "CUDA, off on the CPU)")
-    parser.add_argument("--amp-dtype", choices=("bfloat16", "float16"), default="bfloat16",
+    parser.add_argument("--amp-dtype", choices=AMP_DTYPES, default="bfloat16",
                         help="autocast dtype; float16 (CUDA only) adds a gradient scaler (default: %(default)s)")
-    parser.add_argument("--accumulate", type=int, default=1,
+    parser.add_argument("--accumulate", type=flag_type(ACCUMULATE), default=1,
                         help="batches per optimiser step: the global batch is --batch-size x processes x this "
                              "(default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue the run in OUT from OUT/training/checkpoint.pt")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the previous run in OUT (set aside, deleted when this run ends; a non-empty OUT "
                              "is refused without --resume or --overwrite)")
-    parser.add_argument(f"--stop-after-{unit}s", dest="stop_after", type=int,
+    parser.add_argument(f"--stop-after-{unit}s", dest="stop_after", type=flag_type(stop_after_check(unit)),
                         help=f"leave after this {unit} with a checkpoint (continue with --resume)")
-    deprecated(parser, "--stop-after", f"--stop-after-{unit}s", "stop_after", type=int)
-    parser.add_argument("--num-workers", type=int, default=2, help="data loading workers per process "
-                                                                   "(default: %(default)s)")
+    deprecated(parser, "--stop-after", f"--stop-after-{unit}s", "stop_after", type=flag_type(stop_after_check(unit)))
+    num_workers_flag(parser, " per process")
     progress_flag(parser)
 
 
@@ -114,7 +114,7 @@ def precision_flags(parser: argparse.ArgumentParser) -> None:
     still works, with a deprecation note. main() resolves them into args.dtype ('fp32', 'bf16' or 'fp16')."""
     parser.add_argument("--amp", action="store_true", help="autocast every forward (evaluation and timing) to "
                                                           "--amp-dtype, as a half-precision deployment does")
-    parser.add_argument("--amp-dtype", choices=("bfloat16", "float16"), default="bfloat16", help="with --amp")
+    parser.add_argument("--amp-dtype", choices=tuple(AMP_NAMES), default="bfloat16", help="with --amp")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help=argparse.SUPPRESS)  # deprecated: bf16 is
     # --amp, fp16 is --amp --amp-dtype float16 (resolve_precision notes it)
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (torch's default: off)")

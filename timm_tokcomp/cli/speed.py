@@ -2,8 +2,10 @@
 import argparse
 
 from ..methods import FAMILIES
-from .flags import (FILE_OUT, device_flag, hf_model_flag, model_flags, numbers, precision_flags, progress_flag,
-                    weights_flags)
+from ..commands.speed import ROUNDS
+from ..deployment.modes import check_batches
+from ..utils.checks import comma_list, flag_type
+from .flags import FILE_OUT, device_flag, hf_model_flag, model_flags, precision_flags, progress_flag, weights_flags
 
 
 SPEED_METHODS = "tome_r8,tome_r16,evit_r8,evit_r16"
@@ -23,7 +25,8 @@ def add(sub: argparse._SubParsersAction) -> None:
                                       f"tome_r16@fold_qkv, tome_r16@triton+fold) or presets; default: "
                                       f"{SPEED_METHODS.replace(',', ', ')}, and on CUDA also "
                                       f"{SPEED_METHODS_CUDA[1:].replace(',', ', ')}")
-    sp.add_argument("--batches", default="1,32,64,256", help="batch sizes (default: %(default)s)")
+    sp.add_argument("--batches", type=flag_type(check_batches, comma_list(int)), default="1,32,64,256",
+                    help="batch sizes (default: %(default)s)")
     sp.add_argument("--modes", default="eager", help="comma list of eager, compile (torch.compile), cudagraph "
                                                      "(compile with CUDA graphs, CUDA only), graph (the "
                                                      "eager forward in a CUDA graph, CUDA only); default: %(default)s")
@@ -31,7 +34,7 @@ def add(sub: argparse._SubParsersAction) -> None:
                     help="timm's spelling of --modes compile")
     device_flag(sp)
     precision_flags(sp)
-    sp.add_argument("--rounds", type=int, default=20,
+    sp.add_argument("--rounds", type=flag_type(ROUNDS), default=20,
                     help="timed rounds, each one forward of every model, interleaved: ms from the median, speed-ups "
                          "the geometric mean of the rounds' ratios (default: %(default)s)")
     weights_flags(sp)
@@ -53,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
     from ..deployment.specs import parse_methods
     from ..commands.speed import format_speed, run_speed, write_speed_csv
 
-    batches = numbers("--batches", args.batches, int)
     methods = args.methods or SPEED_METHODS + (SPEED_METHODS_CUDA if args.device.startswith("cuda") else "")
     device_name = device_description(args.device)
     settings = {"device": device_name, "dtype": args.dtype, "tf32": args.tf32}
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     def save(rows) -> None:  # after each (mode, batch): a run stopped later keeps what it measured, beside --out
         write_speed_csv(rows, str(partial_path(args.out)), args.model, settings, overwrite=True)
 
-    rows = run_speed(args.model, methods=parse_methods(methods), batches=batches, modes=args.modes.split(","),
+    rows = run_speed(args.model, methods=parse_methods(methods), batches=args.batches, modes=args.modes.split(","),
                      device=args.device, dtype=args.dtype, tf32=args.tf32, rounds=args.rounds,
                      checkpoint=args.checkpoint, pretrained=args.pretrained, data=args.data,
                      show_progress=not args.no_progress, on_rows=save if args.out else None)

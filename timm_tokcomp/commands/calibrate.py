@@ -20,12 +20,28 @@ from ..core import apply, get_reducer, is_reduced, set_params
 from ..families import facade
 from ..deployment.presets import write_preset
 from ..measure.agreement import compare, predict
-from ..utils.checks import check_choice, check_int, check_real, is_real
+from ..utils.checks import BATCH_SIZE, check_int, check_real_list, choice, integer, optional, real
 from ..methods.atm import threshold_schedule
 from ..methods.dymu import Calibration
 from ..methods.schedules import resolve_r, validate_r
 
 DEFAULT_BETAS = (0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15)
+
+# the checks of calibrate's flags (the command line's types, and the Python calls' arguments)
+METHODS = ("atm", "dymu")
+METHOD = choice("--method", METHODS)
+TARGET_GMACS = optional(real("--target-gmacs", note="(GMACs per image)"))
+TARGET_RATIO = optional(real("--target-ratio", 0.0, high=1.0, high_strict=True,
+                             note="(a fraction of the unmodified GMACs)"))
+TOLERANCE = real("--tolerance", 0.0, high=0.5, high_strict=True, note="(relative to the target GMACs)")
+ALPHA = real("--alpha", None)
+SPLIT_LAYER = optional(integer("--split-layer", 0, "(blocks after it use size-distinctive matching)"))
+LIMIT = integer("--limit", 1, "(images)")
+
+
+def check_r(r: Any) -> Any:
+    """--r, DyMU's merges per image and block: an int, a per-block list or (r, inflection) (validate_r)."""
+    return validate_r(r, "--r")
 
 
 @dataclass
@@ -104,16 +120,12 @@ def calibrate(
     _check_unreduced(base)
     if (target_gmacs is None) == (target_ratio is None):
         raise ValueError("give exactly one of --target-gmacs and --target-ratio")
-    if target_ratio is not None and not (is_real(target_ratio) and 0.0 < target_ratio < 1.0):
-        raise ValueError(f"--target-ratio must be in (0, 1) (a fraction of the unmodified GMACs), got "
-                         f"{target_ratio!r}")
-    if target_gmacs is not None:
-        check_real("--target-gmacs", target_gmacs)
-    if not (is_real(tolerance) and 0.0 < tolerance < 0.5):
-        raise ValueError(f"--tolerance must be in (0, 0.5), got {tolerance!r}")
-    check_real("--alpha", alpha, None)
-    if isinstance(betas, (str, bytes)) or not betas or not all(is_real(b) and 0 <= b < math.inf for b in betas):
-        raise ValueError(f"betas must be a non-empty list of finite numbers >= 0, got {betas!r}")
+    TARGET_RATIO(target_ratio)
+    TARGET_GMACS(target_gmacs)
+    TOLERANCE(tolerance)
+    ALPHA(alpha)
+    SPLIT_LAYER(split_layer)
+    check_real_list("betas", betas, 0.0, strict=False)
     check_int("max_bisections", max_bisections, low=1)
     _check_batches(batches)
 
@@ -200,7 +212,7 @@ def calibrate_dymu(base: nn.Module, batches: Sequence[torch.Tensor], model_name:
     the same images for its GMACs per image and agreement with `base`. progress(msg) after every batch."""
     _check_unreduced(base)
     _check_batches(batches)
-    schedule = resolve_r(validate_r(r, "--r"), len(facade(base).blocks))
+    schedule = resolve_r(check_r(r), len(facade(base).blocks))
     if not any(schedule):
         raise ValueError(f"--r must merge in at least one block, got {r!r}")
     model = apply(copy.deepcopy(base), "dymu", thresholds=[1.0 if r_l else None for r_l in schedule])
@@ -234,9 +246,9 @@ def calibrate_folder(model_name: str, data: str, checkpoint: Optional[str], pret
     from ..files.data import open_images
     from ..models.build import build_base_model, eval_transform
 
-    check_choice("--method", method, ("atm", "dymu"))
-    check_int("--limit", limit, 1)
-    check_int("--batch-size", batch_size, 1)
+    METHOD(method)
+    LIMIT(limit)
+    BATCH_SIZE(batch_size)
     base = build_base_model(model_name, checkpoint, pretrained, device)
     dataset = open_images(data, eval_transform(base), limit=limit)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..utils.checks import check_choice, check_int
+from ..utils.checks import check_choice, flag_type, integer
 from ..ops import dense_merge as ops
 from ..plans.merge import group_index, merge_mean
 from ..measure.precision import DTYPES, check_device
@@ -36,6 +36,9 @@ from ..ops.matching import (attentive_pruning, batch_adaptive_r, best_matches, b
 # does) may be one unit in the last place off an output of magnitude 4 to 8, which is 2^-5 in bf16 and 2^-8 in fp16
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 4e-3}
 STEP_KINDS = ("tome", "atm", "evit", "dense")  # the first word of each step's name (--steps)
+
+BATCH = integer("--batch", 1, "(images per step)")  # the checks of the flags
+ROUNDS = integer("--rounds", 1)
 
 
 @dataclass
@@ -204,8 +207,8 @@ def run_checks(device: str = "cuda", dtypes: Sequence[str] = ("fp32", "bf16"), b
         check_choice("--dtypes: each", name, DTYPES)
     for kind in kinds:
         check_choice("--steps: each", kind, STEP_KINDS)
-    check_int("--batch", batch, 1)
-    check_int("--rounds", rounds, 1)
+    BATCH(batch)
+    ROUNDS(rounds)
     time_steps = dev.type == "cuda" if time_steps is None else time_steps
     checks = []
     for name in dtypes:
@@ -227,17 +230,24 @@ def format_checks(checks: Sequence[StepCheck]) -> str:
     return "\n".join(text_table(["step", "dtype", "max diff", "tol", "torch ms", "triton ms", "speedup", ""], cells))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16, fp16 (default %(default)s)")
-    p.add_argument("--batch", type=int, default=256, help="images per step (dense: an eighth; default %(default)s)")
-    p.add_argument("--rounds", type=int, default=20, help="timed calls per path (median; default %(default)s)")
+    p.add_argument("--batch", type=flag_type(BATCH), default=256,
+                   help="images per step (dense: an eighth; default %(default)s)")
+    p.add_argument("--rounds", type=flag_type(ROUNDS), default=20,
+                   help="timed calls per path (median; default %(default)s)")
     p.add_argument("--steps", default=",".join(STEP_KINDS),
                    help="comma list of the steps to check: tome, atm, evit, dense (default: all)")
     p.add_argument("--no-timing", action="store_true", help="check only")
     p.add_argument("--out", help="also write the checks as JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         if args.out:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..utils.checks import check_int
+from ..utils.checks import check_int_list, integer
 from ..core import apply, get_reducer, last_stats
 from ..models.build import build_base_model, eval_transform
 from ..files.data import open_images
@@ -39,12 +39,11 @@ from ..methods.schedules import BlockCost
 from ..utils.tables import text_table
 
 LIMIT_SUFFIX = " limit"
+ROUNDS = integer("--rounds", 1)  # the check of speed's --rounds
 
 
 def _check_kept(kept: Sequence[int]) -> List[int]:
-    if not kept or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in kept):
-        raise ValueError(f"kept must be a non-empty list of token counts >= 1, got {kept!r}")
-    return list(kept)
+    return check_int_list("kept", kept, 1, "token counts")
 
 
 class LimitReducer(TokenReducer):
@@ -130,7 +129,7 @@ def run_speed(
     folder of images whose first batch is timed (random inputs without it). on_rows: called with all rows so far after
     each (mode, batch), so a run stopped later keeps what it measured (the CLI writes --out there)."""
     check_batches(batches)
-    check_int("--rounds", rounds, 1)
+    ROUNDS(rounds)
     check_dtype(dtype)
     check_modes(modes, device)
     items = [item for item in methods if item.name != BASELINE]  # a preset of method none stays: its own row

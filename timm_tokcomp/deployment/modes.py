@@ -4,14 +4,14 @@ batch and token count dynamic: timm_tokcomp.runtime.compile), a plain one whole 
 with CUDA graphs (compiling.compile); graph: the eager forward captured in one CUDA graph
 (graphs.GraphedForward); onnx: the ONNX export in onnxruntime's CPU provider, fp32."""
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from ..runtime import compile as compiling
 from ..runtime.graphs import GraphedForward
-from ..utils.checks import is_int
+from ..utils.checks import check_choice, check_int_list
 
 TORCH_MODES = ("eager", "compile", "cudagraph", "graph")  # what speed and tune time
 MODES = TORCH_MODES + ("onnx",)
@@ -21,8 +21,7 @@ CUDA_MODES = ("cudagraph", "graph")  # CUDA graphs replay GPU work
 def check_mode(mode: str, device: str, dtype: str = "fp32", flag: str = "--modes",
                allowed: Sequence[str] = MODES) -> None:
     """Raise ValueError naming flag when mode is unknown or cannot run on this device and dtype."""
-    if mode not in allowed:
-        raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {mode!r}")
+    check_choice(flag, mode, allowed)
     if mode in CUDA_MODES and torch.device(device).type != "cuda":
         raise ValueError(f"{flag} {mode} needs --device cuda (CUDA graphs replay GPU work)")
     if mode == "onnx" and (torch.device(device).type != "cpu" or dtype != "fp32"):
@@ -57,11 +56,10 @@ def runner(model: nn.Module, mode: str, example: torch.Tensor, workdir: Optional
             raise ValueError("mode onnx needs a workdir for the exported file")
         example = example[:2] if len(example) >= 2 else example.expand(2, -1, -1, -1)
         return onnx_runner(export_onnx(model, str(Path(workdir) / f"{name}.onnx"), example.cpu()))
-    raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    check_choice("mode", mode, MODES)
+    raise AssertionError(f"mode {mode!r} is in MODES but has no runner")
 
 
-def check_batches(batches: Sequence[int]) -> None:
-    """Raise ValueError naming --batches unless it is a non-empty list of integers >= 1."""
-    if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or not batches \
-            or any(not is_int(b) or b < 1 for b in batches):
-        raise ValueError(f"--batches must be a list of integers >= 1, got {batches!r}")
+def check_batches(batches: Sequence[int]) -> List[int]:
+    """The batch sizes (--batches): a non-empty list of integers >= 1."""
+    return check_int_list("--batches", batches, 1, "batch sizes")

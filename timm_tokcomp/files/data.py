@@ -11,7 +11,7 @@ from typing import Callable, List, Optional, Tuple, Union
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from ..utils.checks import check_int
+from ..utils.checks import check_int, integer, optional
 from .userfiles import UserFileError, fail, inside
 
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000  # 8000 x 8000: ~190 MB decoded as RGB; raise with TOKCOMP_MAX_IMAGE_PIXELS
@@ -24,9 +24,7 @@ def max_image_pixels() -> int:
     DEFAULT_MAX_IMAGE_PIXELS. A small file can declare a huge image (a decompression bomb); it is refused by name
     before it is decoded."""
     value = os.environ.get("TOKCOMP_MAX_IMAGE_PIXELS", str(DEFAULT_MAX_IMAGE_PIXELS))
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"TOKCOMP_MAX_IMAGE_PIXELS must be an integer >= 1 (pixels), got {value!r}")
-    return int(value)
+    return check_int("TOKCOMP_MAX_IMAGE_PIXELS", int(value) if value.isdigit() else value, 1, "(pixels)")
 
 
 def _open_checked(path: Path, flag: str) -> Image.Image:
@@ -170,7 +168,7 @@ def open_images(path: PathLike, transform: Callable, flag: str = "--data", limit
     folder of image files. limit: only the first `limit` images (None: all)."""
     path = Path(path)
     if path.is_dir() and not (path / "labels.csv").is_file() and not any(p.is_dir() for p in path.iterdir()):
-        dataset = UnlabeledImages(path, transform, flag, _check_limit(limit))
+        dataset = UnlabeledImages(path, transform, flag, LIMIT(limit))
         if len(dataset) == 0:
             raise fail(flag, path, f"holds no image files ({', '.join(IMAGE_SUFFIXES)})")
         return _rooted(dataset, path)
@@ -180,7 +178,7 @@ def open_images(path: PathLike, transform: Callable, flag: str = "--data", limit
 def open_dataset(path: PathLike, transform: Callable, flag: str = "--data", limit: Optional[int] = None) -> Dataset:
     """A labelled image dataset from a labels.csv folder, a labels file itself (`<folder>/<name>.csv`, e.g.
     one split of a folder), or an ImageFolder tree (class subfolders). limit: only the first `limit` images."""
-    path, limit = Path(path), _check_limit(limit)
+    path, limit = Path(path), LIMIT(limit)
     if path.suffix == ".csv" and path.is_file():
         return _rooted(LabeledImages(path.parent, transform, labels=path.name, flag=flag, limit=limit), path)
     if not path.is_dir():
@@ -192,8 +190,7 @@ def open_dataset(path: PathLike, transform: Callable, flag: str = "--data", limi
     return _rooted(ImageTree(path, transform, flag, limit), path)
 
 
-def _check_limit(limit: Optional[int]) -> Optional[int]:
-    return None if limit is None else check_int("--limit", limit, 1)
+LIMIT = optional(integer("--limit", 1, "(images)"))  # the first N images read (None: all); the flag's check too
 
 
 def _rooted(dataset: Dataset, root: Optional[Path]) -> Dataset:

@@ -14,15 +14,14 @@ from torch import nn
 
 from ..ops import dense_merge as ops
 from ..measure.device_table import measured
+from ..utils.checks import check_choice
 
 BACKENDS = ("auto", "torch", "triton")
 
 
 def check_kernel(kernel: str) -> str:
     """kernel itself, or ValueError naming the valid choices."""
-    if kernel not in BACKENDS:
-        raise ValueError(f"kernel must be one of {BACKENDS}, got {kernel!r}")
-    return kernel
+    return check_choice("kernel", kernel, BACKENDS)
 
 
 def use_triton(kernel: str, x: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .precision import dtype_name
+from ..utils.checks import check_choice
 
 TABLE = Path(__file__).resolve().parents[1] / "assets" / "device_defaults.json"
 FIELDS = ("kernel", "prop_attn", "prop_attn_compiled")  # the last: under torch.compile, models without rope
@@ -42,8 +43,7 @@ def compute_dtype(x: torch.Tensor) -> str:
 
 def measured(field: str, x: torch.Tensor) -> Optional[str]:
     """The table's choice of `field` (one of FIELDS) for x's device class and precision, or None."""
-    if field not in FIELDS:
-        raise ValueError(f"field must be one of {FIELDS}, got {field!r}")
+    check_choice("field", field, FIELDS)
     return _lookup(field, x.device.type, x.device.index, compute_dtype(x))
 
 

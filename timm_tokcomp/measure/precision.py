@@ -6,13 +6,14 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..utils.checks import check_choice
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 AMP_NAMES = {"bfloat16": "bf16", "float16": "fp16"}  # the trainers' --amp-dtype spellings -> DTYPES names
 
 
 def check_dtype(dtype: str, flag: str = "--dtype") -> None:
-    if dtype not in DTYPES:
-        raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_choice(flag, dtype, DTYPES)
 
 
 def autocast_dtype(dtype: str) -> Optional[torch.dtype]:

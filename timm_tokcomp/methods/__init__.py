@@ -3,6 +3,7 @@
 import re
 from typing import Any, Dict, List, Optional, Tuple, Type
 
+from ..utils.checks import check_choice
 from .base import TokenReducer
 from .params import REQUIRED
 from .register import METHODS, register_method
@@ -108,9 +109,7 @@ def parameter_markdown() -> str:
 
 
 def method_class(method: str) -> Type[TokenReducer]:
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
-    return METHODS[method]
+    return METHODS[check_choice("method", method, sorted(METHODS))]
 
 
 def make_reducer(method: str, **params: Any) -> TokenReducer:

@@ -11,6 +11,7 @@ from ..plans import ClusterPlan
 from .base import ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, SCHEDULE, Param
 from .register import register_method
+from ..utils.checks import check_choice
 
 
 LINKAGES = ("single", "average", "complete")
@@ -18,9 +19,7 @@ LINKAGES = ("single", "average", "complete")
 
 def check_linkage(linkage: str) -> str:
     """linkage itself, or ValueError naming the valid ones."""
-    if linkage not in LINKAGES:
-        raise ValueError(f"linkage must be one of {', '.join(LINKAGES)}, got {linkage!r}")
-    return linkage
+    return check_choice("linkage", linkage, LINKAGES)
 
 
 def agglomerative_clusters(dist: torch.Tensor, num_clusters: int, linkage: str) -> torch.Tensor:

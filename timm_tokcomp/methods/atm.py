@@ -25,7 +25,7 @@ from torch import nn
 from .. import kernels
 from ..ops.matching import batch_adaptive_r, best_matches, count_above, max_merges, merge_top_r, size_distinctive_split
 from ..plans import MergePlan
-from ..utils.checks import check_int, real
+from ..utils.checks import check_choice, check_int, real
 from .schedules import BlockCost
 from .base import TokenReducer, warn_if_compiling
 from .params import COMMON, REQUIRED, Param, kernel_choice
@@ -87,8 +87,7 @@ def model_family(width: int) -> str:
 
 def get_preset(name: str, width: int) -> ATMPreset:
     """The preset `name` for a model of this embedding width. Raises ValueError naming what exists."""
-    if name not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
+    check_choice("preset", name, sorted(PRESETS))
     family = model_family(width)
     if family not in PRESETS[name]:
         have = sorted(p for p, fams in PRESETS.items() if family in fams)

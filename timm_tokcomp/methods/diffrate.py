@@ -24,7 +24,7 @@ from torch import nn
 
 from ..ops.matching import class_attention
 from ..plans import KeepMergePlan, Plan, Reduced, gather_tokens
-from ..utils.checks import integer, is_int, real
+from ..utils.checks import check_int, integer, is_int, real
 from .schedules import BlockCost
 from .base import LearnedParams, TokenReducer
 from .tags import MacsTargetTagged
@@ -36,9 +36,7 @@ EPS = 1e-6  # the size a token dropped in the search keeps (log-size bias log(EP
 
 
 def check_granularity(value: Any) -> int:
-    if not is_int(value) or value < 1:
-        raise ValueError(f"granularity must be an integer >= 1 (the step between candidate counts), got {value!r}")
-    return int(value)
+    return check_int("granularity", value, 1, "(the step between candidate counts)")
 
 
 def check_schedule(value: Any) -> Dict[str, List[int]]:

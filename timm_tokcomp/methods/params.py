@@ -3,31 +3,13 @@ its Params (PARAMS), composed from the shared groups below, and TokenReducer bui
 help() shows, param_names() and the params dict from that list (as peft's per-method configs feed one BaseTuner).
 A new method adds only its own parameters: PARAMS = (*SCHEDULE, Param("mine", 1, check_mine), *COMMON)."""
 import inspect
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Sequence, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 from ..ops.attention import check_prop_attn
 from ..kernels import check_kernel
 from ..ops.rope import check_rope_merge
-from ..utils.checks import boolean, check_real, optional
+from ..utils.checks import REQUIRED, Param, boolean, check_real, optional
 from .schedules import STUDY_STAGES, check_keep_rate, check_stages, validate_r
-
-REQUIRED = inspect.Parameter.empty  # a Param default meaning: no default, the caller must give it
-
-
-def _identity(value: Any) -> Any:
-    return value
-
-
-@dataclass(frozen=True)
-class Param:
-    """name; default (REQUIRED: none); check: value -> the value the method keeps, raising ValueError that names
-    the parameter and its valid range; help: one line for `tokcomp methods` and the docs' parameter table."""
-
-    name: str
-    default: Any = REQUIRED
-    check: Callable[[Any], Any] = _identity
-    help: str = ""
 
 
 class FromConfig:

@@ -16,6 +16,7 @@ from timm.layers.pos_embed_sincos import (RotaryEmbeddingCat, RotaryEmbeddingDin
                                           _build_grid, _rope_layout)
 
 from ..plans import Plan
+from ..utils.checks import check_choice
 
 ROPE_MERGES = ("dst", "centroid")  # how a merged token's rotary position is chosen (the rope_merge parameter)
 SERVED_ROPES = (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed)
@@ -26,11 +27,8 @@ PATCH_DROP_REFUSAL = ("patch dropout (patch_drop_rate > 0) in training is not su
 
 def check_rope_merge(value: Any) -> str:
     """value, if one of ROPE_MERGES; else ValueError naming them."""
-    if value not in ROPE_MERGES:
-        raise ValueError(f"rope_merge must be one of {', '.join(repr(v) for v in ROPE_MERGES)} (a merged token's "
-                         f"rotary position: its destination token's, or the size-weighted centroid of its patches), "
-                         f"got {value!r}")
-    return value
+    return check_choice("rope_merge", value, ROPE_MERGES, "(a merged token's rotary position: its destination "
+                        "token's, or the size-weighted centroid of its patches)")
 
 
 class RotaryEmbeddingDinoV3Once(RotaryEmbeddingDinoV3):

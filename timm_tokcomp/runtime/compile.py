@@ -29,6 +29,7 @@ from .graphs import GraphedByShape
 from .loop import ReducingModel
 from .handoff import traced_whole
 from .regions import compile_regions, running
+from ..utils.checks import check_choice
 
 __all__ = ["COMPILE_MODES", "RegionallyCompiled", "by_region", "compile", "traced_whole"]
 
@@ -69,8 +70,7 @@ def compile(model: nn.Module, mode: str = "compile", backend: str = "inductor"
     method does not compile by region (TokenReducer.compiles_by_region), whole with static shapes
     (torch.compile(model, dynamic=False), in 'cudagraph' mode with Inductor's CUDA graphs, 'reduce-overhead'): the
     fastest plain model at each batch size."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    check_choice("mode", mode, COMPILE_MODES)
     if by_region(model):
         if mode == "cudagraph":  # the regions compiled plainly, the whole forward captured once per input shape
             return GraphedByShape(model, RegionallyCompiled(model, backend=backend))

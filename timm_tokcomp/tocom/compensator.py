@@ -9,7 +9,6 @@ Running a model trained at degree m at degree n uses
 Switching rewrites the q / v rows from a pristine copy of the source weights (never by adding and
 subtracting), in fp32, so any sequence of switches returns bit-identical weights for the same n.
 """
-import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -18,7 +17,7 @@ from torch import nn
 
 from ..core import apply, get_reducer, is_reduced, remove, set_params
 from ..models.timm_names import architecture_of
-from ..utils.checks import is_int, is_real
+from ..utils.checks import check_real, is_int
 
 QUERY, VALUE = 0, 1  # index of the projection in the plugin tensors
 
@@ -151,10 +150,8 @@ MAX_SCALE = 1000.0  # |s|: trained scales are about 0.1; far above this the comp
 
 def check_scale(scale: Any) -> float:
     """The scale s as a float; ValueError unless it is a finite number with |s| <= MAX_SCALE."""
-    if not is_real(scale) or not math.isfinite(scale) or abs(scale) > MAX_SCALE:
-        raise ValueError(f"scale must be a finite number with |scale| <= {MAX_SCALE:g} (trained scales are about 0.1), "
-                         f"got {scale!r}")
-    return float(scale)
+    return check_real("scale", scale, -MAX_SCALE, strict=False, high=MAX_SCALE,
+                      note="(trained scales are about 0.1)")
 
 
 def check_fits(model: nn.Module, compensator: Compensator) -> None:

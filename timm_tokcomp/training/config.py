@@ -3,8 +3,7 @@ as a Param whose error names the field's command-line flag, all run by validate_
 of fields together."""
 from typing import Any, Callable, ClassVar, Sequence, Tuple
 
-from ..utils.checks import check_bool, check_choice, integer, is_real, optional, real
-from ..methods.params import Param
+from ..utils.checks import Param, check_bool, check_choice, check_real, int_list, integer, is_real, optional, real, real_list
 
 
 def flag(name: str) -> str:
@@ -12,9 +11,11 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def int_field(name: str, low: int, shown: str = "") -> Param:
-    """An integer field >= low; its error names `shown` (the flag, where it is not flag(name))."""
-    return Param(name, check=integer(shown or flag(name), low))
+def int_field(name: str, low: int, shown: str = "", allow_none: bool = False) -> Param:
+    """An integer field >= low (None allowed with allow_none); its error names `shown` (the flag, where it is not
+    flag(name))."""
+    check = integer(shown or flag(name), low)
+    return Param(name, check=optional(check) if allow_none else check)
 
 
 def real_field(name: str, low: float = 0.0, strict: bool = True, allow_none: bool = False, shown: str = "") -> Param:
@@ -34,6 +35,18 @@ def check_crop_scale(value: Any) -> Tuple[float, float]:
 
 
 CROP_SCALE = Param("crop_scale", check=check_crop_scale)
+SEED = int_field("seed", 0)
+
+
+def check_crop_min(value: Any) -> float:
+    """--crop-min, the low end of crop_scale (the flag's check)."""
+    return check_real("--crop-min", value, 0.0, high=1.0, note="(the smallest random-crop area)")
+
+
+def list_field(name: str, low: float, integers: bool, what: str) -> Param:
+    """A non-empty list of integers (or finite numbers) above low, kept as a tuple."""
+    check = int_list(flag(name), int(low), what) if integers else real_list(flag(name), low, what=what)
+    return Param(name, check=lambda value: tuple(check(value)))
 
 
 def choice_field(name: str, choices: Sequence[Any]) -> Param:
@@ -48,6 +61,11 @@ class CheckedFields:
     """Mixin for a dataclass config: FIELDS checks each named field alone and keeps what its check returns."""
 
     FIELDS: ClassVar[Tuple[Param, ...]] = ()
+
+    @classmethod
+    def check_of(cls, name: str) -> Callable[[Any], Any]:
+        """The check of field `name` (its flag's type)."""
+        return next(p.check for p in cls.FIELDS if p.name == name)
 
     def validate_fields(self) -> None:
         """Raise ValueError naming the flag of the first bad field, in FIELDS' order."""

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from ..core import __version__
 from ..measure.precision import AMP_NAMES, DTYPES
 from ..files.outputs import replacing, run_folder, write_text
-from ..utils.checks import check_int, is_int, is_real, is_version
+from ..utils.checks import check_bool, check_choice, integer, is_int, is_real, is_version
 from ..files.userfiles import read_torch
 
 # 1: the two trainers' own checkpoints, before this engine (timm_tokcomp 0.1.0); 2: inputs by path; 3: by content;
@@ -126,13 +126,20 @@ def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: floa
                     reduction="batchmean", log_target=True) * t * t
 
 
+ACCUMULATE = integer("--accumulate", 1, "(batches per optimiser step)")
+
+
+def stop_after_check(unit: str) -> Callable[[Any], int]:
+    """The check of --stop-after-{unit}s: the step (or epoch) to leave after, >= 1."""
+    return integer(f"--stop-after-{unit}s", 1)
+
+
 def check_loop_settings(amp: Optional[bool], amp_dtype: str, accumulate: Any) -> None:
     """Raise ValueError naming the flag for a bad --amp / --amp-dtype / --accumulate."""
-    if amp not in (None, True, False):
-        raise ValueError(f"--amp must be True, False or None (on for CUDA), got {amp!r}")
-    if amp_dtype not in AMP_DTYPES:
-        raise ValueError(f"--amp-dtype must be one of {', '.join(AMP_DTYPES)}, got {amp_dtype!r}")
-    check_int("--accumulate", accumulate, 1, "(batches per optimiser step)")
+    if amp is not None:
+        check_bool("--amp", amp)
+    check_choice("--amp-dtype", amp_dtype, AMP_DTYPES)
+    ACCUMULATE(accumulate)
 
 
 @dataclass
@@ -204,7 +211,7 @@ def train(make_task: Callable[[str, int], TrainingTask], out: str, run_entries: 
     before make_task does any work. old_settings: settings added since a checkpoint may have been written, at the
     value such a checkpoint ran with."""
     if stop_after is not None:
-        check_int(f"--stop-after-{stop_unit}s", stop_after, 1)
+        stop_after_check(stop_unit)(stop_after)
     rank, world = rank_and_world()
     dev = torch.device(device)
     forked = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []

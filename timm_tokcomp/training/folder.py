@@ -19,7 +19,7 @@ from ..methods import method_class
 from ..models.build import build_base_model
 from ..files.outputs import FILE_MODE, write_text
 from ..patch import adapter_skip
-from ..utils.checks import is_int
+from ..utils.checks import check_int
 from ..files.hub import hub_snapshot
 from ..files.userfiles import fail, read_json, read_versioned_json, safetensors_shapes
 from .card import model_card
@@ -186,6 +186,7 @@ def _read_base(data: Dict[str, Any], path: Path):
     if not isinstance(base, str) or "/" in base or ":" in base or "\\" in base or not timm.is_model(base):
         raise fail(None, path, f"base_model {base!r} is not a timm model name; a fine-tuned folder names its base "
                                f"by timm name only (give local weights as checkpoint=FILE)")
-    if not is_int(classes) or classes < 1:
-        raise fail(None, path, f"num_classes must be an integer >= 1, got {classes!r}")
-    return base, classes
+    try:
+        return base, check_int("num_classes", classes, 1)
+    except ValueError as e:
+        raise fail(None, path, str(e)) from None

@@ -5,7 +5,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from ..deployment.specs import MethodItem
 from ..methods import METHODS, make_reducer, method_class, parse_method_tag
-from .config import CROP_SCALE, CheckedFields, bool_field, choice_field, int_field, real_field
+from .config import CROP_SCALE, SEED, CheckedFields, bool_field, choice_field, int_field, real_field
 from .engine import check_loop_settings
 
 NO_METHOD = "none"
@@ -43,7 +43,7 @@ class FinetuneConfig(CheckedFields):
             self.warmup_epochs = 1 if self.epochs > 1 else 0  # the default fits every valid epochs
 
     FIELDS = (*(int_field(name, 1) for name in ("epochs", "batch_size", "eval_batch_size")),
-              *(int_field(name, 0) for name in ("seed", "warmup_epochs", "lora_rank")),
+              SEED, *(int_field(name, 0) for name in ("warmup_epochs", "lora_rank")),
               real_field("lr"), real_field("weight_decay", strict=False), real_field("lora_alpha", allow_none=True),
               bool_field("distill"), choice_field("augment", AUGMENTS), CROP_SCALE)
 

@@ -22,7 +22,7 @@ from ..utils.extras import require
 from ..files.identity import data_digest, weights_digest
 from ..methods import tocom_methods
 from ..families import patched_family, resolve
-from .config import CROP_SCALE, CheckedFields, choice_field, int_field, real_field
+from .config import CROP_SCALE, SEED, CheckedFields, choice_field, int_field, list_field, real_field
 from .engine import Schedule, TrainingDiverged, TrainingTask, check_loop_settings, distill_loss, rank_and_world, train
 from ..tocom.compensator import Compensator
 from ..tocom.plugins import Plugins
@@ -63,22 +63,19 @@ class TrainConfig(CheckedFields):
     accumulate: int = 1  # batches per optimiser step (the global batch is batch_size x processes x accumulate)
 
     FIELDS = (*(int_field(name, 1) for name in ("steps", "batch_size", "groups", "checkpoint_every")),
-              int_field("rank", 1, "--lora-rank"), *(int_field(name, 0) for name in ("holdout", "seed")),
+              int_field("rank", 1, "--lora-rank"), int_field("warmup_steps", 0, allow_none=True), int_field("holdout", 0),
+              SEED,
               real_field("lr", shown="--lr-base"), *(real_field(name) for name in ("temperature", "scale")),
               real_field("weight_decay", strict=False),
-              choice_field("holdout_pick", HOLDOUT_PICKS), CROP_SCALE)
+              choice_field("holdout_pick", HOLDOUT_PICKS), choice_field("method", tocom_methods()), CROP_SCALE,
+              list_field("mosaic", 1, True, "grid sizes"), list_field("scale_grid", 0.0, False, "scales"),
+              list_field("scale_targets", 1, True, "targets r"))
 
     def validate(self) -> None:
         """Raise ValueError naming the command-line flag of the first bad hyper-parameter, before any work."""
         self.validate_fields()
         if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"--warmup-steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
-        if not self.mosaic or min(self.mosaic) < 1:
-            raise ValueError(f"--mosaic must hold grid sizes >= 1, got {self.mosaic}")
-        if self.method not in tocom_methods():
-            raise ValueError(f"--method must be one of {', '.join(tocom_methods())}, got {self.method!r}")
-        if not self.scale_grid or not all(math.isfinite(s) and s > 0 for s in self.scale_grid):
-            raise ValueError(f"--scale-grid must hold finite scales > 0, got {self.scale_grid}")
         if not self.scale_targets or not all(0 < t <= self.groups for t in self.scale_targets):
             raise ValueError(f"--scale-targets must be in [1, groups={self.groups}], got {self.scale_targets}")
         check_loop_settings(self.amp, self.amp_dtype, self.accumulate)

@@ -1,9 +1,31 @@
 """Checks of one value, shared by every parameter, config and command-line flag: each returns the value as it is
 kept, or raises ValueError naming it (a parameter, a config field, a flag) and its valid range. A method's
-parameters and a learned module's config declare them as Params (methods.params); the training configs too."""
+parameters, a learned module's config and a training config's fields declare theirs as Params; a command's flags
+take theirs as argparse types (flag_type), so a flag is refused while the command line is read, with the
+message the Python call gives."""
+import argparse
+import inspect
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
+
+REQUIRED = inspect.Parameter.empty  # a Param default meaning: no default, the caller must give it
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Param:
+    """name; default (REQUIRED: none); check: value -> the value kept, raising ValueError that names the parameter
+    and its valid range; help: one line for `tokcomp methods` and the docs' parameter table."""
+
+    name: str
+    default: Any = REQUIRED
+    check: Callable[[Any], Any] = _identity
+    help: str = ""
 
 
 def is_int(value: Any) -> bool:
@@ -54,9 +76,22 @@ def check_int_list(name: str, value: Any, low: int = 0, what: str = "integers") 
     return [int(v) for v in value]
 
 
-def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+def check_real_list(name: str, value: Any, low: float = 0.0, strict: bool = True, what: str = "numbers") -> List[float]:
+    """value as a non-empty list of finite Python floats above low (at least low where not strict); what: what the
+    entries are ('scales')."""
+    ok = isinstance(value, (list, tuple)) and value and all(
+        is_real(v) and math.isfinite(v) and (v > low or (not strict and v == low)) for v in value)
+    if not ok:
+        raise ValueError(f"{name} must be a non-empty list of finite {what} {'>' if strict else '>='} {low:g}, "
+                         f"got {value!r}")
+    return [float(v) for v in value]
+
+
+def check_choice(name: str, value: Any, choices: Sequence[Any], note: str = "") -> Any:
+    """value, one of choices; note: what the choices mean, shown in the error."""
+    if isinstance(value, (list, dict, set)) or value not in choices:  # an unhashable value is never a choice
+        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}{f' {note}' if note else ''}, "
+                         f"got {value!r}")
     return value
 
 
@@ -81,11 +116,56 @@ def boolean(name: str) -> Callable[[Any], bool]:
     return lambda value: check_bool(name, value)
 
 
-def real(name: str, low: Optional[float] = 0.0, strict: bool = True) -> Callable[[Any], float]:
+def real(name: str, low: Optional[float] = 0.0, strict: bool = True, high: Optional[float] = None,
+         high_strict: bool = False, note: str = "") -> Callable[[Any], float]:
     """check_real as a one-argument check (a Param's)."""
-    return lambda value: check_real(name, value, low, strict)
+    return lambda value: check_real(name, value, low, strict, high, high_strict, note)
+
+
+def choice(name: str, choices: Sequence[Any], note: str = "") -> Callable[[Any], Any]:
+    """check_choice as a one-argument check (a Param's)."""
+    return lambda value: check_choice(name, value, choices, note)
 
 
 def int_list(name: str, low: int = 0, what: str = "integers") -> Callable[[Any], List[int]]:
     """check_int_list as a one-argument check (a Param's)."""
     return lambda value: check_int_list(name, value, low, what)
+
+
+def real_list(name: str, low: float = 0.0, strict: bool = True, what: str = "numbers") -> Callable[[Any], List[float]]:
+    """check_real_list as a one-argument check (a Param's)."""
+    return lambda value: check_real_list(name, value, low, strict, what)
+
+
+class FlagType:
+    """An argparse type= from a one-value check: the text parsed by `parse`, then checked; a refused value is
+    argparse's error, in the check's words ('argument --limit: must be an integer >= 1, got -3'). Text that does not
+    parse reaches the check as it is, so its error still says the valid range."""
+
+    def __init__(self, check: Callable[[Any], Any], parse: Callable[[str], Any] = int):
+        self.check, self.parse = check, parse
+
+    def __call__(self, text: str) -> Any:
+        try:
+            value = self.parse(text)
+        except ValueError:
+            value = text
+        try:
+            return self.check(value)
+        except (TypeError, ValueError) as e:
+            words = str(e).split(" ", 1)  # the check names the flag first; argparse already does
+            raise argparse.ArgumentTypeError(words[1] if words[0].startswith("--") and len(words) > 1 else str(e))
+
+
+def flag_type(check: Callable[[Any], Any], parse: Callable[[str], Any] = int) -> FlagType:
+    """A flag's argparse type: `check`, after `parse` (int, float, or a comma list: comma_list(int))."""
+    return FlagType(check, parse)
+
+
+def comma_list(kind: type) -> Callable[[str], list]:
+    """A parse of '2,3' -> [2, 3] (kind int) for flag_type."""
+    return lambda text: [kind(item) for item in text.split(",")]
+
+
+BATCH_SIZE = integer("--batch-size", 1)  # the checks of the flags every command shares
+NUM_WORKERS = integer("--num-workers", 0, "(0: load in the main process)")

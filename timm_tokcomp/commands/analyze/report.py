@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ...utils.checks import check_int, integer, optional
+from ...utils.checks import integer, optional
 from ...core import __version__, apply
 from ...families import facade
 from ...utils.extras import require
@@ -29,6 +29,8 @@ from .record import Recording, record
 
 RUN_ENTRIES = ("records", "metrics.csv", "report.md", "*.png")
 MATRIX_METRICS = ("nmi", "iou", "depth_spearman", "cka")
+LIMIT = optional(integer("--limit", 2, "(images)"))  # the checks of analyze's flags
+OVERLAYS = integer("--overlays", 0)
 
 
 def _settings(model_name: str, weights: str, data: str, limit: Optional[int], method: str) -> Dict[str, object]:
@@ -70,8 +72,8 @@ def run_analysis(model_name: str, methods: Sequence[str], data: str, out: str, l
     for name, (method, _) in specs.items():
         if method_class(method).dense:
             raise ValueError(f"--methods: {name} keeps every token (dense); analyze compares token-reducing methods")
-    optional(integer("--limit", 2, "(images)"))(limit)
-    check_int("--overlays", overlays, 0)
+    LIMIT(limit)
+    OVERLAYS(overlays)
     for module in ("scipy", "sklearn", "matplotlib"):  # before any work
         require(module, "analysis", "tokcomp analyze")
     # resume keeps the recordings (reused where their settings match); the report, metrics and pictures of the

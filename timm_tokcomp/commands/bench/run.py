@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ...utils.checks import check_int
+from ...utils.checks import BATCH_SIZE, check_int, integer
 from ...core import apply, is_reduced, last_stats
 from ...files.data import UnlabeledImages, check_num_classes, open_images
 from ...deployment.specs import BASELINE, MethodItem
@@ -28,6 +28,8 @@ from ...families import facade
 from ...measure.precision import check_dtype, precision
 
 TOCOM_SUFFIX = "+ToCom"
+LATENCY_RUNS = integer("--latency-runs", 0, "(0: none)")
+SOURCE_R = integer("--source-r", 0, "(the ToMe r the model was trained at)")
 
 
 @dataclass
@@ -184,11 +186,12 @@ def run_bench(
     either; the timing batch is the first batch of the data, so no larger than `limit`). latency_runs: single-image
     forwards timed per model (0: none)."""
     check_dtype(dtype)
-    check_int("--batch-size", batch_size, 1)
+    BATCH_SIZE(batch_size)
     check_int("--rounds", timing_rounds, 0, "(0: no timing)")
     if checkpoint and pretrained:
         raise ValueError("give --checkpoint or --pretrained, not both")
-    check_int("--latency-runs", latency_runs, 0, "(0: none)")
+    LATENCY_RUNS(latency_runs)
+    SOURCE_R(source_r)
     items = list(methods)
     if not items or items[0].name != BASELINE:
         raise ValueError("methods must start with the plain model ('none'), as kit.grammar.parse_methods gives them")

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 from tqdm import tqdm
 
-from ...utils.checks import check_real
+from ...utils.checks import optional, real
 
 # when each stage must end, as a fraction of the budget (every batch of images and every timed round reads it); time a
 # stage does not use passes to the next one: loading the images by 15 % (keeping at least enough to hold some out),
@@ -26,16 +26,14 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def check_time_budget(minutes: Optional[float]) -> None:
-    if minutes is not None:
-        check_real("--time-budget", minutes, note="(minutes; None: no limit)")
+TIME_BUDGET = optional(real("--time-budget", note="(minutes; None: no limit)"))  # the flag's check, and TimeBudget's
 
 
 class TimeBudget:
     """minutes of wall time from now (None: no limit); stage s must end by STAGE_ENDS[s] of it."""
 
     def __init__(self, minutes: Optional[float]):
-        check_time_budget(minutes)
+        TIME_BUDGET(minutes)
         self.minutes, self.start = minutes, monotonic()
         self.offset = 0.0  # seconds used before the current pass of the stages (rebase)
 

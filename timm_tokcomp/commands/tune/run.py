@@ -42,7 +42,8 @@ from ...files.identity import data_digest, weights_digest
 from ...files.data import UnlabeledImages, check_num_classes, open_images
 from ...methods import default_tune_space
 from ...files.outputs import run_folder, write_text
-from ...utils.checks import check_int, check_real, is_int
+from ...utils import checks
+from ...utils.checks import integer, optional, real
 from ...measure.stats import promisable_loss
 from .budget import STAGE_ENDS, StageBar, TimeBudget, count, plan_text
 from .report import OUT_FILES, TuneResult, sample_notes, write_outputs
@@ -82,16 +83,25 @@ def _load_images(data: str, model: nn.Module, limit: int, show_progress: bool, n
     return images, (torch.tensor([y for _, y in items]) if labelled else None)
 
 
+# the checks of tune's flags (the command line's types, and tune()'s arguments)
+BUDGET = real("--budget", 0.0, strict=False, high=100.0, note="(percentage points)")
+BUDGET_ON_CHOICES = ("auto",) + tuple(BUDGET_MEASURES)
+BUDGET_ON = checks.choice("--budget-on", BUDGET_ON_CHOICES)
+MIN_SPEEDUP = optional(real("--min-speedup", 1.0, strict=False))
+LIMIT = integer("--limit", 2, "(images: the first --prune-images screen, the rest decide)")
+PRUNE_IMAGES = integer("--prune-images", 1)
+ROUNDS = integer("--rounds", 3)
+
+
 def _check_args(batches, budget, min_speedup, limit, prune_images, max_rounds, modes, device) -> None:
     check_batches(batches)
-    check_real("--budget", budget, 0.0, strict=False, high=100.0, note="(percentage points)")
-    if min_speedup is not None:
-        check_real("--min-speedup", min_speedup, 1.0, strict=False)
-    check_int("--prune-images", prune_images, 1)
-    if not is_int(limit) or limit < prune_images + 1:
+    BUDGET(budget)
+    MIN_SPEEDUP(min_speedup)
+    PRUNE_IMAGES(prune_images)
+    if LIMIT(limit) < prune_images + 1:
         raise ValueError(f"--limit must be an integer above --prune-images ({prune_images}): the images after the "
                          f"first {prune_images} are held out for the agreement that decides; got {limit!r}")
-    check_int("--rounds", max_rounds, 3)
+    ROUNDS(max_rounds)
     check_device(device)
     check_modes(modes, device)
 
@@ -136,8 +146,7 @@ def tune(
     modes = tuple(modes) if modes else default_modes(device)
     check_dtype(dtype)
     _check_args(batches, budget, min_speedup, limit, prune_images, max_rounds, modes, device)
-    if budget_on not in ("auto",) + tuple(BUDGET_MEASURES):
-        raise ValueError(f"--budget-on must be auto, {' or '.join(BUDGET_MEASURES)}, got {budget_on!r}")
+    BUDGET_ON(budget_on)
     space = list(space) if space is not None else list(default_tune_space())
     if isinstance(model, str):
         name = model
