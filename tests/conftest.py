@@ -70,7 +70,7 @@ def thresholds(depth: int, merge: float, prune: float = 0.0):
 
 
 # the token-reducing methods, and a setting of each that reduces a small model (the tests run over every method)
-TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.dense)
+TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.spec.dense)
 _REDUCING_PARAMS = {"atm": dict(alpha=0.2, beta=0.0, theta_min=0.2, prefix_only_last_block=False),
                     "ltmp": lambda depth: dict(threshold_params=thresholds(depth, merge=0.0, prune=2.0)),
                     "dymu": lambda depth: dict(thresholds=[0.0] * depth)}
@@ -315,10 +315,11 @@ class KeepLast(ScheduledReducer):
     """A toy method with its own plan kinds: each reducing block keeps its last tokens; where gradients flow (training)
     its step drops the others softly, in place."""
 
-    name = "toykeep"
-    data_dependent = True  # declared so, to see speed and tune keep it to eager mode
-    export_refusal = "a toy method for the tests"
-    tune_space = ({"r": 2},)
+    spec = ScheduledReducer.spec.but(
+        name="toykeep",
+        data_dependent=True,  # declared so, to see speed and tune keep it to eager mode
+        export_refusal="a toy method for the tests",
+        tune_space=({"r": 2},))
 
     def default_prop_attn(self, global_pool: str) -> bool:
         return True  # the training step's sizes must reach attention

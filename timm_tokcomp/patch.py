@@ -42,10 +42,10 @@ def patch(model: nn.Module, reducer: TokenReducer, family: Optional[Family] = No
     view = family.facade(model)
     depth = model_depth(model, view)
     reducer.check_depth(depth)
-    if reducer.dense:
+    if reducer.spec.dense:
         _patch_dense(model, reducer, family, view)
         return
-    if reducer.needs_class_token and not family.has_class_token(model):
+    if reducer.spec.needs_class_token and not family.has_class_token(model):
         raise ValueError(f"{reducer.name} ranks tokens by class-token attention and needs a model with a class token")
     if reducer.reduces_at == ReducesAt.BEFORE_ATTENTION:
         refusal = family.lookahead_refusal(model)
@@ -148,7 +148,7 @@ def trace_blocks(model: nn.Module, x: torch.Tensor,
     on_block(i, tokens (B, N_i, C), source (B, N_i, N0), positions) after every block i. Returns what
     forward_features returns, registered so that forward_head / pool on it use its token sizes."""
     reducer_of(model)  # raises if not patched
-    if state_of(model).reducer.dense:
+    if state_of(model).reducer.spec.dense:
         raise ValueError("dense methods keep every token (nothing to trace); trace a token-reducing method")
     tokens, stats = model._reduce_blocks(*model._embed(x), for_intermediates=True, on_block=on_block,
                                          grid=patch_grid(model, x.shape[-2:]))

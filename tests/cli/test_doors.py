@@ -86,7 +86,7 @@ def _commands(data, out):
     """Every command that reads an image folder, with data as its --data."""
     return {
         "bench": ["bench", MODEL, "--data", data, "--methods", "tome_r8", "--no-progress"],
-        "calibrate": ["calibrate", MODEL, "--target-ratio", "1.5", "--data", data, "--no-progress"],
+        "calibrate": ["calibrate", MODEL, "--target-ratio", "0.8", "--data", data, "--no-progress"],
         "analyze": ["analyze", MODEL, "--methods", "tome_r8,evit_r8", "--data", data, "--out", out, "--no-progress"],
         "finetune": ["finetune", MODEL, "--data", data, "--out", out, "--no-progress", "--batch-size", "2"],
         "train-tocom": ["train-tocom", MODEL, "--data", data, "--out", out, "--no-progress"],

@@ -140,7 +140,7 @@ def test_tune_device_batches_and_data_are_named(tmp_path, capsys):
     data = _images(tmp_path / "d", count=4)
     _assert_refused(["tune", MODEL, "--data", str(data), "--out", str(tmp_path / "t"), "--device", "gpu"], capsys,
                     "--device", "gpu")
-    with pytest.raises(ValueError, match="--batches must be a list of integers >= 1, got 64"):
+    with pytest.raises(ValueError, match="--batches must be a non-empty list of batch sizes >= 1, got 64"):
         timm_tokcomp.tune(MODEL, str(data), batches=64)
     with pytest.raises(TypeError, match="data must be the path of a folder of images"):
         timm_tokcomp.tune(MODEL, None)
@@ -392,4 +392,4 @@ def test_a_method_without_tags_names_its_route_at_every_door(tmp_path, capsys):
         parse_methods("none,dymu_r2")
     assert main(["calibrate", MODEL, "--method", "dymu", "--r", "-1", "--data", str(_images(tmp_path / "i")),
                  "--out", str(tmp_path / "c.json"), "--no-progress"]) == 2
-    assert capsys.readouterr().err.strip() == "tokcomp: error: --r must be an integer >= 0, got -1"
+    assert capsys.readouterr().err.strip() == "tokcomp: error: argument --r: must be an integer >= 0, got -1"

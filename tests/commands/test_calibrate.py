@@ -47,11 +47,11 @@ def test_out_of_reach_target_names_the_reachable_range(batches):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(), "exactly one of"),
     (dict(target_ratio=0.5, target_gmacs=1.0), "exactly one of"),
-    (dict(target_ratio=1.2), r"--target-ratio must be in \(0, 1\)"),
+    (dict(target_ratio=1.2), r"--target-ratio must be a finite number in \(0, 1\)"),
     (dict(target_gmacs=-1.0), "--target-gmacs must be a finite number > 0"),
     (dict(target_gmacs=float("inf")), "--target-gmacs must be a finite number > 0"),
     (dict(target_ratio=0.5, tolerance=0.0), "--tolerance"),
-    (dict(target_ratio="0.5"), r"--target-ratio must be in \(0, 1\).*got '0.5'"),
+    (dict(target_ratio="0.5"), r"--target-ratio must be a finite number in \(0, 1\).*got '0.5'"),
     (dict(target_gmacs="1"), "--target-gmacs must be a finite number"),
     (dict(target_ratio=0.5, tolerance="0.1"), "--tolerance"),
     (dict(target_ratio=0.5, alpha=None), "--alpha must be a finite number"),

@@ -324,7 +324,7 @@ def test_cli_refuses_bad_arguments(image_folder, tmp_path, capsys):
 
     assert main(["train-tocom", "test_vit", "--data", str(image_folder), "--out", str(tmp_path),
                  "--steps", "0"]) == 2
-    assert "--steps must be an integer >= 1" in capsys.readouterr().err
+    assert "argument --steps: must be an integer >= 1" in capsys.readouterr().err
     assert main(["train-tocom", "test_vit", "--data", str(image_folder), "--out", str(tmp_path),
                  "--holdout", "18", "--batch-size", "4", "--no-progress"]) == 2
     assert "fewer than one global batch" in capsys.readouterr().err

@@ -319,11 +319,11 @@ def test_python_arguments_are_checked_before_any_work(kwargs, error, match, tmp_
 
 
 @pytest.mark.parametrize("args,match", [
-    (["--budget", "-1"], "--budget must be a finite number in [0, 100] (percentage points)"),
+    (["--budget", "-1"], "argument --budget: must be a finite number in [0, 100] (percentage points)"),
     (["--limit", "8", "--prune-images", "8"], "--limit must be an integer above --prune-images"),
-    (["--min-speedup", "0.5"], "--min-speedup must be a finite number >= 1"),
+    (["--min-speedup", "0.5"], "argument --min-speedup: must be a finite number >= 1"),
     (["--modes", "graph"], "--modes graph needs --device cuda"),
-    (["--batches", "0"], "--batches must be a list of integers >= 1"),
+    (["--batches", "0"], "argument --batches: must be a non-empty list of batch sizes >= 1"),
     (["--methods", "tome_q3"], "--methods: "),
     (["--methods", "tome_r8,dense_tome_r1"], "dense_tome is refused by tune: the dense variant keeps every token"),
 ])

@@ -207,7 +207,7 @@ def test_a_new_method_is_its_class_and_its_line_in_methods(toy_method, monkeypat
 
 
 def test_every_parameter_has_its_one_line_help_and_the_docs_show_the_table():
-    missing = [(name, p.name) for name, cls in methods.METHODS.items() for p in cls.PARAMS if not p.help]
+    missing = [(name, p.name) for name, cls in methods.METHODS.items() for p in cls.spec.params if not p.help]
     assert missing == []
     docs = (REPO / "docs" / "methods.md").read_text()
     assert methods.parameter_markdown() in docs

@@ -21,7 +21,7 @@ NOTHING["ltmp"] = lambda: dict(threshold_params=thresholds(SMALL["depth"], merge
 REDUCING = {"atm": dict(alpha=0.5, beta=0.0, theta_min=0.5, prefix_only_last_block=False),
             "ltmp": lambda: dict(threshold_params=thresholds(SMALL["depth"], merge=0.5, prune=2.0)),
             "dymu": dict(thresholds=[0.0] * SMALL["depth"])}
-TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.dense)
+TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.spec.dense)
 
 
 def _fresh(params):
@@ -33,7 +33,7 @@ def _reducing_params(method):
 
 
 def _variants(method):
-    return [v for v in sorted(VARIANTS) if not (METHODS[method].needs_class_token and v == "avgpool_noclass")]
+    return [v for v in sorted(VARIANTS) if not (METHODS[method].spec.needs_class_token and v == "avgpool_noclass")]
 
 
 ALWAYS_REDUCES = {"fpet"}  # merges half the patches at its block: it has no setting that merges nothing
@@ -66,7 +66,7 @@ def test_method_contract(method, images):
     held = stats.source.sum(1)  # (B, N0): tokens holding each original token
     assert torch.equal(stats.source[:, :p], torch.eye(N_PATCH + p)[:p].expand(len(images), -1, -1))
     assert torch.equal(stats.size[:, :p], torch.ones(len(images), p, 1))
-    holds = METHODS[method].holds_patches
+    holds = METHODS[method].spec.holds_patches
     if holds == "soft":
         torch.testing.assert_close(stats.size[..., 0], stats.source.sum(-1))
         torch.testing.assert_close(held, torch.ones_like(held))
@@ -152,8 +152,7 @@ def test_a_new_method_declares_only_its_own_parameters():
         return value
 
     class Wide(TopK):
-        name = "wide"
-        PARAMS = (*SCHEDULE, Param("width", 2, check_width), *COMMON)
+        spec = TopK.spec.but(name="wide", params=(*SCHEDULE, Param("width", 2, check_width), *COMMON))
 
     assert issubclass(Wide, ScheduledReducer)
     wide = Wide(4, width=3)
@@ -170,6 +169,10 @@ def test_a_new_method_declares_only_its_own_parameters():
         Wide(depth=3)
     with pytest.raises(TypeError, match="missing a required argument: 'beta'"):
         METHODS["atm"](0.9)
+    with pytest.raises(TypeError, match=r"Old sets PARAMS, name on the class: declare them in its spec"):
+        class Old(TopK):  # a method written before specs: its traits would be read nowhere
+            name = "old"
+            PARAMS = (*SCHEDULE, *COMMON)
 
 
 PROP_IMPLS = ["fold", "fold_qkv", "flex"]
@@ -194,7 +197,7 @@ def test_a_method_registers_itself_and_a_second_class_of_one_name_is_refused():
     from timm_tokcomp.methods.topk import TopK
 
     class Impostor(TopK):
-        name = "tome"
+        spec = TopK.spec.but(name="tome")
 
     assert METHODS["tome"] is ToMe and register_method(ToMe) is ToMe  # registering again is a no-op
     with pytest.raises(ValueError, match="two methods are named 'tome': ToMe and .*Impostor"):
@@ -214,5 +217,23 @@ def test_an_empty_batch_and_bf16_autocast_run(method, images):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(images)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
-    if not METHODS[method].data_dependent:
+    if not METHODS[method].spec.data_dependent:
         assert timm_tokcomp.last_stats(model).tokens_per_block == counts
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_a_methods_spec_says_what_its_classes_do(method):
+    """The spec (what a method is) and the class (what it does) agree: the grid-reading hook with reads_grid, the
+    learned-parameter protocol with learned_class, the tag forms that read the method's own name."""
+    from timm_tokcomp.methods.base import GridSettings, LearnedParams
+    from timm_tokcomp.methods.spec import MethodSpec
+
+    cls = METHODS[method]
+    spec = cls.spec
+    assert isinstance(spec, MethodSpec) and spec.name == cls.name == method
+    assert issubclass(cls, GridSettings) == spec.reads_grid
+    assert issubclass(cls, LearnedParams) == (spec.learned_class is not None)
+    assert cls.param_names() == tuple(p.name for p in spec.params)
+    for form in spec.tag_forms():  # a form with a number in it reads that number's tag as this method's
+        tag = form.replace("<k>", "2").replace("<pct>", "50")
+        assert "<" in tag or cls.parse_tag(tag) is not None, (form, tag)

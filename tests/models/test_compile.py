@@ -53,8 +53,8 @@ def _counting_backend(compiles):
 def _fixed_settings():
     """Every method whose counts do not come from the data (a new one included): its study form where it has one,
     else r; and the r forms of their own."""
-    settings = [(name, reducing_setting(cls, 2 if cls.dense else 8, {"keep_rate": 0.7}))
-                for name, cls in METHODS.items() if not cls.data_dependent]
+    settings = [(name, reducing_setting(cls, 2 if cls.spec.dense else 8, {"keep_rate": 0.7}))
+                for name, cls in METHODS.items() if not cls.spec.data_dependent]
     return settings + [("tome", {"r": 16}), ("tome", {"flops_ratio": 2.0}), ("evit", {"r": 8}), ("pyra", {"r": 16}),
                        *[(name, {"r": 8}) for name in ("tofu", "pitome", "dct", "atc", "mctf")],
                        ("repshift", {"r": 8, "shift_at": "attn"})]

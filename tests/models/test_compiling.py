@@ -97,7 +97,7 @@ def test_a_batch_of_one_compiles_its_graphs_once():
     assert _graphs() == 6  # torch specialises size-1 dimensions: batch 1 has its own three graphs
 
 
-REGIONAL = sorted(name for name, cls in METHODS.items() if cls.compiles_by_region and not cls.dense)
+REGIONAL = sorted(name for name, cls in METHODS.items() if cls.spec.compiles_by_region and not cls.spec.dense)
 
 
 @pytest.mark.parametrize("method", REGIONAL)
@@ -112,7 +112,7 @@ def test_every_method_that_compiles_by_region_matches_eager_without_recompiling(
             torch.testing.assert_close(fast(_images(batch)), model(_images(batch)), rtol=1e-5, atol=1e-5)
             if batch == 2:
                 first = _graphs()
-    if cls.data_dependent:  # a host-side count per block: the graph breaks there
+    if cls.spec.data_dependent:  # a host-side count per block: the graph breaks there
         assert _breaks() > 0
     else:
         # the embedding, a block that does not reduce, at most two reducing ones (PiToMe's protect on / off), the end;
@@ -194,7 +194,7 @@ def test_pyra_paper_form_compiles_whole():
 
 
 def test_methods_that_do_not_compile_by_region_compile_whole():
-    whole = sorted(name for name, cls in METHODS.items() if not cls.compiles_by_region)
+    whole = sorted(name for name, cls in METHODS.items() if not cls.spec.compiles_by_region)
     assert {"l1", "patchmerger", "pyra"} <= set(whole) and "diffrate" not in whole  # PYRA: its 'paper' form
     for name in whole:
         cls = METHODS[name]
@@ -204,7 +204,7 @@ def test_methods_that_do_not_compile_by_region_compile_whole():
     assert not compiling.by_region(_model())
 
 
-@pytest.mark.parametrize("method", sorted(name for name, cls in METHODS.items() if not cls.compiles_by_region))
+@pytest.mark.parametrize("method", sorted(name for name, cls in METHODS.items() if not cls.spec.compiles_by_region))
 def test_methods_compiled_whole_match_eager_with_their_learned_parameters_perturbed(method):
     model = _model(method, **reducing_setting(METHODS[method], 4, STUDY))
     learned = getattr(model, "tokcomp", None)

@@ -37,7 +37,7 @@ STAGES = {"keep_rate": 0.5, "stages": (2, 3)}
 def _exportable_settings():
     """Every method that declares itself exportable (a new one included): its study form where it has one, else
     r; and the r forms and variants of their own."""
-    settings = [(name, reducing_setting(cls, 2 if cls.dense else 4, STAGES))
+    settings = [(name, reducing_setting(cls, 2 if cls.spec.dense else 4, STAGES))
                 for name, cls in METHODS.items() if cls.exportable()]
     return settings + [("evit", {"r": 3}), ("dense_tome", {"k": 8}), ("pyra", {"r": 4, "form": "pooled"}),
                        *[(name, {"r": 4}) for name in ("tome", "pyra", "tofu", "pitome", "dct", "atc", "mctf")],

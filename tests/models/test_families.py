@@ -40,9 +40,9 @@ def test_reducing_nothing_is_the_plain_model_bit_for_bit(name, images):
 @pytest.mark.parametrize("method", TOKEN_METHODS)
 @pytest.mark.parametrize("name", ["pe_core_rope_map", "dinov3_registers", "siglip_map"])
 def test_every_method_reduces_every_family(name, method, images):
-    if METHODS[method].needs_class_token and family_model(name).cls_token is None:
+    if METHODS[method].spec.needs_class_token and family_model(name).cls_token is None:
         pytest.skip("ranks by class attention; this model has no class token")
-    if METHODS[method].place == "before_attention" and name != "siglip_map":  # MCTF: timm's ViT blocks only
+    if METHODS[method].spec.place == "before_attention" and name != "siglip_map":  # MCTF: timm's ViT blocks only
         with pytest.raises(ValueError, match="reduce before attention .mctf. serve timm's VisionTransformer blocks"):
             timm_tokcomp.apply(family_model(name), method, **reducing_params(method, len(family_model(name).blocks)))
         return
@@ -51,7 +51,7 @@ def test_every_method_reduces_every_family(name, method, images):
         out = model(images)
         assert out.shape == (2, 10) and torch.isfinite(out).all()
         assert torch.equal(out, model(images))  # deterministic
-        for i in range(2 if not METHODS[method].batch_adaptive else 0):  # batch results equal per-image results
+        for i in range(2 if not METHODS[method].spec.batch_adaptive else 0):  # batch results equal per-image results
             torch.testing.assert_close(model(images[i:i + 1]), out[i:i + 1], atol=1e-4, rtol=1e-4)
     stats = timm_tokcomp.last_stats(model)
     assert stats.tokens_out < stats.tokens_per_block[0]

@@ -89,7 +89,7 @@ def test_tome_reduces_every_class_and_set_params_last_stats_count_macs_follow(na
                                             ("dct", dict(r=4)), ("kmedoids", dict(keep_rate=0.7, stages=(2, 3)))])
 @pytest.mark.parametrize("name", ["vit_classifier", "dinov2_registers", "siglip"])
 def test_training_free_methods_run_on_transformers_models(name, method, params):
-    if METHODS[method].needs_class_token and name == "siglip":
+    if METHODS[method].spec.needs_class_token and name == "siglip":
         with pytest.raises(ValueError, match="class token"):
             timm_tokcomp.apply(hf_model(name), method, **params)
         return
@@ -97,7 +97,7 @@ def test_training_free_methods_run_on_transformers_models(name, method, params):
     x = _images()
     with torch.no_grad():
         out = model(x)
-        for i in range(0 if METHODS[method].batch_adaptive else 2):  # per image, the same result
+        for i in range(0 if METHODS[method].spec.batch_adaptive else 2):  # per image, the same result
             torch.testing.assert_close(model(x[i:i + 1])[0], out[0][i:i + 1], atol=1e-4, rtol=1e-4)
     assert timm_tokcomp.last_stats(model).tokens_out < 64 + PREFIX[name]
 

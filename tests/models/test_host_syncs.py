@@ -24,8 +24,8 @@ def _count(method=None, **params):
 def _fixed_count_settings():
     """Every method whose counts do not come from the data (a new one included, with no list to forget it in), at a
     reducing setting, and a few forms of their own."""
-    settings = [(name, reducing_setting(cls, 1 if cls.dense else 8, {"keep_rate": 0.7}))
-                for name, cls in METHODS.items() if not cls.data_dependent]
+    settings = [(name, reducing_setting(cls, 1 if cls.spec.dense else 8, {"keep_rate": 0.7}))
+                for name, cls in METHODS.items() if not cls.spec.data_dependent]
     return settings + [("tome", {"r": 16}), ("tome", {"flops_ratio": 2.0}), ("evit", {"r": 8}),
                        ("pyra", {"r": 16, "form": "pooled"}), ("mctf", {"r": 8})]
 

@@ -116,7 +116,7 @@ def test_every_method_reduces_each_image_of_a_mixed_batch_as_alone(method, image
         stats = timm_tokcomp.last_stats(model)
         assert stats.tokens_out < stats.tokens_per_block[0]
         counts_out = _check_padding(model, batch, features)
-        if not METHODS[method].batch_adaptive:
+        if not METHODS[method].spec.batch_adaptive:
             torch.testing.assert_close(_alone(model, images), out, atol=1e-5, rtol=1e-5)
             assert timm_tokcomp.last_stats(model).tokens_out == int(counts_out[-1])  # the last image, alone
 

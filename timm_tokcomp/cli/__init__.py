@@ -5,7 +5,7 @@ import sys
 from typing import List, Optional
 
 from . import analyze, bench, calibrate, export, finetune, methods, speed, train_tocom, tune
-from .flags import HelpFormatter, resolve_precision
+from .flags import HelpFormatter, Parser, resolve_precision
 
 COMMANDS = (methods, bench, calibrate, train_tocom, finetune, analyze, export, speed, tune)  # the order --help lists
 
@@ -13,8 +13,7 @@ COMMANDS = (methods, bench, calibrate, train_tocom, finetune, analyze, export, s
 def build_parser() -> argparse.ArgumentParser:
     from ..core import __version__
 
-    parser = argparse.ArgumentParser(prog="tokcomp", description="Token compression for timm ViTs.",
-                                     formatter_class=HelpFormatter)
+    parser = Parser(prog="tokcomp", description="Token compression for timm ViTs.", formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"tokcomp (timm_tokcomp) {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser = sub.add_parser
@@ -54,10 +53,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
-    except SystemExit as e:  # argparse refused a flag, in its words (a typed flag's: its check's), after the usage
-        if e.code in (0, None):  # --help, --version
-            raise
-        return e.code
+    except ValueError as e:  # a refused command line (Parser.error): a typed flag's words are its check's
+        print(f"tokcomp: error: {e}", file=sys.stderr)
+        return 2
     args.notes = list(getattr(args, "deprecated", []))  # what qualifies the result, printed after it: an error stays
     # the only line
     try:

@@ -7,6 +7,14 @@ from ..measure.precision import AMP_NAMES
 from ..utils.checks import BATCH_SIZE, NUM_WORKERS, flag_type
 
 
+class Parser(argparse.ArgumentParser):
+    """tokcomp's parser, its subcommands' too: a command line it refuses is a ValueError, which main() prints as the
+    one line every bad input gets ('tokcomp: error: argument --limit: ...'), exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ValueError(message)
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """Every option's help ends with its default, where it has one (not None, not an off switch) and the help does
     not already say it."""

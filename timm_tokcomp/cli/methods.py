@@ -42,11 +42,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _traits(cls) -> str:
     """What a method declares (TokenReducer's traits), in words."""
-    traits = ["dense (keeps every token)"] if cls.dense else []
-    traits.append("token counts read from the data (eager only)" if cls.data_dependent else "fixed token counts")
-    traits.append("exports to ONNX" if cls.exportable() else f"no ONNX export ({cls.export_refusal})")
+    traits = ["dense (keeps every token)"] if cls.spec.dense else []
+    traits.append("token counts read from the data (eager only)" if cls.spec.data_dependent else "fixed token counts")
+    traits.append("exports to ONNX" if cls.exportable() else f"no ONNX export ({cls.spec.export_refusal})")
     traits += ["fused Triton kernels (kernel=)"] if cls.has_kernel_choice() else []
-    traits += ["ToCom compensators"] if cls.tocom_compatible else []
-    n = len(cls.tune_space)
+    traits += ["ToCom compensators"] if cls.spec.tocom_compatible else []
+    n = len(cls.spec.tune_space)
     traits += [f"in tune's default space ({n} setting{'' if n == 1 else 's'})"] if n else []
     return "; ".join(traits)

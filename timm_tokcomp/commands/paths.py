@@ -62,12 +62,12 @@ def fast_paths(model: nn.Module, method: str, params: Dict[str, Any], device: st
     cuda = torch.device(device).type == "cuda"
     out = []
     for mode in modes:
-        if cls.data_dependent and mode != "eager":
+        if cls.spec.data_dependent and mode != "eager":
             continue
         compiled = mode in COMPILED_MODES
         kernel_choices: List[Optional[str]] = [None]
         if cls.has_kernel_choice():
-            kernel_choices = ["torch"] + (["triton"] if cuda and not (compiled and cls.dense) else [])
+            kernel_choices = ["torch"] + (["triton"] if cuda and not (compiled and cls.spec.dense) else [])
         impls: List[Union[bool, str]] = [False]
         if prop:
             impls = ["mask", "fold"] + (["fold_qkv"] if resolve(model).fold_qkv_refusal(model) is None else [])

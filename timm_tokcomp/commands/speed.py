@@ -51,9 +51,10 @@ class LimitReducer(TokenReducer):
     protocol's methods reduce) and drops the rest (no metric, no matching). kept: tokens leaving each block,
     from a method's forward (limit_schedule)."""
 
-    name = "limit"
-    PARAMS = (Param("kept", REQUIRED, _check_kept, "tokens leaving each block"),
-              Param("after_mlp", False, bool, "reduce after the MLP, as the study's methods do"))
+    spec = TokenReducer.spec.but(
+        name="limit",
+        params=(Param("kept", REQUIRED, _check_kept, "tokens leaving each block"),
+                Param("after_mlp", False, bool, "reduce after the MLP, as the study's methods do")))
     prop_attn = False
     prefix_only_last_block = False
 
@@ -173,13 +174,13 @@ def _models(base: nn.Module, items: Sequence[MethodItem], x: torch.Tensor, stati
         if method == BASELINE:
             models[name] = base
             continue
-        if static and method_class(method).data_dependent:
+        if static and method_class(method).spec.data_dependent:
             continue
         model = apply(copy.deepcopy(base), method, **params)
         models[name] = model
         # no limit for a dense method (it keeps every token) nor on a family that keeps the grid (SAM): dropping
         # tokens to the schedule would break the grid its blocks read
-        if not get_reducer(model).dense and patched_family(model).method_refusal(LimitReducer) is None:
+        if not get_reducer(model).spec.dense and patched_family(model).method_refusal(LimitReducer) is None:
             limit = copy.deepcopy(base)
             after_mlp = get_reducer(model).reduces_at == "after_mlp"
             patch(limit, LimitReducer(limit_schedule(model, x), after_mlp=after_mlp), patched_family(model))

@@ -26,7 +26,7 @@ OPSET = 18
 def check_exportable(model: nn.Module) -> None:
     """Raise ValueError naming the method when the model's reduction cannot become a static graph."""
     if is_reduced(model) and not get_reducer(model).exportable():
-        name, why = get_reducer(model).name, get_reducer(model).export_refusal
+        name, why = get_reducer(model).name, get_reducer(model).spec.export_refusal
         raise ValueError(f"method {name!r} cannot be exported to ONNX: {why}; exportable: plain models and "
                          f"{', '.join(exportable_methods())} (fixed r, flops_ratio or keep_rate)")
 

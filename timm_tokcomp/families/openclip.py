@@ -130,7 +130,7 @@ class ReducingOpenClipVisual(ReducingModel, VisionTransformer):
         return self.ln_post(x)
 
     def _embed(self, x: torch.Tensor):
-        if self.training and not isinstance(self.patch_dropout, nn.Identity) and self._tokcomp.reducer.reads_grid:
+        if self.training and not isinstance(self.patch_dropout, nn.Identity) and self._tokcomp.reducer.spec.reads_grid:
             raise ValueError(f"{self._tokcomp.reducer.name} reads the patch grid, which patch dropout (training) "
                              f"breaks: train it with patch_dropout=0, or train another method")
         x = self.conv1(x).flatten(2).transpose(1, 2)  # open_clip's _embeds, with no width inferred (an empty batch)

@@ -234,7 +234,7 @@ class SamFamily(Family):
         return False
 
     def method_refusal(self, method: Type[TokenReducer]) -> Optional[str]:
-        return None if method.keeps_grid or method.dense else f"{method.name} {GRID_REFUSAL}"
+        return None if method.spec.keeps_grid or method.spec.dense else f"{method.name} {GRID_REFUSAL}"
 
 
 SAM = SamFamily(

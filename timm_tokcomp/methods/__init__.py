@@ -76,17 +76,17 @@ def exportable_methods() -> Tuple[str, ...]:
 
 def tocom_methods() -> Tuple[str, ...]:
     """Methods ToCom compensators serve."""
-    return tuple(name for name, cls in METHODS.items() if cls.tocom_compatible)
+    return tuple(name for name, cls in METHODS.items() if cls.spec.tocom_compatible)
 
 
 def listed_tags() -> Tuple[str, ...]:
     """Tags timm.list_models(pretrained=True) shows on every served pretrained name."""
-    return tuple(tag for cls in METHODS.values() for tag in cls.listed_tags)
+    return tuple(tag for cls in METHODS.values() for tag in cls.spec.listed_tags)
 
 
 def default_tune_space() -> Tuple[Tuple[str, Dict[str, Any]], ...]:
     """`tokcomp tune`'s default candidates: every method's declared settings, in METHODS order."""
-    return tuple((name, dict(params)) for name, cls in METHODS.items() for params in cls.tune_space)
+    return tuple((name, dict(params)) for name, cls in METHODS.items() for params in cls.spec.tune_space)
 
 
 def parameter_table() -> List[Tuple[str, str, str, str]]:
@@ -94,7 +94,7 @@ def parameter_table() -> List[Tuple[str, str, str, str]]:
     order: what `tokcomp methods` lists and the docs' parameter table shows."""
     rows: Dict[Tuple[str, str, str], List[str]] = {}
     for name, cls in METHODS.items():
-        for param in cls.PARAMS:
+        for param in cls.spec.params:
             default = "required" if param.default is REQUIRED else repr(param.default)
             rows.setdefault((param.name, default, param.help), []).append(name)
     return [(param, default, help_, "all" if len(names) == len(METHODS) else ", ".join(names))

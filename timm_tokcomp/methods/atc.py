@@ -98,13 +98,15 @@ class ATC(ScheduledReducer):
     authors cluster inside the stage block, after its attention, so their MACs hold one more attention at the
     larger count per stage."""
 
-    name = "atc"
-    export_refusal = None
-    tune_space = ({"keep_rate": 0.9},)
-    PARAMS = (*SCHEDULE,
-              Param("linkage", "average", check_linkage,
-                    "ATC: the cluster distance, 'single' (min), 'average' (mean) or 'complete' (max) of point pairs"),
-              *COMMON)
+    spec = ScheduledReducer.spec.but(
+        name="atc",
+        export_refusal=None,
+        tune_space=({"keep_rate": 0.9},),
+        params=(*SCHEDULE,
+                Param("linkage", "average", check_linkage,
+                      "ATC: the cluster distance, 'single' (min), 'average' (mean) or 'complete' (max) of point pairs"),
+                *COMMON),
+    )
 
     default_prop_attn = prop_attn_unless_avg_pool
 

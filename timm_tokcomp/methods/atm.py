@@ -17,7 +17,7 @@ import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from .base import TokenReducer, warn_if_compiling
 from .params import COMMON, REQUIRED, Param, kernel_choice
 from .tome import HeadKeys, ToMe, key_metric
 from .register import register_method
+from .tags import BARE_TAG, TagForm
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,15 @@ def _check_split_layer(value: Any) -> Optional[int]:
                                                 "or None (blocks after it use size-distinctive matching)")
 
 
+
+def parse_preset_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
+    """'atm_<preset>' -> {'preset': preset} for a preset of PRESETS; None for any other tag."""
+    head, _, preset = tag.partition("_")
+    return {"preset": preset} if head == name and preset in PRESETS else None
+
+
+PRESET_TAGS = TagForm(tuple(f"{{name}}_{preset}" for preset in PRESETS), parse_preset_tag)
+
 @register_method
 class ATM(TokenReducer):
     """alpha: initial threshold; beta: decay rate (>= 0); theta_min: threshold floor; split_layer:
@@ -130,21 +140,27 @@ class ATM(TokenReducer):
     three launches per merging block with one host synchronisation (the batch's merge count).
     """
 
-    name = "atm"
-    batch_adaptive = True  # one merge count per batch: the mean of its images' counts
-    data_dependent = True
-    export_refusal = "the number of tokens it merges is counted from the data in every forward"
-    listed_tags = ("atm",)
-    tune_space = ({}, {"preset": "balanced"}, {"preset": "fast"})
-    default_prefix_only_last_block = True
-
-    PARAMS = (Param("alpha", REQUIRED, real("alpha", None), "threshold of the first block"),
-              Param("beta", REQUIRED, real("beta", 0.0, strict=False),
-                    "decay of the threshold per block (>= 0)"),
-              Param("theta_min", REQUIRED, real("theta_min", None), "floor of the threshold"),
-              Param("split_layer", None, _check_split_layer,
-                    "first block of size-distinctive matching; None: the paper's for the depth"),
-              *COMMON, kernel_choice())
+    spec = TokenReducer.spec.but(
+        name="atm",
+        batch_adaptive=True,  # one merge count per batch: the mean of its images' counts
+        data_dependent=True,
+        export_refusal="the number of tokens it merges is counted from the data in every forward",
+        listed_tags=("atm",),
+        tune_space=({}, {"preset": "balanced"}, {"preset": "fast"}),
+        default_prefix_only_last_block=True,
+        params=(Param("alpha", REQUIRED, real("alpha", None), "threshold of the first block"),
+                Param("beta", REQUIRED, real("beta", 0.0, strict=False),
+                      "decay of the threshold per block (>= 0)"),
+                Param("theta_min", REQUIRED, real("theta_min", None), "floor of the threshold"),
+                Param("split_layer", None, _check_split_layer,
+                      "first block of size-distinctive matching; None: the paper's for the depth"),
+                *COMMON, kernel_choice()),
+        tags=(BARE_TAG, PRESET_TAGS),
+        tag_legend=f"atm: the '{DEFAULT_PRESET}' preset; atm_lossless / _balanced / _fast: named presets; "
+                   f"atm_g<NNN>: the ATM paper's settings without training (its Table A2) for the DeiT of the "
+                   f"model's width at NNN / 100 GFLOPs, e.g. atm_g090 = DeiT-T at 0.90; atm_mae_g<NNN>: "
+                   f"the same for MAE ViT-B (Table A5)",
+    )
 
     @classmethod
     def resolve_params(cls, model: nn.Module, params: Dict[str, Any]) -> Dict[str, Any]:
@@ -165,24 +181,6 @@ class ATM(TokenReducer):
                 merged.pop(k, None)
         merged.update(new)
         return merged
-
-    @classmethod
-    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        if tag == cls.name:
-            return {}
-        head, _, preset = tag.partition("_")
-        return {"preset": preset} if head == cls.name and preset in PRESETS else None
-
-    @classmethod
-    def tag_forms(cls) -> Tuple[str, ...]:
-        return (cls.name,) + tuple(f"{cls.name}_{p}" for p in PRESETS)
-
-    @classmethod
-    def tag_legend(cls) -> str:
-        return (f"{cls.name}: the '{DEFAULT_PRESET}' preset; {cls.name}_lossless / _balanced / _fast: named presets; "
-                f"{cls.name}_g<NNN>: the ATM paper's settings without training (its Table A2) for the DeiT of the "
-                f"model's width at NNN / 100 GFLOPs, e.g. {cls.name}_g090 = DeiT-T at 0.90; {cls.name}_mae_g<NNN>: "
-                f"the same for MAE ViT-B (Table A5)")
 
     default_prop_attn = ToMe.default_prop_attn
     metric = ToMe.metric

@@ -44,13 +44,15 @@ class ATS(ScheduledReducer):
     """Proportional attention is always on (it masks the padding); one host synchronisation per reducing
     block (the batch's largest count)."""
 
-    name = "ats"
-    holds_patches = "dropped"
-    data_dependent = True
-    export_refusal = "the number of tokens it keeps is counted from the data in every forward"
-    tune_space = ({"keep_rate": 0.9},)
-    needs_class_token = True
-    masks_by_size = True
+    spec = ScheduledReducer.spec.but(
+        name="ats",
+        holds_patches="dropped",
+        data_dependent=True,
+        export_refusal="the number of tokens it keeps is counted from the data in every forward",
+        tune_space=({"keep_rate": 0.9},),
+        needs_class_token=True,
+        masks_by_size=True,
+    )
 
     def default_prop_attn(self, global_pool: str) -> bool:
         return True

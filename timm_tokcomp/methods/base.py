@@ -21,9 +21,10 @@ from torch import nn
 
 from ..plans import Plan
 from .schedules import BlockCost, resolve_r, solve_flops_schedule, stage_schedule
-from .params import COMMON, SCHEDULE, Param, bind, signature
+from .params import COMMON, SCHEDULE, bind, signature
 from .places import ReducesAt
-from .tags import RTagged, parse_keep_tag, parse_r_tag
+from .spec import SPEC_FIELDS, MethodSpec
+from .tags import KEEP_TAG, R_TAG
 
 
 def warn_if_compiling(method: str) -> None:
@@ -40,7 +41,7 @@ def prop_attn_unless_avg_pool(self, global_pool: str) -> bool:
 
 
 class TokenReducer(ABC):
-    """The base of every method. Its parameters are declared once, as PARAMS (methods.params): the constructor
+    """The base of every method. Its parameters are declared once, in its spec (methods.spec): the constructor
     takes them (by position or name, TypeError for unknown or missing ones), checks each, keeps each as an
     attribute of its name, then validate() checks them together. Those every token-dropping method takes (COMMON):
 
@@ -59,33 +60,8 @@ class TokenReducer(ABC):
         models without rope.
     """
 
-    name: ClassVar[str]
-    default_prefix_only_last_block: ClassVar[bool] = False
-    dense: ClassVar[bool] = False  # True: keeps every token (merge before the MLP, unmerge after)
-    needs_class_token: ClassVar[bool] = False  # ranks tokens by the class token's attention
-    place: ClassVar[ReducesAt] = ReducesAt.AFTER_ATTENTION  # where its blocks reduce (reduces_at)
-    masks_by_size: ClassVar[bool] = False  # pads images to one count with size-0 tokens (needs prop_attn)
-    # how the source map (trace_source) holds the patches: 'whole' (each by one token, sizes count them), 'dropped'
-    # (a pruned patch by none), 'soft' (shared out by weights summing to 1), 'similarity' (pruned ones by none, a
-    # merged token's size grows by its similarity to its keeper: DiffRate)
-    holds_patches: ClassVar[str] = "whole"
-    batch_adaptive: ClassVar[bool] = False  # the token count is decided per batch, so a batch differs from its images
-    reads_grid: ClassVar[bool] = False  # its settings read the input's patch grid (GridSettings)
-    reads_branches: ClassVar[bool] = False  # its plan reads the block's branch outputs (branch_metric), not attention
-    keeps_grid: ClassVar[bool] = False  # its plans keep the patch tokens a complete grid (Plan.grid_cells): what a
-    # windowed encoder (timm's SAM) needs
-    PARAMS: ClassVar[Tuple[Param, ...]] = COMMON
-    # traits the commands read (bench, speed, tune, export, the registry, ToCom), declared beside the method
-    data_dependent: ClassVar[bool] = False  # token counts read from the data (a host-side count per block):
-    # eager only in speed / tune, no CUDA graph, no ONNX
-    compiles_by_region: bool = True  # torch.compile traces its block once, the token count and the per-block
-    # settings symbolic (timm_tokcomp.runtime.compile); False: its plan reads a per-block Python value (a layer's module
-    # looked up by number, a position list) that must stay constant, so the model compiles whole, with static shapes.
-    # A method whose answer depends on its parameters sets it on the instance (PYRA, by its form)
-    export_refusal: ClassVar[Optional[str]] = "it has not been checked against onnxruntime"  # None: exports to ONNX
-    tocom_compatible: ClassVar[bool] = False  # ToCom compensators serve it (one integer r per block)
-    listed_tags: ClassVar[Tuple[str, ...]] = ()  # tags timm.list_models(pretrained=True) shows on every served name
-    tune_space: ClassVar[Tuple[Dict[str, Any], ...]] = ()  # its settings in `tokcomp tune`'s default space
+    spec: ClassVar[MethodSpec] = MethodSpec()  # what the method is (methods.spec); the class holds what it does
+    name: ClassVar[str] = ""  # spec.name, set from the spec
     # what a method without one of the COMMON parameters behaves as
     prop_attn: Union[bool, str, None] = None
     trace_source: bool = False
@@ -94,10 +70,17 @@ class TokenReducer(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.__signature__ = signature(cls.PARAMS)  # what help() and inspect.signature show
+        declared = sorted(name for name in SPEC_FIELDS.intersection(vars(cls))
+                          if not isinstance(vars(cls)[name], property))  # a property is a hook (PYRA's compiling)
+        if declared:  # a trait set on the class would be read nowhere: it belongs in the spec
+            base = next(b for b in cls.__mro__[1:] if "spec" in vars(b))
+            raise TypeError(f"{cls.__qualname__} sets {', '.join(declared)} on the class: declare them in its spec, "
+                            f"spec = {base.__name__}.spec.but({declared[-1].lower()}=...)")
+        cls.name = cls.spec.name
+        cls.__signature__ = signature(cls.spec.params)  # what help() and inspect.signature show
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        for name, value in bind(self.name, self.PARAMS, args, kwargs).items():
+        for name, value in bind(self.name, self.spec.params, args, kwargs).items():
             setattr(self, name, value)
         self.validate()
         # block_settings' results per model shape. Made here, not lazily inside a forward: on torch 2.8 a cache made
@@ -106,7 +89,7 @@ class TokenReducer(ABC):
 
     def validate(self) -> None:
         """Check the parameters together (each was checked alone); raise ValueError naming them."""
-        if self.masks_by_size and self.prop_attn is False:
+        if self.spec.masks_by_size and self.prop_attn is False:
             raise ValueError(f"prop_attn must stay on for {self.name}: its padding tokens (size 0) are kept out of "
                              f"attention by the log-size bias")
 
@@ -117,12 +100,12 @@ class TokenReducer(ABC):
 
     @classmethod
     def exportable(cls) -> bool:
-        return cls.export_refusal is None
+        return cls.spec.export_refusal is None
 
     @classmethod
     def param_names(cls) -> Tuple[str, ...]:
         """Names of the method's parameters (what apply / set_params accept), in order."""
-        return tuple(param.name for param in cls.PARAMS)
+        return tuple(param.name for param in cls.spec.params)
 
     @classmethod
     def resolve_params(cls, model: nn.Module, params: Dict[str, Any]) -> Dict[str, Any]:
@@ -136,18 +119,18 @@ class TokenReducer(ABC):
 
     @classmethod
     def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        """The parameters a name tag stands for, or None if the tag is not this method's."""
-        return None
+        """The parameters a name tag stands for, or None if the tag is not this method's (its spec's tag forms)."""
+        return cls.spec.parse_tag(tag)
 
     @classmethod
     def tag_forms(cls) -> Tuple[str, ...]:
         """The tag forms parse_tag accepts, for error messages and help."""
-        return ()
+        return cls.spec.tag_forms()
 
     @classmethod
     def tag_legend(cls) -> str:
         """What this method's own tag forms mean, for `tokcomp methods` ('' when the shared legend says it)."""
-        return ""
+        return cls.spec.tag_legend
 
     @property
     def params(self) -> Dict[str, Any]:
@@ -165,8 +148,13 @@ class TokenReducer(ABC):
     # The hooks the reducing loop (timm_tokcomp.runtime.loop) calls; a method overrides those where it differs.
     @property
     def reduces_at(self) -> ReducesAt:
-        """Where this reducer's blocks reduce: its class's place (a method whose parameters decide overrides it)."""
-        return self.place
+        """Where this reducer's blocks reduce: its spec's place (a method whose parameters decide overrides it)."""
+        return self.spec.place
+
+    @property
+    def compiles_by_region(self) -> bool:
+        """Whether torch.compile traces its block once (its spec's; a method whose parameters decide overrides it)."""
+        return self.spec.compiles_by_region
 
     def settings_for(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost,
                      grid: Tuple[int, int]) -> List[Any]:
@@ -194,7 +182,7 @@ class TokenReducer(ABC):
         """Note in stats (state.ReductionStats) what a block receives, x (B, N, C) with sizes (B, N, 1) or None:
         for a method that masks_by_size, the real tokens per image (size-0 padding (ATS) and tokens dropped in
         training (DynamicViT, size 1e-6) hold no patch)."""
-        if self.masks_by_size:
+        if self.spec.masks_by_size:
             real = x.shape[1] if size is None else (size[..., 0] >= 0.5).sum(dim=1)
             stats.real_tokens_per_block.append(real if torch.is_tensor(real) else torch.full((x.shape[0],), real))
 
@@ -202,7 +190,7 @@ class TokenReducer(ABC):
         """Whether the last block keeps only the prefix tokens (prefix_only_last_block; None: the method's default
         where exact, i.e. the head reads only the class token). Asked for where not exact: ValueError with why_not."""
         if self.prefix_only_last_block is None:
-            return exact and self.default_prefix_only_last_block
+            return exact and self.spec.default_prefix_only_last_block
         if self.prefix_only_last_block and not exact:
             raise ValueError(f"prefix_only_last_block=True needs a head that reads only the class token "
                              f"(global_pool='token' and a class token); {why_not}")
@@ -261,10 +249,8 @@ class TokenReducer(ABC):
         weighted, to add to the task loss; None if it has none. Reading it clears it."""
         return None
 
-    # The learned-method protocol (LearnedParams implements it): a training-free method learns nothing.
-    learned_class: ClassVar[Optional[type]] = None  # the nn.Module class of its parameters (methods/learned.py)
-    learned_param: ClassVar[Optional[str]] = None  # the constructor argument that takes saved parameters
-
+    # The learned-method protocol (LearnedParams implements it, spec.learned_class / learned_param name the module
+    # class and the constructor argument): a training-free method learns nothing.
     def mark_made(self) -> None:
         """Called by patch after bind (LearnedParams marks parameters bind made, not given)."""
 
@@ -286,22 +272,20 @@ class LearnedParams:
     from_config() for timm_tokcomp.methods.learned), learned_param the constructor argument that takes saved ones and
     the attribute that holds them (None until bind makes untrained ones)."""
 
-    learned_class: ClassVar[type]
-    learned_param: ClassVar[str]
     made: ClassVar["weakref.WeakSet[nn.Module]"] = weakref.WeakSet()  # modules bind made, not given: across set_params
     params: Dict[str, Any]
 
     def validate(self) -> None:
         """The learned parameters given are of learned_class (ValueError naming it otherwise)."""
-        value = getattr(self, self.learned_param)
+        value = getattr(self, self.spec.learned_param)
         self._learned_given = value is not None and value not in LearnedParams.made  # given by the user
-        if value is not None and type(value) is not self.learned_class:
-            raise ValueError(f"{self.learned_param} must be {self.learned_class.__name__} (e.g. from "
+        if value is not None and type(value) is not self.spec.learned_class:
+            raise ValueError(f"{self.spec.learned_param} must be {self.spec.learned_class.__name__} (e.g. from "
                              f"timm_tokcomp.methods.learned.load_learned), got {type(value).__name__}")
         super().validate()
 
     def learned_module(self) -> Optional[nn.Module]:
-        return getattr(self, self.learned_param)
+        return getattr(self, self.spec.learned_param)
 
     def block_weights(self, setting: Any) -> Optional[nn.Module]:
         """The learned module a reducing block with this setting runs (None: none of its own). A method with one per
@@ -335,12 +319,12 @@ class LearnedParams:
         fixes them (FPET without its adapter, LTMP thresholds, a DiffRate schedule), so they are made again from it
         rather than blamed as given. Made ones the setting still learns (perhaps trained since) are kept."""
         params = self.params
-        if not self._learned_given and not self.learns({**params, **new, self.learned_param: None}):
-            params[self.learned_param] = None
+        if not self._learned_given and not self.learns({**params, **new, self.spec.learned_param: None}):
+            params[self.spec.learned_param] = None
         return params
 
     def __repr__(self) -> str:
-        shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None and k != self.learned_param)
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None and k != self.spec.learned_param)
         module = self.learned_module()
         count = "none yet" if module is None else str(sum(p.numel() for p in module.parameters()))
         return f"{type(self).__name__}({shown}, parameters={count})"
@@ -356,7 +340,7 @@ class BlockSetting(NamedTuple):
     cost: BlockCost
 
 
-class ScheduledReducer(RTagged, TokenReducer):
+class ScheduledReducer(TokenReducer):
     """A method with an r schedule: r tokens removed per block (int, per-block list, or (r, inflection)
     tuple), a schedule solved from flops_ratio (unreduced MACs / target MACs), or the "Which Tokens to
     Use?" protocol: keep_rate, with the patch tokens brought down to floor(P * keep_rate ** s) before the
@@ -365,7 +349,7 @@ class ScheduledReducer(RTagged, TokenReducer):
     '<name>_r<k>' (r = k) and '<name>_k<pct>' (keep_rate = pct / 100)."""
 
     min_keep_rate: ClassVar[float] = 0.0  # the lowest keep_rate one stage can reach
-    PARAMS = (*SCHEDULE, *COMMON)
+    spec = TokenReducer.spec.but(params=(*SCHEDULE, *COMMON), tags=(R_TAG, KEEP_TAG))
 
     def validate(self) -> None:
         super().validate()
@@ -380,16 +364,8 @@ class ScheduledReducer(RTagged, TokenReducer):
     @property
     def reduces_at(self) -> ReducesAt:
         """The study (keep_rate) moves a method that reduces after attention to the end of the block before a stage."""
-        study = self.keep_rate is not None and self.place == ReducesAt.AFTER_ATTENTION
-        return ReducesAt.AFTER_MLP if study else self.place
-
-    @classmethod
-    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        return parse_r_tag(cls.name, tag) or parse_keep_tag(cls.name, tag)
-
-    @classmethod
-    def tag_forms(cls) -> Tuple[str, ...]:
-        return (f"{cls.name}_r<k>", f"{cls.name}_k<pct>")
+        study = self.keep_rate is not None and self.spec.place == ReducesAt.AFTER_ATTENTION
+        return ReducesAt.AFTER_MLP if study else self.spec.place
 
     @classmethod
     def update_params(cls, current: Dict[str, Any], new: Dict[str, Any]) -> Dict[str, Any]:
@@ -434,9 +410,7 @@ class ScheduledReducer(RTagged, TokenReducer):
 
 class GridSettings:
     """Mixin for a method whose block settings read the patch grid (rows, cols) of the forward's input (FPET's
-    checkerboard, the radial patterns): its block_settings takes grid=."""
-
-    reads_grid = True
+    checkerboard, the radial patterns): its block_settings takes grid=; its spec says reads_grid=True."""
 
     def settings_for(self, num_blocks: int, num_tokens: int, num_prefix: int, cost: BlockCost,
                      grid: Tuple[int, int]) -> List[Any]:

@@ -81,11 +81,13 @@ class CrossGET(ScheduledReducer):
     """Needs a class token (its query guides). Proportional attention on by default (off for avg-pooled models), as
     in the paper's code. r <= n // 2 per block."""
 
-    name = "crossget"
-    export_refusal = None
-    needs_class_token = True
+    spec = ScheduledReducer.spec.but(
+        name="crossget",
+        export_refusal=None,
+        needs_class_token=True,
+        tune_space=({"keep_rate": 0.9}, {"keep_rate": 0.7}),
+    )
     min_keep_rate = 0.5
-    tune_space = ({"keep_rate": 0.9}, {"keep_rate": 0.7})
     default_prop_attn = prop_attn_unless_avg_pool
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> GuidedKeys:

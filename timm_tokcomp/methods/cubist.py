@@ -22,6 +22,7 @@ from .places import ReducesAt
 from .base import GridSettings, PlansOnTokens, TokenReducer
 from .params import COMMON, Param
 from .register import register_method
+from .tags import TagForm, parse_r_tag
 
 
 class CubistSetting(NamedTuple):
@@ -70,39 +71,35 @@ def grid_merge(tokens: torch.Tensor, setting: CubistSetting, num_prefix: int) ->
     return GridMergePlan(num_prefix, (new_row * new_cols + in_row).reshape(B, rows * cols), (new_rows, new_cols))
 
 
+
+def parse_cubist_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
+    """'cubist_r<k>' -> {'r_rows': k, 'r_cols': k}; None for any other tag."""
+    r = parse_r_tag(name, tag)
+    return None if r is None else {"r_rows": r["r"], "r_cols": r["r"]}
+
 @register_method
 class CubistMerge(GridSettings, PlansOnTokens, TokenReducer):
     """r_rows, r_cols: rows and columns the one merge removes (each clamped to half of the grid's); layer: the block
     whose input is merged (default 1, the paper's choice for DeiT). Needs the patch tokens on the model's grid at that
     block (any aspect ratio). Tags: 'cubist_r<k>' (k rows and k columns)."""
 
-    name = "cubist"
-    export_refusal = None
-    place = ReducesAt.AFTER_MLP  # of block layer - 1: the input of block layer
-    reads_branches = True  # nothing from attention (it runs untouched): the plan reads the block's tokens
-    keeps_grid = True
-    PARAMS = (Param("r_rows", 1, integer("r_rows"), "CubistMerge: grid rows the merge removes (each column loses that "
-                                                    "many tokens)"),
-              Param("r_cols", 1, integer("r_cols"), "CubistMerge: grid columns the merge removes"),
-              Param("layer", 1, lambda v: check_int("layer", v, 1), "CubistMerge: the block whose input is merged "
-                                                                    "(>= 1)"),
-              *COMMON)
-    tune_space = ({"r_rows": 1, "r_cols": 1}, {"r_rows": 2, "r_cols": 2})
-
-    @classmethod
-    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        digits = tag[len("cubist_r"):]
-        if tag.startswith("cubist_r") and digits.isdigit() and digits.isascii():
-            return {"r_rows": int(digits), "r_cols": int(digits)}
-        return None
-
-    @classmethod
-    def tag_forms(cls) -> Tuple[str, ...]:
-        return ("cubist_r<k>",)
-
-    @classmethod
-    def tag_legend(cls) -> str:
-        return "cubist_r<k>: CubistMerge removing k grid rows and k grid columns at the input of block 1"
+    spec = TokenReducer.spec.but(
+        name="cubist",
+        export_refusal=None,
+        place=ReducesAt.AFTER_MLP,  # of block layer - 1: the input of block layer
+        reads_branches=True,  # nothing from attention (it runs untouched): the plan reads the block's tokens
+        keeps_grid=True,
+        params=(Param("r_rows", 1, integer("r_rows"), "CubistMerge: grid rows the merge removes (each column loses that "
+                                                      "many tokens)"),
+                Param("r_cols", 1, integer("r_cols"), "CubistMerge: grid columns the merge removes"),
+                Param("layer", 1, lambda v: check_int("layer", v, 1), "CubistMerge: the block whose input is merged "
+                                                                      "(>= 1)"),
+                *COMMON),
+        tune_space=({"r_rows": 1, "r_cols": 1}, {"r_rows": 2, "r_cols": 2}),
+        tags=(TagForm(("{name}_r<k>",), parse_cubist_tag),),
+        reads_grid=True,
+        tag_legend="cubist_r<k>: CubistMerge removing k grid rows and k grid columns at the input of block 1",
+    )
 
     def check_depth(self, num_blocks: int) -> None:
         if self.layer >= num_blocks:

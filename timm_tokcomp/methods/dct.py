@@ -41,16 +41,18 @@ class DCT(PlansOnTokens, ScheduledReducer):
     total weight 1. On a rotary-position model the tokens' grid coordinates are resampled by the same
     mean-preserving map. Proportional attention is off by default, as in OpenToMe."""
 
-    name = "dct"
-    holds_patches = "soft"
-    export_refusal = None
-    tune_space = ()  # not in tune's default space: far below ToMe at matched GMACs (docs/study.md)
+    spec = ScheduledReducer.spec.but(
+        name="dct",
+        holds_patches="soft",
+        export_refusal=None,
+        tune_space=(),  # not in tune's default space: far below ToMe at matched GMACs (docs/study.md)
+        place=ReducesAt.AFTER_MLP,  # always at the end of the block, after its MLP (OpenToMe's place for it; the study's)
+        params=(*SCHEDULE,
+                Param("inflate", False, lambda v: bool(optional(boolean("inflate"))(v)),
+                      "DCT: keep OpenToMe's amplitude inflation, sqrt(n / m) per reduction (default: mean-preserving)"),
+                *COMMON),
+    )
     min_keep_rate = 0.5
-    place = ReducesAt.AFTER_MLP  # always at the end of the block, after its MLP (OpenToMe's place for it; the study's)
-    PARAMS = (*SCHEDULE,
-              Param("inflate", False, lambda v: bool(optional(boolean("inflate"))(v)),
-                    "DCT: keep OpenToMe's amplitude inflation, sqrt(n / m) per reduction (default: mean-preserving)"),
-              *COMMON)
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k  # unused: the plan reads only the token count

@@ -10,7 +10,7 @@ from ..plans import MergePlan
 from ..utils.checks import check_int
 from .schedules import BlockCost
 from .base import TokenReducer
-from .tags import RTagged
+from .tags import R_TAG
 from .params import Param, kernel_choice, optional
 from .tome import HeadKeys, ToMe, tome_plan
 from .register import register_method
@@ -19,18 +19,20 @@ MERGES_PER_R = 32
 
 
 @register_method
-class DenseToMe(RTagged, TokenReducer):
+class DenseToMe(TokenReducer):
     """r: the paper's compression degree, k = 32 r merges per block; k: merges per block, overriding r
     (both clamped per block to half the non-prefix tokens); kernel: 'auto' (the Triton merge / unmerge on CUDA
     when no gradient is needed, torch otherwise), 'triton' (the matching in Triton too) or 'torch'."""
 
-    name = "dense_tome"
-    export_refusal = None
-    dense = True
-
-    PARAMS = (Param("r", 0, lambda v: check_int("r", v), "dense ToMe: merges 32 r tokens before each MLP"),
-              Param("k", None, optional(lambda v: check_int("k", v)), "tokens merged before each MLP, instead of 32 r"),
-              kernel_choice("auto"))
+    spec = TokenReducer.spec.but(
+        name="dense_tome",
+        export_refusal=None,
+        dense=True,
+        params=(Param("r", 0, lambda v: check_int("r", v), "dense ToMe: merges 32 r tokens before each MLP"),
+                Param("k", None, optional(lambda v: check_int("k", v)), "tokens merged before each MLP, instead of 32 r"),
+                kernel_choice("auto")),
+        tags=(R_TAG,),
+    )
 
     @property
     def merges(self) -> int:

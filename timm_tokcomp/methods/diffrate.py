@@ -27,7 +27,7 @@ from ..plans import KeepMergePlan, Plan, Reduced, gather_tokens
 from ..utils.checks import check_int, integer, is_int, real
 from .schedules import BlockCost
 from .base import LearnedParams, TokenReducer
-from .tags import MacsTargetTagged
+from .tags import BARE_TAG, MACS_TARGET_TAG
 from .params import COMMON, MACS_TARGET, REQUIRED, FromConfig, Param, optional
 from .straight_through import ceil_through, hard_through
 from .register import register_method
@@ -88,7 +88,6 @@ class DiffRateParams(FromConfig, nn.Module):
         self.register_load_state_dict_post_hook(_reread_counts)  # a module-level function: the model pickles
         self._read_counts()
 
-
     def logits(self, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Block's rows of the prune and merge logits, (K,) each."""
         return self.prune[block - 1], self.merge[block - 1]
@@ -142,27 +141,32 @@ def check_fits(params: DiffRateParams, settings: Sequence[Optional[RateSetting]]
 
 
 @register_method
-class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
+class DiffRate(LearnedParams, TokenReducer):
     """See the module docstring. Give `schedule` (a fixed schedule, e.g. one searched before), or the searched
     `rate_params` (a learned folder), or neither: untrained rates (every candidate count equally likely), the start
     of a search aiming at `macs_target`. Proportional attention is always on (DiffRate adds log size in every block;
     the search's dropped tokens rely on it). Tags: 'diffrate', 'diffrate_m<pct>' (macs_target = pct / 100)."""
 
-    name = "diffrate"
-    holds_patches = "similarity"
-    export_refusal = None
-    needs_class_token = True
-    masks_by_size = True
-    learned_class = DiffRateParams
-    learned_param = "rate_params"
-    PARAMS = (MACS_TARGET,
-              Param("granularity", 4, check_granularity, "DiffRate: the step between the candidate kept counts"),
-              Param("macs_weight", 50.0, real("macs_weight"),
-                    "DiffRate: the weight of the search's MACs penalty, macs_weight * (share - macs_target)^2"),
-              Param("schedule", None, optional(check_schedule),
-                    "DiffRate: {'prune': [...], 'merge': [...]}, patch tokens kept per block (instead of rates)"),
-              Param("rate_params", None, help="DiffRate's searched rates (a learned folder)"),
-              *COMMON)
+    spec = TokenReducer.spec.but(
+        name="diffrate",
+        holds_patches="similarity",
+        export_refusal=None,
+        needs_class_token=True,
+        masks_by_size=True,
+        learned_class=DiffRateParams,
+        learned_param="rate_params",
+        params=(MACS_TARGET,
+                Param("granularity", 4, check_granularity, "DiffRate: the step between the candidate kept counts"),
+                Param("macs_weight", 50.0, real("macs_weight"),
+                      "DiffRate: the weight of the search's MACs penalty, macs_weight * (share - macs_target)^2"),
+                Param("schedule", None, optional(check_schedule),
+                      "DiffRate: {'prune': [...], 'merge': [...]}, patch tokens kept per block (instead of rates)"),
+                Param("rate_params", None, help="DiffRate's searched rates (a learned folder)"),
+                *COMMON),
+        tags=(BARE_TAG, MACS_TARGET_TAG),
+        tag_legend="diffrate: DiffRate with untrained rates (or, with schedule= / rate_params=, a searched schedule); "
+                   "diffrate_m<pct>: the same, its search aiming at pct % of the unreduced blocks' MACs",
+    )
 
     @classmethod
     def trains_in_place(cls, params: Dict[str, Any]) -> bool:
@@ -172,11 +176,6 @@ class DiffRate(MacsTargetTagged, LearnedParams, TokenReducer):
         if self.schedule is not None and self.rate_params is not None:
             raise ValueError("give schedule or rate_params, not both")
         super().validate()
-
-    @classmethod
-    def tag_legend(cls) -> str:
-        return ("diffrate: DiffRate with untrained rates (or, with schedule= / rate_params=, a searched schedule); "
-                "diffrate_m<pct>: the same, its search aiming at pct % of the unreduced blocks' MACs")
 
     @classmethod
     def learns(cls, params: Dict[str, Any]) -> bool:

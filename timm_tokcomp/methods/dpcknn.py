@@ -34,9 +34,11 @@ def density_peaks(x: torch.Tensor, num_clusters: int, neighbours: int = 5) -> to
 class DPCKNN(ClusterMerging):
     """neighbours: k of the k-nearest-neighbour density (the study: 5). Proportional attention as ToMe."""
 
-    name = "dpcknn"
-    export_refusal = None
-    tune_space = ({"keep_rate": 0.9},)
+    spec = ClusterMerging.spec.but(
+        name="dpcknn",
+        export_refusal=None,
+        tune_space=({"keep_rate": 0.9},),
+    )
     neighbours = 5
 
     def cluster(self, tokens: torch.Tensor, num_clusters: int) -> torch.Tensor:

@@ -63,7 +63,6 @@ class DTEMParams(FromConfig, nn.Module):
         self.layers = nn.ModuleDict({str(b): nn.Linear(dim, embed_dim) for b in self.blocks})
 
 
-
 def soft_selection(scores: torch.Tensor, r: int) -> torch.Tensor:
     """scores: (B, na, k) the A tokens' candidate similarities -> (B, na, k) the soft selection of r edges (each row
     summing to at most 1), by r rounds of softmax over every candidate edge (see the module docstring)."""
@@ -83,12 +82,14 @@ class DTEM(LearnedParams, ScheduledReducer):
     """See the module docstring. embed_params: trained embeddings (a learned folder), or None: untrained ones made at
     apply (a random projection). Tags: 'dtem_r<k>', 'dtem_k<pct>'."""
 
-    name = "dtem"
-    export_refusal = None
+    spec = ScheduledReducer.spec.but(
+        name="dtem",
+        export_refusal=None,
+        learned_class=DTEMParams,
+        learned_param="embed_params",
+        params=(*SCHEDULE, Param("embed_params", None, help="DTEM's trained merge embeddings (a learned folder)"), *COMMON),
+    )
     min_keep_rate = 0.5
-    learned_class = DTEMParams
-    learned_param = "embed_params"
-    PARAMS = (*SCHEDULE, Param("embed_params", None, help="DTEM's trained merge embeddings (a learned folder)"), *COMMON)
 
     default_prop_attn = prop_attn_unless_avg_pool
 

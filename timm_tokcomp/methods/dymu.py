@@ -56,20 +56,19 @@ class DyMU(TokenReducer):
     """thresholds: one per block (None: that block merges nothing), from `tokcomp calibrate --method dymu` (a preset
     file: `--methods dymu.json`). Data-dependent counts: eager in `speed` / `tune`, no ONNX, no CUDA graph."""
 
-    name = "dymu"
-    masks_by_size = True
-    data_dependent = True
-    export_refusal = "its token counts come from the data in every forward, which a static graph cannot hold"
-    PARAMS = (Param("thresholds", REQUIRED, check_thresholds,
-                    "DyMU: per block, merge every A token whose best cosine exceeds it (None: none there); from "
-                    "`tokcomp calibrate --method dymu`"),
-              *COMMON)
+    spec = TokenReducer.spec.but(
+        name="dymu",
+        masks_by_size=True,
+        data_dependent=True,
+        export_refusal="its token counts come from the data in every forward, which a static graph cannot hold",
+        params=(Param("thresholds", REQUIRED, check_thresholds,
+                      "DyMU: per block, merge every A token whose best cosine exceeds it (None: none there); from "
+                      "`tokcomp calibrate --method dymu`"),
+                *COMMON),
+        tag_legend="dymu has no tag: its thresholds belong to one model; `tokcomp calibrate MODEL --method dymu --r R` "
+                   "writes them as a preset file, which every --methods takes",
+    )
     calibration: Optional[Calibration] = None  # set only while calibrate.calibrate_dymu runs
-
-    @classmethod
-    def tag_legend(cls) -> str:
-        return ("dymu has no tag: its thresholds belong to one model; `tokcomp calibrate MODEL --method dymu --r R` "
-                "writes them as a preset file, which every --methods takes")
 
     def default_prop_attn(self, global_pool: str) -> bool:
         return True

@@ -69,7 +69,6 @@ class DynamicViTParams(FromConfig, nn.Module):
         self._targets: List[float] = []
 
 
-
 def _blocks(settings: Sequence[Optional[StageSetting]]) -> List[int]:
     return [layer for layer, s in enumerate(settings) if s is not None]
 
@@ -89,14 +88,15 @@ class DynamicViT(LearnedParams, ScheduledReducer):
     given as `predictor_params`, and live on the model as model.tokcomp['dynamicvit']. Proportional attention
     is always on: it is what keeps the tokens dropped in training out of attention (kept tokens have size 1)."""
 
-    name = "dynamicvit"
-    holds_patches = "dropped"
-    export_refusal = None
-    masks_by_size = True
-    learned_class = DynamicViTParams
-    learned_param = "predictor_params"
-
-    PARAMS = (*SCHEDULE, Param("predictor_params", None, help="trained predictor parameters (a learned folder)"), *COMMON)
+    spec = ScheduledReducer.spec.but(
+        name="dynamicvit",
+        holds_patches="dropped",
+        export_refusal=None,
+        masks_by_size=True,
+        learned_class=DynamicViTParams,
+        learned_param="predictor_params",
+        params=(*SCHEDULE, Param("predictor_params", None, help="trained predictor parameters (a learned folder)"), *COMMON),
+    )
 
     def default_prop_attn(self, global_pool: str) -> bool:
         return True

@@ -34,12 +34,14 @@ class EViT(FusedScheduledReducer):
     kernel (FusedScheduledReducer): the Triton path computes the class attention, the plan and the fusion in two
     launches per block, three on a rope model (kernels.evit_prune)."""
 
-    name = "evit"
-    export_refusal = None
-    tocom_compatible = True
-    listed_tags = ("evit_r8", "evit_r16")
-    tune_space = ({"r": 4}, {"r": 8}, {"r": 12})
-    needs_class_token = True
+    spec = FusedScheduledReducer.spec.but(
+        name="evit",
+        export_refusal=None,
+        tocom_compatible=True,
+        listed_tags=("evit_r8", "evit_r16"),
+        tune_space=({"r": 4}, {"r": 8}, {"r": 12}),
+        needs_class_token=True,
+    )
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor],
                scale: float) -> Union[torch.Tensor, ClassAttentionInputs]:

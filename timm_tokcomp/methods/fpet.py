@@ -28,6 +28,7 @@ from .schedules import BlockCost
 from .base import GridSettings, LearnedParams, TokenReducer
 from .params import COMMON, REQUIRED, FromConfig, Param, optional
 from .register import register_method
+from .tags import exact_tag
 
 DROPOUT = 0.1
 
@@ -66,7 +67,6 @@ class FPETParams(FromConfig, nn.Module):
 
     def forward(self, keys: torch.Tensor) -> torch.Tensor:
         return keys + self.up(self.dropout(F.relu(self.down(keys))))
-
 
 
 class GridSetting(NamedTuple):
@@ -111,32 +111,25 @@ class FPET(GridSettings, LearnedParams, TokenReducer):
     """See the module docstring. layer: the reducing block (None: num_blocks // 2); refine: learn the adapter
     (adapter_params: a trained one, from a learned folder; None: made untrained at apply)."""
 
-    name = "fpet"
-    export_refusal = None
-    learned_class = FPETParams
-    learned_param = "adapter_params"
-    PARAMS = (Param("layer", None, optional(check_layer), "FPET: the block that merges half the patches (None: the "
-                                                           "middle block, num_blocks // 2)"),
-              Param("refine", True, optional(boolean("refine")), "FPET: learn the 1-bit adapter that refines the matching metric"),
-              Param("adapter_params", None, help="FPET's trained adapter (a learned folder)"),
-              *COMMON)
+    spec = TokenReducer.spec.but(
+        name="fpet",
+        export_refusal=None,
+        learned_class=FPETParams,
+        learned_param="adapter_params",
+        params=(Param("layer", None, optional(check_layer), "FPET: the block that merges half the patches (None: the "
+                                                             "middle block, num_blocks // 2)"),
+                Param("refine", True, optional(boolean("refine")), "FPET: learn the 1-bit adapter that refines the matching metric"),
+                Param("adapter_params", None, help="FPET's trained adapter (a learned folder)"),
+                *COMMON),
+        tags=(exact_tag("fpet", {}), exact_tag("fpet_norefine", {"refine": False})),
+        reads_grid=True,
+        tag_legend="fpet: FPET with its learned metric adapter; fpet_norefine: without it (training-free)",
+    )
 
     def validate(self) -> None:
         if not self.refine and self.adapter_params is not None:
             raise ValueError("adapter_params needs refine=True")
         super().validate()
-
-    @classmethod
-    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        return {"fpet": {}, "fpet_norefine": {"refine": False}}.get(tag)
-
-    @classmethod
-    def tag_forms(cls) -> Tuple[str, ...]:
-        return ("fpet", "fpet_norefine")
-
-    @classmethod
-    def tag_legend(cls) -> str:
-        return "fpet: FPET with its learned metric adapter; fpet_norefine: without it (training-free)"
 
     @classmethod
     def learns(cls, params: Dict[str, Any]) -> bool:

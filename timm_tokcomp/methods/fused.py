@@ -18,7 +18,9 @@ class FusedScheduledReducer(ScheduledReducer):
     trace_source, and falls back to torch elsewhere under 'auto'. It is the default since an H200 timed it faster
     than the torch path for ToMe and EViT at every batch (1 to 256), eager and in CUDA graphs (docs/speed.md)."""
 
-    PARAMS = (*SCHEDULE, *COMMON, kernel_choice("auto"))
+    spec = ScheduledReducer.spec.but(
+        params=(*SCHEDULE, *COMMON, kernel_choice("auto")),
+    )
 
     def run_step(self, step: str, eager: Callable, inputs: Sequence, x: torch.Tensor, size: Optional[torch.Tensor],
                  r: int, num_prefix: int, positions=None) -> Tuple:

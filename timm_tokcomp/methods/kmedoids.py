@@ -29,10 +29,12 @@ def k_medoids(x: torch.Tensor, num_clusters: int, iterations: int = 3) -> torch.
 class KMedoids(ClusterMerging):
     """iterations: K-Medoids steps per reducing block (the study: 3). Proportional attention as ToMe."""
 
-    name = "kmedoids"
-    export_refusal = ("onnxruntime's round-off in the pairwise distances (up to 4e-3 where PyTorch's differ) "
-                      "flips near-tied cluster assignments, so the exported graph does not match PyTorch")
-    tune_space = ({"keep_rate": 0.9},)
+    spec = ClusterMerging.spec.but(
+        name="kmedoids",
+        export_refusal="onnxruntime's round-off in the pairwise distances (up to 4e-3 where PyTorch's differ) "
+                       "flips near-tied cluster assignments, so the exported graph does not match PyTorch",
+        tune_space=({"keep_rate": 0.9},),
+    )
     iterations = 3
 
     def cluster(self, tokens: torch.Tensor, num_clusters: int) -> torch.Tensor:

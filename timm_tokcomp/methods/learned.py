@@ -37,7 +37,7 @@ def load_learned(method: str, folder: Union[str, Path]) -> nn.Module:
     """The parameters saved by save_learned in folder. Raises FileNotFoundError / ValueError saying what is
     missing or does not fit; whether they fit a model is checked when the method is applied with them."""
     folder = Path(folder)
-    cls = method_class(method).learned_class
+    cls = method_class(method).spec.learned_class
     if cls is None:
         raise ValueError(f"method {method!r} has no learned parameters")
     config_path, weights_path = folder / config_file(method), folder / weights_file(method)

@@ -32,7 +32,7 @@ from ..plans import GroupPlan, Plan, Reduced
 from ..utils.checks import check_real, integer, is_real, real
 from .schedules import BlockCost
 from .base import BlockSetting, LearnedParams, TokenReducer, warn_if_compiling
-from .tags import MacsTargetTagged
+from .tags import BARE_TAG, MACS_TARGET_TAG
 from .params import COMMON, MACS_TARGET, REQUIRED, FromConfig, Param, optional
 from .straight_through import clamp_through, hard_through
 from .register import register_method
@@ -73,7 +73,6 @@ class LTMPParams(FromConfig, nn.Module):
         self.prune = nn.Parameter(torch.zeros(depth))
         self._record: List[Tuple[BlockSetting, torch.Tensor]] = []  # this training forward's kept fractions
 
-
     def thresholds(self, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Block's (merge, prune) thresholds in [0, 1], with their gradient."""
         return clamp_through(self.merge[block]), clamp_through(self.prune[block] * PRUNE_UNIT)
@@ -95,33 +94,33 @@ class LTMPParams(FromConfig, nn.Module):
 
 
 @register_method
-class LTMP(MacsTargetTagged, LearnedParams, TokenReducer):
+class LTMP(LearnedParams, TokenReducer):
     """See the module docstring. threshold_params: trained thresholds (a learned folder); thresholds: fixed ones as
     numbers (a preset: `threshold_params.values()`); neither: the start (merge above 0.9, prune nothing). Tags: 'ltmp', 'ltmp_m<pct>' (macs_target = pct / 100, the training's target)."""
 
-    name = "ltmp"
-    data_dependent = True
-    export_refusal = "the number of tokens it keeps is counted from the data in every forward"
-    masks_by_size = True
-    learned_class = LTMPParams
-    learned_param = "threshold_params"
-    PARAMS = (MACS_TARGET,
-              Param("tau", 0.1, check_tau, "LTMP: the temperature of the soft thresholds in training"),
-              Param("macs_weight", 10.0, real("macs_weight"),
-                    "LTMP: the weight of the training's MACs penalty, macs_weight * (macs_target - share)^2"),
-              Param("thresholds", None, optional(check_thresholds),
-                    "LTMP: fixed thresholds {'merge': [...], 'prune': [...]}, one per block (instead of threshold_params)"),
-              Param("threshold_params", None, help="LTMP's trained thresholds (a learned folder)"),
-              *COMMON)
+    spec = TokenReducer.spec.but(
+        name="ltmp",
+        data_dependent=True,
+        export_refusal="the number of tokens it keeps is counted from the data in every forward",
+        masks_by_size=True,
+        learned_class=LTMPParams,
+        learned_param="threshold_params",
+        params=(MACS_TARGET,
+                Param("tau", 0.1, check_tau, "LTMP: the temperature of the soft thresholds in training"),
+                Param("macs_weight", 10.0, real("macs_weight"),
+                      "LTMP: the weight of the training's MACs penalty, macs_weight * (macs_target - share)^2"),
+                Param("thresholds", None, optional(check_thresholds),
+                      "LTMP: fixed thresholds {'merge': [...], 'prune': [...]}, one per block (instead of threshold_params)"),
+                Param("threshold_params", None, help="LTMP's trained thresholds (a learned folder)"),
+                *COMMON),
+        tags=(BARE_TAG, MACS_TARGET_TAG),
+        tag_legend="ltmp: LTMP at its thresholds' start or, with threshold_params=, trained ones; ltmp_m<pct>: the same, "
+                   "its training aiming at pct % of the unreduced blocks' MACs",
+    )
 
     @classmethod
     def trains_in_place(cls, params: Dict[str, Any]) -> bool:
         return True  # fixed thresholds too: they make the training step in training mode
-
-    @classmethod
-    def tag_legend(cls) -> str:
-        return ("ltmp: LTMP at its thresholds' start or, with threshold_params=, trained ones; ltmp_m<pct>: the same, "
-                "its training aiming at pct % of the unreduced blocks' MACs")
 
     @classmethod
     def learns(cls, params: Dict[str, Any]) -> bool:

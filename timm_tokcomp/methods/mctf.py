@@ -73,16 +73,18 @@ class MCTF(ScheduledReducer):
     VisionTransformer blocks (not the rotary Eva family). flops_ratio is refused: its solver assumes the reduction
     between attention and MLP."""
 
-    name = "mctf"
-    export_refusal = None
-    tune_space = ({"r": 8}, {"r": 12})
-    place = ReducesAt.BEFORE_ATTENTION
+    spec = ScheduledReducer.spec.but(
+        name="mctf",
+        export_refusal=None,
+        tune_space=({"r": 8}, {"r": 12}),
+        place=ReducesAt.BEFORE_ATTENTION,
+        params=(*SCHEDULE,
+                Param("info_power", 1 / 20, real("info_power"),
+                      "MCTF: exponent of the informativeness term (min received attention / received)"),
+                Param("size_power", 1 / 40, real("size_power"), "MCTF: exponent of the size term (min size / size)"),
+                *COMMON),
+    )
     min_keep_rate = 0.5
-    PARAMS = (*SCHEDULE,
-              Param("info_power", 1 / 20, real("info_power"),
-                    "MCTF: exponent of the informativeness term (min received attention / received)"),
-              Param("size_power", 1 / 40, real("size_power"), "MCTF: exponent of the size term (min size / size)"),
-              *COMMON)
 
     def validate(self) -> None:
         super().validate()

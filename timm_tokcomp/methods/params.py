@@ -1,7 +1,7 @@
-"""Method parameters declared once: a Param names one parameter, its default and its check; a method class lists
-its Params (PARAMS), composed from the shared groups below, and TokenReducer builds the constructor, the signature
-help() shows, param_names() and the params dict from that list (as peft's per-method configs feed one BaseTuner).
-A new method adds only its own parameters: PARAMS = (*SCHEDULE, Param("mine", 1, check_mine), *COMMON)."""
+"""Method parameters declared once: a Param names one parameter, its default and its check; a method's spec lists
+its Params (spec.params), composed from the shared groups below, and TokenReducer builds the constructor, the
+signature help() shows, param_names() and the params dict from that list (as peft's per-method configs feed one
+BaseTuner). A new method adds only its own: params=(*SCHEDULE, Param("mine", 1, check_mine), *COMMON)."""
 import inspect
 from typing import Any, Dict, Sequence, Tuple
 

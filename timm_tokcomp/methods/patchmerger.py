@@ -61,7 +61,6 @@ class PatchMergerParams(FromConfig, nn.Module):
         self.layers = nn.ModuleDict({str(l): self.layer_class(dim, m) for l, m in enumerate(self.outputs) if m > 0})
 
 
-
 def _outputs(settings: Sequence[Optional[MergerSetting]]) -> List[int]:
     return [0 if s is None else s.outputs for s in settings]
 
@@ -84,15 +83,15 @@ class PatchMerger(LearnedParams, ScheduledReducer):
     `merger_params`, and live on the model as model.tokcomp['patchmerger']. Proportional attention is off
     unless asked."""
 
-    compiles_by_region = False  # each block's merger is looked up by its layer number
-
-    name = "patchmerger"
-    holds_patches = "soft"
-    export_refusal = None
-    learned_class = PatchMergerParams
-    learned_param = "merger_params"
-
-    PARAMS = (*SCHEDULE, Param("merger_params", None, help="trained merger queries (a learned folder)"), *COMMON)
+    spec = ScheduledReducer.spec.but(
+        name="patchmerger",
+        compiles_by_region=False,  # each block's merger is looked up by its layer number
+        holds_patches="soft",
+        export_refusal=None,
+        learned_class=PatchMergerParams,
+        learned_param="merger_params",
+        params=(*SCHEDULE, Param("merger_params", None, help="trained merger queries (a learned folder)"), *COMMON),
+    )
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost) -> List[Optional[MergerSetting]]:
         return [None if c is None or c[0] == c[1] else MergerSetting(c[0] - c[1], c[1], layer)
@@ -100,7 +99,7 @@ class PatchMerger(LearnedParams, ScheduledReducer):
 
     def bind(self, dim: int, settings: List[Any], head_dim: int) -> None:
         if self.merger_params is None:
-            self.merger_params = self.learned_class(dim, _outputs(settings))
+            self.merger_params = self.spec.learned_class(dim, _outputs(settings))
         else:
             check_fits(self.merger_params, dim, settings, type(self).__name__)
 

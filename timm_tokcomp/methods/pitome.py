@@ -65,15 +65,17 @@ class PiToMe(ScheduledReducer):
     for avg-pooled models): the public code runs without it (prop_attn=False), which on real DeiT-Tiny at r = 16
     costs 5.5 (imagenet-val-1300) and 9.0 (nips17-1000) more points of top-1 (docs/study.md)."""
 
-    name = "pitome"
-    export_refusal = None
-    tune_space = ()  # not in tune's default space: not significantly above ToMe at matched GMACs (study.md), and
+    spec = ScheduledReducer.spec.but(
+        name="pitome",
+        export_refusal=None,
+        tune_space=(),  # not in tune's default space: not significantly above ToMe at matched GMACs (study.md), and
+        params=(*SCHEDULE,
+                Param("margin", 0.75, _check_margin, "PiToMe: the energy margin of the first block, falling linearly "
+                                                     "with depth to margin / L in the last"),
+                *COMMON),
+    )
     # near-copies of ToMe's settings add chances to pass tune's held-out budget by luck (docs/speed.md)
     min_keep_rate = 0.5  # at most half of a block's tokens merge
-    PARAMS = (*SCHEDULE,
-              Param("margin", 0.75, _check_margin, "PiToMe: the energy margin of the first block, falling linearly "
-                                                   "with depth to margin / L in the last"),
-              *COMMON)
 
     default_prop_attn = prop_attn_unless_avg_pool
 

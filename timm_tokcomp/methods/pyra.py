@@ -159,28 +159,32 @@ class PYRA(LearnedParams, ToMe):
     apply (untrained: equal to ToMe) or given as `pyra_params`, and live on the model as model.tokcomp['pyra'].
     form: 'paper' (fits its training schedule) or 'pooled' (any r); set_params keeps the parameters."""
 
-    compiles_by_region = False  # the default 'paper' form compiles whole; the 'pooled' form by region (validate)
+    spec = ToMe.spec.but(
+        name="pyra",
+        compiles_by_region=False,  # the default 'paper' form compiles whole; the 'pooled' form by region
+        export_refusal=None,
+        tocom_compatible=False,  # not ToMe's: its compensators were trained without PYRA's layers
+        listed_tags=(),
+        tune_space=(),  # learned: needs its trained folder
+        learned_class=PyraParams,
+        learned_param="pyra_params",  # the constructor argument that takes saved parameters
+        params=(*SCHEDULE, Param("form", "paper", _check_form, "PYRA's modulation: 'paper' or 'pooled'"),
+                Param("pyra_params", None, help="trained PYRA weights (a fine-tuned folder)"), *COMMON),
+    )
 
-    name = "pyra"
-    export_refusal = None
-    tocom_compatible = False  # not ToMe's: its compensators were trained without PYRA's layers
-    listed_tags = ()
-    tune_space = ()  # learned: needs its trained folder
-    learned_class = PyraParams
-    learned_param = "pyra_params"  # the constructor argument that takes saved parameters
-
-    PARAMS = (*SCHEDULE, Param("form", "paper", _check_form, "PYRA's modulation: 'paper' or 'pooled'"),
-              Param("pyra_params", None, help="trained PYRA weights (a fine-tuned folder)"), *COMMON)
     kernel = "torch"  # not a parameter: ToMe's fused merge has no learned modulation
 
     def validate(self) -> None:
         super().validate()
         if self.pyra_params is not None:
             self.form = self.pyra_params.form  # the parameters decide; form only chooses what apply creates
-        # 'paper': each block's rank weights are as long as its trained r, and the compiler holds a parameter's shape
-        # static, so by region it would compile a graph per distinct r (more than its recompile limit on the paper's
-        # schedules): compiled whole. 'pooled': every block's weights alike, one block graph.
-        self.compiles_by_region = self.form == "pooled"
+
+    @property
+    def compiles_by_region(self) -> bool:
+        """'paper': each block's rank weights are as long as its trained r, and the compiler holds a parameter's shape
+        static, so by region it would compile a graph per distinct r (more than its recompile limit on the paper's
+        schedules): compiled whole. 'pooled': every block's weights alike, one block graph."""
+        return self.form == "pooled"
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int, cost) -> List[Optional[PyraSetting]]:
         return [None if r is None else PyraSetting(r, layer)

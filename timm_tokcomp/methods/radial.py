@@ -52,12 +52,13 @@ class Radial(GridSettings, ScheduledReducer):
     """Keeps the tokens nearest the centre of the model's patch grid (no metric is read). Needs a model whose every
     reduction is radial (the tokens present are always the n patches nearest the centre)."""
 
-    holds_patches = "dropped"
-
-    compiles_by_region = False  # the kept positions are a host-side list per token count
-
+    spec = ScheduledReducer.spec.but(
+        holds_patches="dropped",
+        compiles_by_region=False,  # the kept positions are a host-side list per token count
+        export_refusal=None,
+        reads_grid=True,
+    )
     ord: float
-    export_refusal = None
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return k  # unused: the pattern depends on the token count only
@@ -84,15 +85,17 @@ class Radial(GridSettings, ScheduledReducer):
 
 @register_method
 class RadialL1(Radial):
-    name, ord = "l1", 1.0
+    spec = Radial.spec.but(name="l1")
+    ord = 1.0
 
 
 @register_method
 class RadialL2(Radial):
-    name, ord = "l2", 2.0
-    tune_space = ({"keep_rate": 0.9},)
+    spec = Radial.spec.but(name="l2", tune_space=({"keep_rate": 0.9},))
+    ord = 2.0
 
 
 @register_method
 class RadialLInf(Radial):
-    name, ord = "linf", float("inf")
+    spec = Radial.spec.but(name="linf")
+    ord = float("inf")

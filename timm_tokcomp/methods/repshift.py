@@ -39,15 +39,17 @@ class RepShift(ScheduledReducer):
     study's protocol) at the end of the block, as every method there. Pruned tokens are dropped; the prefix tokens
     are never pruned. Proportional attention is off unless asked (kept tokens keep their sizes)."""
 
-    name = "repshift"
-    holds_patches = "dropped"
-    export_refusal = None
-    reads_branches = True
-    tune_space = ()  # not in tune's default space: below ToMe and DPC-KNN at matched GMACs (docs/study.md)
-    PARAMS = (*SCHEDULE,
-              Param("shift_at", "block", lambda v: check_choice("shift_at", v, SHIFT_AT),
-                    "RepShift: the layer whose shift ranks the tokens, 'block' (both branches), 'mlp' or 'attn'"),
-              *COMMON)
+    spec = ScheduledReducer.spec.but(
+        name="repshift",
+        holds_patches="dropped",
+        export_refusal=None,
+        reads_branches=True,
+        tune_space=(),  # not in tune's default space: below ToMe and DPC-KNN at matched GMACs (docs/study.md)
+        params=(*SCHEDULE,
+                Param("shift_at", "block", lambda v: check_choice("shift_at", v, SHIFT_AT),
+                      "RepShift: the layer whose shift ranks the tokens, 'block' (both branches), 'mlp' or 'attn'"),
+                *COMMON),
+    )
 
     @property
     def reduces_at(self) -> ReducesAt:

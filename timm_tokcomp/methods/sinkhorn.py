@@ -41,6 +41,8 @@ class Sinkhorn(PatchMerger):
     """Learned queries with Sinkhorn-balanced soft assignment; parameters as `merger_params`, on the model as
     model.tokcomp['sinkhorn']."""
 
-    name = "sinkhorn"
-    holds_patches = "soft"
-    learned_class = SinkhornParams
+    spec = PatchMerger.spec.but(
+        name="sinkhorn",
+        holds_patches="soft",
+        learned_class=SinkhornParams,
+    )

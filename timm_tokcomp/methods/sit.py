@@ -39,6 +39,8 @@ class SiTParams(PatchMergerParams):
 class SiT(PatchMerger):
     """Learned token slimming; parameters as `merger_params`, on the model as model.tokcomp['sit']."""
 
-    name = "sit"
-    holds_patches = "soft"
-    learned_class = SiTParams
+    spec = PatchMerger.spec.but(
+        name="sit",
+        holds_patches="soft",
+        learned_class=SiTParams,
+    )

@@ -1,6 +1,7 @@
-"""The tag forms of the methods' names ('tome_r16', 'evit_k70', 'tome_high', 'ltmp_m60'): a parser per form and the
-mixins that give a method its parse_tag / tag_forms."""
-from typing import Any, ClassVar, Dict, Optional, Tuple
+"""The tag forms of the methods' names ('tome_r16', 'evit_k70', 'tome_high', 'ltmp_m60'): a parser per form, and the
+TagForms a method's spec lists (methods.spec), which its parse_tag and tag_forms read."""
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .schedules import NAMED_SCHEDULES
 
@@ -27,36 +28,38 @@ def parse_named_schedule_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
     return {"r": list(NAMED_SCHEDULES[schedule])} if schedule in NAMED_SCHEDULES else None
 
 
-
-class RTagged:
-    """Mixin for methods named by '<name>_r<k>' tags (r = k)."""
-
-    name: ClassVar[str]
-
-    @classmethod
-    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        return parse_r_tag(cls.name, tag)
-
-    @classmethod
-    def tag_forms(cls) -> Tuple[str, ...]:
-        return (f"{cls.name}_r<k>",)
+def parse_bare_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
+    """'<name>' -> {} (the method's defaults); None for any other tag."""
+    return {} if tag == name else None
 
 
-class MacsTargetTagged:
-    """Mixin for learned methods trained against a MACs target (DiffRate, LTMP), named '<name>' (its defaults) and
-    '<name>_m<pct>' (macs_target = pct / 100, pct in 1..100)."""
+def parse_macs_target_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
+    """'<name>_m<pct>' -> {'macs_target': pct / 100} for pct in 1..100; None for any other tag."""
+    digits = tag[len(name) + 2:]
+    if tag.startswith(f"{name}_m") and digits.isdigit() and digits.isascii() and 1 <= int(digits) <= 100:
+        return {"macs_target": int(digits) / 100}
+    return None
 
-    name: ClassVar[str]
 
-    @classmethod
-    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        if tag == cls.name:
-            return {}
-        digits = tag[len(cls.name) + 2:]
-        if tag.startswith(f"{cls.name}_m") and digits.isdigit() and digits.isascii() and 1 <= int(digits) <= 100:
-            return {"macs_target": int(digits) / 100}
-        return None
+@dataclass(frozen=True)
+class TagForm:
+    """One form of a method's tags: forms, as listings show them ('{name}' stands for the method's name), and parse:
+    (method name, tag) -> the parameters the tag stands for, or None where the tag is not of this form."""
 
-    @classmethod
-    def tag_forms(cls) -> Tuple[str, ...]:
-        return (cls.name, f"{cls.name}_m<pct>")
+    forms: Tuple[str, ...]
+    parse: Callable[[str, str], Optional[Dict[str, Any]]]
+
+    def shown(self, name: str) -> Tuple[str, ...]:
+        return tuple(form.format(name=name) for form in self.forms)
+
+
+def exact_tag(tag: str, params: Dict[str, Any]) -> TagForm:
+    """A tag spelled out in full (no '{name}'), standing for params."""
+    return TagForm((tag,), lambda name, given: dict(params) if given == tag else None)
+
+
+R_TAG = TagForm(("{name}_r<k>",), parse_r_tag)
+KEEP_TAG = TagForm(("{name}_k<pct>",), parse_keep_tag)
+NAMED_SCHEDULE_TAGS = TagForm(tuple(f"{{name}}_{schedule}" for schedule in NAMED_SCHEDULES), parse_named_schedule_tag)
+BARE_TAG = TagForm(("{name}",), parse_bare_tag)
+MACS_TARGET_TAG = TagForm(("{name}_m<pct>",), parse_macs_target_tag)

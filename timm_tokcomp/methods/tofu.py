@@ -43,15 +43,17 @@ class ToFu(ScheduledReducer):
     models): the public re-implementations run without it (prop_attn=False), which on real DeiT-Tiny at r = 16
     costs 3.7 (imagenet-val-1300) and 8.9 (nips17-1000) more points of top-1 (docs/study.md)."""
 
-    name = "tofu"
-    export_refusal = None
-    tune_space = ()  # not in tune's default space: not significantly above ToMe at matched GMACs (study.md), and
+    spec = ScheduledReducer.spec.but(
+        name="tofu",
+        export_refusal=None,
+        tune_space=(),  # not in tune's default space: not significantly above ToMe at matched GMACs (study.md), and
+        params=(*SCHEDULE,
+                Param("merge_from", None, optional(lambda v: check_int("merge_from", v)),
+                      "ToFu: the first block that merges by MLERP (earlier blocks prune); None: depth // 2 + 1"),
+                *COMMON),
+    )
     # near-copies of ToMe's settings add chances to pass tune's held-out budget by luck (docs/speed.md)
     min_keep_rate = 0.5  # bipartite matching merges at most half of a block's tokens
-    PARAMS = (*SCHEDULE,
-              Param("merge_from", None, optional(lambda v: check_int("merge_from", v)),
-                    "ToFu: the first block that merges by MLERP (earlier blocks prune); None: depth // 2 + 1"),
-              *COMMON)
 
     default_prop_attn = prop_attn_unless_avg_pool
 

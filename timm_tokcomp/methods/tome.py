@@ -1,5 +1,5 @@
 """ToMe (Bolya et al.): merge the r most similar token pairs of each block by bipartite soft matching."""
-from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -9,7 +9,7 @@ from ..ops.matching import bipartite_soft_matching, max_merges
 from ..plans import MergePlan
 from .base import prop_attn_unless_avg_pool
 from .fused import FusedScheduledReducer
-from .tags import parse_named_schedule_tag
+from .tags import NAMED_SCHEDULE_TAGS
 from .register import register_method
 
 
@@ -39,20 +39,15 @@ class ToMe(FusedScheduledReducer):
     kernel (FusedScheduledReducer): the Triton path fuses each block's metric, matching and merging into two
     launches (kernels.tome_merge, on the keys: HeadKeys)."""
 
-    name = "tome"
-    export_refusal = None
-    tocom_compatible = True
-    listed_tags = ("tome_r8", "tome_r16")
-    tune_space = ({"r": 4}, {"r": 8}, {"r": 12}, {"r": 16}, {"flops_ratio": 1.5}, {"flops_ratio": 2.0})
+    spec = FusedScheduledReducer.spec.but(
+        name="tome",
+        export_refusal=None,
+        tocom_compatible=True,
+        listed_tags=("tome_r8", "tome_r16"),
+        tune_space=({"r": 4}, {"r": 8}, {"r": 12}, {"r": 16}, {"flops_ratio": 1.5}, {"flops_ratio": 2.0}),
+        tags=(*FusedScheduledReducer.spec.tags, NAMED_SCHEDULE_TAGS),
+    )
     min_keep_rate = 0.5  # bipartite matching merges at most half of a block's tokens
-
-    @classmethod
-    def parse_tag(cls, tag: str) -> Optional[Dict[str, Any]]:
-        return super().parse_tag(tag) or parse_named_schedule_tag(cls.name, tag)
-
-    @classmethod
-    def tag_forms(cls) -> Tuple[str, ...]:
-        return (*super().tag_forms(), f"{cls.name}_low", f"{cls.name}_high")
 
     default_prop_attn = prop_attn_unless_avg_pool
 

@@ -25,11 +25,13 @@ class TopK(ScheduledReducer):
     """Metric: EViT's class-token attention row, computed next to SDPA. Proportional attention is off
     unless asked (kept tokens all have size 1)."""
 
-    name = "topk"
-    holds_patches = "dropped"
-    export_refusal = None
-    tune_space = ({"keep_rate": 0.9}, {"keep_rate": 0.7})
-    needs_class_token = True
+    spec = ScheduledReducer.spec.but(
+        name="topk",
+        holds_patches="dropped",
+        export_refusal=None,
+        tune_space=({"keep_rate": 0.9}, {"keep_rate": 0.7}),
+        needs_class_token=True,
+    )
 
     def metric(self, q: torch.Tensor, k: torch.Tensor, attn_bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         return class_attention(q, k, attn_bias, scale).mean(dim=1)

@@ -272,7 +272,7 @@ def _list_method_names(arch: str) -> None:
         facts = arch_facts(arch)
         for method_tag in listed_tags():
             method = method_class(parse_method_tag(method_tag)[0])
-            if (not facts.class_token and method.needs_class_token) or facts.family.method_refusal(method):
+            if (not facts.class_token and method.spec.needs_class_token) or facts.family.method_refusal(method):
                 continue  # a name that could not be built
             name = f"{base_name}.{method_tag}"
             if name in treg._model_pretrained_cfgs:

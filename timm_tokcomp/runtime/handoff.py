@@ -144,7 +144,7 @@ def _why_not_graphed(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, 
         return "a CUDA graph per input shape replays forwards of an image batch on the GPU given alone"
     if model.training or torch.is_grad_enabled():
         return "a CUDA graph replays inference forwards (model.eval() and torch.no_grad() or torch.inference_mode())"
-    if model._tokcomp.reducer.data_dependent:
+    if model._tokcomp.reducer.spec.data_dependent:
         return f"{model._tokcomp.reducer.name} reads its token counts from the data (a host wait per block)"
     return None
 

@@ -167,7 +167,7 @@ class ReducingBlockMixin:
             x, h, size, source = self._lookahead_branch(x, size, source, attn_bias, setting, reducer, num_prefix)
             x = x + h
             return _handed_on(x + self._mlp_branch(x), size, source, positions, None, prop_attn)
-        branches = active and reducer.reads_branches  # the metric from the branch outputs, attention untouched
+        branches = active and reducer.spec.reads_branches  # the metric from the branch outputs, attention untouched
         h, metric = self._attn_branch(x, attn_bias, rope, reducer if active and not branches else None,
                                       prop_attn or "mask")
         x = x + h

@@ -147,7 +147,7 @@ def load_finetuned(repo_id_or_path: str, checkpoint: Optional[str] = None, pretr
             name, params = method.method, method.params
             cls = method_class(name)
             if cls.learns(params):
-                params = {**params, cls.learned_param: load_learned(name, folder)}
+                params = {**params, cls.spec.learned_param: load_learned(name, folder)}
             apply(model, name, **params)
         if recipe.lora_rank and not merge and adapter_skip(model) is not None:
             raise ValueError(f"merge=False: {adapter_skip(model)}; load it with merge=True (the adapter merged into "

@@ -60,7 +60,7 @@ class FinetuneConfig(CheckedFields):
                              "training runs kernel=torch or kernel=auto")
         if self.lora_rank == 0 and not (self.distill and method is not None
                                         and method_class(method.method).learns(method.params)):
-            learned = ", ".join(name for name, cls in METHODS.items() if cls.learned_param is not None)
+            learned = ", ".join(name for name, cls in METHODS.items() if cls.spec.learned_param is not None)
             raise ValueError("--lora-rank 0 (no LoRA: only the method's parameters train) needs --distill and a method "
                              f"with learned parameters ({learned})")
         if method is not None:
@@ -81,7 +81,7 @@ class FinetuneConfig(CheckedFields):
             name, params = parse_method_tag(self.method)
         except ValueError as e:
             raise ValueError(f"--method: {e}; or '{NO_METHOD}'") from None
-        learned = method_class(name).learned_param
+        learned = method_class(name).spec.learned_param
         if learned is not None and learned in self.method_args:
             raise ValueError(f"--method-arg {learned} cannot be given: the method's parameters are trained here")
         valid = method_class(name).param_names()

@@ -70,7 +70,7 @@ def run_analysis(model_name: str, methods: Sequence[str], data: str, out: str, l
     except ValueError as e:
         raise ValueError(f"--methods: {e}") from None
     for name, (method, _) in specs.items():
-        if method_class(method).dense:
+        if method_class(method).spec.dense:
             raise ValueError(f"--methods: {name} keeps every token (dense); analyze compares token-reducing methods")
     LIMIT(limit)
     OVERLAYS(overlays)

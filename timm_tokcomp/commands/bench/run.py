@@ -96,7 +96,7 @@ def check_backend(backend: str, device: str, dtype: str, items: Sequence[MethodI
         for item in items:
             if item.method != BASELINE and not method_class(item.method).exportable():
                 raise ValueError(f"--modes onnx: {item.name} cannot be exported to ONNX: "
-                                 f"{method_class(item.method).export_refusal}; exportable: "
+                                 f"{method_class(item.method).spec.export_refusal}; exportable: "
                                  f"{', '.join(exportable_methods())}")
 
 
@@ -130,7 +130,7 @@ def add_tocom_models(models: Dict[str, nn.Module], items: Sequence[MethodItem], 
         if name == BASELINE or name.endswith(".json"):
             continue
         method, r = specs[name].method, specs[name].params.get("r")
-        if not method_class(method).tocom_compatible or not isinstance(r, int) or r > compensator.steps:
+        if not method_class(method).spec.tocom_compatible or not isinstance(r, int) or r > compensator.steps:
             print(f"note: no +ToCom row for {name} (compensators serve {' / '.join(tocom_methods())} with one r in "
                   f"[0, {compensator.steps}])", file=sys.stderr)
             continue

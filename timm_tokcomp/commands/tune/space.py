@@ -42,7 +42,7 @@ def check_space(space: Sequence[Tuple[str, Dict[str, Any]]], model: nn.Module) -
             raise TypeError(f"space must hold (method, params dict) pairs, got {entry!r}")
         method, params = entry
         cls = method_class(method)
-        if cls.dense:
+        if cls.spec.dense:
             raise ValueError(f"--methods: {method} is refused by tune: the dense variant keeps every token (it merges "
                              f"before each MLP and unmerges after, for dense prediction), so tune's accuracy budget "
                              f"and speed-up would judge a model that reduces no token; time it with tokcomp speed")
