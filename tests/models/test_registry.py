@@ -267,8 +267,26 @@ _TIMM_CHANGES = {
     "renamed module": ("import timm.models, sys; del timm.models._registry; sys.modules['timm.models._registry'] = None",
                        "import of timm.models._registry"),
     "renamed table": ("import timm.models._registry as r; r._model_entrypoints_renamed = r.__dict__.pop("
-                      "'_model_entrypoints')", "AttributeError"),
+                      "'_model_entrypoints')", "AttributeError: timm.models._registry has no _model_entrypoints"),
+    "table of another kind": ("import timm.models._registry as r; r._model_has_pretrained = sorted("
+                              "r._model_has_pretrained)", "TypeError: timm.models._registry._model_has_pretrained is "
+                                                          "a list, not a set"),
+    "no name door": ("import timm.models._factory as f; f.__dict__.pop('_resolve_model_source', None); "
+                     "f.__dict__.pop('split_model_name_tag', None)", "has neither _resolve_model_source nor"),
 }
+
+
+def test_an_error_of_timm_tokcomps_own_in_registering_is_raised_not_warned(monkeypatch):
+    """Only a timm that differs costs the names with a warning; an error of the adapter itself is raised."""
+    from timm_tokcomp.models import timm_names
+
+    def broken():
+        raise KeyError("a bug of ours")
+
+    monkeypatch.setattr(timm_names, "_register_all", broken)
+    with pytest.raises(KeyError, match="a bug of ours"):
+        timm_names.register_all()
+    assert timm_names._registry_differs() is None  # this timm is as the adapter reads it
 
 
 @pytest.mark.parametrize("change", sorted(_TIMM_CHANGES))

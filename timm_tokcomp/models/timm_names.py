@@ -354,17 +354,40 @@ def register_all() -> bool:
     lookups by name resolve every method-tagged name. Idempotent. Where this timm's private registry or factory
     differs from what they read, the names are not registered and a warning says so, naming the timm version:
     apply, remove, set_params and the commands on plain names work without them. True when registered."""
-    why = _PRIVATE_MISSING
+    why = _PRIVATE_MISSING or _registry_differs()
     if why is None:
-        try:
-            _register_all()
-            return True
-        except (AttributeError, KeyError, TypeError, ValueError) as e:
-            why = f"{type(e).__name__}: {e}"
+        _register_all()  # what it reads was checked: an error here is timm_tokcomp's, and it is raised
+        return True
     warnings.warn(f"timm {timm.__version__}: its private model registry differs from what timm_tokcomp reads "
                   f"({why}), so the method-tagged names (deit_small.tome_r16, ...) are not registered; "
                   f"timm_tokcomp.apply(model, method, ...) works on the plain model", RuntimeWarning, stacklevel=2)
     return False
+
+
+# what _register_all reads of timm's private registry and factory, and the kind each must be
+_PRIVATE_TABLES = {"_model_entrypoints": dict, "_model_pretrained_cfgs": dict, "_model_has_pretrained": set,
+                   "_model_with_tags": dict, "_model_to_module": dict, "_module_to_models": dict,
+                   "_deprecated_models": dict}
+_PRIVATE_FUNCTIONS = ("split_model_name_tag", "register_model", "model_entrypoint")
+
+
+def _registry_differs() -> Optional[str]:
+    """What of timm's private registry and factory differs from what _register_all reads, or None: every table it
+    reads, of its kind (or one of ours, from an earlier registration), every function, and one of the factory's two
+    doors for a model name."""
+    for name, kind in _PRIVATE_TABLES.items():
+        table = getattr(treg, name, None)
+        if table is None:
+            return f"AttributeError: timm.models._registry has no {name}"
+        if not isinstance(table, kind):
+            return f"TypeError: timm.models._registry.{name} is a {type(table).__name__}, not a {kind.__name__}"
+    for name in _PRIVATE_FUNCTIONS:
+        if not callable(getattr(treg, name, None)):
+            return f"AttributeError: timm.models._registry.{name} is not a function"
+    if not callable(getattr(_factory, "_resolve_model_source", None)) and \
+            not callable(getattr(_factory, "split_model_name_tag", None)):
+        return "AttributeError: timm.models._factory has neither _resolve_model_source nor split_model_name_tag"
+    return None
 
 
 def _register_all() -> None:
