@@ -10,10 +10,15 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+import timm
 import torch
 from torch import nn
-from timm.layers.pos_embed_sincos import (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed,
-                                          _build_grid, _rope_layout)
+from timm.layers.pos_embed_sincos import RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed
+
+try:  # timm >= 1.0.31 builds its rope grids and sin / cos rows with these; before, a rope model is refused, by name
+    from timm.layers.pos_embed_sincos import _build_grid, _rope_layout
+except ImportError:
+    _build_grid = _rope_layout = None
 
 from ..plans import Plan
 from ..utils.checks import check_choice
@@ -47,6 +52,10 @@ ROPE_CLASSES = {RotaryEmbeddingDinoV3: RotaryEmbeddingDinoV3Once}  # plain timm 
 
 def check_rope(rope: Optional[nn.Module]) -> None:
     """Raise TypeError for a rope module whose positions cannot travel with tokens."""
+    if rope is not None and _build_grid is None:
+        raise TypeError(f"the model has rotary position embeddings, which timm_tokcomp reduces with timm >= 1.0.31 "
+                        f"(it builds their grids as timm.layers.pos_embed_sincos does there); this is timm "
+                        f"{timm.__version__}: upgrade timm, or reduce a model without rope")
     if rope is not None and type(rope) not in SERVED_ROPES + tuple(ROPE_CLASSES.values()):
         raise TypeError(f"the model's rotary embedding is of class {type(rope).__name__}; timm_tokcomp serves the 2-D "
                         f"types {', '.join(c.__name__ for c in SERVED_ROPES)} (rope_type 'cat', 'dinov3', 'mixed')")
