@@ -28,7 +28,7 @@ def room_of(filename: str, by_folder: bool) -> str:
     return str(relative)
 
 
-def walk(argv: List[str], name: str, by_folder: bool) -> List[Tuple[str, str]]:
+def walk(argv: List[str], name: str, by_folder: bool, name_only: bool = False) -> List[Tuple[str, str]]:
     """(room, function) of every call in the package that takes `name` or what it became, in call order: a call
     (anywhere: copy.deepcopy too) that takes a followed value hands its returned module on to be followed."""
     calls: List[Tuple[str, str]] = []
@@ -50,7 +50,7 @@ def walk(argv: List[str], name: str, by_folder: bool) -> List[Tuple[str, str]]:
             return
         if event == "return" and id(frame) in taking:
             taking.discard(id(frame))
-            if isinstance(arg, nn.Module):
+            if isinstance(arg, nn.Module) and not name_only:
                 followed.add(id(arg))
             return
         if event != "call":
@@ -96,10 +96,11 @@ def returns(walked: List[Tuple[str, List[str]]]) -> int:
 def main_walk() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--by-folder", action="store_true", help="a folder of timm_tokcomp/ is one room")
+    parser.add_argument("--name-only", action="store_true", help="follow the name itself, not the models it becomes")
     parser.add_argument("bench", nargs="*", help="the bench command line (default: %(default)s)", default=DEFAULT)
     args = parser.parse_args()
     argv = args.bench if args.bench else DEFAULT
-    walked = stays(walk(argv, argv[1], args.by_folder))
+    walked = stays(walk(argv, argv[1], args.by_folder, args.name_only))
     for room, functions in walked:
         print(f"{room}: {', '.join(dict.fromkeys(functions))}")
     print(f"{len(walked)} stays, {len({room for room, _ in walked})} rooms, {returns(walked)} returns to a room "
