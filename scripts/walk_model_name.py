@@ -1,6 +1,7 @@
 """Follow a model name through `tokcomp bench`, from the command down: the package's functions that take the name
-or what it became (an argument equal to the name, or a module a followed call returned), in call order, outside the forwards, as
-stays in rooms (a room: a module file, or with --by-folder a folder of timm_tokcomp/ as docs/architecture.md counts them).
+or what it became (an argument equal to the name, or a module a followed call returned), in call order, outside
+the forwards, as stays in rooms (a room: a module file, or with --by-folder a folder of timm_tokcomp/ as
+docs/architecture.md counts them).
 A return is a stay in a room the walk had already left.
 
     python scripts/walk_model_name.py [--by-folder] [-- bench arguments]

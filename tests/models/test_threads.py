@@ -15,7 +15,8 @@ from timm_tokcomp.methods import METHODS
 # class token, 4 blocks): its keep rate form where it has one (the study's three stages), else r, else the setting
 # conftest.reducing_params gives it (its defaults, or the parameters it cannot do without: DyMU's thresholds)
 SETTINGS = {name: {"keep_rate": 0.7, "stages": (2, 3, 4)} if "keep_rate" in cls.param_names()
-            else {"r": 2 if cls.spec.dense else 4} if "r" in cls.param_names() else reducing_params(name, SMALL["depth"])
+            else {"r": 2 if cls.spec.dense else 4} if "r" in cls.param_names() \
+            else reducing_params(name, SMALL["depth"])
             for name, cls in METHODS.items()}
 
 

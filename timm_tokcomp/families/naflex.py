@@ -203,7 +203,8 @@ class ReducingNaFlexVit(ReducingModel, NaFlexVit):
     def _groups(self, valid: torch.Tensor, coord: torch.Tensor) -> List[Group]:
         """The groups a NaFlex batch runs as (naflex_groups): images of one count together, of one grid too where the
         method's settings read it."""
-        return naflex_groups(valid, coord, by_grid=self._tokcomp.reducer.spec.reads_grid, fills_grid=self.rope is not None)
+        return naflex_groups(valid, coord, by_grid=self._tokcomp.reducer.spec.reads_grid,
+                             fills_grid=self.rope is not None)
 
     def _pool(self, x: torch.Tensor, pool_type: Optional[str] = None, patch_valid: Optional[torch.Tensor] = None
               ) -> torch.Tensor:

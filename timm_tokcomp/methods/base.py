@@ -324,7 +324,8 @@ class LearnedParams:
         return params
 
     def __repr__(self) -> str:
-        shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if v is not None and k != self.spec.learned_param)
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.params.items()
+                          if v is not None and k != self.spec.learned_param)
         module = self.learned_module()
         count = "none yet" if module is None else str(sum(p.numel() for p in module.parameters()))
         return f"{type(self).__name__}({shown}, parameters={count})"

@@ -89,8 +89,8 @@ class CubistMerge(GridSettings, PlansOnTokens, TokenReducer):
         place=ReducesAt.AFTER_MLP,  # of block layer - 1: the input of block layer
         reads_branches=True,  # nothing from attention (it runs untouched): the plan reads the block's tokens
         keeps_grid=True,
-        params=(Param("r_rows", 1, integer("r_rows"), "CubistMerge: grid rows the merge removes (each column loses that "
-                                                      "many tokens)"),
+        params=(Param("r_rows", 1, integer("r_rows"),
+                      "CubistMerge: grid rows the merge removes (each column loses that many tokens)"),
                 Param("r_cols", 1, integer("r_cols"), "CubistMerge: grid columns the merge removes"),
                 Param("layer", 1, lambda v: check_int("layer", v, 1), "CubistMerge: the block whose input is merged "
                                                                       "(>= 1)"),

@@ -46,7 +46,7 @@ class DCT(PlansOnTokens, ScheduledReducer):
         holds_patches="soft",
         export_refusal=None,
         tune_space=(),  # not in tune's default space: far below ToMe at matched GMACs (docs/study.md)
-        place=ReducesAt.AFTER_MLP,  # always at the end of the block, after its MLP (OpenToMe's place for it; the study's)
+        place=ReducesAt.AFTER_MLP,  # at the end of the block, after its MLP (OpenToMe's place for it; the study's)
         params=(*SCHEDULE,
                 Param("inflate", False, lambda v: bool(optional(boolean("inflate"))(v)),
                       "DCT: keep OpenToMe's amplitude inflation, sqrt(n / m) per reduction (default: mean-preserving)"),

@@ -29,7 +29,8 @@ class DenseToMe(TokenReducer):
         export_refusal=None,
         dense=True,
         params=(Param("r", 0, lambda v: check_int("r", v), "dense ToMe: merges 32 r tokens before each MLP"),
-                Param("k", None, optional(lambda v: check_int("k", v)), "tokens merged before each MLP, instead of 32 r"),
+                Param("k", None, optional(lambda v: check_int("k", v)),
+                      "tokens merged before each MLP, instead of 32 r"),
                 kernel_choice("auto")),
         tags=(R_TAG,),
     )

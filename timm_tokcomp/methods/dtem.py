@@ -87,7 +87,8 @@ class DTEM(LearnedParams, ScheduledReducer):
         export_refusal=None,
         learned_class=DTEMParams,
         learned_param="embed_params",
-        params=(*SCHEDULE, Param("embed_params", None, help="DTEM's trained merge embeddings (a learned folder)"), *COMMON),
+        params=(*SCHEDULE, Param("embed_params", None, help="DTEM's trained merge embeddings (a learned folder)"),
+                *COMMON),
     )
     min_keep_rate = 0.5
 

@@ -95,7 +95,8 @@ class DynamicViT(LearnedParams, ScheduledReducer):
         masks_by_size=True,
         learned_class=DynamicViTParams,
         learned_param="predictor_params",
-        params=(*SCHEDULE, Param("predictor_params", None, help="trained predictor parameters (a learned folder)"), *COMMON),
+        params=(*SCHEDULE, Param("predictor_params", None, help="trained predictor parameters (a learned folder)"),
+                *COMMON),
     )
 
     def default_prop_attn(self, global_pool: str) -> bool:

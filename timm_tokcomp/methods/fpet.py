@@ -118,7 +118,8 @@ class FPET(GridSettings, LearnedParams, TokenReducer):
         learned_param="adapter_params",
         params=(Param("layer", None, optional(check_layer), "FPET: the block that merges half the patches (None: the "
                                                              "middle block, num_blocks // 2)"),
-                Param("refine", True, optional(boolean("refine")), "FPET: learn the 1-bit adapter that refines the matching metric"),
+                Param("refine", True, optional(boolean("refine")),
+                      "FPET: learn the 1-bit adapter that refines the matching metric"),
                 Param("adapter_params", None, help="FPET's trained adapter (a learned folder)"),
                 *COMMON),
         tags=(exact_tag("fpet", {}), exact_tag("fpet_norefine", {"refine": False})),

@@ -110,12 +110,13 @@ class LTMP(LearnedParams, TokenReducer):
                 Param("macs_weight", 10.0, real("macs_weight"),
                       "LTMP: the weight of the training's MACs penalty, macs_weight * (macs_target - share)^2"),
                 Param("thresholds", None, optional(check_thresholds),
-                      "LTMP: fixed thresholds {'merge': [...], 'prune': [...]}, one per block (instead of threshold_params)"),
+                      "LTMP: fixed thresholds {'merge': [...], 'prune': [...]}, one per block "
+                      "(instead of threshold_params)"),
                 Param("threshold_params", None, help="LTMP's trained thresholds (a learned folder)"),
                 *COMMON),
         tags=(BARE_TAG, MACS_TARGET_TAG),
-        tag_legend="ltmp: LTMP at its thresholds' start or, with threshold_params=, trained ones; ltmp_m<pct>: the same, "
-                   "its training aiming at pct % of the unreduced blocks' MACs",
+        tag_legend="ltmp: LTMP at its thresholds' start or, with threshold_params=, trained ones; ltmp_m<pct>: the "
+                   "same, its training aiming at pct % of the unreduced blocks' MACs",
     )
 
     @classmethod

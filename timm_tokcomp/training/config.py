@@ -3,7 +3,8 @@ as a Param whose error names the field's command-line flag, all run by validate_
 of fields together."""
 from typing import Any, Callable, ClassVar, Sequence, Tuple
 
-from ..utils.checks import Param, check_bool, check_choice, check_real, int_list, integer, is_real, optional, real, real_list
+from ..utils.checks import (Param, check_bool, check_choice, check_real, int_list, integer, is_real, optional, real,
+                            real_list)
 
 
 def flag(name: str) -> str:

@@ -63,8 +63,8 @@ class TrainConfig(CheckedFields):
     accumulate: int = 1  # batches per optimiser step (the global batch is batch_size x processes x accumulate)
 
     FIELDS = (*(int_field(name, 1) for name in ("steps", "batch_size", "groups", "checkpoint_every")),
-              int_field("rank", 1, "--lora-rank"), int_field("warmup_steps", 0, allow_none=True), int_field("holdout", 0),
-              SEED,
+              int_field("rank", 1, "--lora-rank"), int_field("warmup_steps", 0, allow_none=True),
+              int_field("holdout", 0), SEED,
               real_field("lr", shown="--lr-base"), *(real_field(name) for name in ("temperature", "scale")),
               real_field("weight_decay", strict=False),
               choice_field("holdout_pick", HOLDOUT_PICKS), choice_field("method", tocom_methods()), CROP_SCALE,
