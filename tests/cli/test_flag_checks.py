@@ -64,6 +64,15 @@ def test_a_flag_and_the_python_call_refuse_alike(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_missing_or_unknown_argument_is_one_line_that_says_where_the_usage_is(capsys):
+    assert main([]) == 2
+    assert capsys.readouterr().err == ("tokcomp: error: the following arguments are required: command (tokcomp --help "
+                                       "shows the usage)\n")
+    assert main(["bench", "--no-such-flag"]) == 2
+    assert capsys.readouterr().err == ("tokcomp: error: unrecognized arguments: --no-such-flag (tokcomp --help "
+                                       "shows the usage)\n")
+
+
 def test_a_flag_type_parses_then_checks():
     limit = flag_type(integer("--limit", 1))
     assert limit("7") == 7

@@ -9,10 +9,12 @@ from ..utils.checks import BATCH_SIZE, NUM_WORKERS, flag_type
 
 class Parser(argparse.ArgumentParser):
     """tokcomp's parser, its subcommands' too: a command line it refuses is a ValueError, which main() prints as the
-    one line every bad input gets ('tokcomp: error: argument --limit: ...'), exit 2."""
+    one line every bad input gets ('tokcomp: error: argument --limit: ...'), exit 2. A missing or unknown argument
+    says where the usage is, since the line replaces argparse's usage."""
 
     def error(self, message: str):  # type: ignore[override]
-        raise ValueError(message)
+        raise ValueError(message if message.startswith("argument ") else f"{message} ({self.prog} --help shows the "
+                                                                          f"usage)")
 
 
 class HelpFormatter(argparse.HelpFormatter):
