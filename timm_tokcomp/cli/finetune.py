@@ -9,10 +9,6 @@ from ..utils.checks import flag_type
 from .flags import FOLDER_OUT, batch_size_flag, model_flags, training_flags, weights_flags
 
 
-def _typed(field: str, parse: type = int):
-    """The type of the flag that sets FinetuneConfig's `field`: the field's own check."""
-    return flag_type(FinetuneConfig.check_of(field), parse)
-
 
 def add(sub: argparse._SubParsersAction) -> None:
     ft = sub.add_parser("finetune", help="parameter-efficient fine-tuning on labelled images: LoRA on qkv, a new "
@@ -33,26 +29,26 @@ def add(sub: argparse._SubParsersAction) -> None:
                                                           "folder; the evaluation reports agreement with the unreduced model")
     ft.add_argument("--out", required=True, help="folder to write: peft adapter, method parameters, card, training/")
     weights_flags(ft)
-    ft.add_argument("--epochs", type=_typed("epochs"), default=10, help="(default: %(default)s)")
+    ft.add_argument("--epochs", type=FinetuneConfig.field_type("epochs"), default=10, help="(default: %(default)s)")
     batch_size_flag(ft, 32)
-    ft.add_argument("--lr", type=_typed("lr", float), default=3e-3,
+    ft.add_argument("--lr", type=FinetuneConfig.field_type("lr", float), default=3e-3,
                     help="AdamW peak learning rate, as given (timm's --lr; "
                          "default: %(default)s)")
-    ft.add_argument("--weight-decay", type=_typed("weight_decay", float), default=1e-4, help="(default: %(default)s)")
-    ft.add_argument("--warmup-epochs", type=_typed("warmup_epochs"),
+    ft.add_argument("--weight-decay", type=FinetuneConfig.field_type("weight_decay", float), default=1e-4)
+    ft.add_argument("--warmup-epochs", type=FinetuneConfig.field_type("warmup_epochs"),
                     help="linear warm-up before the cosine decay (default: 1, or 0 "
                          "with --epochs 1)")
-    ft.add_argument("--lora-rank", type=_typed("lora_rank"), default=8,
+    ft.add_argument("--lora-rank", type=FinetuneConfig.field_type("lora_rank"), default=8,
                     help="0: no LoRA, the backbone stays frozen and only the "
                          "method's parameters train (with --distill; default: "
                          "%(default)s)")
-    ft.add_argument("--lora-alpha", type=_typed("lora_alpha", float),
+    ft.add_argument("--lora-alpha", type=FinetuneConfig.field_type("lora_alpha", float),
                     help="LoRA alpha (default: the rank, i.e. scaling 1)")
     ft.add_argument("--augment", choices=AUGMENTS, default="crop-flip",
                     help="random resized crops and flips, or none (default: %(default)s)")
     ft.add_argument("--crop-min", type=flag_type(check_crop_min, float), default=0.5,
                     help="smallest random-crop area (default: %(default)s)")
-    ft.add_argument("--eval-batch-size", type=_typed("eval_batch_size"), default=64, help="(default: %(default)s)")
+    ft.add_argument("--eval-batch-size", type=FinetuneConfig.field_type("eval_batch_size"), default=64)
     training_flags(ft, "epoch")
     ft.set_defaults(func=run, outputs=(FOLDER_OUT,))
 

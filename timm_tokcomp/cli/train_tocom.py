@@ -8,10 +8,6 @@ from ..utils.checks import comma_list, flag_type
 from .flags import FOLDER_OUT, batch_size_flag, deprecated, model_flags, random_weights, training_flags, weights_flags
 
 
-def _typed(field: str, parse: type = int):
-    """The type of the flag that sets TrainConfig's `field`: the field's own check."""
-    return flag_type(TrainConfig.check_of(field), parse)
-
 
 def add(sub: argparse._SubParsersAction) -> None:
     tr = sub.add_parser("train-tocom", help="train ToCom compensator plugins by self-distillation (no labels); "
@@ -20,41 +16,42 @@ def add(sub: argparse._SubParsersAction) -> None:
     weights_flags(tr)
     tr.add_argument("--data", required=True, help="folder of images (plain, labels.csv or ImageFolder; labels unused)")
     tr.add_argument("--out", required=True, help="adapter repository folder to write (training state in OUT/training)")
-    tr.add_argument("--steps", type=_typed("steps"), default=1100, help="optimizer steps (default: %(default)s)")
+    tr.add_argument("--steps", type=TrainConfig.field_type("steps"), default=1100,
+                    help="optimizer steps (default: %(default)s)")
     batch_size_flag(tr, 32, "images per step and process (default: %(default)s)")
-    tr.add_argument("--lr-base", dest="lr", type=_typed("lr", float), default=0.03,
+    tr.add_argument("--lr-base", dest="lr", type=TrainConfig.field_type("lr", float), default=0.03,
                     help="AdamW lr per 256 images, scaled by the global batch (timm's --lr-base; default: %(default)s)")
-    deprecated(tr, "--lr", "--lr-base (the same per-256-images rate)", "lr", type=_typed("lr", float))
-    tr.add_argument("--weight-decay", type=_typed("weight_decay", float), default=0.01)
-    tr.add_argument("--warmup-steps", type=_typed("warmup_steps"),
+    deprecated(tr, "--lr", "--lr-base (the same per-256-images rate)", "lr", type=TrainConfig.field_type("lr", float))
+    tr.add_argument("--weight-decay", type=TrainConfig.field_type("weight_decay", float), default=0.01)
+    tr.add_argument("--warmup-steps", type=TrainConfig.field_type("warmup_steps"),
                     help="linear warmup before the cosine decay (default: 5%% of steps)")
-    tr.add_argument("--temperature", type=_typed("temperature", float), default=1.0,
+    tr.add_argument("--temperature", type=TrainConfig.field_type("temperature", float), default=1.0,
                     help="KL softmax temperature (default: %(default)s)")
-    tr.add_argument("--scale", type=_typed("scale", float), default=0.1,
+    tr.add_argument("--scale", type=TrainConfig.field_type("scale", float), default=0.1,
                     help="plugin scale s during training (default: %(default)s)")
-    tr.add_argument("--lora-rank", dest="rank", type=_typed("rank"), default=2,
+    tr.add_argument("--lora-rank", dest="rank", type=TrainConfig.field_type("rank"), default=2,
                     help="LoRA rank h per projection and step (default: %(default)s)")
-    deprecated(tr, "--rank", "--lora-rank", "rank", type=_typed("rank"))
-    tr.add_argument("--groups", type=_typed("groups"), default=16,
+    deprecated(tr, "--rank", "--lora-rank", "rank", type=TrainConfig.field_type("rank"))
+    tr.add_argument("--groups", type=TrainConfig.field_type("groups"), default=16,
                     help="plugins, i.e. the largest r (default: %(default)s)")
     tr.add_argument("--method", choices=tocom_methods(), default="tome", help="token reduction trained with")
     tr.add_argument("--crop-min", type=flag_type(check_crop_min, float), default=0.5,
                     help="smallest random-crop area (default: %(default)s)")
-    tr.add_argument("--mosaic", type=_typed("mosaic", comma_list(int)), default="2,3",
+    tr.add_argument("--mosaic", type=TrainConfig.field_type("mosaic", comma_list(int)), default="2,3",
                     help="grid sizes g: each input is a g x g mosaic of crops, so small "
                          "images are upscaled less (1: plain crops; default: %(default)s)")
-    tr.add_argument("--holdout", type=_typed("holdout"), default=500,
+    tr.add_argument("--holdout", type=TrainConfig.field_type("holdout"), default=500,
                     help="N images never trained on: held-out loss and the "
                          "choice of the scale (default: %(default)s)")
     tr.add_argument("--holdout-pick", choices=HOLDOUT_PICKS, default="spread",
                     help="which images are held out: evenly spaced through the sorted folder, so a folder sorted by "
                          "class is held out across its classes, or its last N (default: %(default)s)")
-    tr.add_argument("--scale-grid", type=_typed("scale_grid", comma_list(float)), default="0.05,0.075,0.1,0.125,0.15",
-                    help="scales tried on the held-out images")
-    tr.add_argument("--scale-targets", type=_typed("scale_targets", comma_list(int)), default="4,8,12,16",
-                    help="targets r (source 0) whose mean held-out loss "
-                         "chooses the scale (default: %(default)s)")
-    tr.add_argument("--checkpoint-every", type=_typed("checkpoint_every"), default=50,
+    tr.add_argument("--scale-grid", type=TrainConfig.field_type("scale_grid", comma_list(float)),
+                    default="0.05,0.075,0.1,0.125,0.15", help="scales tried on the held-out images")
+    tr.add_argument("--scale-targets", type=TrainConfig.field_type("scale_targets", comma_list(int)),
+                    default="4,8,12,16",
+                    help="targets r (source 0) whose mean held-out loss chooses the scale (default: %(default)s)")
+    tr.add_argument("--checkpoint-every", type=TrainConfig.field_type("checkpoint_every"), default=50,
                     help="steps between checkpoints (default: %(default)s)")
     training_flags(tr, "step")
     tr.set_defaults(func=run, outputs=(FOLDER_OUT,))

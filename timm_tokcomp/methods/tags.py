@@ -14,12 +14,17 @@ def parse_r_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
     return None
 
 
+def _parse_percent_tag(name: str, tag: str, letter: str, param: str) -> Optional[Dict[str, Any]]:
+    """'<name>_<letter><pct>' -> {param: pct / 100} for pct in 1..100; None for any other tag."""
+    digits = tag[len(name) + 2:]
+    if tag.startswith(f"{name}_{letter}") and digits.isdigit() and digits.isascii() and 1 <= int(digits) <= 100:
+        return {param: int(digits) / 100}
+    return None
+
+
 def parse_keep_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
     """'<name>_k<pct>' -> {'keep_rate': pct / 100} for pct in 1..100; None for any other tag."""
-    digits = tag[len(name) + 2:]
-    if tag.startswith(f"{name}_k") and digits.isdigit() and digits.isascii() and 1 <= int(digits) <= 100:
-        return {"keep_rate": int(digits) / 100}
-    return None
+    return _parse_percent_tag(name, tag, "k", "keep_rate")
 
 
 def parse_named_schedule_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
@@ -35,10 +40,7 @@ def parse_bare_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
 
 def parse_macs_target_tag(name: str, tag: str) -> Optional[Dict[str, Any]]:
     """'<name>_m<pct>' -> {'macs_target': pct / 100} for pct in 1..100; None for any other tag."""
-    digits = tag[len(name) + 2:]
-    if tag.startswith(f"{name}_m") and digits.isdigit() and digits.isascii() and 1 <= int(digits) <= 100:
-        return {"macs_target": int(digits) / 100}
-    return None
+    return _parse_percent_tag(name, tag, "m", "macs_target")
 
 
 @dataclass(frozen=True)

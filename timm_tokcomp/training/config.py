@@ -3,8 +3,8 @@ as a Param whose error names the field's command-line flag, all run by validate_
 of fields together."""
 from typing import Any, Callable, ClassVar, Sequence, Tuple
 
-from ..utils.checks import (Param, check_bool, check_choice, check_real, int_list, integer, is_real, optional, real,
-                            real_list)
+from ..utils.checks import (FlagType, Param, check_bool, check_choice, check_real, flag_type, int_list, integer,
+                            is_real, optional, real, real_list)
 
 
 def flag(name: str) -> str:
@@ -64,9 +64,9 @@ class CheckedFields:
     FIELDS: ClassVar[Tuple[Param, ...]] = ()
 
     @classmethod
-    def check_of(cls, name: str) -> Callable[[Any], Any]:
-        """The check of field `name` (its flag's type)."""
-        return next(p.check for p in cls.FIELDS if p.name == name)
+    def field_type(cls, name: str, parse: Callable[[str], Any] = int) -> FlagType:
+        """The argparse type of the flag that sets field `name`: the field's own check, after parse."""
+        return flag_type(next(p.check for p in cls.FIELDS if p.name == name), parse)
 
     def validate_fields(self) -> None:
         """Raise ValueError naming the flag of the first bad field, in FIELDS' order."""
