@@ -1,13 +1,14 @@
 """`tokcomp finetune`: LoRA, a head and the method's parameters (PYRA's recipe), or distillation."""
 import argparse
+import json
 from typing import List
 
+from ..files.bounded import json_bounds
 from ..methods import FAMILIES, parameter_table
 from ..training.config import check_crop_min
 from ..training.recipe import AUGMENTS, FinetuneConfig
 from ..utils.checks import flag_type
 from .flags import FOLDER_OUT, batch_size_flag, model_flags, training_flags, weights_flags
-
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -88,14 +89,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _method_args(items: List[str]) -> dict:
-    """['form=pooled', 'prop_attn=false'] -> {'form': 'pooled', 'prop_attn': False}; values are JSON or text."""
-    import json
-
+    """['form=pooled', 'prop_attn=false'] -> {'form': 'pooled', 'prop_attn': False}; values are JSON (within the
+    bounds every JSON the package reads keeps: files.bounded) or text."""
     parsed = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--method-arg must be KEY=VALUE, got {item!r}")
+        problem = json_bounds(value)
+        if problem is not None:
+            raise ValueError(f"--method-arg {key}= {problem}")
         try:
             parsed[key] = json.loads(value)
         except json.JSONDecodeError:

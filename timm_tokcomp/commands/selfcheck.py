@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..utils.checks import check_choice, flag_type, integer
+from ..utils.checks import MAX_BATCH, check_choice, flag_type, integer
 from ..ops import dense_merge as ops
 from ..plans.merge import group_index, merge_mean
 from ..measure.precision import DTYPES, check_device
@@ -37,7 +37,7 @@ from ..ops.matching import (attentive_pruning, batch_adaptive_r, best_matches, b
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 4e-3}
 STEP_KINDS = ("tome", "atm", "evit", "dense")  # the first word of each step's name (--steps)
 
-BATCH = integer("--batch", 1, "(images per step)")  # the checks of the flags
+BATCH = integer("--batch", 1, "(images per step)", high=MAX_BATCH)  # the checks of the flags
 ROUNDS = integer("--rounds", 1)
 
 

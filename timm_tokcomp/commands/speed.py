@@ -18,6 +18,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..utils.checks import check_int_list, integer
+from ..utils.memory import check_batch_fits
 from ..core import apply, get_reducer, last_stats
 from ..models.build import build_base_model, eval_transform
 from ..files.data import open_images
@@ -156,6 +157,7 @@ def run_speed(
 
 
 def _inputs(data: Optional[str], model: nn.Module, count: int, device: str) -> torch.Tensor:
+    check_batch_fits("--batches", count, timm.data.resolve_model_data_config(model)["input_size"], torch.device(device))
     if not data:
         return torch.randn(count, *timm.data.resolve_model_data_config(model)["input_size"], device=device)
     dataset = open_images(data, eval_transform(model), limit=count)

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..runtime import compile as compiling
 from ..runtime.graphs import GraphedForward
-from ..utils.checks import check_choice, check_int_list
+from ..utils.checks import MAX_BATCH, check_choice, check_int_list
 
 TORCH_MODES = ("eager", "compile", "cudagraph", "graph")  # what speed and tune time
 MODES = TORCH_MODES + ("onnx",)
@@ -61,5 +61,5 @@ def runner(model: nn.Module, mode: str, example: torch.Tensor, workdir: Optional
 
 
 def check_batches(batches: Sequence[int]) -> List[int]:
-    """The batch sizes (--batches): a non-empty list of integers >= 1."""
-    return check_int_list("--batches", batches, 1, "batch sizes")
+    """The batch sizes (--batches): a non-empty list of integers in [1, MAX_BATCH]."""
+    return check_int_list("--batches", batches, 1, "batch sizes", high=MAX_BATCH)

@@ -3,7 +3,7 @@ work such as calibration) a plain folder of images. The one loader of image fold
 is checked at the door (it exists, it is an image; every label is a class index in range), and every error names
 the flag and the file (userfiles.UserFileError)."""
 import csv
-import os
+import re
 import warnings
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple, Union
@@ -11,7 +11,8 @@ from typing import Callable, List, Optional, Tuple, Union
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from ..utils.checks import check_int, integer, optional
+from ..utils.checks import env_int, integer, optional, shown
+from .bounded import read_text, regular_file
 from .userfiles import UserFileError, fail, inside
 
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000  # 8000 x 8000: ~190 MB decoded as RGB; raise with TOKCOMP_MAX_IMAGE_PIXELS
@@ -22,14 +23,15 @@ PathLike = Union[str, Path]
 def max_image_pixels() -> int:
     """The most pixels an image may have (width x height, from its header): TOKCOMP_MAX_IMAGE_PIXELS, default
     DEFAULT_MAX_IMAGE_PIXELS. A small file can declare a huge image (a decompression bomb); it is refused by name
-    before it is decoded."""
-    value = os.environ.get("TOKCOMP_MAX_IMAGE_PIXELS", str(DEFAULT_MAX_IMAGE_PIXELS))
-    return check_int("TOKCOMP_MAX_IMAGE_PIXELS", int(value) if value.isdigit() else value, 1, "(pixels)")
+    before it is decoded. A bad value of the variable is refused naming the variable (checks.env_int), when a
+    folder of images opens."""
+    return env_int("TOKCOMP_MAX_IMAGE_PIXELS", DEFAULT_MAX_IMAGE_PIXELS, 1, "(pixels)")
 
 
-def _open_checked(path: Path, flag: str) -> Image.Image:
-    """The image at path, opened (its header read, nothing decoded) and within max_image_pixels()."""
-    cap = max_image_pixels()
+def _open_checked(path: Path, flag: str, cap: int) -> Image.Image:
+    """The image at path, a regular file (bounded.regular_file: a FIFO would hang), opened (its header read,
+    nothing decoded) and within `cap` pixels."""
+    regular_file(path, flag)
     over = f"megapixels), over the {cap / 1e6:g}-megapixel cap; raise TOKCOMP_MAX_IMAGE_PIXELS if you mean it"
     try:
         with warnings.catch_warnings():  # PIL's own bomb warning: the cap below says it with the file's name
@@ -44,10 +46,10 @@ def _open_checked(path: Path, flag: str) -> Image.Image:
     return img
 
 
-def _check_image(path: Path, flag: str) -> None:
+def _check_image(path: Path, flag: str, cap: int) -> None:
     """Refuse a file PIL cannot identify as an image, or one over the pixel cap (its header only: cheap)."""
     try:
-        _open_checked(path, flag).close()
+        _open_checked(path, flag, cap).close()
     except FileNotFoundError:
         raise FileNotFoundError(f"{flag}: {path} not found") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
@@ -56,11 +58,11 @@ def _check_image(path: Path, flag: str) -> None:
         raise fail(flag, path, f"is not an image ({type(e).__name__}: {e})") from None
 
 
-def _load_rgb(path: Path, flag: str) -> Image.Image:
+def _load_rgb(path: Path, flag: str, cap: int) -> Image.Image:
     """The image at path as RGB; a file that stops decoding (truncated) or is over the pixel cap is refused
     naming it."""
     try:
-        with _open_checked(path, flag) as img:
+        with _open_checked(path, flag, cap) as img:
             return img.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
         if isinstance(e, UserFileError):
@@ -69,14 +71,21 @@ def _load_rgb(path: Path, flag: str) -> Image.Image:
 
 
 class _CheckedImages(Dataset):
-    """(path, label) samples (the first `limit` of them, all for None) checked at the door; items are
-    (transform(image), label)."""
+    """(path, label) samples (the first `limit` of them, all for None) checked at the door: each a regular image
+    file inside `base` once links are resolved (a link leading out is refused: nothing outside the folder is read),
+    within the pixel cap; items are (transform(image), label)."""
 
     def __init__(self, samples: List[Tuple[Path, int]], base: Path, transform: Callable, flag: str,
-                 limit: Optional[int] = None) -> None:
+                 limit: Optional[int] = None, source: Optional[Path] = None) -> None:
         samples = samples[:limit]  # only what will be read is checked
+        self.cap = max_image_pixels()  # a bad TOKCOMP_MAX_IMAGE_PIXELS is named before any image
+        root = base.resolve()
         for path, _ in samples:
-            _check_image(path, flag)
+            if not path.resolve().is_relative_to(root):
+                raise fail(flag, source or path, f"{'names' if source else 'is'} "
+                                                 f"{path.relative_to(base).as_posix()!r}, a symbolic link leading "
+                                                 f"outside {base}: nothing outside the folder is read")
+            _check_image(path, flag, self.cap)
         self.samples, self.base, self.transform, self.flag = samples, base, transform, flag
 
     def __len__(self) -> int:
@@ -84,7 +93,7 @@ class _CheckedImages(Dataset):
 
     def __getitem__(self, i: int):
         path, label = self.samples[i]
-        return self.transform(_load_rgb(path, self.flag)), label
+        return self.transform(_load_rgb(path, self.flag, self.cap)), label
 
     @property
     def labels(self) -> List[int]:
@@ -105,9 +114,9 @@ class LabeledImages(_CheckedImages):
                  limit: Optional[int] = None) -> None:
         root = Path(root)
         self.image_dir = root / "images" if (root / "images").is_dir() else root
-        rows = read_labels(root / labels, flag)
+        rows = read_labels(root / labels, flag)[:limit]  # the names of what will be read are checked
         super().__init__([(inside(self.image_dir, name, root / labels, flag), label) for name, label in rows],
-                         self.image_dir, transform, flag, limit)
+                         self.image_dir, transform, flag, source=root / labels)
 
 
 class ImageTree(_CheckedImages):
@@ -131,23 +140,25 @@ class UnlabeledImages(_CheckedImages):
         super().__init__([(p, -1) for p in files], Path(root), transform, flag, limit)
 
 
+_LABEL = re.compile(r"[0-9]{1,18}")  # ASCII digits only: int() also takes superscripts and stops at 4,300 digits
+
+
 def read_labels(path: Path, flag: str = "--data") -> List[Tuple[str, int]]:
-    """(file, class index) rows of a `file,label` CSV; a non-integer or negative label is refused with its line."""
+    """(file, class index) rows of a `file,label` CSV (a regular file of at most bounded.MAX_TEXT_BYTES); a label
+    that is not a class index (ASCII digits, at most 18) is refused naming the file, its line and the value."""
     try:
-        text = path.read_bytes().decode("utf-8-sig")
+        text = read_text(path, flag, "CSV with columns file,label", encoding="utf-8-sig")
     except FileNotFoundError:
         raise FileNotFoundError(f"{flag}: {path} not found") from None
-    except UnicodeDecodeError:
-        raise fail(flag, path, "is not a text file (expected CSV with columns file,label)") from None
     reader = csv.DictReader(text.splitlines())
     if reader.fieldnames is None or not {"file", "label"} <= set(reader.fieldnames):
         raise fail(flag, path, "must have a header with columns 'file' and 'label'")
     rows = []
     for line, row in enumerate(reader, start=2):
         label = (row.get("label") or "").strip()
-        if not label.lstrip("-").isdigit() or int(label) < 0:
-            raise fail(flag, path, f", line {line}: label {label!r} is not a class index (an integer >= 0; class "
-                                   "names belong in an ImageFolder tree)")
+        if not _LABEL.fullmatch(label):
+            raise fail(flag, path, f", line {line}: label {shown(label)} is not a class index (an integer >= 0 in "
+                                   "ASCII digits, at most 18 of them; class names belong in an ImageFolder tree)")
         if not row.get("file"):
             raise fail(flag, path, f", line {line}: no file name")
         rows.append((row["file"], int(label)))

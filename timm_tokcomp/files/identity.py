@@ -9,6 +9,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from .bounded import MAX_TEXT_BYTES, fail, read_bounded
 from .data import IMAGE_SUFFIXES
 
 DIGEST_CHARS = 16  # of the sha256 hex digest: what a settings file records and an error message shows
@@ -57,7 +58,8 @@ def data_digest(path: Union[str, Path], flag: str = "--data") -> str:
     root = path.parent if path.is_file() else path
     h = hashlib.sha256()
     if path.is_file():
-        h.update(f"file {path.name}|".encode() + path.read_bytes())
+        h.update(f"file {path.name}|".encode() + read_bounded(path, flag, MAX_TEXT_BYTES, "labels file"))
+    resolved = root.resolve()
     for file in sorted(root.rglob("*")):
         relative = file.relative_to(root)
         if any(part.startswith(".") for part in relative.parts) or not file.is_file():
@@ -66,5 +68,8 @@ def data_digest(path: Union[str, Path], flag: str = "--data") -> str:
         if suffix in IMAGE_SUFFIXES:
             h.update(f"{relative.as_posix()}|{file.stat().st_size}|".encode())
         elif suffix in _LISTED_TEXT:
-            h.update(f"{relative.as_posix()}|".encode() + file.read_bytes())
+            if not file.resolve().is_relative_to(resolved):
+                raise fail(flag, file, f"is a symbolic link leading outside {root}: nothing outside the folder is "
+                                       "read")
+            h.update(f"{relative.as_posix()}|".encode() + read_bounded(file, flag, MAX_TEXT_BYTES, "text file"))
     return h.hexdigest()[:DIGEST_CHARS]

@@ -2,11 +2,11 @@
 the file at the door and raises UserFileError, a ValueError whose message names the flag and the file, instead of
 a traceback from deep inside a library. Hugging Face Hub access (snapshots, offline advice): timm_tokcomp.files.hub.
 
-A file is data (docs/guarantees.md, "Files you did not make"): torch files are read with weights_only=True (no
+Every file is opened through `bounded` (regular files only, bytes, JSON digits and nesting, zip members by their
+declared sizes). A file is data (docs/guarantees.md, "Files you did not make"): torch files are read with weights_only=True (no
 code runs), a path read from a file stays inside its folder (inside), and the sizes a file declares are compared
 with the tensors a weights file holds, read from its header, before anything is built (safetensors_shapes,
 check_declared_size)."""
-import json
 import math
 import pickle
 from pathlib import Path
@@ -16,42 +16,15 @@ import torch
 from torch import nn
 
 from ..utils.checks import is_version
+from .bounded import UserFileError, check_torch_zip, fail, read_json, regular_file  # noqa: F401 (readers import them here)
 
 PathLike = Union[str, Path]
-
-
-class UserFileError(ValueError):
-    """A file given by the user that cannot be used: '<flag> <file> <what is wrong>'."""
-
-
-def fail(flag: Optional[str], path: PathLike, problem: str) -> UserFileError:
-    """'<flag> <path> <problem>': problem reads on from the file's name ('is not an image', ', line 3: ...')."""
-    return UserFileError(f"{flag + ' ' if flag else ''}{path}{'' if problem.startswith(',') else ' '}{problem}")
-
-
-def read_json(path: PathLike, flag: Optional[str] = None) -> dict:
-    """A JSON object from a text file."""
-    try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{flag + ' ' if flag else ''}{path} is missing") from None
-    except UnicodeDecodeError:
-        raise fail(flag, path, "is not a text file (expected JSON)") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise fail(flag, path, f"is not valid JSON ({e})") from None
-    except RecursionError:
-        raise fail(flag, path, "is nested too deeply to be read as JSON") from None
-    if not isinstance(data, dict):
-        raise fail(flag, path, f"must hold a JSON object, got {type(data).__name__}")
-    return data
 
 
 def read_versioned_json(folder: PathLike, name: str, version: int, what: str, flag: Optional[str] = None) -> dict:
     """folder/name, which marks a complete folder of `what`, with format_version `version`."""
     path = Path(folder) / name
-    if not path.is_file():
+    if not path.exists():  # a FIFO or device of that name is refused by read_json, naming what it is
         raise fail(flag, folder, f"has no {name}: not {what}")
     data = read_json(path, flag)
     if not is_version(data.get("format_version"), version):
@@ -65,8 +38,7 @@ def read_safetensors(path: PathLike, flag: Optional[str] = None, finite: bool = 
     parameters, adapters) is a floating-point tensor holding NaN or inf, named with its file."""
     from safetensors.torch import load_file
 
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{flag + ' ' if flag else ''}{path} is missing")
+    regular_file(path, flag)
     try:
         tensors = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
@@ -81,9 +53,9 @@ def read_safetensors(path: PathLike, flag: Optional[str] = None, finite: bool = 
 def read_torch(path: PathLike, flag: Optional[str] = None) -> Any:
     """What torch.save wrote to a file, read with weights_only=True: tensors and plain values (dict, list, tuple,
     str, numbers, None) only, so unpickling runs no code; a file holding other objects, or a truncated or foreign
-    one, is refused naming the flag and the file. The package's only torch.load."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{flag + ' ' if flag else ''}{path} is missing")
+    one, is refused naming the flag and the file, and so is a zip whose members would unpack beyond the file
+    (bounded.check_torch_zip). The package's only torch.load."""
+    check_torch_zip(path, flag)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -103,6 +75,7 @@ def _refused_pickle(error: pickle.UnpicklingError, path: PathLike, flag: Optiona
 def torch_file_shapes(path: PathLike, flag: Optional[str] = None) -> Dict[str, Tuple[int, ...]]:
     """The shape of every tensor of a torch state-dict file, mapped rather than read (torch.load(mmap=True,
     weights_only=True)): what safetensors_shapes is for a .safetensors file. Refused as read_torch refuses."""
+    check_torch_zip(path, flag)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
@@ -135,8 +108,7 @@ def safetensors_shapes(path: PathLike, flag: Optional[str] = None) -> Dict[str, 
     or corrupt file is refused (the check for files another library then loads: peft's adapter)."""
     from safetensors import safe_open
 
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{flag + ' ' if flag else ''}{path} is missing")
+    regular_file(path, flag)
     try:
         with safe_open(str(path), "pt") as f:
             return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..ops.matching import bipartite_soft_matching, max_merges
 from ..plans import Plan, Reduced, gather_tokens
-from ..utils.checks import int_list, integer
+from ..utils.checks import MAX_BLOCKS, int_list, integer
 from .schedules import BlockCost
 from .base import LearnedParams, ScheduledReducer, prop_attn_unless_avg_pool
 from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param
@@ -55,7 +55,7 @@ class DTEMParams(FromConfig, nn.Module):
     """The merge embeddings of a model of width dim: layers[str(block)], Linear(dim, embed_dim), per reducing block."""
 
     CONFIG = (Param("dim", REQUIRED, integer("dim", 1)), Param("embed_dim", REQUIRED, integer("embed_dim", 1)),
-              Param("blocks", REQUIRED, int_list("blocks", 0, "block indices")))
+              Param("blocks", REQUIRED, int_list("blocks", 0, "block indices", MAX_BLOCKS - 1, MAX_BLOCKS)))
 
     def __init__(self, dim: int, embed_dim: int, blocks: Sequence[int]) -> None:
         super().__init__()

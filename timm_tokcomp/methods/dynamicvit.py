@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..utils.checks import int_list, integer
+from ..utils.checks import MAX_BLOCKS, int_list, integer
 from ..plans import Plan, PrunePlan, Reduced
 from .base import LearnedParams, ScheduledReducer
 from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param
@@ -59,7 +59,7 @@ class DynamicViTParams(FromConfig, nn.Module):
     """The predictors of a model of width dim, one per stage (predictors[str(s)]), and the blocks they follow."""
 
     CONFIG = (Param("dim", REQUIRED, integer("dim", 4)),
-              Param("blocks", REQUIRED, int_list("blocks", 0, "block indices")))
+              Param("blocks", REQUIRED, int_list("blocks", 0, "block indices", MAX_BLOCKS - 1, MAX_BLOCKS)))
 
     def __init__(self, dim: int, blocks: Sequence[int]) -> None:
         super().__init__()

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..ops.matching import alternate_matches, keep_best
 from ..plans import GroupPlan, Plan, Reduced
-from ..utils.checks import check_real, integer, is_real, real
+from ..utils.checks import MAX_BLOCKS, check_real, integer, is_real, real
 from .schedules import BlockCost
 from .base import BlockSetting, LearnedParams, TokenReducer, warn_if_compiling
 from .tags import BARE_TAG, MACS_TARGET_TAG
@@ -64,7 +64,7 @@ def check_tau(value: Any) -> float:
 class LTMPParams(FromConfig, nn.Module):
     """The thresholds of a model of depth blocks: merge (depth,), prune (depth,) in thousandths."""
 
-    CONFIG = (Param("depth", REQUIRED, integer("depth", 1)),)
+    CONFIG = (Param("depth", REQUIRED, integer("depth", 1, high=MAX_BLOCKS)),)
 
     def __init__(self, depth: int) -> None:
         super().__init__()

@@ -16,7 +16,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from ..utils.checks import int_list, integer
+from ..utils.checks import MAX_BLOCKS, int_list, integer
 from ..plans import SoftPlan
 from .base import LearnedParams, ScheduledReducer
 from .params import COMMON, REQUIRED, SCHEDULE, FromConfig, Param
@@ -51,7 +51,7 @@ class PatchMergerParams(FromConfig, nn.Module):
     for every block l with outputs[l] > 0 (the patch tokens it leaves; 0: the block merges nothing)."""
 
     CONFIG = (Param("dim", REQUIRED, integer("dim", 1)),
-              Param("outputs", REQUIRED, int_list("outputs", 0, "integers (tokens left per block)")))
+              Param("outputs", REQUIRED, int_list("outputs", 0, "integers (tokens left per block)", most=MAX_BLOCKS)))
 
     layer_class = MergerLayer
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..utils.checks import check_choice, int_list, integer
+from ..utils.checks import MAX_BLOCKS, check_choice, int_list, integer
 from ..ops.matching import float32_linspace
 from ..plans import MergePlan, Reduced, gather_tokens, split_tokens
 from ..plans.merge import merge_sum
@@ -88,7 +88,7 @@ class PyraParams(FromConfig, nn.Module):
     every block that merges in the training schedule `ranks` ('paper'), or for every block ('pooled')."""
 
     CONFIG = (Param("dim", REQUIRED, integer("dim", 1)),
-              Param("ranks", REQUIRED, int_list("ranks", 0, "integers (r per block)")),
+              Param("ranks", REQUIRED, int_list("ranks", 0, "integers (r per block)", most=MAX_BLOCKS)),
               Param("form", "paper", _check_form))
 
     def __init__(self, dim: int, ranks: Sequence[int], form: str = "paper") -> None:

@@ -1,7 +1,6 @@
 """Base models and devices, below everything that builds a model (bench, speed, tune, analysis, training):
 the plain timm model with its weights, and the device a command runs on, both checked with the flag in the error."""
 import contextlib
-import json
 import math
 import pickle
 import warnings
@@ -20,7 +19,8 @@ from ..measure.precision import check_device
 from ..files.hub import hub_access, hub_error
 from ..runtime.state import state_of
 from .open_clip import is_open_clip_name, load_open_clip
-from ..files.userfiles import check_declared_size, load_weights, numel, safetensors_shapes, torch_file_shapes
+from ..files.userfiles import (check_declared_size, load_weights, numel, read_json, safetensors_shapes,
+                              torch_file_shapes)
 
 
 class HFFolder(str):
@@ -97,14 +97,9 @@ def hf_data_config(folder: Path, image_size: int) -> Dict[str, Any]:
 
 
 def _folder_json(folder: Path, name: str) -> Dict[str, Any]:
-    """The JSON object in folder/name, or ValueError naming --hf-model and the file."""
-    try:
-        doc = json.loads((folder / name).read_text())
-    except ValueError as e:
-        raise ValueError(f"--hf-model {folder}: {name} is not JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"--hf-model {folder}: {name} must hold a JSON object, got {type(doc).__name__}")
-    return doc
+    """The JSON object in folder/name (bounded: bytes, nesting, digits), or UserFileError naming --hf-model and the
+    file."""
+    return read_json(folder / name, "--hf-model")
 
 
 def load_hf_model(folder: str) -> nn.Module:

@@ -92,6 +92,10 @@ def _read_folder(root: Path) -> Tuple[Compensator, Dict[str, Any]]:
     bad = [k for k, v in sizes.items() if not is_int(v) or v < 1]
     if bad:
         raise ValueError(f"{config_path}: {', '.join(bad)} must be integers >= 1, got {sizes}")
+    for key in ("depth", "groups"):  # counts the checks below loop over: a stated maximum before any loop
+        if sizes[key] > MAX_BLOCKS:
+            raise ValueError(f"{config_path}: {key} {sizes[key]:,} is over the {MAX_BLOCKS:,} a compensator may "
+                             "declare (no ViT has more blocks)")
     L, D, attn_dim, h, steps = (sizes[k] for k in ("depth", "width", "attn_dim", "rank_per_projection", "groups"))
     subfolders = config.get("subfolders")
     if not isinstance(subfolders, list) or len(subfolders) != steps:

@@ -7,6 +7,7 @@ import argparse
 import inspect
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -44,11 +45,38 @@ def is_real(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Real)
 
 
-def check_int(name: str, value: Any, low: int = 0, note: str = "") -> int:
-    """value as a Python int >= low; note: what the value counts, shown in the error ('(batches per step)')."""
-    if not is_int(value) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}{f' {note}' if note else ''}, got {value!r}")
+MAX_INT = 2**31 - 1  # the ceiling of every integer check without a closer one: a count an int32 index and islice hold
+MAX_BLOCKS = 1024  # the most blocks (and block indices) a config may declare: the deepest ViTs have 48-64
+MAX_BATCH = 65536  # the most images in one batch: 40 GB of 224 px float32 inputs before any activation
+
+
+def shown(value: Any, most: int = 60) -> str:
+    """repr(value), cut to `most` characters: a 5,000-digit value must not fill the error line."""
+    text = repr(value)
+    return text if len(text) <= most else f"{text[:most - 15]}... ({len(text):,} characters)"
+
+
+def check_int(name: str, value: Any, low: int = 0, note: str = "", high: Optional[int] = None) -> int:
+    """value as a Python int in [low, high] (high None: MAX_INT, named only when exceeded); note: what the value
+    counts, shown in the error ('(batches per step)')."""
+    top = MAX_INT if high is None else high
+    if not is_int(value) or not low <= value <= top:
+        bound = f">= {low}" if high is None and not (is_int(value) and value > top) else f"in [{low}, {top:,}]"
+        raise ValueError(f"{name} must be an integer {bound}{f' {note}' if note else ''}, got {shown(value)}")
     return int(value)
+
+
+def env_int(name: str, default: int, low: int = 0, note: str = "", high: Optional[int] = None) -> int:
+    """The environment variable `name` as an integer, checked as a flag is (check_int), its error naming the
+    variable; `default` where it is unset."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value: Any = int(text.strip()) if len(text) <= 30 else text
+    except ValueError:
+        value = text
+    return check_int(f"the environment variable {name}", value, low, note, high)
 
 
 def check_real(name: str, value: Any, low: Optional[float] = 0.0, strict: bool = True, high: Optional[float] = None,
@@ -65,14 +93,20 @@ def check_real(name: str, value: Any, low: Optional[float] = 0.0, strict: bool =
         low is None or value > low or (not strict and value == low)) and (
         high is None or value < high or (not high_strict and value == high))
     if not ok:
-        raise ValueError(f"{name} must be a finite number{bound}{f' {note}' if note else ''}, got {value!r}")
+        raise ValueError(f"{name} must be a finite number{bound}{f' {note}' if note else ''}, got {shown(value)}")
     return float(value)
 
 
-def check_int_list(name: str, value: Any, low: int = 0, what: str = "integers") -> List[int]:
-    """value as a non-empty list of Python ints >= low; what: what the entries are ('block indices')."""
-    if not isinstance(value, (list, tuple)) or not value or not all(is_int(v) and v >= low for v in value):
-        raise ValueError(f"{name} must be a non-empty list of {what} >= {low}, got {value!r}")
+def check_int_list(name: str, value: Any, low: int = 0, what: str = "integers", high: Optional[int] = None,
+                   most: Optional[int] = None) -> List[int]:
+    """value as a non-empty list of at most `most` Python ints in [low, high] (None: MAX_INT); what: what the
+    entries are ('block indices')."""
+    top = MAX_INT if high is None else high
+    if not isinstance(value, (list, tuple)) or not value or not all(is_int(v) and low <= v <= top for v in value):
+        bound = f">= {low}" if high is None else f"in [{low}, {top:,}]"
+        raise ValueError(f"{name} must be a non-empty list of {what} {bound}, got {shown(value)}")
+    if most is not None and len(value) > most:
+        raise ValueError(f"{name} must list at most {most:,} {what}, got {len(value):,}")
     return [int(v) for v in value]
 
 
@@ -83,7 +117,7 @@ def check_real_list(name: str, value: Any, low: float = 0.0, strict: bool = True
         is_real(v) and math.isfinite(v) and (v > low or (not strict and v == low)) for v in value)
     if not ok:
         raise ValueError(f"{name} must be a non-empty list of finite {what} {'>' if strict else '>='} {low:g}, "
-                         f"got {value!r}")
+                         f"got {shown(value)}")
     return [float(v) for v in value]
 
 
@@ -91,13 +125,13 @@ def check_choice(name: str, value: Any, choices: Sequence[Any], note: str = "") 
     """value, one of choices; note: what the choices mean, shown in the error."""
     if isinstance(value, (list, dict, set)) or value not in choices:  # an unhashable value is never a choice
         raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}{f' {note}' if note else ''}, "
-                         f"got {value!r}")
+                         f"got {shown(value)}")
     return value
 
 
 def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+        raise ValueError(f"{name} must be True or False, got {shown(value)}")
     return value
 
 
@@ -106,9 +140,9 @@ def optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda value: None if value is None else check(value)
 
 
-def integer(name: str, low: int = 0, note: str = "") -> Callable[[Any], int]:
+def integer(name: str, low: int = 0, note: str = "", high: Optional[int] = None) -> Callable[[Any], int]:
     """check_int as a one-argument check (a Param's)."""
-    return lambda value: check_int(name, value, low, note)
+    return lambda value: check_int(name, value, low, note, high)
 
 
 def boolean(name: str) -> Callable[[Any], bool]:
@@ -127,9 +161,10 @@ def choice(name: str, choices: Sequence[Any], note: str = "") -> Callable[[Any],
     return lambda value: check_choice(name, value, choices, note)
 
 
-def int_list(name: str, low: int = 0, what: str = "integers") -> Callable[[Any], List[int]]:
+def int_list(name: str, low: int = 0, what: str = "integers", high: Optional[int] = None,
+             most: Optional[int] = None) -> Callable[[Any], List[int]]:
     """check_int_list as a one-argument check (a Param's)."""
-    return lambda value: check_int_list(name, value, low, what)
+    return lambda value: check_int_list(name, value, low, what, high, most)
 
 
 def real_list(name: str, low: float = 0.0, strict: bool = True, what: str = "numbers") -> Callable[[Any], List[float]]:
@@ -167,5 +202,5 @@ def comma_list(kind: type) -> Callable[[str], list]:
     return lambda text: [kind(item) for item in text.split(",")]
 
 
-BATCH_SIZE = integer("--batch-size", 1)  # the checks of the flags every command shares
+BATCH_SIZE = integer("--batch-size", 1, high=MAX_BATCH)  # the checks of the flags every command shares
 NUM_WORKERS = integer("--num-workers", 0, "(0: load in the main process)")

@@ -6,6 +6,7 @@ holds that patch alone; merged, fused or dropped patches stop counting). Per ima
 (the head's pre-logits). Only these small arrays are kept (int16 / uint8 / float32), never the activations.
 """
 import json
+import math
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ...files.bounded import npz_shapes
 from ...files.outputs import replacing
 from ...families import facade
 from ...patch import trace_blocks
@@ -57,14 +59,6 @@ class Recording:
                                     grid=np.array(self.grid), meta=np.array(json.dumps({"method": self.method, **meta})))
 
     @staticmethod
-    def load(path: Union[str, Path]) -> Tuple["Recording", Dict[str, Any]]:
-        with np.load(path) as data:
-            meta = json.loads(str(data["meta"]))
-            rec = Recording(meta.pop("method"), data["assign"], data["depth"], data["features"],
-                            tuple(int(v) for v in data["grid"]))
-        return rec, meta
-
-    @staticmethod
     def bytes_at_most(images: int, depth: int, patches: int, features: int) -> int:
         """What a recording of `images` images unpacks to at most: assign, depth, features, grid, meta."""
         return images * (depth * patches * 2 + patches + features * 4) + MAX_META_BYTES + 4096
@@ -72,20 +66,24 @@ class Recording:
     @staticmethod
     def load_if(path: Union[str, Path], method: str, meta: Dict[str, Any], max_bytes: int) -> Optional["Recording"]:
         """The recording of `method` at path if its meta equals `meta` (read first, alone) and its arrays unpack to
-        at most max_bytes (their sizes read from the archive's directory before any is decompressed); else None. A
-        recording someone else wrote (a run folder sent to --resume) is never decompressed beyond what this run
-        would have recorded."""
+        at most max_bytes (their sizes read from the archive's directory and each array's header before any is
+        decompressed: files.bounded.npz_shapes); else None. A recording someone else wrote (a run folder sent to
+        --resume) is never decompressed beyond what this run would have recorded."""
         try:
-            with np.load(path) as data:  # opens the archive: its directory and no array yet
-                sizes = {info.filename: info.file_size for info in data.zip.infolist()}
-                if sizes.get("meta.npy", MAX_META_BYTES + 1) > MAX_META_BYTES or sum(sizes.values()) > max_bytes:
-                    return None
+            shapes = npz_shapes(path, max_bytes)
+            meta_shape, meta_dtype = shapes.get("meta", ((MAX_META_BYTES + 1,), np.dtype("u1")))
+            if set(shapes) != _MEMBERS or math.prod(meta_shape) * meta_dtype.itemsize > MAX_META_BYTES:
+                return None
+            with np.load(path) as data:
                 if json.loads(str(data["meta"])) != {"method": method, **meta}:
                     return None
                 return Recording(method, data["assign"], data["depth"], data["features"],
                                  tuple(int(v) for v in data["grid"]))
         except (OSError, ValueError, KeyError, zipfile.BadZipFile):  # not a recording this package wrote
             return None
+
+
+_MEMBERS = {"assign", "depth", "features", "grid", "meta"}  # what save writes
 
 
 def block_assignment(source: torch.Tensor, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ...utils.checks import BATCH_SIZE, check_int, integer
+from ...utils.memory import check_batch_fits
 from ...core import apply, is_reduced, last_stats
 from ...files.data import UnlabeledImages, check_num_classes, open_images
 from ...deployment.specs import BASELINE, MethodItem
@@ -209,6 +210,7 @@ def run_bench(
         labelled = not isinstance(dataset, UnlabeledImages)
         if labelled and getattr(base, "num_classes", 0):
             check_num_classes(dataset, base.num_classes)
+        check_batch_fits("--batch-size", min(batch_size, len(dataset)), cfg["input_size"], torch.device(device))
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
         with precision(device, dtype, tf32):
             try:
@@ -218,6 +220,7 @@ def run_bench(
         macs = evaluation.macs
         batch = next(iter(loader))[0].to(device)
     else:
+        check_batch_fits("--batch-size", batch_size, cfg["input_size"], torch.device(device))
         batch = torch.randn(batch_size, *cfg["input_size"], device=device)
         macs = {k: count_macs(m, batch[:1]) for k, m in models.items()}
 

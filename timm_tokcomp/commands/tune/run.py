@@ -51,7 +51,7 @@ from .rows import BUDGET_MEASURES, NOT_REACHED, SCREENED, TIMED, WAITING, Candid
 from .search import make_axes
 from .select import best_measured, bound_text, choose, promise_text
 from .space import accuracy_twin, applicable_candidates, check_space, default_modes
-from .store import resume_rows, write_rows
+from .store import finished_run, mark_finished, resume_rows, write_rows
 from .accuracy import DECIDED_UNCHECKED, AccuracyStage, Predictions
 from .timing import SCREEN_ROUNDS, TimingStage
 
@@ -179,6 +179,11 @@ def tune(
                 and not pretrained}
     # an earlier run in out is set aside (--overwrite) and comes back if this one fails before writing
     with run_folder(out, resume, overwrite, OUT_FILES) if out else contextlib.nullcontext():
+        done = finished_run(out, settings) if out and resume else None
+        if done is not None:  # a resume of a finished run measures and writes nothing: its stored answer
+            saved, rows, choices, answer = done
+            note = f"--resume: {out} holds a finished run (every setting decided); nothing was measured or written"
+            return TuneResult(rows, choices, dict(saved, notes=[note], stages=[]), answer)
         previous = resume_rows(out, settings) if out and resume else {}  # before any image is read
         tuner = _Tuner(base, data, settings, candidates, notes, out, show_progress, clock)  # opens and checks the images
         tuner.previous = previous
@@ -186,6 +191,8 @@ def tune(
         result = tuner.run()
         if out:
             write_outputs(result, out)
+            if not any(r.status.startswith(NOT_REACHED) for r in result.rows):
+                mark_finished(out, settings, result.choices, result.answer)
     return result
 
 
