@@ -29,6 +29,7 @@ TYPED = _typed_flags()
 
 
 def test_every_typed_flag_takes_a_check_and_its_default_passes_it():
+    assert len(INTEGER) >= 25
     assert len(TYPED) >= 60  # every command's numbers and lists
     bare = [f"{name} {action.option_strings[0]}" for name, action in TYPED if not isinstance(action.type, FlagType)]
     assert not bare, f"flags typed without a check of utils/checks.py: {bare}"
@@ -49,6 +50,23 @@ def test_a_value_that_is_no_number_is_refused_while_the_line_is_read(command, ac
         code = main([command, flag, "abc"])
     err = capsys.readouterr().err
     assert code == 2 and f"argument {flag}" in err and "must be" in err and "got 'abc'" in err, err
+
+
+INTEGER = [(n, a) for n, a in TYPED if a.type.parse is int or getattr(a.type.parse, "kind", None) is int]
+
+
+@pytest.mark.parametrize("command,action", INTEGER, ids=[f"{n}{a.option_strings[0]}" for n, a in INTEGER])
+def test_every_integer_flag_has_an_upper_bound(command, action, capsys):
+    """10**15 for any integer flag (or list of them): exit 2 before any work, naming the flag and its bound."""
+    flag = action.option_strings[0]
+    if command == "selfcheck":
+        with pytest.raises(SystemExit) as e:
+            selfcheck.main([flag, str(10**15)])
+        code = e.value.code
+    else:
+        code = main([command, flag, str(10**15)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"argument {flag}" in err and re.search(r"in \[-?\d+, [\d,]+\]", err), err
 
 
 def test_a_flag_and_the_python_call_refuse_alike(tmp_path, capsys):

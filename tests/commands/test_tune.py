@@ -122,11 +122,17 @@ def test_resume_measures_nothing_again_and_refuses_other_settings(tuned, image_f
         raise AssertionError("a resumed run timed again")
 
     monkeypatch.setattr(tuning_timing, "time_runs", no_timing)
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(out.rglob("*")) if p.is_file()}
     again = timm_tokcomp.tune(_small_model(), str(image_folder), batches=[1, 8], budget=100.0,
                               space=[("tome", {"r": 4}), ("evit", {"r": 3})], limit=20, prune_images=8, max_rounds=6,
                               out=str(out), resume=True, show_progress=False)
     assert [(c.batch, c.row and c.row.candidate) for c in again.choices] == \
         [(c.batch, c.row and c.row.candidate) for c in result.choices]
+    # a finished run: its stored answer, nothing measured or written (tune.csv, candidates/ and presets as they were)
+    assert again.answer == result.answer and again.table() == result.table()
+    assert again.settings["notes"] == [f"--resume: {out} holds a finished run (every setting decided); nothing was "
+                                       "measured or written"]
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(out.rglob("*")) if p.is_file()} == before
     with pytest.raises(ValueError, match=r"other settings \(budget\)"):
         timm_tokcomp.tune(_small_model(), str(image_folder), batches=[1, 8], budget=2.0,
                           space=[("tome", {"r": 4}), ("evit", {"r": 3})], limit=20, prune_images=8, max_rounds=6,

@@ -347,7 +347,7 @@ def test_the_served_class_names_are_the_adapters_classes():
 
 
 @pytest.mark.parametrize("text, match", [
-    ("{", "preprocessor_config.json is not JSON"),
+    ("{", "preprocessor_config.json is not valid JSON"),
     ("[1]", "preprocessor_config.json must hold a JSON object, got list"),
     ('{"size": {"longest_edge": 32}}', r"must give size and crop_size .*got size \{'longest_edge': 32\}"),
     ('{"size": 32, "do_center_crop": true, "crop_size": 48}', r"crop_size \{'height': 48, 'width': 48\}"),

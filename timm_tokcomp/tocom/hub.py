@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from safetensors.torch import save_file
 
-from ..utils.checks import is_int
+from ..utils.checks import MAX_BLOCKS, is_int
 from ..utils.extras import require
 from ..files.outputs import new_output, refuse_existing, replacing, write_text
 from ..files.hub import hub_snapshot

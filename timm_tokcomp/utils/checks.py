@@ -57,11 +57,11 @@ def shown(value: Any, most: int = 60) -> str:
 
 
 def check_int(name: str, value: Any, low: int = 0, note: str = "", high: Optional[int] = None) -> int:
-    """value as a Python int in [low, high] (high None: MAX_INT, named only when exceeded); note: what the value
-    counts, shown in the error ('(batches per step)')."""
+    """value as a Python int in [low, high] (high None: MAX_INT; the error names high only for a value above it);
+    note: what the value counts, shown in the error ('(batches per step)')."""
     top = MAX_INT if high is None else high
     if not is_int(value) or not low <= value <= top:
-        bound = f">= {low}" if high is None and not (is_int(value) and value > top) else f"in [{low}, {top:,}]"
+        bound = f"in [{low}, {top:,}]" if is_int(value) and value > top else f">= {low}"
         raise ValueError(f"{name} must be an integer {bound}{f' {note}' if note else ''}, got {shown(value)}")
     return int(value)
 
@@ -103,7 +103,8 @@ def check_int_list(name: str, value: Any, low: int = 0, what: str = "integers", 
     entries are ('block indices')."""
     top = MAX_INT if high is None else high
     if not isinstance(value, (list, tuple)) or not value or not all(is_int(v) and low <= v <= top for v in value):
-        bound = f">= {low}" if high is None else f"in [{low}, {top:,}]"
+        over = isinstance(value, (list, tuple)) and any(is_int(v) and v > top for v in value)
+        bound = f"in [{low}, {top:,}]" if over else f">= {low}"
         raise ValueError(f"{name} must be a non-empty list of {what} {bound}, got {shown(value)}")
     if most is not None and len(value) > most:
         raise ValueError(f"{name} must list at most {most:,} {what}, got {len(value):,}")
@@ -198,8 +199,12 @@ def flag_type(check: Callable[[Any], Any], parse: Callable[[str], Any] = int) ->
 
 
 def comma_list(kind: type) -> Callable[[str], list]:
-    """A parse of '2,3' -> [2, 3] (kind int) for flag_type."""
-    return lambda text: [kind(item) for item in text.split(",")]
+    """A parse of '2,3' -> [2, 3] (kind int) for flag_type; its kind is kept on it (parse.kind)."""
+    def parse(text: str) -> list:
+        return [kind(item) for item in text.split(",")]
+
+    parse.kind = kind  # type: ignore[attr-defined]
+    return parse
 
 
 BATCH_SIZE = integer("--batch-size", 1, high=MAX_BATCH)  # the checks of the flags every command shares

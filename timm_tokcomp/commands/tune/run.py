@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import timm
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -44,6 +45,7 @@ from ...methods import default_tune_space
 from ...files.outputs import run_folder, write_text
 from ...utils import checks
 from ...utils.checks import integer, optional, real
+from ...utils.memory import check_batch_fits
 from ...measure.stats import promisable_loss
 from .budget import STAGE_ENDS, StageBar, TimeBudget, count, plan_text
 from .report import OUT_FILES, TuneResult, sample_notes, write_outputs
@@ -161,6 +163,8 @@ def tune(
         name = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", type(model).__name__)
         base = copy.deepcopy(model).to(device).eval()
     check_space(space, base)
+    check_batch_fits("--batches", max(batches), timm.data.resolve_model_data_config(base)["input_size"],
+                     torch.device(device))
     weights = weights_source(model, checkpoint, pretrained) if isinstance(model, str) else "model"
     try:
         check_classifier(base, device)  # a feature model is refused before --out is touched
