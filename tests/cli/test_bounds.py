@@ -163,6 +163,30 @@ def test_a_json_file_over_its_size_is_refused_before_it_is_read(tmp_path, monkey
         bounded.read_json(path, "preset file")
 
 
+def test_a_tune_csv_cell_of_deep_json_is_refused_naming_the_file_and_line(tmp_path):
+    from dataclasses import fields
+
+    from timm_tokcomp.commands.tune import read_rows
+    from timm_tokcomp.commands.tune.rows import TuneRow
+
+    names = [f.name for f in fields(TuneRow)]
+    row = {n: "" for n in names} | {"batch": "1", "mode": "eager", "candidate": "c", "setting": "s", "path": "p",
+                                    "method": "tome", "params": "[" * 5000 + "]" * 5000, "status": "waiting", "chosen": "False"}
+    path = tmp_path / "tune.csv"
+    path.write_text(",".join(names) + "\n" + ",".join(row[n] for n in names) + "\n")
+    with pytest.raises(UserFileError, match=r"^--resume .*tune\.csv cannot be read as tune's CSV: line 2: its params "
+                                            r"is nested 5,000 levels deep"):
+        read_rows(path)
+
+
+def test_a_fifo_lock_in_a_run_folder_is_taken_over_not_waited_on(tmp_path):
+    from timm_tokcomp.files.outputs import run_lock
+
+    _fifo(tmp_path / ".lock")
+    with run_lock(tmp_path):
+        assert (tmp_path / ".lock").read_text() == str(os.getpid())
+
+
 # ------------------------------------------------------------------ declared sizes
 
 
@@ -296,3 +320,31 @@ def test_register_method_refuses_empty_reserved_and_untaggable_names(name):
     cls = type("Named", (), {"name": name})
     with pytest.raises(ValueError, match="a method's name must be a lower-case identifier"):
         register_method(cls)
+
+
+# ------------------------------------------------------------------ one door
+
+
+PACKAGE = Path(timm_tokcomp.__file__).parent
+RAW_READS = __import__("re").compile(
+    r"\.read_text\(|\.read_bytes\(|json\.loads?\(|torch\.load\(|np\.load\(|Image\.open\(|safe_open\(|load_file\(")
+# the modules that read files past the door, each after its check: bounded itself, the torch / safetensors readers
+# after regular_file and check_torch_zip, images after regular_file, an .npz after npz_shapes; and the package's own
+# files (its assets, a staging folder it wrote, JSON it wrote itself in this process)
+READERS = {"files/bounded.py", "files/userfiles.py", "files/data.py", "commands/analyze/record.py"}
+OWN_FILES = {"tocom/hub.py": 2, "measure/device_table.py": 1, "commands/tune/report.py": 1, "commands/tune/run.py": 1,
+             "commands/tune/store.py": 1, "cli/finetune.py": 1}
+
+
+def test_every_file_is_read_through_the_door():
+    """No module outside the readers calls a raw reader, except on the package's own files (counted, so a new
+    one fails here until it goes through files.bounded)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+        if name in READERS:
+            continue
+        lines = [line for line in path.read_text().splitlines() if RAW_READS.search(line.split("#")[0])]
+        if lines:
+            found[name] = len(lines)
+    assert found == OWN_FILES, found

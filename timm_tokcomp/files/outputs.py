@@ -12,6 +12,8 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Union
 
+from .bounded import read_bounded
+
 PathLike = Union[str, Path]
 FILE_MODE = 0o644  # what every output file gets, whatever wrote its temporary (mkstemp-based writers give 0600)
 
@@ -215,8 +217,8 @@ def run_lock(folder: PathLike) -> Iterator[None]:
             break
         except FileExistsError:
             try:
-                owner = int(path.read_text() or "0")
-            except (OSError, ValueError):
+                owner = int(read_bounded(path, "--out", 32, "lock file (a process id)") or b"0")
+            except (OSError, ValueError):  # not a lock this package wrote (a FIFO, a large file): taken over
                 owner = 0
             if owner and owner != os.getpid() and _alive(owner):
                 raise FileExistsError(f"--out {folder} is in use by another run (process {owner}); wait for it or "

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...files.bounded import npz_shapes
+from ...files.bounded import loads_json, npz_shapes
 from ...files.outputs import replacing
 from ...families import facade
 from ...patch import trace_blocks
@@ -75,7 +75,7 @@ class Recording:
             if set(shapes) != _MEMBERS or math.prod(meta_shape) * meta_dtype.itemsize > MAX_META_BYTES:
                 return None
             with np.load(path) as data:
-                if json.loads(str(data["meta"])) != {"method": method, **meta}:
+                if loads_json(str(data["meta"]), None, path) != {"method": method, **meta}:
                     return None
                 return Recording(method, data["assign"], data["depth"], data["features"],
                                  tuple(int(v) for v in data["grid"]))

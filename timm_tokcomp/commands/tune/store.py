@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, get_args
 
 from ...files.outputs import replacing, write_text
-from ...files.bounded import read_text
+from ...files.bounded import json_bounds, read_text
 from ...files.userfiles import fail, read_json
 from .rows import NOT_REACHED, Choice, TuneRow
 
@@ -108,6 +108,9 @@ def read_rows(path: Path) -> List[TuneRow]:
                 values = {k: _parse(types[k], v) for k, v in line.items()}
             except (TypeError, ValueError) as e:
                 raise ValueError(f"line {reader.line_num}: {e}") from None
+            problem = json_bounds(values["params"])  # JSON the choice reads back
+            if problem is not None:
+                raise ValueError(f"line {reader.line_num}: its params {problem}")
             rows.append(TuneRow(**values))
     except (ValueError, csv.Error) as e:
         raise fail("--resume", path, f"cannot be read as tune's CSV: {e}") from None
