@@ -82,8 +82,9 @@ def test_a_compressed_checkpoint_costs_no_memory_beyond_a_normal_run(tmp_path):
     """Peak memory of refusing 512 MiB of compressed zeros, against reading a small checkpoint: within 200 MB."""
     bomb, plain = _zip_bomb(tmp_path / "bomb.pt", 512 << 20), tmp_path / "plain.pt"
     torch.save({"w": torch.ones(3)}, plain)
-    probe = ("import resource, sys\nfrom timm_tokcomp.files.userfiles import read_torch\ntry:\n    read_torch(sys.argv[1])"
-             "\nexcept ValueError:\n    pass\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    probe = ("import resource, sys\nfrom timm_tokcomp.files.userfiles import read_torch\ntry:\n"
+             "    read_torch(sys.argv[1])\nexcept ValueError:\n    pass\n"
+             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     peak = {name: int(subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True,
                                      check=True).stdout) for name, path in (("bomb", bomb), ("plain", plain))}
     assert peak["bomb"] - peak["plain"] < 200 * 1024, peak  # kB
@@ -171,7 +172,8 @@ def test_a_tune_csv_cell_of_deep_json_is_refused_naming_the_file_and_line(tmp_pa
 
     names = [f.name for f in fields(TuneRow)]
     row = {n: "" for n in names} | {"batch": "1", "mode": "eager", "candidate": "c", "setting": "s", "path": "p",
-                                    "method": "tome", "params": "[" * 5000 + "]" * 5000, "status": "waiting", "chosen": "False"}
+                                    "method": "tome", "params": "[" * 5000 + "]" * 5000, "status": "waiting",
+                                    "chosen": "False"}
     path = tmp_path / "tune.csv"
     path.write_text(",".join(names) + "\n" + ",".join(row[n] for n in names) + "\n")
     with pytest.raises(UserFileError, match=r"^--resume .*tune\.csv cannot be read as tune's CSV: line 2: its params "

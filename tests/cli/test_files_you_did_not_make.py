@@ -212,7 +212,7 @@ def test_a_recipe_missing_a_field_takes_its_default_and_an_unknown_one_is_refuse
 def test_a_deeply_nested_preset_is_one_line(tmp_path):
     preset = tmp_path / "preset.json"
     preset.write_text("[" * 100_000 + "]" * 100_000)
-    with pytest.raises(UserFileError, match="nested too deeply"):
+    with pytest.raises(UserFileError, match="is nested 100,000 levels deep, over the 64"):
         read_json(preset, "--preset")
 
 

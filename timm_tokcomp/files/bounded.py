@@ -144,7 +144,8 @@ def check_torch_zip(path: PathLike, flag: Optional[str] = None) -> None:
                                "decompressing it")
 
 
-def npz_shapes(path: PathLike, max_bytes: int, flag: Optional[str] = None) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:
+def npz_shapes(path: PathLike, max_bytes: int,
+               flag: Optional[str] = None) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:
     """{member name without .npy: (shape, dtype)} of an .npz archive, read from its directory and each array's
     header, nothing decompressed beyond the headers. Refused when a header declares another size than its member
     unpacks to, an object array, or all arrays together more than max_bytes."""

@@ -3,10 +3,10 @@ the file at the door and raises UserFileError, a ValueError whose message names 
 a traceback from deep inside a library. Hugging Face Hub access (snapshots, offline advice): timm_tokcomp.files.hub.
 
 Every file is opened through `bounded` (regular files only, bytes, JSON digits and nesting, zip members by their
-declared sizes). A file is data (docs/guarantees.md, "Files you did not make"): torch files are read with weights_only=True (no
-code runs), a path read from a file stays inside its folder (inside), and the sizes a file declares are compared
-with the tensors a weights file holds, read from its header, before anything is built (safetensors_shapes,
-check_declared_size)."""
+declared sizes). A file is data (docs/guarantees.md, "Files you did not make"): torch files are read with
+weights_only=True (no code runs), a path read from a file stays inside its folder (inside), and the sizes a file
+declares are compared with the tensors a weights file holds, read from its header, before anything is built
+(safetensors_shapes, check_declared_size)."""
 import math
 import pickle
 from pathlib import Path
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..utils.checks import is_version
-from .bounded import UserFileError, check_torch_zip, fail, read_json, regular_file  # noqa: F401 (readers import them here)
+from .bounded import UserFileError, check_torch_zip, fail, read_json, regular_file  # noqa: F401 (imported from here)
 
 PathLike = Union[str, Path]
 

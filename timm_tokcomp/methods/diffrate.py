@@ -73,7 +73,8 @@ class DiffRateParams(FromConfig, nn.Module):
     """The rate logits of a model of depth blocks and num_patches patch tokens: prune[l - 1] and merge[l - 1]
     (K,) over the candidate counts (num_patches, num_patches - g, ... > 0) of block l >= 1, starting at zero."""
 
-    CONFIG = (Param("depth", REQUIRED, integer("depth", 2, high=MAX_BLOCKS)), Param("num_patches", REQUIRED, integer("num_patches", 1)),
+    CONFIG = (Param("depth", REQUIRED, integer("depth", 2, high=MAX_BLOCKS)),
+              Param("num_patches", REQUIRED, integer("num_patches", 1)),
               Param("granularity", REQUIRED, integer("granularity", 1)))
 
     def __init__(self, depth: int, num_patches: int, granularity: int) -> None:
