@@ -73,7 +73,8 @@ def thresholds(depth: int, merge: float, prune: float = 0.0):
 TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.spec.dense)
 _REDUCING_PARAMS = {"atm": dict(alpha=0.2, beta=0.0, theta_min=0.2, prefix_only_last_block=False),
                     "ltmp": lambda depth: dict(threshold_params=thresholds(depth, merge=0.0, prune=2.0)),
-                    "dymu": lambda depth: dict(thresholds=[0.0] * depth)}
+                    "dymu": lambda depth: dict(thresholds=[0.0] * depth),
+                    "visionzip": dict(dominant=4, contextual=2, block=1)}
 
 
 def reducing_params(method: str, depth: int) -> dict:

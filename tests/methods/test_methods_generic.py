@@ -17,10 +17,12 @@ NOTHING = {"atm": dict(alpha=1.0, beta=0.0, theta_min=1.0, prefix_only_last_bloc
 NOTHING["cubist"] = dict(r_rows=0, r_cols=0)
 NOTHING["dymu"] = dict(thresholds=[None] * SMALL["depth"])
 NOTHING["diffrate"] = dict(schedule={"prune": [N_PATCH] * SMALL["depth"], "merge": [N_PATCH] * SMALL["depth"]})
+NOTHING["visionzip"] = dict(dominant=N_PATCH - 1, contextual=1)  # every patch token kept
 NOTHING["ltmp"] = lambda: dict(threshold_params=thresholds(SMALL["depth"], merge=1.0))  # no cosine exceeds 1; no importance is < 0
 REDUCING = {"atm": dict(alpha=0.5, beta=0.0, theta_min=0.5, prefix_only_last_block=False),
             "ltmp": lambda: dict(threshold_params=thresholds(SMALL["depth"], merge=0.5, prune=2.0)),
-            "dymu": dict(thresholds=[0.0] * SMALL["depth"])}
+            "dymu": dict(thresholds=[0.0] * SMALL["depth"]),
+            "visionzip": dict(dominant=6, contextual=2, block=1)}
 TOKEN_METHODS = sorted(name for name, cls in METHODS.items() if not cls.spec.dense)
 
 

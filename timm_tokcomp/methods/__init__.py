@@ -35,11 +35,12 @@ from .diffrate import DiffRate
 from .ltmp import LTMP
 from .fpet import FPET
 from .dtem import DTEM
+from .visionzip import VisionZip
 
 __all__ = ["METHODS", "register_method", "TokenReducer", "REQUIRED", "ToMe", "EViT", "ATM", "DenseToMe", "TopK", "ATS",
            "RadialL1", "RadialL2", "RadialLInf", "KMedoids", "DPCKNN", "PYRA", "PatchMerger", "DynamicViT", "Sinkhorn",
            "SiT", "ToFu", "PiToMe", "DCT", "ATC", "MCTF", "RepShift", "CrossGET", "CubistMerge", "DyMU", "DiffRate",
-           "LTMP", "FPET", "DTEM", "method_class", "TAG_FORMS", "TAG_SUMMARY"]
+           "LTMP", "FPET", "DTEM", "VisionZip", "method_class", "TAG_FORMS", "TAG_SUMMARY"]
 
 TAG_FORMS = tuple(form for cls in METHODS.values() for form in cls.tag_forms())
 
