@@ -13,6 +13,8 @@ gained / lost and exact McNemar p, per set and pooled.
 """
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -36,7 +38,8 @@ SETS = ("imagenet-val-1300", "nips17-1000")
 
 
 def split_photos(photos: Path, out: Path, holdout: int) -> Dict[str, Path]:
-    """OUT/photos/{train,heldout}: symlinks to the photos, `holdout` of them (evenly spaced) held out."""
+    """OUT/photos/{train,heldout}: hard links to the photos (copies across file systems; a symbolic link leading
+    out of --data is refused), `holdout` of them (evenly spaced) held out."""
     files = sorted(p for p in photos.iterdir() if p.suffix.lower() in (".jpeg", ".jpg", ".png"))
     held = set(heldout_indices(len(files), holdout, "spread"))
     folders = {"train": out / "photos" / "train", "heldout": out / "photos" / "heldout"}
@@ -45,7 +48,10 @@ def split_photos(photos: Path, out: Path, holdout: int) -> Dict[str, Path]:
         for i, path in enumerate(files):
             link = folder / path.name
             if (i in held) == (name == "heldout") and not link.exists():
-                link.symlink_to(path.resolve())
+                try:
+                    os.link(path.resolve(), link)
+                except OSError:  # another file system, or no hard links there
+                    shutil.copyfile(path, link)
     return folders
 
 
