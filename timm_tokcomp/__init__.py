@@ -22,8 +22,8 @@ from ._moved import install as _install_moved_paths
 from .models.timm_names import register_all as _register_all
 from .runtime.state import ReductionStats
 
-__all__ = ["apply", "remove", "set_params", "compile", "get_reducer", "last_stats", "is_reduced", "load_preset", "deploy", "tune", "METHODS",
-           "ReductionStats", "NO_REDUCTION", "tokens_for", "__version__"]
+__all__ = ["apply", "remove", "set_params", "compile", "get_reducer", "last_stats", "is_reduced", "load_preset", "deploy",
+           "tune", "METHODS", "ReductionStats", "NO_REDUCTION", "tokens_for", "__version__"]
 
 
 def apply(model: Any, method: str = "tome", **params: Any) -> Any:

@@ -26,8 +26,8 @@ def feature_depth(config: Any) -> int:
     if not isinstance(layer, int):
         raise ValueError(f"vision_feature_layer {layer!r} lists several layers, whose hidden states LLaVA concatenates "
                          f"token by token; a reduced tower keeps different tokens at each. timm_tokcomp reduces a "
-                         f"LLaVA that reads one layer (LLaVA-1.5: -2); give the model config.vision_feature_layer = one "
-                         f"of them, or run it plain")
+                         f"LLaVA that reads one layer (LLaVA-1.5: -2); set config.vision_feature_layer to one of "
+                         f"them, or run it plain")
     blocks = layer if layer >= 0 else depth + 1 + layer
     if not 1 <= blocks <= depth:
         raise ValueError(f"vision_feature_layer {layer} reads no layer of the {depth}-layer vision tower")
@@ -94,8 +94,10 @@ class ReducingLlavaModel(LlavaModel):
             raise ValueError("image_sizes: a reduced LLaVA takes whole images of the processor's size")
         strategy = vision_feature_select_strategy or self.config.vision_feature_select_strategy
         tokens = tower_tokens(self.vision_tower, pixel_values, strategy)
-        features = [self.multi_modal_projector(t.unsqueeze(0))[0] for t in tokens] if len({len(t) for t in tokens}) > 1 \
-            else list(self.multi_modal_projector(torch.stack(tokens)))
+        if len({len(t) for t in tokens}) > 1:  # images that keep different counts (a data-dependent method)
+            features = [self.multi_modal_projector(t.unsqueeze(0))[0] for t in tokens]
+        else:
+            features = list(self.multi_modal_projector(torch.stack(tokens)))
         return BaseModelOutputWithPooling(last_hidden_state=None, pooler_output=features)
 
 
