@@ -45,10 +45,11 @@ def visionzip_plan(metric: AttentionAndKeys, dominant: int, contextual: int, num
     order = importance.argsort(dim=-1, descending=True, stable=True)
     dom = order[:, :dominant].sort(dim=-1).values  # (B, D)
     rest = order[:, dominant:].sort(dim=-1).values  # (B, R) in index order
-    c = min(contextual, rest.shape[1])
-    at = torch.linspace(0, rest.shape[1] - 1, c, device=rest.device).round().long()  # evenly spaced targets
-    others = torch.ones(rest.shape[1], dtype=torch.bool, device=rest.device)
-    others[at] = False
+    R = rest.shape[1]
+    c = min(contextual, R)
+    at = torch.linspace(0, R - 1, c, device=rest.device).round().long()  # evenly spaced targets
+    marked = torch.zeros(R, device=rest.device).scatter(0, at, 1.0)
+    others = marked.argsort(stable=True)[:R - c]  # the other positions, in order (static shapes, no host sync)
     k = F.normalize(gather_tokens(keys[:, p:].float(), rest), dim=-1)  # (B, R, d)
     join = (k[:, others] @ k[:, at].transpose(1, 2)).argmax(dim=-1)  # (B, R - c): each other token's target
     B, D = dom.shape
