@@ -82,7 +82,7 @@ class VisionZip(TokenReducer):
 
     def check_depth(self, num_blocks: int) -> None:
         if not -num_blocks <= self.block < num_blocks:
-            raise ValueError(f"block must be one of the model's {num_blocks} blocks (0..{num_blocks - 1}, or -1..-"
+            raise ValueError(f"block must name one of the model's {num_blocks} blocks (0..{num_blocks - 1}, or -1..-"
                              f"{num_blocks} from the end), got {self.block}")
 
     def block_settings(self, num_blocks: int, num_tokens: int, num_prefix: int,
