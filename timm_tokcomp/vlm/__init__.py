@@ -33,9 +33,8 @@ def adapter_of(model: nn.Module) -> Any:
     """The model's VLM adapter; TypeError naming the served classes for a VLM no adapter serves."""
     from .llava import LlavaAdapter, ReducingLlavaForConditionalGeneration
 
-    if isinstance(model, ReducingLlavaForConditionalGeneration) or type(model).__name__ == SERVED[0] and isinstance(
-            model, LlavaAdapter.plain_classes):
-        return LlavaAdapter
+    if type(model) in (*LlavaAdapter.plain_classes, ReducingLlavaForConditionalGeneration):  # no subclass: restore
+        return LlavaAdapter                                                                # gives the plain class
     raise TypeError(f"{type(model).__name__} is a vision-language model timm_tokcomp does not serve yet; it serves "
                     f"{', '.join(SERVED)} (docs/vlm.md). Its vision tower alone can be reduced where its family is "
                     f"served (timm_tokcomp.apply(model.model.vision_tower, ...)), but its language model would then "

@@ -35,9 +35,8 @@ def feature_depth(config: Any) -> int:
 
 
 class LlavaAdapter:
-    """What the reducing classes read of a LLaVA: its tower, depth, placeholder token and plain count."""
+    """What vlm reads and changes of a LLaVA: its tower, the layers the projector reads, and its classes."""
 
-    name = "llava"
     plain_classes = (LlavaForConditionalGeneration,)
 
     @staticmethod
