@@ -40,8 +40,19 @@ def visionzip_plan(metric: AttentionAndKeys, dominant: int, contextual: int, num
     """The step: prefix tokens, the `dominant` most attended patch tokens in their order, then `contextual` merged ones
     (at most as many as the tokens left over)."""
     probs, keys = metric
-    p, n = num_prefix, probs.shape[1] - num_prefix
+    p = num_prefix
     importance = probs[:, 0, p:] if p else probs[:, :, p:].mean(dim=1)  # (B, n)
+    return dominant_contextual_plan(importance, keys, dominant, contextual, p)
+
+
+def dominant_contextual_plan(importance: torch.Tensor, keys: torch.Tensor, dominant: int, contextual: int,
+                             num_prefix: int) -> KeepMergePlan:
+    """importance (B, n) of the patch tokens, keys (B, num_prefix + n, d) -> the plan that keeps the prefix, the
+    `dominant` most important patch tokens in index order, then `contextual` merged ones: evenly spaced targets among
+    the others, every other token joining the target its key is most similar to. keep_idx[:, :dominant +
+    contextual] are the outputs' representatives."""
+    p = num_prefix
+    n = importance.shape[1]
     order = importance.argsort(dim=-1, descending=True, stable=True)
     dom = order[:, :dominant].sort(dim=-1).values  # (B, D)
     rest = order[:, dominant:].sort(dim=-1).values  # (B, R) in index order
@@ -55,7 +66,7 @@ def visionzip_plan(metric: AttentionAndKeys, dominant: int, contextual: int, num
     B, D = dom.shape
     arange = torch.arange(D + c, device=dom.device).expand(B, -1)
     return KeepMergePlan(p, torch.cat([dom, rest[:, at], rest[:, others]], dim=1),
-                         torch.cat([arange, D + join], dim=1), probs.new_ones(B, n, 1),
+                         torch.cat([arange, D + join], dim=1), importance.new_ones(B, n, 1),
                          D + c)
 
 

@@ -5,7 +5,8 @@ run. The projector then sees the kept tokens (the class token dropped under the 
 placeholder runs are cut to their count before the language model runs (placeholders.cut_runs), so it prefills only
 those. generate(**processor(images=..., text=...)) works unchanged and returns the user's prompt ids followed by the
 new tokens, as the plain model does."""
-from typing import Any, List, Optional, Tuple
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -13,9 +14,13 @@ from transformers import LlavaForConditionalGeneration, LlavaModel
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.utils import ModelOutput
 
+from .. import core
 from ..families.base import PatchGrid
 from ..runtime.loop import patch_grid
+from ..runtime.state import state_of
 from .placeholders import cut_runs
+
+_TOKENS: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, int]]" = weakref.WeakKeyDictionary()  # tokens_for's counts
 
 
 def feature_depth(config: Any) -> int:
@@ -35,17 +40,22 @@ def feature_depth(config: Any) -> int:
 
 
 class LlavaAdapter:
-    """What vlm reads and changes of a LLaVA: its tower, the layers the projector reads, and its classes."""
+    """What vlm reads and changes of a LLaVA: its tower, the layers the projector reads, and its classes. The method
+    runs inside the tower (any method timm_tokcomp serves CLIP or SigLIP with), its schedule over the layers up to
+    the feature layer."""
 
-    plain_classes = (LlavaForConditionalGeneration,)
+    @staticmethod
+    def serves(model: nn.Module) -> bool:
+        """The plain class or its reducing one, not a subclass (remove restores the plain class)."""
+        return type(model) in (LlavaForConditionalGeneration, ReducingLlavaForConditionalGeneration)
+
+    @staticmethod
+    def is_reduced(model: nn.Module) -> bool:
+        return isinstance(model, ReducingLlavaForConditionalGeneration)
 
     @staticmethod
     def tower(model: nn.Module) -> nn.Module:
         return model.model.vision_tower
-
-    @staticmethod
-    def depth(model: nn.Module) -> int:
-        return feature_depth(model.config)
 
     @staticmethod
     def check(model: nn.Module) -> None:
@@ -54,6 +64,31 @@ class LlavaAdapter:
         if strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {strategy!r} is not LLaVA's 'default' or 'full'")
 
+    @classmethod
+    def apply(cls, model: nn.Module, method: str, params: Dict[str, Any]) -> None:
+        tower = cls.tower(model)
+        state = state_of(tower, create=True)
+        before = state.depth
+        state.depth = feature_depth(model.config)  # read by patch: the schedule spans the layers up to the feature layer
+        try:
+            core.apply(tower, method, **params)
+        except Exception:
+            state.depth = before
+            raise
+        cls.swap(model)
+        _TOKENS.pop(model, None)
+
+    @classmethod
+    def set_params(cls, model: nn.Module, params: Dict[str, Any]) -> None:
+        core.set_params(cls.tower(model), **params)
+        _TOKENS.pop(model, None)
+
+    @classmethod
+    def remove(cls, model: nn.Module) -> None:
+        core.remove(cls.tower(model))
+        cls.restore(model)
+        _TOKENS.pop(model, None)
+
     @staticmethod
     def swap(model: nn.Module) -> None:
         model.__class__, model.model.__class__ = ReducingLlavaForConditionalGeneration, ReducingLlavaModel
@@ -61,6 +96,29 @@ class LlavaAdapter:
     @staticmethod
     def restore(model: nn.Module) -> None:
         model.__class__, model.model.__class__ = LlavaForConditionalGeneration, LlavaModel
+
+    @classmethod
+    def tokens_for(cls, model: nn.Module, image_size: Tuple[int, int]) -> int:
+        """Counted once per size and method from a blank image (the count of a fixed-count method does not depend
+        on the pixels)."""
+        tower = cls.tower(model)
+        reducer = core.get_reducer(tower)
+        if reducer.spec.data_dependent or reducer.spec.masks_by_size:
+            raise ValueError(f"{reducer.name} keeps a count that depends on each image; it is known only once the "
+                             f"encoder ran (generate cuts the placeholder runs then). A fixed-count method (visionzip, "
+                             f"tome, evit, topk) has a count known before")
+        key = (id(reducer), image_size)
+        counts = _TOKENS.setdefault(model, {})
+        if key not in counts:
+            param = next(tower.parameters())
+            blank = torch.zeros(1, 3, *image_size, device=param.device, dtype=param.dtype)
+            with torch.no_grad():
+                counts[key] = tower_tokens(tower, blank, model.config.vision_feature_select_strategy)[0].shape[0]
+        return counts[key]
+
+    @staticmethod
+    def plain_tokens(model: nn.Module, image_size: Tuple[int, int]) -> int:
+        return plain_count(model, image_size)
 
 
 def tower_tokens(tower: nn.Module, pixel_values: torch.Tensor, strategy: str) -> List[torch.Tensor]:

@@ -1,10 +1,9 @@
 """The language model's side of a reduced image: each image's run of placeholder tokens (what the processor expanded
-`<image>` into, one per visual token of the plain model) cut to the count of tokens the reduced encoder keeps, and
-the rows padded again as they were padded. Positions stay contiguous (docs/vlm.md): the text after an image moves up
-by the tokens it lost, as if the processor had written the shorter run, which is what a language model with 1-D
-rotary positions was trained on."""
+`<image>` into, one per visual token of the plain model) cut to the tokens the reduced encoder keeps, and the rows
+padded again as they were padded. What the positions become is the adapter's rule (docs/vlm.md): LLaVA renumbers
+them contiguously; Qwen2-VL cuts its M-RoPE ids with the same Cut, so kept tokens keep theirs."""
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -36,25 +35,32 @@ def image_runs(row: torch.Tensor, token: int) -> List[Tuple[int, int]]:
     return [(edges[i], edges[i + 1] - edges[i]) for i in range(0, len(edges), 2)]
 
 
-def cut_runs(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], token: int, plain: int,
-             counts: Sequence[int]) -> Cut:
+def cut_runs(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], token: int,
+             plain: Union[int, Sequence[int]], kept: Sequence[Union[int, torch.Tensor]]) -> Cut:
     """The cut that shortens the i-th run of `token` (rows in order, runs in order: the images of the batch) from
-    `plain` placeholders to counts[i]. ValueError naming what disagrees where the runs are not one of `plain`
-    tokens per image."""
+    plain (one count, or one per image) placeholders to kept[i]: a count (the run's first ones stay) or a 1-D index
+    tensor of the placeholders that stay. ValueError naming what disagrees where the runs do not match the images."""
     B = input_ids.shape[0]
+    plains = [plain] * len(kept) if isinstance(plain, int) else list(plain)
     keep = torch.ones_like(input_ids, dtype=torch.bool)
     image = 0
     for b in range(B):
         for start, length in image_runs(input_ids[b], token):
-            if length != plain:
+            if image >= len(kept):
+                raise ValueError(f"input_ids hold more image placeholder runs than the {len(kept)} images given")
+            if length != plains[image]:
                 raise ValueError(f"input_ids row {b} holds a run of {length} image placeholder tokens; the plain model "
-                                 f"reads {plain} per image (prepare the inputs with the model's processor)")
-            if image >= len(counts):
-                raise ValueError(f"input_ids hold more image placeholder runs than the {len(counts)} images given")
-            keep[b, start + counts[image]:start + length] = False
+                                 f"reads {plains[image]} for that image (prepare the inputs with the model's processor)")
+            stays = kept[image]
+            if isinstance(stays, int):
+                keep[b, start + stays:start + length] = False
+            else:
+                run = torch.zeros(length, dtype=torch.bool, device=keep.device)
+                run[stays.to(keep.device)] = True
+                keep[b, start:start + length] = run
             image += 1
-    if image != len(counts):
-        raise ValueError(f"input_ids hold {image} image placeholder runs for {len(counts)} images; they must agree")
+    if image != len(kept):
+        raise ValueError(f"input_ids hold {image} image placeholder runs for {len(kept)} images; they must agree")
     mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     left = bool(attention_mask is not None and (~mask[:, 0]).any())
     kept_real = (keep & mask).sum(dim=1)
