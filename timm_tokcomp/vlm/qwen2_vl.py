@@ -21,6 +21,7 @@ from transformers.vision_utils import get_vision_window_index
 
 from ..methods import make_reducer
 from ..methods.visionzip import dominant_contextual_plan
+from ..runtime.state import drop_state, state_of
 from .llava import pad_id
 from .placeholders import cut_runs
 
@@ -59,7 +60,7 @@ class ReducingQwenVLModel:
         """pixel_values (sum t*h*w, C*tp*p*p) as the processor packs them, image_grid_thw (I, 3) -> per image the
         features (K_i, D) the language model reads, and kept_i (K_i,) the merged token (raster index) each stands
         at. An image of at most dominant + contextual merged tokens keeps them all, unchanged."""
-        zip_ = self._tokcomp_zip
+        zip_ = state_of(self).reducer
         visual = self.visual
         attn = visual.blocks[zip_.block].attn
         seen: Dict[str, Any] = {}
@@ -184,7 +185,7 @@ class ReducingQwenVL:
 
     def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' save_pretrained, naming the plain classes: the folder loads as the plain model."""
-        zip_ = self.model._tokcomp_zip
+        zip_ = state_of(self.model).reducer
         QwenVLAdapter.restore(self)
         try:
             return self.save_pretrained(*args, **kwargs)
@@ -209,7 +210,7 @@ PLAIN_OF = {reducing: plain for plain, (reducing, _, _) in CLASSES.items()}
 
 
 class QwenVLAdapter:
-    """What vlm reads and changes of a Qwen2-VL / Qwen2.5-VL: the visionzip parameters (on the inner model) and the
+    """What vlm reads and changes of a Qwen2-VL / Qwen2.5-VL: the visionzip reducer (in the inner model's state) and the
     classes."""
 
     @staticmethod
@@ -241,7 +242,7 @@ class QwenVLAdapter:
 
     @classmethod
     def set_params(cls, model: nn.Module, params: Dict[str, Any]) -> None:
-        zip_ = model.model._tokcomp_zip
+        zip_ = state_of(model.model).reducer
         cls.apply(model, "visionzip", {**{name: getattr(zip_, name) for name in PARAMS}, **params})
 
     @classmethod
@@ -253,13 +254,13 @@ class QwenVLAdapter:
         plain = PLAIN_OF.get(type(model), type(model))
         reducing, _, reducing_inner = CLASSES[plain]
         model.__class__, model.model.__class__ = reducing, reducing_inner
-        model.model._tokcomp_zip = zip_
+        state_of(model.model, create=True).reducer = zip_
 
     @staticmethod
     def restore(model: nn.Module) -> None:
         plain = PLAIN_OF[type(model)]
         model.__class__, model.model.__class__ = plain, CLASSES[plain][1]
-        del model.model._tokcomp_zip
+        drop_state(model.model)
 
     @classmethod
     def plain_tokens(cls, model: nn.Module, image_size: Tuple[int, int]) -> int:
@@ -275,7 +276,7 @@ class QwenVLAdapter:
 
     @classmethod
     def tokens_for(cls, model: nn.Module, image_size: Tuple[int, int]) -> int:
-        zip_ = model.model._tokcomp_zip
+        zip_ = state_of(model.model).reducer
         return min(cls.plain_tokens(model, image_size), zip_.dominant + zip_.contextual)
 
 
