@@ -12,13 +12,12 @@ import torch
 from torch import nn
 from transformers import LlavaForConditionalGeneration, LlavaModel
 from transformers.modeling_outputs import BaseModelOutputWithPooling
-from transformers.utils import ModelOutput
 
 from .. import core
 from ..families.base import PatchGrid
 from ..runtime.loop import patch_grid
 from ..runtime.state import state_of
-from .placeholders import cut_runs
+from .placeholders import cut_runs, with_prompt
 
 _TOKENS: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, int]]" = weakref.WeakKeyDictionary()  # tokens_for's counts
 
@@ -199,12 +198,7 @@ class ReducingLlavaForConditionalGeneration(LlavaForConditionalGeneration):
         encoded, cut, short, new_mask = self._cut(input_ids, attention_mask, pixel_values, kwargs)
         out = super().generate(input_ids=short, attention_mask=new_mask if attention_mask is not None else None,
                                mm_encoder_outputs={"image": encoded}, **kwargs)
-        sequences = out.sequences if isinstance(out, ModelOutput) else out
-        restored = torch.cat([input_ids, sequences[:, short.shape[1]:]], dim=1)
-        if isinstance(out, ModelOutput):
-            out.sequences = restored
-            return out
-        return restored
+        return with_prompt(out, input_ids, short.shape[1])
 
     def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' save_pretrained, naming the plain classes: the folder loads as the plain LLaVA."""

@@ -3,9 +3,10 @@
 padded again as they were padded. What the positions become is the adapter's rule (docs/vlm.md): LLaVA renumbers
 them contiguously; Qwen2-VL cuts its M-RoPE ids with the same Cut, so kept tokens keep theirs."""
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
+from transformers.utils import ModelOutput
 
 
 @dataclass
@@ -66,3 +67,14 @@ def cut_runs(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], to
     kept_real = (keep & mask).sum(dim=1)
     length = int(kept_real.max())
     return Cut(keep & mask, length, left, length - kept_real)
+
+
+def with_prompt(out: Any, input_ids: torch.Tensor, short: int) -> Any:
+    """generate's output (sequences (B, short + T), or a ModelOutput holding them) with the cut prompt replaced by
+    the given input_ids (B, N): (B, N + T), as the plain model returns them."""
+    sequences = out.sequences if isinstance(out, ModelOutput) else out
+    restored = torch.cat([input_ids, sequences[:, short:]], dim=1)
+    if isinstance(out, ModelOutput):
+        out.sequences = restored
+        return out
+    return restored

@@ -12,18 +12,18 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLModel, Qwen2VLForConditionalGeneration, Qwen2VLModel
+from transformers import (Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLModel, Qwen2VLForConditionalGeneration,
+                          Qwen2VLModel)
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
 from transformers.models.qwen2_vl import modeling_qwen2_vl
-from transformers.utils import ModelOutput
 from transformers.vision_utils import get_vision_window_index
 
 from ..methods import make_reducer
 from ..methods.visionzip import dominant_contextual_plan
 from ..runtime.state import drop_state, state_of
 from .llava import pad_id
-from .placeholders import cut_runs
+from .placeholders import cut_runs, with_prompt
 
 PARAMS = ("dominant", "contextual", "block")  # visionzip's parameters that mean something after the connector
 PROBS_PER_CHUNK = 1 << 25  # attention probabilities held at once while the importance is counted (128 MiB float32)
@@ -176,12 +176,7 @@ class ReducingQwenVL:
         out = super().generate(input_ids=short, attention_mask=mask, position_ids=positions,
                                image_grid_thw=image_grid_thw, mm_token_type_ids=types,
                                mm_encoder_outputs={"image": encoded}, **kwargs)
-        sequences = out.sequences if isinstance(out, ModelOutput) else out
-        restored = torch.cat([input_ids, sequences[:, short.shape[1]:]], dim=1)
-        if isinstance(out, ModelOutput):
-            out.sequences = restored
-            return out
-        return restored
+        return with_prompt(out, input_ids, short.shape[1])
 
     def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' save_pretrained, naming the plain classes: the folder loads as the plain model."""
