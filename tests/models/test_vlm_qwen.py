@@ -48,8 +48,8 @@ def image(h: int, w: int, seed: int = 0):
 
 
 def prompt(before: int, after: int, grid: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """(1, L) ids as the processor writes them: text, <|vision_start|>, one placeholder per merged token, <|vision_end|>,
-    text."""
+    """(1, L) ids as the processor writes them: text, <|vision_start|>, one placeholder per merged token,
+    <|vision_end|>, text."""
     g = torch.Generator().manual_seed(seed)
     n = int(grid.prod()) // 4
     return torch.cat([torch.randint(2, 999, (1, before), generator=g), torch.tensor([[START]]),

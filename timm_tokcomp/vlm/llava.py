@@ -68,7 +68,7 @@ class LlavaAdapter:
         tower = cls.tower(model)
         state = state_of(tower, create=True)
         before = state.depth
-        state.depth = feature_depth(model.config)  # read by patch: the schedule spans the layers up to the feature layer
+        state.depth = feature_depth(model.config)  # read by patch: the schedule spans the layers up to it
         try:
             core.apply(tower, method, **params)
         except Exception:

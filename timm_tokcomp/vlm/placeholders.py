@@ -51,7 +51,8 @@ def cut_runs(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], to
                 raise ValueError(f"input_ids hold more image placeholder runs than the {len(kept)} images given")
             if length != plains[image]:
                 raise ValueError(f"input_ids row {b} holds a run of {length} image placeholder tokens; the plain model "
-                                 f"reads {plains[image]} for that image (prepare the inputs with the model's processor)")
+                                 f"reads {plains[image]} for that image (prepare the inputs with the model's "
+                                 f"processor)")
             stays = kept[image]
             if isinstance(stays, int):
                 keep[b, start + stays:start + length] = False
