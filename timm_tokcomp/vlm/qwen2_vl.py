@@ -130,8 +130,8 @@ class ReducingQwenVL:
         for name in ("pixel_values_videos", "position_ids", "inputs_embeds"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name} with pixel_values: a reduced {type(self).__name__} cuts the image "
-                                 f"placeholder runs of input_ids and computes the kept tokens' M-RoPE ids itself; give input_ids, "
-                                 f"images only (timm_tokcomp.remove serves the rest plain)")
+                                 f"placeholder runs of input_ids and computes the kept tokens' M-RoPE ids itself; "
+                                 f"give input_ids, images only (timm_tokcomp.remove serves the rest plain)")
         if input_ids is None or image_grid_thw is None or mm_token_type_ids is None:
             raise ValueError("a reduced Qwen2-VL needs input_ids, image_grid_thw and mm_token_type_ids with "
                              "pixel_values, as its processor returns them")
@@ -160,7 +160,8 @@ class ReducingQwenVL:
         if kwargs.get("labels") is not None:
             kwargs["labels"] = cut.apply(kwargs["labels"], -100)
         return super().forward(input_ids=ids, attention_mask=mask, position_ids=positions,
-                               image_grid_thw=image_grid_thw, mm_token_type_ids=types, mm_encoder_outputs={"image": encoded}, **kwargs)
+                               image_grid_thw=image_grid_thw, mm_token_type_ids=types,
+                               mm_encoder_outputs={"image": encoded}, **kwargs)
 
     @torch.no_grad()
     def generate(self, input_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
