@@ -4,10 +4,10 @@ import argparse
 import sys
 from typing import List, Optional
 
-from . import analyze, bench, calibrate, export, finetune, methods, speed, train_tocom, tune
+from . import analyze, bench, calibrate, export, finetune, methods, speed, train_tocom, tune, vlm
 from .flags import HelpFormatter, Parser, resolve_precision
 
-COMMANDS = (methods, bench, calibrate, train_tocom, finetune, analyze, export, speed, tune)  # the order --help lists
+COMMANDS = (methods, bench, calibrate, train_tocom, finetune, analyze, export, speed, tune, vlm)  # the order --help lists
 
 
 def build_parser() -> argparse.ArgumentParser:

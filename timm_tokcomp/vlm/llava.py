@@ -119,6 +119,33 @@ class LlavaAdapter:
     def plain_tokens(model: nn.Module, image_size: Tuple[int, int]) -> int:
         return plain_count(model, image_size)
 
+    @staticmethod
+    def default_image_size(model: nn.Module) -> Tuple[int, int]:
+        """The size LLaVA's processor gives every image: the tower's."""
+        size = model.config.vision_config.image_size
+        return (size, size) if isinstance(size, int) else tuple(size)
+
+    @staticmethod
+    def example_inputs(model: nn.Module, image_size: Tuple[int, int], text: torch.Tensor,
+                       generator: torch.Generator) -> Dict[str, torch.Tensor]:
+        """One random image of image_size before text (1, T) ids, as LLaVA's processor lays them out: the
+        placeholder run, then the text."""
+        run = torch.full((1, plain_count(model, image_size)), model.config.image_token_id)
+        return dict(input_ids=torch.cat([run, text], dim=1),
+                    pixel_values=torch.randn(1, 3, *image_size, generator=generator))
+
+    @staticmethod
+    def limit_generate(model: nn.Module, inputs: Dict[str, torch.Tensor], count: int, **generate: Any) -> Any:
+        """The plain LLaVA's generate on inputs with each placeholder run cut to its first `count` and the tower's
+        features cut with it: what the language model costs at `count` tokens with no reduction work."""
+        ids, pixels = inputs["input_ids"], inputs["pixel_values"]
+        features = model.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
+        cut = cut_runs(ids, inputs.get("attention_mask"), model.config.image_token_id,
+                       plain_count(model, tuple(pixels.shape[-2:])), [count] * len(features))
+        encoded = BaseModelOutputWithPooling(pooler_output=[f[:count] for f in features])
+        return model.generate(input_ids=cut.apply(ids, pad_id(model)), mm_encoder_outputs={"image": encoded},
+                              **generate)
+
 
 def tower_tokens(tower: nn.Module, pixel_values: torch.Tensor, strategy: str) -> List[torch.Tensor]:
     """The reduced tower's tokens after its reducing depth (the feature layer), per image (N_i, C): the class token

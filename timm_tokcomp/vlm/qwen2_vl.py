@@ -275,6 +275,33 @@ class QwenVLAdapter:
         zip_ = state_of(model.model).reducer
         return min(cls.plain_tokens(model, image_size), zip_.dominant + zip_.contextual)
 
+    @staticmethod
+    def default_image_size(model: nn.Module) -> Tuple[int, int]:
+        """A 448 x 448 image (256 merged tokens): Qwen2-VL's processor keeps an image's own size, within its pixel
+        bounds, so no size is the model's."""
+        return (448, 448)
+
+    @classmethod
+    def example_inputs(cls, model: nn.Module, image_size: Tuple[int, int], text: torch.Tensor,
+                       generator: torch.Generator) -> Dict[str, torch.Tensor]:
+        """One random image of image_size (multiples of patch x merge size) before text (1, T) ids, packed by
+        transformers' Qwen2-VL image processor at the model's patch sizes and laid out as its processor lays them:
+        <|vision_start|>, the placeholder run, <|vision_end|>, the text."""
+        from transformers import Qwen2VLImageProcessor
+
+        vision, config = model.config.vision_config, model.config
+        count = cls.plain_tokens(model, image_size)
+        pixels = torch.randint(0, 256, (*image_size, 3), generator=generator, dtype=torch.uint8).numpy()
+        processor = Qwen2VLImageProcessor(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+                                          temporal_patch_size=vision.temporal_patch_size,
+                                          min_pixels=image_size[0] * image_size[1],
+                                          max_pixels=image_size[0] * image_size[1])
+        packed = processor(images=[pixels], return_tensors="pt")
+        ids = torch.cat([torch.tensor([[config.vision_start_token_id]]), torch.full((1, count), config.image_token_id),
+                         torch.tensor([[config.vision_end_token_id]]), text], dim=1)
+        return dict(input_ids=ids, pixel_values=packed["pixel_values"], image_grid_thw=packed["image_grid_thw"],
+                    mm_token_type_ids=(ids == config.image_token_id).long())
+
 
 __all__ = ["QwenVLAdapter", "ReducingQwen2VLForConditionalGeneration", "ReducingQwen2_5_VLForConditionalGeneration",
            "received_attention"]
