@@ -1,6 +1,7 @@
 """Vision-language models: a method applied to the VLM reduces its visual tokens where its connector allows, and the
-language model prefills only the kept ones (docs/vlm.md). One adapter per family (llava.py, qwen2_vl.py), each
-holding what its family reads and changes; transformers is imported on first use.
+language model prefills only the kept ones (docs/vlm.md). One adapter per family (llava.py, qwen2_vl.py, gemma3.py;
+connector.py holds what the after-connector ones share), each holding what its family reads and changes;
+transformers is imported on first use.
 
     model = transformers.LlavaForConditionalGeneration.from_pretrained(folder)
     timm_tokcomp.apply(model, "visionzip", dominant=108, contextual=20)  # 128 of LLaVA-1.5's 576 image tokens
@@ -13,8 +14,8 @@ from torch import nn
 
 from .. import core
 
-SERVED = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-          "Qwen2_5_VLForConditionalGeneration")  # the plain classes the adapters serve, by name
+SERVED = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+          "Gemma3ForConditionalGeneration")  # the plain classes the adapters serve, by name
 
 
 def looks_like_vlm(model: Any) -> bool:
@@ -28,10 +29,11 @@ def looks_like_vlm(model: Any) -> bool:
 
 def served_by(model: nn.Module) -> Optional[Any]:
     """The adapter that serves model, or None."""
+    from .gemma3 import Gemma3Adapter
     from .llava import LlavaAdapter
     from .qwen2_vl import QwenVLAdapter
 
-    return next((adapter for adapter in (LlavaAdapter, QwenVLAdapter) if adapter.serves(model)), None)
+    return next((adapter for adapter in (LlavaAdapter, QwenVLAdapter, Gemma3Adapter) if adapter.serves(model)), None)
 
 
 def adapter_of(model: nn.Module) -> Any:
@@ -53,8 +55,8 @@ def is_reduced(model: nn.Module) -> bool:
 
 def apply(model: nn.Module, method: str = "visionzip", **params: Any) -> nn.Module:
     """Reduce a VLM's visual tokens with `method` (in place; returns it), where its adapter reduces (LLaVA: inside
-    its vision tower up to the feature layer the projector reads; Qwen2-VL: after its connector). 'none' removes a
-    method applied before. All or nothing: a refused method or parameter leaves the model as it was."""
+    its vision tower up to the feature layer the projector reads; Qwen2-VL, Gemma 3: after the connector). 'none'
+    removes a method applied before. All or nothing: a refused method or parameter leaves the model as it was."""
     adapter = adapter_of(model)
     adapter.check(model)
     if method == core.NO_REDUCTION:

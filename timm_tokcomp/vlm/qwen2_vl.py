@@ -19,14 +19,10 @@ from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
 from transformers.models.qwen2_vl import modeling_qwen2_vl
 from transformers.vision_utils import get_vision_window_index
 
-from ..methods import make_reducer
-from ..methods.visionzip import dominant_contextual_plan
-from ..runtime.state import drop_state, state_of
+from ..runtime.state import state_of
+from .connector import ConnectorAdapter, SavesPlain, received, select
 from .llava import pad_id
 from .placeholders import cut_runs, with_prompt
-
-PARAMS = ("dominant", "contextual", "block")  # visionzip's parameters that mean something after the connector
-PROBS_PER_CHUNK = 1 << 25  # attention probabilities held at once while the importance is counted (128 MiB float32)
 
 
 def received_attention(attn: nn.Module, x: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -34,22 +30,11 @@ def received_attention(attn: nn.Module, x: torch.Tensor, cu_seqlens: torch.Tenso
                        rotary: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
     """The attention each patch receives at this attention module, x (N, C) its (normed) input in block order:
     -> received (N,) float32 (softmax over each segment of cu_seqlens, mean over its queries and the heads), keys
-    (N, d) averaged over heads. Queries are taken in chunks, so the probabilities held stay under PROBS_PER_CHUNK."""
+    (N, d) averaged over heads."""
     N = x.shape[0]
     q, k, _ = attn.qkv(x).reshape(N, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
     q, k = rotary(q, k, *position_embeddings)  # (N, H, d)
-    H = q.shape[1]
-    received = torch.zeros(N, dtype=torch.float32, device=x.device)
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        qs, ks = q[start:end].transpose(0, 1).float(), k[start:end].transpose(0, 1).float()  # (H, n, d)
-        n = end - start
-        chunk = max(1, PROBS_PER_CHUNK // (H * n))
-        for c in range(0, n, chunk):
-            probs = ((qs[:, c:c + chunk] * attn.scaling) @ ks.transpose(1, 2)).softmax(dim=-1)  # (H, c, n)
-            received[start:end] += probs.sum(dim=(0, 1))
-        received[start:end] /= H * n
-    return received, k.mean(dim=1)
+    return received(q, k, attn.scaling, cu_seqlens.tolist()), k.mean(dim=1)
 
 
 class ReducingQwenVLModel:
@@ -84,20 +69,9 @@ class ReducingQwenVLModel:
             if raster is not None:
                 importance, keys = importance[raster], keys[raster]
         sizes = (image_grid_thw.prod(-1) // unit).tolist()
-        features, kept = [], []
-        for feats, imp, key in zip(merged.split(sizes), importance.split(sizes), keys.split(sizes)):
-            G = feats.shape[0]
-            if G <= zip_.dominant + zip_.contextual:
-                features.append(feats)
-                kept.append(torch.arange(G, device=feats.device))
-                continue
-            with torch.no_grad():
-                plan = dominant_contextual_plan(imp[None], key[None], zip_.dominant, zip_.contextual, 0)
-            at = plan.keep_idx[0, :plan.num_keepers]
-            order = at.argsort()
-            features.append(plan.apply(feats[None], None, None)[0][0][order])
-            kept.append(at[order])
-        return features, kept
+        chosen = [select(feats, imp, key, zip_.dominant, zip_.contextual)
+                  for feats, imp, key in zip(merged.split(sizes), importance.split(sizes), keys.split(sizes))]
+        return [features for features, _ in chosen], [kept for _, kept in chosen]
 
     def _raster_order(self, image_grid_thw: torch.Tensor) -> Optional[torch.Tensor]:
         """Where the tower's blocks hold the merged tokens in another order than raster (2.5's windows): the index
@@ -119,7 +93,7 @@ class ReducingQwen2_5_VLModel(ReducingQwenVLModel, Qwen2_5_VLModel):
         return torch.argsort(window_index)
 
 
-class ReducingQwenVL:
+class ReducingQwenVL(SavesPlain):
     """Mixed into the ForConditionalGeneration classes: forward and generate with the placeholder runs, the masks,
     mm_token_type_ids and the M-RoPE ids cut to the kept tokens."""
 
@@ -179,15 +153,6 @@ class ReducingQwenVL:
                                mm_encoder_outputs={"image": encoded}, **kwargs)
         return with_prompt(out, input_ids, short.shape[1])
 
-    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
-        """transformers' save_pretrained, naming the plain classes: the folder loads as the plain model."""
-        zip_ = state_of(self.model).reducer
-        QwenVLAdapter.restore(self)
-        try:
-            return self.save_pretrained(*args, **kwargs)
-        finally:
-            QwenVLAdapter.swap(self, zip_)
-
 
 class ReducingQwen2VLForConditionalGeneration(ReducingQwenVL, Qwen2VLForConditionalGeneration):
     pass
@@ -202,61 +167,17 @@ CLASSES = {  # plain class -> (reducing class, the plain inner model's class, it
     Qwen2_5_VLForConditionalGeneration: (ReducingQwen2_5_VLForConditionalGeneration, Qwen2_5_VLModel,
                                          ReducingQwen2_5_VLModel),
 }
-PLAIN_OF = {reducing: plain for plain, (reducing, _, _) in CLASSES.items()}
 
 
-class QwenVLAdapter:
-    """What vlm reads and changes of a Qwen2-VL / Qwen2.5-VL: the visionzip reducer (in the inner model's state) and the
-    classes."""
+class QwenVLAdapter(ConnectorAdapter):
+    """Qwen2-VL / Qwen2.5-VL: packed images, 2-D rotary positions, a 2x2 merger."""
 
-    @staticmethod
-    def serves(model: nn.Module) -> bool:
-        """The plain classes or their reducing ones, not a subclass (remove restores the plain class)."""
-        return type(model) in CLASSES or type(model) in PLAIN_OF
+    CLASSES = CLASSES
+    CONNECTOR = "packed images, 2-D rotary positions, 2x2 merger"
 
     @staticmethod
-    def is_reduced(model: nn.Module) -> bool:
-        return type(model) in PLAIN_OF
-
-    @staticmethod
-    def check(model: nn.Module) -> None:
-        """Nothing to check of the config: every Qwen2-VL / 2.5-VL reduces after its merger."""
-
-    @classmethod
-    def apply(cls, model: nn.Module, method: str, params: Dict[str, Any]) -> None:
-        if method != "visionzip":
-            raise ValueError(f"method {method!r} on {type(model).__name__}: its tower is no family timm_tokcomp "
-                             f"reduces inside (packed images, 2-D rotary positions, 2x2 merger), so it reduces after "
-                             f"the merger with 'visionzip' (dominant, contextual, block) only")
-        others = sorted(set(params) - set(PARAMS))
-        if others:
-            raise ValueError(f"parameters {others}: visionzip after {type(model).__name__}'s merger takes "
-                             f"{', '.join(PARAMS)}")
-        zip_ = make_reducer("visionzip", **params)
-        zip_.check_depth(len(model.model.visual.blocks))
-        cls.swap(model, zip_)
-
-    @classmethod
-    def set_params(cls, model: nn.Module, params: Dict[str, Any]) -> None:
-        zip_ = state_of(model.model).reducer
-        cls.apply(model, "visionzip", {**{name: getattr(zip_, name) for name in PARAMS}, **params})
-
-    @classmethod
-    def remove(cls, model: nn.Module) -> None:
-        cls.restore(model)
-
-    @staticmethod
-    def swap(model: nn.Module, zip_: Any) -> None:
-        plain = PLAIN_OF.get(type(model), type(model))
-        reducing, _, reducing_inner = CLASSES[plain]
-        model.__class__, model.model.__class__ = reducing, reducing_inner
-        state_of(model.model, create=True).reducer = zip_
-
-    @staticmethod
-    def restore(model: nn.Module) -> None:
-        plain = PLAIN_OF[type(model)]
-        model.__class__, model.model.__class__ = plain, CLASSES[plain][1]
-        drop_state(model.model)
+    def tower_depth(model: nn.Module) -> int:
+        return len(model.model.visual.blocks)
 
     @classmethod
     def plain_tokens(cls, model: nn.Module, image_size: Tuple[int, int]) -> int:
@@ -269,11 +190,6 @@ class QwenVLAdapter:
                              f"{vision.spatial_merge_size}); give the resized size (image_grid_thw[1:] x "
                              f"{vision.patch_size})")
         return (image_size[0] // unit) * (image_size[1] // unit)
-
-    @classmethod
-    def tokens_for(cls, model: nn.Module, image_size: Tuple[int, int]) -> int:
-        zip_ = state_of(model.model).reducer
-        return min(cls.plain_tokens(model, image_size), zip_.dominant + zip_.contextual)
 
     @staticmethod
     def default_image_size(model: nn.Module) -> Tuple[int, int]:
@@ -302,6 +218,8 @@ class QwenVLAdapter:
         return dict(input_ids=ids, pixel_values=packed["pixel_values"], image_grid_thw=packed["image_grid_thw"],
                     mm_token_type_ids=(ids == config.image_token_id).long())
 
+
+ReducingQwenVL.adapter = QwenVLAdapter
 
 __all__ = ["QwenVLAdapter", "ReducingQwen2VLForConditionalGeneration", "ReducingQwen2_5_VLForConditionalGeneration",
            "received_attention"]
