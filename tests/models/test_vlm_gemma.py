@@ -37,8 +37,9 @@ def gemma(seed: int = 0) -> torch.nn.Module:
 
 def prompt(before: int, after: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.cat([torch.randint(3, 999, (1, before), generator=g), torch.tensor([[BOI]]), torch.full((1, 256), IMAGE),
-                      torch.tensor([[EOI]]), torch.randint(3, 999, (1, after), generator=g)], dim=1)
+    image = torch.cat([torch.tensor([[BOI]]), torch.full((1, 256), IMAGE), torch.tensor([[EOI]])], dim=1)
+    return torch.cat([torch.randint(3, 999, (1, before), generator=g), image,
+                      torch.randint(3, 999, (1, after), generator=g)], dim=1)
 
 
 def inputs(rows, seeds):

@@ -262,7 +262,8 @@ def bench_vlm(model: nn.Module, settings: Sequence[Setting], timing_inputs: Dict
               show_progress: bool = True) -> List[Row]:
     """The rows of settings (the plain model first) on one VLM: counts and MACs on timing_inputs (one image), then
     `rounds` interleaved rounds, each timing every setting's time to first token and `decode` more tokens in one
-    greedy generate; then each setting's greedy answer of answer_tokens on every sample against the plain model's. with_limit adds the limit row at the fewest tokens kept, where the adapter has one."""
+    greedy generate; then each setting's greedy answer of answer_tokens on every sample against the plain model's.
+    with_limit adds the limit row at the fewest tokens kept, where the adapter has one."""
     adapter = vlm.adapter_of(model)
     vlm.remove(model)
     plain_count = int((timing_inputs["input_ids"] == model.config.image_token_id).sum())
