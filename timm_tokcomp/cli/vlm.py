@@ -2,6 +2,7 @@
 time to first token, decode speed and greedy-answer agreement (docs/vlm.md)."""
 import argparse
 
+from ..files.data import LIMIT
 from ..utils.checks import comma_list, flag_type, int_list, integer
 from .flags import device_flag, precision_flags, progress_flag
 
@@ -30,7 +31,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--data", help="folder of images: each method's greedy answer to --prompt against the plain "
                                    "model's (needs FOLDER's processor); the first image is also the one timed")
     sp.add_argument("--prompt", default="Describe the image in one sentence.", help="the question asked with --data")
-    sp.add_argument("--limit", type=flag_type(integer("--limit", 1, "(images)")), help="only the first N images")
+    sp.add_argument("--limit", type=flag_type(LIMIT), help="only the first N images")
     sp.add_argument("--answer-tokens", type=flag_type(ANSWER), default=16,
                     help="greedy tokens compared per image (default: %(default)s)")
     sp.add_argument("--image-size", type=flag_type(IMAGE_SIZE, comma_list(int)),
