@@ -190,14 +190,15 @@ def test_a_feature_layer_list_and_an_unserved_vlm_are_refused_by_name():
     with pytest.raises(ValueError, match=r"vision_feature_layer \[-2, -1\] lists several layers.*reads one layer"):
         timm_tokcomp.apply(model, "visionzip")
     assert type(model) is transformers.LlavaForConditionalGeneration
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaOnevisionConfig,
+                              LlavaOnevisionForConditionalGeneration)
 
     text = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=2)
     vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                               image_size=28, patch_size=14)
-    nxt = LlavaNextForConditionalGeneration(LlavaNextConfig(vision_config=vision, text_config=text,
-                                                            image_token_index=500))
-    with pytest.raises(TypeError, match=r"LlavaNextForConditionalGeneration is a vision-language model timm_tokcomp "
-                                        r"does not serve yet; it serves LlavaForConditionalGeneration"):
-        timm_tokcomp.apply(nxt, "tome", r=2)
+    onevision = LlavaOnevisionForConditionalGeneration(LlavaOnevisionConfig(vision_config=vision, text_config=text,
+                                                                            image_token_index=500))
+    with pytest.raises(TypeError, match=r"LlavaOnevisionForConditionalGeneration is a vision-language model "
+                                        r"timm_tokcomp does not serve yet; it serves LlavaForConditionalGeneration"):
+        timm_tokcomp.apply(onevision, "tome", r=2)

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 import timm_tokcomp  # noqa: E402
 from timm_tokcomp import vlm  # noqa: E402
 from timm_tokcomp.runtime.state import state_of  # noqa: E402
-from timm_tokcomp.vlm.gemma3 import tower_layers  # noqa: E402
+from timm_tokcomp.vlm.connector import tower_layers  # noqa: E402
 from timm_tokcomp.vlm.placeholders import image_runs  # noqa: E402
 
 IMAGE, BOI, EOI, PAD = 1000, 1001, 1002, 0

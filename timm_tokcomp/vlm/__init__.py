@@ -14,8 +14,9 @@ from torch import nn
 
 from .. import core
 
-SERVED = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-          "Gemma3ForConditionalGeneration")  # the plain classes the adapters serve, by name
+# the plain classes the adapters serve, by name
+SERVED = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+          "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
 
 
 def looks_like_vlm(model: Any) -> bool:
@@ -31,9 +32,11 @@ def served_by(model: nn.Module) -> Optional[Any]:
     """The adapter that serves model, or None."""
     from .gemma3 import Gemma3Adapter
     from .llava import LlavaAdapter
+    from .llava_next import LlavaNextAdapter
     from .qwen2_vl import QwenVLAdapter
 
-    return next((adapter for adapter in (LlavaAdapter, QwenVLAdapter, Gemma3Adapter) if adapter.serves(model)), None)
+    adapters = (LlavaAdapter, LlavaNextAdapter, QwenVLAdapter, Gemma3Adapter)
+    return next((adapter for adapter in adapters if adapter.serves(model)), None)
 
 
 def adapter_of(model: nn.Module) -> Any:

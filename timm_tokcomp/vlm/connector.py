@@ -3,7 +3,8 @@ merger, Gemma 3's average pool): `visionzip` over the connector's output tokens.
 attention its patches receive at one tower block; the dominant tokens stay, the rest merge into contextual ones, and
 the kept tokens stay in raster order. ConnectorAdapter holds what such an adapter does the same way (the reducer in
 the inner model's state, the class swap); a family gives its classes and counts."""
-from typing import Any, Dict, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -31,6 +32,34 @@ def received(q: torch.Tensor, k: torch.Tensor, scale: float, bounds: Sequence[in
             out[start:end] += probs.sum(dim=(0, 1))
         out[start:end] /= H * n
     return out
+
+
+def tower_layers(tower: nn.Module) -> nn.ModuleList:
+    """A CLIP or SigLIP tower's encoder layers (transformers 5 keeps SigLIP's on the model; others under
+    vision_model)."""
+    return getattr(tower, "vision_model", tower).encoder.layers
+
+
+@contextmanager
+def block_input(attn: nn.Module) -> Iterator[Dict[str, torch.Tensor]]:
+    """While open, seen["x"] is the input (B, N, C) of attn's latest forward (the normed hidden states)."""
+    seen: Dict[str, torch.Tensor] = {}
+
+    def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen["x"] = args[0] if args else kwargs["hidden_states"]
+
+    handle = attn.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def queries_keys(attn: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x (B, N, C) into a CLIP / SigLIP attention (q_proj, k_proj) -> q, k (B, N, H, d)."""
+    B, N, _ = x.shape
+    return (attn.q_proj(x).view(B, N, attn.num_heads, attn.head_dim),
+            attn.k_proj(x).view(B, N, attn.num_heads, attn.head_dim))
 
 
 def select(features: torch.Tensor, importance: torch.Tensor, keys: torch.Tensor, dominant: int,
@@ -132,4 +161,5 @@ class SavesPlain:
             adapter.swap(self, zip_)
 
 
-__all__ = ["ConnectorAdapter", "PARAMS", "SavesPlain", "received", "select"]
+__all__ = ["ConnectorAdapter", "PARAMS", "SavesPlain", "block_input", "queries_keys", "received", "select",
+           "tower_layers"]

@@ -17,14 +17,9 @@ from transformers import Gemma3ForConditionalGeneration, Gemma3Model
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..runtime.state import state_of
-from .connector import ConnectorAdapter, SavesPlain, received, select
+from .connector import ConnectorAdapter, SavesPlain, block_input, queries_keys, received, select, tower_layers
 from .llava import pad_id
 from .placeholders import cut_runs, with_prompt
-
-
-def tower_layers(tower: nn.Module) -> nn.ModuleList:
-    """The SigLIP tower's encoder layers (transformers 5 keeps them on the model; 4.x under vision_model)."""
-    return getattr(tower, "vision_model", tower).encoder.layers
 
 
 class ReducingGemma3Model(Gemma3Model):
@@ -35,23 +30,13 @@ class ReducingGemma3Model(Gemma3Model):
         pooled token (raster index) each stands at."""
         zip_ = state_of(self).reducer
         attn = tower_layers(self.vision_tower)[zip_.block].self_attn
-        seen: Dict[str, torch.Tensor] = {}
-
-        def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            seen["x"] = args[0] if args else kwargs["hidden_states"]
-
-        handle = attn.register_forward_pre_hook(capture, with_kwargs=True)
-        try:
+        with block_input(attn) as seen:
             pooled = self.get_image_features(pixel_values, return_dict=True).pooler_output  # (B, G, D)
-        finally:
-            handle.remove()
         projector = self.multi_modal_projector
         side, kernel = projector.patches_per_image, projector.kernel_size
         with torch.no_grad():
-            x = seen["x"]
-            B, N, _ = x.shape
-            q = attn.q_proj(x).view(B, N, attn.num_heads, attn.head_dim)
-            k = attn.k_proj(x).view(B, N, attn.num_heads, attn.head_dim)
+            q, k = queries_keys(attn, seen["x"])
+            B, N = q.shape[:2]
             importance = torch.stack([received(q[b], k[b], attn.scale, [0, N]) for b in range(B)])  # (B, N)
             importance = F.avg_pool2d(importance.view(B, 1, side, side), kernel).flatten(1)  # (B, G)
             keys = k.float().mean(dim=2).transpose(1, 2).reshape(B, -1, side, side)

@@ -22,20 +22,28 @@ from .placeholders import cut_runs, with_prompt
 _TOKENS: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, int]]" = weakref.WeakKeyDictionary()  # tokens_for's counts
 
 
+def feature_blocks(config: Any) -> List[int]:
+    """The tower layers each feature layer reads the output of: hidden_states[layer] is the output of `layer` layers
+    (the embeddings are hidden_states[0]). ValueError for a layer that runs no block."""
+    layers, depth = config.vision_feature_layer, config.vision_config.num_hidden_layers
+    blocks = []
+    for layer in layers if isinstance(layers, (list, tuple)) else [layers]:
+        blocks.append(layer if layer >= 0 else depth + 1 + layer)
+        if not 1 <= blocks[-1] <= depth:
+            raise ValueError(f"vision_feature_layer {layer} reads no layer of the {depth}-layer vision tower")
+    return blocks
+
+
 def feature_depth(config: Any) -> int:
-    """The tower layers whose output the projector reads: hidden_states[layer] is the output of `layer` layers (the
-    embeddings are hidden_states[0]). ValueError for a list of layers (concatenated: every listed layer would need
-    the same kept tokens) or a layer that runs no block."""
-    layer, depth = config.vision_feature_layer, config.vision_config.num_hidden_layers
+    """The tower layers whose output the projector reads. ValueError for a list of layers (concatenated: every
+    listed layer would need the same kept tokens) or a layer that runs no block."""
+    layer = config.vision_feature_layer
     if not isinstance(layer, int):
         raise ValueError(f"vision_feature_layer {layer!r} lists several layers, whose hidden states LLaVA concatenates "
                          f"token by token; a reduced tower keeps different tokens at each. timm_tokcomp reduces a "
                          f"LLaVA that reads one layer (LLaVA-1.5: -2); set config.vision_feature_layer to one of "
                          f"them, or run it plain")
-    blocks = layer if layer >= 0 else depth + 1 + layer
-    if not 1 <= blocks <= depth:
-        raise ValueError(f"vision_feature_layer {layer} reads no layer of the {depth}-layer vision tower")
-    return blocks
+    return feature_blocks(config)[0]
 
 
 class LlavaAdapter:
@@ -253,4 +261,5 @@ def pad_id(model: nn.Module) -> int:
     return 0
 
 
-__all__ = ["LlavaAdapter", "ReducingLlavaForConditionalGeneration", "ReducingLlavaModel", "feature_depth"]
+__all__ = ["LlavaAdapter", "ReducingLlavaForConditionalGeneration", "ReducingLlavaModel", "feature_blocks",
+           "feature_depth"]
