@@ -30,8 +30,8 @@ def llava_next(width: int = 1024, heads: int = 16, text_width: int = 4096, seed:
     vision = dict(model_type="clip_vision_model", hidden_size=width, intermediate_size=4 * width,
                   num_hidden_layers=3, num_attention_heads=heads, image_size=336, patch_size=14, projection_dim=768)
     text = dict(model_type="mistral", vocab_size=1024, hidden_size=text_width, intermediate_size=1024,
-                num_hidden_layers=2, num_attention_heads=text_width // 128, num_key_value_heads=max(1, text_width // 512),
-                pad_token_id=PAD)
+                num_hidden_layers=2, num_attention_heads=text_width // 128,
+                num_key_value_heads=max(1, text_width // 512), pad_token_id=PAD)
     model = LlavaNextForConditionalGeneration(LlavaNextConfig(vision_config=vision, text_config=text,
                                                               image_grid_pinpoints=POINTS, image_token_index=IMAGE))
     model.eval().set_attn_implementation("sdpa")
