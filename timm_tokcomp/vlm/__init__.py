@@ -16,7 +16,8 @@ from .. import core
 
 # the plain classes the adapters serve, by name
 SERVED = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-          "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
+          "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
+          "SmolVLMForConditionalGeneration")
 
 
 def looks_like_vlm(model: Any) -> bool:
@@ -31,11 +32,12 @@ def looks_like_vlm(model: Any) -> bool:
 def served_by(model: nn.Module) -> Optional[Any]:
     """The adapter that serves model, or None."""
     from .gemma3 import Gemma3Adapter
+    from .idefics3 import Idefics3Adapter
     from .llava import LlavaAdapter
     from .llava_next import LlavaNextAdapter
     from .qwen2_vl import QwenVLAdapter
 
-    adapters = (LlavaAdapter, LlavaNextAdapter, QwenVLAdapter, Gemma3Adapter)
+    adapters = (LlavaAdapter, LlavaNextAdapter, QwenVLAdapter, Gemma3Adapter, Idefics3Adapter)
     return next((adapter for adapter in adapters if adapter.serves(model)), None)
 
 
