@@ -18,8 +18,9 @@ IMAGE_SIZE = int_list("--image-size", 1, "pixels", high=8192, most=2)
 def add(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("vlm", help="a vision-language model's visual-token reduction against the plain model: "
                                     "tokens, prefill GMACs, time to first token, decode speed, answer agreement")
-    sp.add_argument("folder", metavar="FOLDER", help="a transformers VLM saved with save_pretrained (LLaVA, Qwen2-VL, "
-                                                    "Qwen2.5-VL), loaded offline")
+    sp.add_argument("folder", metavar="FOLDER", help="a transformers VLM saved with save_pretrained (LLaVA, LLaVA-NeXT, "
+                                                    "Qwen2-VL, Qwen2.5-VL, Gemma 3, Idefics3, SmolVLM), loaded "
+                                                    "offline")
     sp.add_argument("--methods", default=METHODS,
                     help="comma list of 'none' and METHOD:NAME=VALUE[:NAME=VALUE...]; the plain model is always "
                          "measured first; default: %(default)s")
@@ -35,8 +36,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--answer-tokens", type=flag_type(ANSWER), default=16,
                     help="greedy tokens compared per image (default: %(default)s)")
     sp.add_argument("--image-size", type=flag_type(IMAGE_SIZE, comma_list(int)),
-                    help="H or H,W of the random image timed without --data (default: the tower's size for LLaVA, "
-                         "448 for Qwen2-VL)")
+                    help="H or H,W of the random image timed without --data, as the processor hands it over "
+                         "(LLaVA-NeXT: the image's own size); default: the tower's size for LLaVA and Gemma 3, "
+                         "672 for LLaVA-NeXT, 448 for Qwen2-VL, 1536,2048 for Idefics3 / SmolVLM")
     sp.add_argument("--prompt-tokens", type=flag_type(PROMPT_TOKENS), default=32,
                     help="random text tokens after the image without --data (default: %(default)s)")
     sp.add_argument("--rounds", type=flag_type(ROUNDS), default=3,

@@ -173,7 +173,7 @@ def first_token_cost(model: nn.Module, run: Callable[..., Any], inputs: Dict[str
     """(the sequence length the language model prefills, MACs up to the first token: vision, the projector and
     the prefill) of run (a generator_of) on one sample."""
     seen = []
-    hook = model.model.language_model.register_forward_pre_hook(
+    hook = model.get_decoder().register_forward_pre_hook(
         lambda m, a, k: seen.append((k.get("inputs_embeds") if k.get("inputs_embeds") is not None else a[0]).shape[1]),
         with_kwargs=True)
     try:

@@ -1,7 +1,7 @@
 """Vision-language models: a method applied to the VLM reduces its visual tokens where its connector allows, and the
-language model prefills only the kept ones (docs/vlm.md). One adapter per family (llava.py, qwen2_vl.py, gemma3.py;
-connector.py holds what the after-connector ones share), each holding what its family reads and changes;
-transformers is imported on first use.
+language model prefills only the kept ones (docs/vlm.md). One adapter per family (llava.py, llava_next.py,
+qwen2_vl.py, gemma3.py, idefics3.py; connector.py holds what the after-connector ones share), each holding what its
+family reads and changes; transformers is imported on first use.
 
     model = transformers.LlavaForConditionalGeneration.from_pretrained(folder)
     timm_tokcomp.apply(model, "visionzip", dominant=108, contextual=20)  # 128 of LLaVA-1.5's 576 image tokens
@@ -60,7 +60,8 @@ def is_reduced(model: nn.Module) -> bool:
 
 def apply(model: nn.Module, method: str = "visionzip", **params: Any) -> nn.Module:
     """Reduce a VLM's visual tokens with `method` (in place; returns it), where its adapter reduces (LLaVA: inside
-    its vision tower up to the feature layer the projector reads; Qwen2-VL, Gemma 3: after the connector). 'none'
+    its vision tower up to the feature layer the projector reads; LLaVA-NeXT, Qwen2-VL, Gemma 3, Idefics3 / SmolVLM:
+    after the connector). 'none'
     removes a method applied before. All or nothing: a refused method or parameter leaves the model as it was."""
     adapter = adapter_of(model)
     adapter.check(model)
